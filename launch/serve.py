@@ -1,0 +1,199 @@
+"""OpenAI-compatible server: /v1/completions, /v1/chat/completions (plain and streamed), /v1/models, /health and
+/metrics over one engine thread.
+
+  python launch/serve.py --checkpoint=/ckpt/nld-8b --policy=linear --block_size=16 --port=8000
+
+It compiles every step variant the policy needs before it listens (a progress bar shows the compilation), then
+prints the URL. SIGTERM (or Ctrl-C) stops accepting connections, lets in-flight requests finish, drains the
+engine and exits 0. A bad flag value prints one `error: --flag: ...` line and exits with status 1.
+"""
+
+import json
+import os
+import signal
+import socket
+import sys
+import time
+
+# Runnable as a script from a checkout without installing the package.
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from absl import app, flags, logging  # noqa: E402
+
+_CHECKPOINT = flags.DEFINE_string("checkpoint", None, "Checkpoint directory (config.json + params/ + tokenizer "
+                                  "files). Default: $RECGUIDE_CHECKPOINT, else the bundled checkpoints/nld-tiny-gsm8k.")
+_HOST = flags.DEFINE_string("host", "127.0.0.1", "Address to listen on.")
+_PORT = flags.DEFINE_integer("port", 8000, "Port to listen on.")
+_POLICY = flags.DEFINE_string("policy", "linear", "Decoding policy: ar, diffusion or linear (and recguide once the "
+                              "policy factory knows it).")
+_BLOCK_SIZE = flags.DEFINE_integer("block_size", 16, "Draft / diffusion block size (>= 2).")
+_THRESHOLD = flags.DEFINE_float("threshold", 0.9, "Confidence threshold of the diffusion policy, in (0, 1].")
+_MAX_BATCH = flags.DEFINE_integer("max_batch", 8, "Most requests decoded together (batch buckets 1, 2, 4, ...).")
+_NUM_PAGES = flags.DEFINE_integer("num_pages", 0, "KV cache pages; 0 sizes the cache for max_batch full-length "
+                                  "sequences.")
+_PAGE_SIZE = flags.DEFINE_integer("page_size", 16, "Tokens per KV cache page.")
+_MAX_MODEL_LEN = flags.DEFINE_integer("max_model_len", 1024, "Longest prompt + output, in tokens.")
+_MAX_QUEUE = flags.DEFINE_integer("max_queue", 256, "Most requests waiting for a batch slot; more get HTTP 429.")
+_PROFILE = flags.DEFINE_string("profile", None, "Hardware profile JSON for the RecGuide policy (optional).")
+_COMPILE_CACHE_DIR = flags.DEFINE_string("compile_cache_dir", None, "Persistent XLA compilation cache. Default: "
+                                         "$RECGUIDE_COMPILE_CACHE or ~/.cache/recguide_jax/xla; '' disables it.")
+_SERVED_MODEL_NAME = flags.DEFINE_string("served_model_name", None, "Model name clients pass as `model`. Default: "
+                                         "the checkpoint directory's name.")
+_RULE = flags.DEFINE_enum("rule", "leviathan", ["leviathan", "reference"], "Speculative acceptance rule.")
+_ACCESS_LOG = flags.DEFINE_boolean("access_log", False, "Log every HTTP request.")
+
+
+def _fail(message: str) -> None:
+  print("error: " + " ".join(str(message).split()), file=sys.stderr)  # one line, whatever the exception held
+  sys.exit(1)
+
+
+def _parse_flags(argv):
+  try:
+    return flags.FLAGS(argv)
+  except flags.Error as e:
+    _fail(e)
+
+
+def _check(ok: bool, flag: str, message: str) -> None:
+  if not ok:
+    _fail(f"--{flag}: {message}")
+
+
+def _check_flags() -> None:
+  """Checks that need no jax, so a typo is reported at once rather than after loading the model."""
+  _check(bool(_HOST.value), "host", "must not be empty")
+  _check(1 <= _PORT.value <= 65535, "port", f"must be in [1, 65535], got {_PORT.value}")
+  _check(_BLOCK_SIZE.value >= 2, "block_size", f"must be >= 2, got {_BLOCK_SIZE.value}")
+  _check(0 < _THRESHOLD.value <= 1, "threshold", f"must be in (0, 1], got {_THRESHOLD.value}")
+  _check(_MAX_BATCH.value >= 1, "max_batch", f"must be >= 1, got {_MAX_BATCH.value}")
+  _check(_NUM_PAGES.value == 0 or _NUM_PAGES.value >= 2, "num_pages",
+         f"must be 0 (auto) or >= 2, got {_NUM_PAGES.value}")
+  _check(_PAGE_SIZE.value >= 1, "page_size", f"must be >= 1, got {_PAGE_SIZE.value}")
+  _check(_MAX_MODEL_LEN.value >= 2, "max_model_len", f"must be >= 2, got {_MAX_MODEL_LEN.value}")
+  _check(_MAX_QUEUE.value >= 1, "max_queue", f"must be >= 1, got {_MAX_QUEUE.value}")
+  _check(_SERVED_MODEL_NAME.value is None or bool(_SERVED_MODEL_NAME.value.strip()), "served_model_name",
+         "must not be empty")
+  cache = _COMPILE_CACHE_DIR.value
+  _check(not cache or not os.path.exists(cache) or os.path.isdir(cache), "compile_cache_dir",
+         f"{cache} exists and is not a directory")
+  if _PROFILE.value is not None:
+    try:
+      with open(_PROFILE.value) as f:
+        json.load(f)
+    except OSError as e:
+      _fail(f"--profile: cannot read {_PROFILE.value}: {e.strerror}")
+    except json.JSONDecodeError as e:
+      _fail(f"--profile: {_PROFILE.value} is not valid JSON: {e}")
+
+
+def _check_checkpoint(path: str) -> None:
+  _check(os.path.isdir(path), "checkpoint", f"{path} is not a directory")
+  _check(os.path.isfile(os.path.join(path, "config.json")), "checkpoint", f"{path} has no config.json")
+  _check(os.path.isfile(os.path.join(path, "tokenizer.json")), "checkpoint",
+         f"{path} has no tokenizer.json (the server needs a tokenizer to read prompts and write text)")
+
+
+def _check_port(host: str, port: int) -> None:
+  """Fails before the minutes of loading and compiling if the address cannot be bound."""
+  try:
+    infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+  except socket.gaierror as e:
+    _fail(f"--host: cannot resolve {host}: {e}")
+  family, _, _, _, addr = infos[0]
+  with socket.socket(family, socket.SOCK_STREAM) as s:
+    s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn does
+    try:
+      s.bind(addr)
+    except OSError as e:
+      _fail(f"--port: cannot listen on {host}:{port}: {e.strerror}")
+
+
+def _make_policy(policies):
+  """Builds the policy; --profile goes to the factory when it takes one (RecGuide), else it is only stored."""
+  import inspect
+  name = _POLICY.value
+  _check(name in policies.POLICY_NAMES, "policy", f"unknown policy {name!r}; expected one of "
+         f"{', '.join(policies.POLICY_NAMES)}")
+  kwargs = {}
+  profile_used = False
+  if _PROFILE.value is not None and "profile" in inspect.signature(policies.make_policy).parameters:
+    kwargs["profile"] = _PROFILE.value
+    profile_used = True
+  try:
+    policy = policies.make_policy(name, _BLOCK_SIZE.value, _THRESHOLD.value, **kwargs)
+  except ValueError as e:
+    _fail(f"--policy={name}: {e}")
+  if _PROFILE.value is not None and not profile_used:
+    logging.info("--profile %s is stored; the %s policy does not use a hardware profile", _PROFILE.value, name)
+  return policy
+
+
+def _exit_after_shutdown(signum, frame):
+  # uvicorn catches SIGTERM itself, shuts down gracefully, then re-raises the signal to this handler
+  raise SystemExit(0)
+
+
+def main(argv):
+  if len(argv) > 1:
+    _fail(f"unexpected arguments {argv[1:]}")
+  _check_flags()
+  host, port = _HOST.value, _PORT.value
+  _check_port(host, port)
+  signal.signal(signal.SIGTERM, _exit_after_shutdown)
+
+  # Imported only now so that bad flags are reported at once, before jax loads.
+  import uvicorn
+
+  from recguide_jax import llm as llm_lib
+  from recguide_jax import policies
+  from recguide_jax.checkpoint import CheckpointError
+  from recguide_jax.config import ConfigError
+  from recguide_jax.engine import EngineThread
+  from recguide_jax.server import create_app
+  from recguide_jax.tokenizer import TokenizerError
+
+  checkpoint = _CHECKPOINT.value or str(llm_lib.default_checkpoint())
+  _check_checkpoint(checkpoint)
+  policy = _make_policy(policies)
+  cache = _COMPILE_CACHE_DIR.value
+  cache = llm_lib.DEFAULT_COMPILE_CACHE if cache is None else (cache or None)
+  name = _SERVED_MODEL_NAME.value or os.path.basename(os.path.normpath(os.path.abspath(checkpoint)))
+
+  logging.info("loading %s (policy %s, block size %d, max_batch %d, max_model_len %d)", checkpoint, _POLICY.value,
+               _BLOCK_SIZE.value, _MAX_BATCH.value, _MAX_MODEL_LEN.value)
+  t0 = time.perf_counter()
+  try:
+    llm = llm_lib.LLM(checkpoint, policy, _BLOCK_SIZE.value, threshold=_THRESHOLD.value, max_batch=_MAX_BATCH.value,
+                      max_model_len=_MAX_MODEL_LEN.value, num_pages=_NUM_PAGES.value or None,
+                      page_size=_PAGE_SIZE.value, rule=_RULE.value, compile_cache_dir=cache, warmup=True,
+                      max_queue=_MAX_QUEUE.value)
+  except (CheckpointError, ConfigError, TokenizerError, OSError) as e:
+    _fail(f"--checkpoint: {e}")
+  except ValueError as e:
+    _fail(e)
+  rc = llm.runner_config
+  logging.info("model loaded and step variants compiled in %.1f s; KV cache: %d pages of %d tokens",
+               time.perf_counter() - t0, rc.num_pages, rc.page_size)
+
+  engine_thread = EngineThread(llm.engine).start()
+  try:
+    fastapi_app = create_app(engine_thread, llm.tokenizer, name, profile=_PROFILE.value)
+    url = f"http://{host}:{port}/v1"
+
+    class Server(uvicorn.Server):
+
+      async def startup(self, sockets=None):
+        await super().startup(sockets)
+        if self.started:
+          print(f"serving {name} at {url}", flush=True)
+
+    config = uvicorn.Config(fastapi_app, host=host, port=port, log_level="info", access_log=_ACCESS_LOG.value,
+                            timeout_graceful_shutdown=None, lifespan="on")
+    Server(config).run()
+  finally:
+    engine_thread.shutdown(drain=True)  # already done by the app on a graceful exit; a no-op then
+
+
+if __name__ == "__main__":
+  app.run(main, flags_parser=_parse_flags)

@@ -1,0 +1,562 @@
+"""The host-side engine: request queue, admission by KV pages, continuous batching, per-round grouping into compiled
+variants, acceptance bookkeeping, stop conditions and per-request stats.
+
+Each `step()`:
+1. admits waiting requests (FIFO) while a batch slot and their worst-case KV pages are free;
+2. runs one prefill chunk for requests whose prompt is not fully cached (chunked prefill interleaves with decode);
+3. asks the policy for each decoding request's plan this round (kind and block size), groups requests by plan and
+   runs one compiled variant per group (padded to its batch bucket);
+4. emits tokens, checks stop conditions, commits/crops pages and frees finished requests.
+
+Requests join and leave between rounds. Only small arrays cross between host and device.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import itertools
+import threading
+import time
+from typing import Callable, Sequence
+
+import numpy as np
+
+from recguide_jax import policies as policies_lib
+from recguide_jax.kv_cache import PageAllocator
+from recguide_jax.runner import Runner, SamplingArrays
+
+MAX_TOP_LOGPROBS = 5
+
+
+class RequestError(ValueError):
+  """A request that can never be served (bad parameters, prompt too long); `param` names the offending field."""
+
+  def __init__(self, message: str, param: str | None = None, code: int = 400):
+    super().__init__(message)
+    self.param = param
+    self.code = code
+
+
+class QueueFull(RequestError):
+
+  def __init__(self, message: str):
+    super().__init__(message, None, 429)
+
+
+@dataclasses.dataclass
+class SamplingParams:
+  """Per-request sampling parameters (vLLM-shaped names and defaults)."""
+  max_tokens: int = 16
+  temperature: float = 1.0
+  top_p: float = 1.0
+  top_k: int = 0  # 0 or -1: off
+  seed: int | None = None
+  stop: str | Sequence[str] | None = None
+  stop_token_ids: Sequence[int] | None = None
+  logprobs: int | None = None  # number of top logprobs per token (0: only the chosen token's)
+  ignore_eos: bool = False
+
+  def validate(self, vocab_size: int | None = None) -> "SamplingParams":
+    def bad(field, msg):
+      raise RequestError(f"{field} {msg}", field)
+
+    if isinstance(self.max_tokens, bool) or not isinstance(self.max_tokens, int) or self.max_tokens <= 0:
+      bad("max_tokens", f"must be a positive integer, got {self.max_tokens!r}")
+    if not isinstance(self.temperature, (int, float)) or isinstance(self.temperature, bool) or not (
+        0 <= self.temperature < float("inf")):
+      bad("temperature", f"must be a finite number >= 0, got {self.temperature!r}")
+    if not isinstance(self.top_p, (int, float)) or not 0 < self.top_p <= 1:
+      bad("top_p", f"must be in (0, 1], got {self.top_p!r}")
+    if not isinstance(self.top_k, int) or self.top_k < -1:
+      bad("top_k", f"must be -1, 0 (off) or a positive integer, got {self.top_k!r}")
+    if self.seed is not None and (not isinstance(self.seed, int) or isinstance(self.seed, bool)):
+      bad("seed", f"must be an integer, got {self.seed!r}")
+    if self.logprobs is not None and (not isinstance(self.logprobs, int) or not 0 <= self.logprobs <= MAX_TOP_LOGPROBS):
+      bad("logprobs", f"must be an integer in [0, {MAX_TOP_LOGPROBS}], got {self.logprobs!r}")
+    stops = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+    if any(not isinstance(s, str) or not s for s in stops):
+      bad("stop", "must be a non-empty string or a list of non-empty strings")
+    for t in self.stop_token_ids or []:
+      if not isinstance(t, int) or t < 0 or (vocab_size is not None and t >= vocab_size):
+        bad("stop_token_ids", f"holds an invalid token id {t!r}")
+    return self
+
+  @property
+  def stop_strings(self) -> list[str]:
+    return [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+
+
+@dataclasses.dataclass
+class RequestStats:
+  rounds: int = 0
+  accepted_lengths: list[int] = dataclasses.field(default_factory=list)
+  block_sizes: list[int] = dataclasses.field(default_factory=list)
+  forwards: dict[str, int] = dataclasses.field(
+      default_factory=lambda: {"prefill": 0, "draft": 0, "verify": 0, "decode": 0, "denoise": 0, "commit": 0})
+  draft_tokens: int = 0  # draft tokens offered to the verifier
+  accepted_draft_tokens: int = 0
+  ttft_s: float | None = None
+  latency_s: float | None = None
+
+  @property
+  def decode_forwards(self) -> int:
+    return sum(v for k, v in self.forwards.items() if k != "prefill")
+
+  def as_dict(self) -> dict:
+    d = dataclasses.asdict(self)
+    d["decode_forwards"] = self.decode_forwards
+    d["mean_accepted_length"] = (float(np.mean(self.accepted_lengths)) if self.accepted_lengths else 0.0)
+    return d
+
+
+@dataclasses.dataclass
+class Request:
+  request_id: str
+  prompt_ids: list[int]
+  params: SamplingParams
+  arrival: float = dataclasses.field(default_factory=time.perf_counter)
+  output_ids: list[int] = dataclasses.field(default_factory=list)
+  logprobs: list[dict] = dataclasses.field(default_factory=list)
+  finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
+  error: str | None = None
+  stats: RequestStats = dataclasses.field(default_factory=RequestStats)
+  on_update: Callable[["Request", list[int]], None] | None = None
+  # engine state
+  prefilled: int = 0  # prompt tokens whose K/V are in the cache
+  seed_token: int | None = None  # emitted, not yet cached
+  rng_seed: int = 0
+  round_counter: int = 0
+  text: str = ""
+  policy_state: dict = dataclasses.field(default_factory=dict)
+
+  @property
+  def finished(self) -> bool:
+    return self.finish_reason is not None
+
+
+class Engine:
+  """Continuous-batching engine. Not thread-safe by itself: `EngineThread` serialises access for servers."""
+
+  def __init__(self, runner: Runner, policy: policies_lib.Policy, *, tokenizer=None, max_queue: int = 1024):
+    self.runner = runner
+    self.cfg = runner.cfg
+    self.rc = runner.config
+    self.policy = policy
+    self.tokenizer = tokenizer
+    self.max_queue = max_queue
+    self.allocator = PageAllocator(self.rc.num_pages, self.rc.page_size, self.rc.pages_per_seq)
+    self.waiting: collections.deque[Request] = collections.deque()
+    self.running: list[Request] = []
+    self._pledged: dict[str, int] = {}  # worst-case pages promised to each running request
+    self._ids = itertools.count()
+    self.totals = collections.Counter()  # engine-wide counters for /metrics
+    self.accepted_per_position = collections.Counter()  # block index -> accepted draft tokens there
+    self.block_size_choices = collections.Counter()
+
+  # ---- requests --------------------------------------------------------------------------------------------------
+  def max_block(self) -> int:
+    return self.rc.max_block
+
+  def validate_request(self, prompt_ids: Sequence[int], params: SamplingParams) -> list[int]:
+    """Checks a request without touching engine state (safe from any thread); returns the prompt as ints."""
+    params.validate(self.cfg.vocab_size)
+    try:
+      prompt_ids = [int(t) for t in prompt_ids]
+    except (TypeError, ValueError):
+      raise RequestError("prompt must be a string or a list of token ids", "prompt") from None
+    if not prompt_ids:
+      raise RequestError("prompt must not be empty", "prompt")
+    bad = [t for t in prompt_ids if not 0 <= t < self.cfg.vocab_size]
+    if bad:
+      raise RequestError(f"prompt holds token id {bad[0]} outside the vocabulary [0, {self.cfg.vocab_size})", "prompt")
+    if len(prompt_ids) >= self.rc.max_model_len:
+      raise RequestError(f"prompt has {len(prompt_ids)} tokens, max_model_len is {self.rc.max_model_len}", "prompt",
+                         413)
+    if len(prompt_ids) + params.max_tokens > self.rc.max_model_len:
+      raise RequestError(
+          f"prompt ({len(prompt_ids)} tokens) + max_tokens ({params.max_tokens}) exceeds max_model_len "
+          f"{self.rc.max_model_len}", "max_tokens")
+    if self._pages_needed(len(prompt_ids), params) > self.allocator.num_pages - 1:
+      raise RequestError("request needs more KV pages than the cache has", "max_tokens")
+    return prompt_ids
+
+  def add_request(self, prompt_ids: Sequence[int], params: SamplingParams, request_id: str | None = None,
+                  on_update=None, validated: bool = False) -> Request:
+    if not validated:
+      prompt_ids = self.validate_request(prompt_ids, params)
+    if len(self.waiting) >= self.max_queue:
+      raise QueueFull(f"the request queue is full ({self.max_queue} waiting)")
+    rid = request_id or f"req-{next(self._ids)}"
+    seed = params.seed if params.seed is not None else int(np.random.randint(0, 2**31 - 1))
+    req = Request(rid, list(prompt_ids), params, on_update=on_update, rng_seed=seed & 0xFFFFFFFF)
+    self.waiting.append(req)
+    self.totals["requests_added"] += 1
+    return req
+
+  def abort(self, request_id: str) -> bool:
+    for req in list(self.waiting):
+      if req.request_id == request_id:
+        self.waiting.remove(req)
+        self._finish(req, "abort")
+        return True
+    for req in self.running:
+      if req.request_id == request_id:
+        self._finish(req, "abort")
+        self.running.remove(req)
+        return True
+    return False
+
+  def has_work(self) -> bool:
+    return bool(self.waiting or self.running)
+
+  # ---- admission ---------------------------------------------------------------------------------------------------
+  def _pages_needed(self, prompt_len: int, params: SamplingParams) -> int:
+    # worst case: the whole generation plus one block written past it by a verify
+    return self.allocator.pages_for(prompt_len + params.max_tokens + self.max_block())
+
+  def _admit(self) -> None:
+    free_budget = self.allocator.num_pages - 1 - sum(self._pledged.values())
+    while self.waiting and len(self.running) < self.rc.max_batch:
+      req = self.waiting[0]
+      need = self._pages_needed(len(req.prompt_ids), req.params)
+      if need > free_budget:
+        break  # FIFO: nothing overtakes the oldest request
+      self.waiting.popleft()
+      free_budget -= need
+      self._pledged[req.request_id] = need
+      self.allocator.add(req.request_id)
+      self.running.append(req)
+      self.policy.on_admit(req)
+
+  # ---- one engine iteration ------------------------------------------------------------------------------------------
+  def step(self) -> list[Request]:
+    """Runs one iteration; returns the requests that finished in it."""
+    self._admit()
+    finished: list[Request] = []
+    prefilling = [r for r in self.running if r.prefilled < len(r.prompt_ids)]
+    if prefilling:
+      self._prefill(prefilling[:self.rc.max_batch])
+    decoding = [r for r in self.running if r.seed_token is not None and not r.finished]
+    groups: dict[tuple, list[Request]] = {}
+    for req in decoding:
+      plan = self.policy.plan(req, self)
+      groups.setdefault((plan.kind, plan.block_size), []).append(req)
+    for (kind, blk), reqs in groups.items():
+      for i in range(0, len(reqs), self.rc.max_batch):
+        chunk = reqs[i:i + self.rc.max_batch]
+        if kind == "ar":
+          self._round_ar(chunk)
+        elif kind == "linear":
+          self._round_linear(chunk, blk)
+        elif kind == "diffusion":
+          self._round_diffusion(chunk, blk)
+        else:
+          raise ValueError(f"unknown plan kind {kind!r}")
+    for req in list(self.running):
+      if req.finished:
+        self.running.remove(req)
+        finished.append(req)
+    return finished
+
+  def run_until_done(self) -> None:
+    while self.has_work():
+      self.step()
+
+  # ---- batch assembly ------------------------------------------------------------------------------------------------
+  def _batch_arrays(self, reqs: list[Request]):
+    n = len(reqs)
+    b = self.runner.bucket_for(n)
+    width = self.rc.pages_per_seq
+    page_table = np.zeros((b, width), np.int32)
+    prefix_len = np.zeros((b,), np.int32)
+    for i, r in enumerate(reqs):
+      page_table[i] = self.allocator.page_table_row(r.request_id, width)
+      prefix_len[i] = self.allocator.length(r.request_id)
+    samp = SamplingArrays.greedy(b)
+    for i, r in enumerate(reqs):
+      p = r.params
+      samp.temperature[i] = p.temperature
+      samp.top_k[i] = max(p.top_k, 0)
+      samp.top_p[i] = p.top_p
+      samp.keys[i] = (r.rng_seed, r.round_counter)
+      r.round_counter += 1
+    return b, page_table, prefix_len, samp
+
+  # ---- prefill -------------------------------------------------------------------------------------------------------
+  def _prefill(self, reqs: list[Request]) -> None:
+    chunk = self.rc.prefill_chunk
+    for r in reqs:
+      start = r.prefilled
+      self.allocator.reserve(r.request_id, min(start + chunk, len(r.prompt_ids)))
+    b, page_table, prefix_len, samp = self._batch_arrays(reqs)
+    tokens = np.zeros((b, chunk), np.int32)
+    valid = np.zeros((b, chunk), bool)
+    last_idx = np.zeros((b,), np.int32)
+    for i, r in enumerate(reqs):
+      piece = r.prompt_ids[r.prefilled:r.prefilled + chunk]
+      tokens[i, :len(piece)] = piece
+      valid[i, :len(piece)] = True
+      last_idx[i] = len(piece) - 1
+    tok, lp, top_lp, top_ids = self.runner.prefill(tokens, valid, prefix_len, page_table, last_idx, samp)
+    self.totals["forwards_prefill"] += 1
+    for i, r in enumerate(reqs):
+      n = int(valid[i].sum())
+      r.prefilled += n
+      self.allocator.commit(r.request_id, r.prefilled)
+      r.stats.forwards["prefill"] += 1
+      if r.prefilled == len(r.prompt_ids):
+        r.stats.ttft_s = time.perf_counter() - r.arrival
+        self._emit(r, [int(tok[i])], [float(lp[i])], top_lp[i:i + 1], top_ids[i:i + 1])
+
+  # ---- decode rounds -------------------------------------------------------------------------------------------------
+  def _reserve_block(self, reqs: list[Request], blk: int) -> None:
+    for r in reqs:
+      self.allocator.reserve(r.request_id, self.allocator.length(r.request_id) + blk)
+
+  def _round_ar(self, reqs: list[Request]) -> None:
+    self._reserve_block(reqs, 1)
+    b, page_table, prefix_len, samp = self._batch_arrays(reqs)
+    tokens = np.zeros((b, 1), np.int32)
+    write = np.zeros((b,), bool)
+    for i, r in enumerate(reqs):
+      tokens[i, 0] = r.seed_token
+      write[i] = True
+    res = self.runner.verify(tokens, None, write, prefix_len, page_table, samp)
+    self.totals["forwards_decode"] += 1
+    for i, r in enumerate(reqs):
+      r.stats.forwards["decode"] += 1
+      self._after_verify(r, 1, 1, res, i)
+
+  def _round_linear(self, reqs: list[Request], blk: int) -> None:
+    self._reserve_block(reqs, blk)
+    b, page_table, prefix_len, samp = self._batch_arrays(reqs)
+    seed = np.zeros((b,), np.int32)
+    write = np.zeros((b,), bool)
+    for i, r in enumerate(reqs):
+      seed[i] = r.seed_token
+      write[i] = True
+    drafted, q = self.runner.draft(seed, prefix_len, page_table, blk, samp)
+    res = self.runner.verify(drafted, q, write, prefix_len, page_table, samp)
+    self.totals["forwards_draft"] += 1
+    self.totals["forwards_verify"] += 1
+    for i, r in enumerate(reqs):
+      r.stats.forwards["draft"] += 1
+      r.stats.forwards["verify"] += 1
+      self._after_verify(r, blk, int(res.accepted[i]), res, i)
+
+  def _after_verify(self, r: Request, blk: int, accepted: int, res, i: int) -> None:
+    c = self.allocator.length(r.request_id)
+    toks = [int(t) for t in res.tokens[i, :accepted]]
+    r.stats.rounds += 1
+    r.stats.accepted_lengths.append(accepted)
+    r.stats.block_sizes.append(blk)
+    self.block_size_choices[blk] += 1
+    if blk > 1:
+      r.stats.draft_tokens += blk - 1
+      r.stats.accepted_draft_tokens += accepted - 1
+      self.totals["draft_tokens"] += blk - 1
+      self.totals["accepted_draft_tokens"] += accepted - 1
+      for pos in range(1, accepted):
+        self.accepted_per_position[pos] += 1
+    # the cache now holds [seed, accepted drafts]; everything the verify wrote past them is dropped
+    self.allocator.commit(r.request_id, c + accepted)
+    self.allocator.trim(r.request_id)
+    self.policy.observe(r, blk, accepted, res, i)
+    self._emit(r, toks, list(res.logprobs[i, :accepted]), res.top_logprobs[i, :accepted], res.top_ids[i, :accepted])
+
+  def _round_diffusion(self, reqs: list[Request], blk: int) -> None:
+    self._reserve_block(reqs, blk)
+    b, page_table, prefix_len, samp = self._batch_arrays(reqs)
+    seed = np.zeros((b,), np.int32)
+    active = np.zeros((b,), bool)
+    threshold = np.ones((b,), np.float32)
+    for i, r in enumerate(reqs):
+      seed[i] = r.seed_token
+      active[i] = True
+      threshold[i] = self.policy.threshold
+    block, steps = self.runner.denoise(seed, prefix_len, page_table, threshold, blk, samp, active)
+    self.totals["forwards_denoise"] += 1
+    eos = set(self.cfg.eos_token_ids)
+    commit_rows = []
+    for i, r in enumerate(reqs):
+      r.stats.forwards["denoise"] += int(steps[i])
+      r.stats.rounds += 1
+      r.stats.block_sizes.append(blk)
+      self.block_size_choices[blk] += 1
+      body = [int(t) for t in block[i, 1:]]
+      ends = [j for j, t in enumerate(body) if t in eos] if not r.params.ignore_eos else []
+      if ends:  # the block ends the generation: emit through the first EOS, no commit forward needed
+        body = body[:ends[0] + 1]
+        r.stats.accepted_lengths.append(len(body))
+        self._emit(r, body, [0.0] * len(body), None, None)
+        if not r.finished:
+          self._finish(r, "stop")
+      else:
+        commit_rows.append(i)
+    live = [(i, reqs[i]) for i in commit_rows]
+    if not live:
+      return
+    # one causal forward commits the block's K/V and gives the next seed
+    sub = [r for _, r in live]
+    b2, page_table2, prefix_len2, samp2 = self._batch_arrays(sub)
+    tokens = np.zeros((b2, blk), np.int32)
+    valid = np.zeros((b2, blk), bool)
+    for j, (i, r) in enumerate(live):
+      tokens[j] = block[i]
+      valid[j] = True
+    last_idx = np.full((b2,), blk - 1, np.int32)
+    tok, lp, top_lp, top_ids = self.runner.prefill(tokens, valid, prefix_len2, page_table2, last_idx, samp2)
+    self.totals["forwards_commit"] += 1
+    for j, (i, r) in enumerate(live):
+      r.stats.forwards["commit"] += 1
+      c = self.allocator.length(r.request_id)
+      self.allocator.commit(r.request_id, c + blk)
+      body = [int(t) for t in block[i, 1:]] + [int(tok[j])]
+      r.stats.accepted_lengths.append(len(body))
+      lps = [0.0] * (blk - 1) + [float(lp[j])]
+      self._emit(r, body, lps, None, None)
+
+  # ---- emission and stop conditions -------------------------------------------------------------------------------
+  def _emit(self, r: Request, toks: list[int], lps, top_lp, top_ids) -> None:
+    if r.finished:
+      return
+    eos = set() if r.params.ignore_eos else set(self.cfg.eos_token_ids)
+    stop_ids = set(r.params.stop_token_ids or [])
+    new: list[int] = []
+    reason = None
+    for k, t in enumerate(toks):
+      new.append(t)
+      if r.params.logprobs is not None:
+        entry = {"token_id": t, "logprob": float(lps[k])}
+        if r.params.logprobs and top_lp is not None:
+          entry["top_logprobs"] = {int(top_ids[k][j]): float(top_lp[k][j]) for j in range(r.params.logprobs)}
+        r.logprobs.append(entry)
+      if t in eos or t in stop_ids:
+        reason = "stop"
+        break
+      if len(r.output_ids) + len(new) >= r.params.max_tokens:
+        reason = "length"
+        break
+    r.output_ids.extend(new)
+    if r.params.stop_strings and self.tokenizer is not None:
+      text = self.tokenizer.decode(r.output_ids)
+      hit = [(text.find(s), s) for s in r.params.stop_strings if s in text]
+      if hit:
+        pos, _ = min(hit)
+        # keep the shortest token prefix whose text reaches the stop string, and cut the text before it
+        for n in range(1, len(r.output_ids) + 1):
+          if len(self.tokenizer.decode(r.output_ids[:n])) > pos:
+            break
+        del r.output_ids[n:]
+        del r.logprobs[n:]
+        r.text = text[:pos]
+        reason = "stop"
+    if r.seed_token is None or new:
+      r.seed_token = r.output_ids[-1] if r.output_ids else None
+    self.totals["generated_tokens"] += len(new)
+    if r.on_update is not None:
+      r.on_update(r, new)
+    if reason is not None:
+      self._finish(r, reason)
+
+  def _finish(self, r: Request, reason: str, error: str | None = None) -> None:
+    if r.finished:
+      return
+    r.finish_reason = reason
+    r.error = error
+    r.stats.latency_s = time.perf_counter() - r.arrival
+    if self.tokenizer is not None and not r.text:
+      r.text = self.tokenizer.decode(r.output_ids)
+    if r.request_id in self._pledged:
+      del self._pledged[r.request_id]
+      self.allocator.free(r.request_id)
+    self.policy.on_finish(r)
+    self.totals[f"requests_{reason}"] += 1
+    if r.on_update is not None:
+      r.on_update(r, [])
+
+  def fail_all(self, message: str) -> None:
+    """Finishes every request with an error (after a device failure) so no caller waits forever."""
+    for r in list(self.waiting) + list(self.running):
+      self._finish(r, "error", message)
+    self.waiting.clear()
+    self.running.clear()
+
+
+class EngineThread:
+  """Runs an Engine on its own thread. Other threads (an asyncio event loop) only validate requests and drop them
+  into an inbox, so they never wait for a device step; the engine thread moves the inbox into the engine between
+  steps."""
+
+  def __init__(self, engine: Engine):
+    self.engine = engine
+    self._cond = threading.Condition()
+    self._inbox: collections.deque = collections.deque()
+    self._stop = False
+    self._drain = True
+    self._thread = threading.Thread(target=self._loop, name="recguide-engine", daemon=True)
+    self.error: BaseException | None = None
+    self.steps = 0
+
+  def start(self) -> "EngineThread":
+    self._thread.start()
+    return self
+
+  def submit(self, prompt_ids, params: SamplingParams, request_id: str, on_update=None) -> None:
+    prompt_ids = self.engine.validate_request(prompt_ids, params)
+    with self._cond:
+      if self._stop:
+        raise RequestError("the server is shutting down", None, 503)
+      queued = sum(1 for kind, *_ in self._inbox if kind == "add") + len(self.engine.waiting)
+      if queued >= self.engine.max_queue:
+        raise QueueFull(f"the request queue is full ({self.engine.max_queue} waiting)")
+      self._inbox.append(("add", prompt_ids, params, request_id, on_update))
+      self._cond.notify()
+
+  def abort(self, request_id: str) -> None:
+    with self._cond:
+      self._inbox.append(("abort", request_id))
+      self._cond.notify()
+
+  @property
+  def queue_depth(self) -> int:
+    return len(self.engine.waiting) + sum(1 for kind, *_ in list(self._inbox) if kind == "add")
+
+  def _drain_inbox(self) -> None:
+    while self._inbox:
+      item = self._inbox.popleft()
+      if item[0] == "add":
+        _, prompt_ids, params, rid, on_update = item
+        try:
+          self.engine.add_request(prompt_ids, params, rid, on_update, validated=True)
+        except RequestError as e:
+          req = Request(rid, prompt_ids, params, on_update=on_update)
+          self.engine._finish(req, "error", str(e))
+      else:
+        # an abort may arrive before its add was moved in: handled because adds come first in FIFO order
+        self.engine.abort(item[1])
+
+  def _loop(self) -> None:
+    while True:
+      with self._cond:
+        while not self._inbox and not self.engine.has_work() and not self._stop:
+          self._cond.wait(timeout=0.5)
+        self._drain_inbox()
+        if self._stop and (not self._drain or not self.engine.has_work()):
+          if not self._drain:
+            self.engine.fail_all("server shutting down")
+          return
+      try:
+        self.engine.step()
+        self.steps += 1
+      except Exception as e:  # keep serving: fail the in-flight requests, not the process
+        self.error = e
+        self.engine.fail_all(f"engine error: {type(e).__name__}: {e}")
+
+  def shutdown(self, drain: bool = True, timeout: float | None = None) -> None:
+    with self._cond:
+      self._stop = True
+      self._drain = drain
+      self._cond.notify()
+    self._thread.join(timeout)

@@ -1,0 +1,181 @@
+"""Paged KV cache: fixed-size device page arrays (a registered dataclass pytree) and the host-side page allocator.
+
+Device side: per layer, K and V arrays of shape [num_pages, page_size, kv_heads, head_dim]. Page 0 is never handed
+out: it is the trash page that padded batch slots and uncommitted tokens write into, so a step never needs a branch
+on "is this slot real". A request's page table maps its logical page i (token positions i*page_size ..) to a
+physical page. Host side: `PageAllocator` owns which pages are free; commit, crop and free only change the host's
+tables and per-request lengths (a crop is a length change; pages past the new length are returned).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Iterable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+TRASH_PAGE = 0
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class KVCache:
+  k: list[jax.Array]  # per layer: [num_pages, page_size, kv_heads, head_dim]
+  v: list[jax.Array]
+
+  @property
+  def num_pages(self) -> int:
+    return self.k[0].shape[0]
+
+  @property
+  def page_size(self) -> int:
+    return self.k[0].shape[1]
+
+  @classmethod
+  def create(cls, num_layers: int, num_pages: int, page_size: int, kv_heads: int, head_dim: int,
+             dtype=jnp.float32) -> "KVCache":
+    shape = (num_pages, page_size, kv_heads, head_dim)
+    return cls(k=[jnp.zeros(shape, dtype) for _ in range(num_layers)],
+               v=[jnp.zeros(shape, dtype) for _ in range(num_layers)])
+
+
+def write_block(k_pages: jax.Array, v_pages: jax.Array, k_new: jax.Array, v_new: jax.Array,
+                page_table: jax.Array, positions: jax.Array, write: jax.Array) -> tuple[jax.Array, jax.Array]:
+  """Scatters per-token K/V into their pages: token (r, t) goes to slot `positions[r, t]` of request r.
+
+  k_new/v_new: [b, T, kv_heads, D]; page_table: [b, P]; positions, write: [b, T]. Tokens with write=False land on
+  the trash page, so the scatter has a static shape.
+  """
+  page_size = k_pages.shape[1]
+  logical = jnp.clip(positions // page_size, 0, page_table.shape[1] - 1)
+  page = jnp.take_along_axis(page_table, logical, axis=1)
+  page = jnp.where(write, page, TRASH_PAGE)
+  offset = positions % page_size
+  k_pages = k_pages.at[page, offset].set(k_new.astype(k_pages.dtype))
+  v_pages = v_pages.at[page, offset].set(v_new.astype(v_pages.dtype))
+  return k_pages, v_pages
+
+
+def gather_prefix(pages: jax.Array, page_table: jax.Array) -> jax.Array:
+  """[num_pages, page_size, H, D] x [b, P] -> [b, P*page_size, H, D] (the request's logical KV in order)."""
+  g = pages[page_table]
+  b, p, s, h, d = g.shape
+  return g.reshape(b, p * s, h, d)
+
+
+class OutOfPages(RuntimeError):
+  """No free KV page is left for an allocation."""
+
+
+class PageAllocator:
+  """Host-side owner of the physical pages and of each request's page list and committed length.
+
+  Invariant (checked by `check`): every page except the trash page is either free or owned by exactly one request,
+  and each request owns exactly ceil(capacity / page_size) pages, where capacity >= its committed length.
+  """
+
+  def __init__(self, num_pages: int, page_size: int, max_pages_per_seq: int):
+    if num_pages < 2:
+      raise ValueError("num_pages must be >= 2 (page 0 is the reserved trash page)")
+    if page_size <= 0 or max_pages_per_seq <= 0:
+      raise ValueError("page_size and max_pages_per_seq must be positive")
+    self.num_pages = num_pages
+    self.page_size = page_size
+    self.max_pages_per_seq = max_pages_per_seq
+    # LIFO free list: recently freed pages are reused first (warm in cache).
+    self._free: list[int] = list(range(num_pages - 1, 0, -1))
+    self._pages: dict[object, list[int]] = {}
+    self._length: dict[object, int] = {}
+
+  # -- queries --
+  @property
+  def num_free(self) -> int:
+    return len(self._free)
+
+  @property
+  def num_used(self) -> int:
+    return self.num_pages - 1 - len(self._free)
+
+  def pages_for(self, num_tokens: int) -> int:
+    return -(-num_tokens // self.page_size)
+
+  def can_hold(self, seq_id, num_tokens: int) -> bool:
+    have = len(self._pages.get(seq_id, ()))
+    need = self.pages_for(num_tokens)
+    return need <= self.max_pages_per_seq and need - have <= len(self._free)
+
+  def length(self, seq_id) -> int:
+    return self._length[seq_id]
+
+  def pages(self, seq_id) -> list[int]:
+    return list(self._pages[seq_id])
+
+  def owners(self) -> Iterable[object]:
+    return self._pages.keys()
+
+  # -- mutations --
+  def add(self, seq_id) -> None:
+    if seq_id in self._pages:
+      raise KeyError(f"sequence {seq_id!r} already has pages")
+    self._pages[seq_id] = []
+    self._length[seq_id] = 0
+
+  def reserve(self, seq_id, num_tokens: int) -> None:
+    """Makes sure the sequence has pages for positions [0, num_tokens); raises OutOfPages and changes nothing
+    when that is impossible."""
+    pages = self._pages[seq_id]
+    need = self.pages_for(num_tokens)
+    if need > self.max_pages_per_seq:
+      raise OutOfPages(f"{num_tokens} tokens exceed the per-sequence limit of "
+                       f"{self.max_pages_per_seq * self.page_size}")
+    extra = need - len(pages)
+    if extra > len(self._free):
+      raise OutOfPages(f"need {extra} more KV pages, {len(self._free)} free")
+    for _ in range(max(extra, 0)):
+      pages.append(self._free.pop())
+
+  def commit(self, seq_id, length: int) -> None:
+    """Sets the committed length (after a verify/prefill wrote K/V); pages must already be reserved."""
+    if length > len(self._pages[seq_id]) * self.page_size:
+      raise ValueError(f"commit to {length} beyond reserved capacity of {seq_id!r}")
+    self._length[seq_id] = length
+
+  def crop(self, seq_id, length: int) -> None:
+    """Truncates to `length` committed tokens and returns pages past it to the free list."""
+    if length > self._length[seq_id]:
+      raise ValueError(f"crop to {length} > committed length {self._length[seq_id]}")
+    self._length[seq_id] = length
+    pages = self._pages[seq_id]
+    keep = self.pages_for(length)
+    while len(pages) > keep:
+      self._free.append(pages.pop())
+
+  def trim(self, seq_id) -> None:
+    """Returns reserved-but-uncommitted pages (after a verify that accepted less than it reserved)."""
+    self.crop(seq_id, self._length[seq_id])
+
+  def free(self, seq_id) -> None:
+    pages = self._pages.pop(seq_id, None)
+    self._length.pop(seq_id, None)
+    if pages:
+      self._free.extend(reversed(pages))
+
+  def page_table_row(self, seq_id, width: int) -> np.ndarray:
+    row = np.full((width,), TRASH_PAGE, np.int32)
+    pages = self._pages[seq_id]
+    row[:len(pages)] = pages
+    return row
+
+  def check(self) -> None:
+    """Raises AssertionError if any page is lost, double-owned or a length exceeds its capacity."""
+    seen = set(self._free)
+    assert len(seen) == len(self._free), "duplicate page in free list"
+    assert TRASH_PAGE not in seen, "trash page on the free list"
+    for seq_id, pages in self._pages.items():
+      for p in pages:
+        assert p != TRASH_PAGE and p not in seen, f"page {p} double-owned ({seq_id!r})"
+        seen.add(p)
+      assert self._length[seq_id] <= len(pages) * self.page_size, f"length past capacity for {seq_id!r}"
+    assert seen == set(range(1, self.num_pages)), "pages lost"

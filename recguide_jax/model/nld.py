@@ -1,0 +1,162 @@
+"""The NLD backbone in Flax NNX: Ministral3 decoder (pre-RMSNorm, GQA, YaRN RoPE, Llama-4 query scale, SwiGLU)
+with an untied `diffusion_head` and an optional draft LoRA on `o_proj` that is switched on per token.
+
+One forward serves every decoding mode. Draft, verify, prefill, AR decode and RecGuide's fused tree forward differ
+only in their inputs: the query tokens and positions per request, the intra-block mask, the per-token LoRA switch
+and whether the block's K/V are written into the paged cache.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from recguide_jax import attention as attn_lib
+from recguide_jax.config import NLDConfig
+from recguide_jax.kv_cache import KVCache, write_block
+from recguide_jax.model import rope
+
+
+@dataclasses.dataclass(frozen=True)
+class ForwardInputs:
+  """Per-call inputs of `NLDModel.__call__` (all arrays are batched over requests)."""
+  tokens: jax.Array  # [b, Q] int32
+  positions: jax.Array  # [b, Q] int32 absolute positions (RoPE and the Llama-4 scale)
+  block_mask: jax.Array  # [b, Q, Q] or [Q, Q] bool: which block tokens a query may see
+  prefix_len: jax.Array | None = None  # [b] committed prefix length (None: no prefix)
+  page_table: jax.Array | None = None  # [b, P] int32
+  kv_write: jax.Array | None = None  # [b, Q] bool: write this token's K/V into slot `positions` (None: no commit)
+  lora_mask: jax.Array | None = None  # [b, Q] bool: draft LoRA on for this token
+  scale_positions: jax.Array | None = None  # positions for the Llama-4 scale if they differ (training)
+  # Training only: the tokens are [x_t | x_0] under the sbd_block_diff mask with this block size (block_mask is
+  # then ignored and the structured attention skips the half of the scores that is always masked).
+  train_block_size: int | None = None
+
+
+class RMSNorm(nnx.Module):
+
+  def __init__(self, dim: int, eps: float, *, param_dtype):
+    self.weight = nnx.Param(jnp.ones((dim,), param_dtype))
+    self.eps = eps
+
+  def __call__(self, x):
+    dtype = x.dtype
+    xf = x.astype(jnp.float32)
+    xf = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + self.eps)
+    return self.weight[...] * xf.astype(dtype)  # HF: cast back before the weight
+
+
+def _dense(rngs, din, dout, dtype, param_dtype, std=0.02):
+  return nnx.Linear(din, dout, use_bias=False, dtype=dtype, param_dtype=param_dtype,
+                    kernel_init=nnx.initializers.normal(std), rngs=rngs)
+
+
+class Attention(nnx.Module):
+
+  def __init__(self, cfg: NLDConfig, *, dtype, param_dtype, rngs: nnx.Rngs):
+    h, nq, nkv, d = cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+    self.cfg = cfg
+    self.q_proj = _dense(rngs, h, nq * d, dtype, param_dtype)
+    self.k_proj = _dense(rngs, h, nkv * d, dtype, param_dtype)
+    self.v_proj = _dense(rngs, h, nkv * d, dtype, param_dtype)
+    self.o_proj = _dense(rngs, nq * d, h, dtype, param_dtype)
+    if cfg.lora_rank:
+      # PEFT layout transposed to (in, out); B starts at zero so a fresh adapter is the identity.
+      self.lora_a = nnx.Param(nnx.initializers.normal(0.02)(rngs.params(), (nq * d, cfg.lora_rank), param_dtype))
+      self.lora_b = nnx.Param(jnp.zeros((cfg.lora_rank, h), param_dtype))
+
+  def __call__(self, x, inp: ForwardInputs, k_pages, v_pages):
+    cfg = self.cfg
+    b, nq_tok, _ = x.shape
+    q = self.q_proj(x).reshape(b, nq_tok, cfg.num_attention_heads, cfg.head_dim)
+    k = self.k_proj(x).reshape(b, nq_tok, cfg.num_key_value_heads, cfg.head_dim)
+    v = self.v_proj(x).reshape(b, nq_tok, cfg.num_key_value_heads, cfg.head_dim)
+    inv_freq, attention_factor = rope.rope_tables(cfg)
+    q = rope.apply_rope(q, inp.positions, inv_freq, attention_factor)
+    k = rope.apply_rope(k, inp.positions, inv_freq, attention_factor)
+    if cfg.llama_4_scaling_beta:
+      sp = inp.positions if inp.scale_positions is None else inp.scale_positions
+      q = q * rope.llama4_query_scale(sp, cfg).astype(q.dtype)[..., None, None]
+    if inp.train_block_size:
+      out = attn_lib.sbd_training_attention(q, k, v, inp.train_block_size, cfg.head_dim ** -0.5)
+    else:
+      out = attn_lib.block_attention_ref(
+        q, k, v, inp.block_mask, k_pages=k_pages, v_pages=v_pages,
+        page_table=inp.page_table if inp.prefix_len is not None else None, prefix_len=inp.prefix_len,
+        scale=cfg.head_dim ** -0.5)
+    out = out.reshape(b, nq_tok, cfg.num_attention_heads * cfg.head_dim)
+    y = self.o_proj(out)
+    if cfg.lora_rank and inp.lora_mask is not None:
+      delta = (out @ self.lora_a[...].astype(out.dtype)) @ self.lora_b[...].astype(out.dtype)
+      y = y + cfg.lora_scale * delta * inp.lora_mask[..., None].astype(y.dtype)
+    if inp.kv_write is not None:
+      k_pages, v_pages = write_block(k_pages, v_pages, k, v, inp.page_table, inp.positions, inp.kv_write)
+    return y, k_pages, v_pages
+
+
+class MLP(nnx.Module):
+
+  def __init__(self, cfg: NLDConfig, *, dtype, param_dtype, rngs: nnx.Rngs):
+    self.gate_proj = _dense(rngs, cfg.hidden_size, cfg.intermediate_size, dtype, param_dtype)
+    self.up_proj = _dense(rngs, cfg.hidden_size, cfg.intermediate_size, dtype, param_dtype)
+    self.down_proj = _dense(rngs, cfg.intermediate_size, cfg.hidden_size, dtype, param_dtype)
+
+  def __call__(self, x):
+    return self.down_proj(jax.nn.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DecoderLayer(nnx.Module):
+
+  def __init__(self, cfg: NLDConfig, *, dtype, param_dtype, rngs: nnx.Rngs):
+    self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, param_dtype=param_dtype)
+    self.self_attn = Attention(cfg, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+    self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, param_dtype=param_dtype)
+    self.mlp = MLP(cfg, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+
+  def __call__(self, h, inp: ForwardInputs, k_pages, v_pages):
+    a, k_pages, v_pages = self.self_attn(self.input_layernorm(h), inp, k_pages, v_pages)
+    h = h + a
+    h = h + self.mlp(self.post_attention_layernorm(h))
+    return h, k_pages, v_pages
+
+
+class NLDModel(nnx.Module):
+  """NemotronLabsDiffusionModel: `encoder` (Ministral3 decoder stack) + untied `diffusion_head`."""
+
+  def __init__(self, cfg: NLDConfig, *, dtype=jnp.float32, param_dtype=jnp.float32, rngs: nnx.Rngs | None = None):
+    rngs = rngs if rngs is not None else nnx.Rngs(0)
+    self.cfg = cfg
+    self.embed_tokens = nnx.Embed(cfg.vocab_size, cfg.hidden_size, dtype=dtype, param_dtype=param_dtype,
+                                  embedding_init=nnx.initializers.normal(0.02), rngs=rngs)
+    self.layers = nnx.List([DecoderLayer(cfg, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+                            for _ in range(cfg.num_hidden_layers)])
+    self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, param_dtype=param_dtype)
+    self.diffusion_head = _dense(rngs, cfg.hidden_size, cfg.vocab_size, dtype, param_dtype)
+
+  def hidden(self, inp: ForwardInputs, cache: KVCache | None = None) -> tuple[jax.Array, KVCache | None]:
+    """Final-norm hidden states [b, Q, H] and the (possibly updated) cache."""
+    h = self.embed_tokens(inp.tokens)
+    new_k, new_v = [], []
+    for i, layer in enumerate(self.layers):
+      kp = cache.k[i] if cache is not None else None
+      vp = cache.v[i] if cache is not None else None
+      h, kp, vp = layer(h, inp, kp, vp)
+      new_k.append(kp)
+      new_v.append(vp)
+    h = self.norm(h)
+    return h, (KVCache(k=new_k, v=new_v) if cache is not None else None)
+
+  def logits(self, h: jax.Array) -> jax.Array:
+    return self.diffusion_head(h).astype(jnp.float32)
+
+  def __call__(self, inp: ForwardInputs, cache: KVCache | None = None) -> tuple[jax.Array, KVCache | None]:
+    h, cache = self.hidden(inp, cache)
+    return self.logits(h), cache
+
+  def new_cache(self, num_pages: int, page_size: int, dtype=None) -> KVCache:
+    cfg = self.cfg
+    dtype = dtype or self.embed_tokens.embedding[...].dtype
+    return KVCache.create(cfg.num_hidden_layers, num_pages, page_size, cfg.num_key_value_heads, cfg.head_dim, dtype)

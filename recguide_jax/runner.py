@@ -1,0 +1,373 @@
+"""Jitted, ahead-of-time compiled step functions over the paged KV cache.
+
+Every step is a pure function of (params, cache, small per-request arrays) with static shapes: one compiled
+variant per (kind, block size, batch bucket). The host pads a batch to its bucket (padding rows use the trash page
+and never write real pages) and only reads small results back (tokens, accepted lengths, logprobs); logits and
+draft distributions stay on the device.
+
+Kinds:
+- `prefill`  causal chunk of `prefill_chunk` tokens (or B tokens to commit a diffusion block); writes K/V of the
+             valid tokens and samples the next token at each row's last valid index.
+- `draft`    bidirectional block [seed, MASK...] over the cached prefix, draft LoRA on, cache untouched; samples
+             the draft tokens and keeps their distributions on the device.
+- `verify`   causal block (B = 1 is plain AR decode); writes all B K/V entries and runs speculative acceptance
+             against the draft distributions.
+- `denoise`  NLD's block-diffusion loop (confidence threshold) as one on-device while loop of draft forwards.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+import threading
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from recguide_jax import sampling
+from recguide_jax.kv_cache import KVCache
+from recguide_jax.model import ForwardInputs, NLDModel
+
+BLOCK_SIZES = (8, 16, 32)
+
+
+class CompileCounter:
+  """Counts backend compilations process-wide; `after_warmup` is what the stats and /metrics expose."""
+
+  _lock = threading.Lock()
+  _total = 0
+  _installed = False
+
+  @classmethod
+  def install(cls) -> None:
+    with cls._lock:
+      if cls._installed:
+        return
+      cls._installed = True
+
+      def listener(event: str, duration: float, **kwargs) -> None:
+        del duration, kwargs
+        if event == "/jax/core/compile/backend_compile_duration":
+          with cls._lock:
+            cls._total += 1
+
+      jax.monitoring.register_event_duration_secs_listener(listener)
+
+  @classmethod
+  def total(cls) -> int:
+    return cls._total
+
+
+def enable_compile_cache(directory: str | None) -> None:
+  """Persistent XLA compilation cache, so a restart reuses the previous run's executables."""
+  if not directory:
+    return
+  os.makedirs(directory, exist_ok=True)
+  jax.config.update("jax_compilation_cache_dir", directory)
+  jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+  jax.config.update("jax_persistent_cache_min_entry_size_bytes", -1)
+
+
+def batch_buckets(max_batch: int) -> tuple[int, ...]:
+  out, b = [], 1
+  while b < max_batch:
+    out.append(b)
+    b *= 2
+  out.append(max_batch)
+  return tuple(out)
+
+
+@dataclasses.dataclass(frozen=True)
+class RunnerConfig:
+  num_pages: int = 512
+  page_size: int = 16
+  max_model_len: int = 1024
+  max_batch: int = 8
+  block_sizes: tuple[int, ...] = BLOCK_SIZES
+  prefill_chunk: int = 64
+  rule: str = "leviathan"
+  compile_cache_dir: str | None = None
+
+  def __post_init__(self):
+    for name in ("num_pages", "page_size", "max_model_len", "max_batch", "prefill_chunk"):
+      if getattr(self, name) <= 0:
+        raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+    if self.rule not in sampling.RULES:
+      raise ValueError(f"rule must be one of {sampling.RULES}, got {self.rule!r}")
+    bad = [b for b in self.block_sizes if b < 2]
+    if bad:
+      raise ValueError(f"block sizes must be >= 2, got {bad}")
+
+  @property
+  def max_block(self) -> int:
+    return max(self.block_sizes + (self.prefill_chunk,))
+
+  @property
+  def pages_per_seq(self) -> int:
+    # A verify may write up to one block past the last emitted token, so leave room for it.
+    return math.ceil((self.max_model_len + self.max_block) / self.page_size)
+
+
+@dataclasses.dataclass
+class SamplingArrays:
+  """Per-row sampling parameters of a padded batch (numpy, host side)."""
+  temperature: np.ndarray  # [b] float32
+  top_k: np.ndarray  # [b] int32
+  top_p: np.ndarray  # [b] float32
+  keys: np.ndarray  # [b, 2] uint32
+
+  @classmethod
+  def greedy(cls, b: int) -> "SamplingArrays":
+    return cls(np.zeros(b, np.float32), np.zeros(b, np.int32), np.ones(b, np.float32), np.zeros((b, 2), np.uint32))
+
+  def args(self):
+    return (self.temperature, self.top_k, self.top_p, self.keys)
+
+
+@dataclasses.dataclass
+class VerifyResult:
+  accepted: np.ndarray  # [b]
+  tokens: np.ndarray  # [b, B]
+  logprobs: np.ndarray  # [b, B]
+  top_logprobs: np.ndarray  # [b, B, K]
+  top_ids: np.ndarray  # [b, B, K]
+
+
+class Runner:
+  """Owns the params, the device KV cache and the compiled step variants."""
+
+  def __init__(self, model: NLDModel, config: RunnerConfig = RunnerConfig()):
+    CompileCounter.install()
+    enable_compile_cache(config.compile_cache_dir)
+    self.cfg = model.cfg
+    self.config = config
+    self.graphdef, self.state = nnx.split(model)
+    dtype = model.embed_tokens.embedding[...].dtype
+    self.cache = KVCache.create(self.cfg.num_hidden_layers, config.num_pages, config.page_size,
+                                self.cfg.num_key_value_heads, self.cfg.head_dim, dtype)
+    self.buckets = batch_buckets(config.max_batch)
+    self._compiled: dict[tuple, Any] = {}
+    self._compiles_at_warmup: int | None = None
+    self.lock = threading.Lock()
+
+  # ---- bookkeeping ---------------------------------------------------------------------------------------------
+  def bucket_for(self, n: int) -> int:
+    for b in self.buckets:
+      if b >= n:
+        return b
+    raise ValueError(f"batch of {n} exceeds max_batch {self.config.max_batch}")
+
+  @property
+  def compiles_after_warmup(self) -> int:
+    if self._compiles_at_warmup is None:
+      return 0
+    return CompileCounter.total() - self._compiles_at_warmup
+
+  def mark_warm(self) -> None:
+    self._compiles_at_warmup = CompileCounter.total()
+
+  # ---- pure step functions ---------------------------------------------------------------------------------------
+  def _model(self, state) -> NLDModel:
+    return nnx.merge(self.graphdef, state)
+
+  def _prefill_fn(self, chunk: int):
+    cfg = self.cfg
+    mask = jnp.tril(jnp.ones((chunk, chunk), bool))
+
+    def fn(state, cache, tokens, valid, prefix_len, page_table, last_idx, temperature, top_k, top_p, keys):
+      positions = prefix_len[:, None] + jnp.arange(chunk)[None, :]
+      inp = ForwardInputs(tokens=tokens, positions=positions, block_mask=mask, prefix_len=prefix_len,
+                          page_table=page_table, kv_write=valid)
+      model = self._model(state)
+      h, cache = model.hidden(inp, cache)
+      h_last = jnp.take_along_axis(h, last_idx[:, None, None], axis=1)  # only the last valid token's logits
+      logits = model.logits(h_last)  # [b, 1, V]
+      probs = sampling.processed_probs(logits, temperature, top_k, top_p, cfg.mask_token_id)
+      (k,) = sampling.split_keys(keys, 1)
+      tok = jax.vmap(sampling.sample)(k, probs)  # [b, 1]
+      lp, top_lp, top_ids = sampling.raw_logprobs(logits, tok, cfg.mask_token_id)
+      return cache, tok[:, 0], lp[:, 0], top_lp[:, 0], top_ids[:, 0]
+
+    return fn
+
+  def _draft_fn(self, blk: int, lora: bool):
+    cfg = self.cfg
+    mask = jnp.ones((blk, blk), bool)
+
+    def fn(state, cache, seed, prefix_len, page_table, temperature, top_k, top_p, keys):
+      b = seed.shape[0]
+      tokens = jnp.full((b, blk), cfg.mask_token_id, jnp.int32).at[:, 0].set(seed)
+      positions = prefix_len[:, None] + jnp.arange(blk)[None, :]
+      lora_mask = jnp.ones((b, blk), bool) if (lora and cfg.lora_rank) else None
+      inp = ForwardInputs(tokens=tokens, positions=positions, block_mask=mask, prefix_len=prefix_len,
+                          page_table=page_table, lora_mask=lora_mask)
+      logits, _ = self._model(state)(inp, cache)
+      q = sampling.processed_probs(logits, temperature, top_k, top_p, cfg.mask_token_id)
+      (k,) = sampling.split_keys(keys, 1)
+      drafted = jax.vmap(sampling.sample)(k, q)
+      drafted = drafted.at[:, 0].set(seed)
+      return drafted, q
+
+    return fn
+
+  def _verify_fn(self, blk: int, rule: str):
+    cfg = self.cfg
+    mask = jnp.tril(jnp.ones((blk, blk), bool))
+
+    def fn(state, cache, tokens, q, write, prefix_len, page_table, temperature, top_k, top_p, keys):
+      positions = prefix_len[:, None] + jnp.arange(blk)[None, :]
+      inp = ForwardInputs(tokens=tokens, positions=positions, block_mask=mask, prefix_len=prefix_len,
+                          page_table=page_table, kv_write=jnp.broadcast_to(write[:, None], tokens.shape))
+      logits, cache = self._model(state)(inp, cache)
+      p = sampling.processed_probs(logits, temperature, top_k, top_p, cfg.mask_token_id)
+      accepted, out = sampling.accept(rule, keys, p, q, tokens)
+      lp, top_lp, top_ids = sampling.raw_logprobs(logits, out, cfg.mask_token_id)
+      return cache, accepted, out, lp, top_lp, top_ids
+
+    return fn
+
+  def _denoise_fn(self, blk: int):
+    """NLD `generate` inner loop: each iteration is one bidirectional forward; commit the most confident masked
+    position plus every masked position whose confidence >= threshold; stop when no mask is left or an EOS has
+    no mask before it. Rows whose loop is done stop changing; `steps` counts each row's forwards."""
+    cfg = self.cfg
+    mask = jnp.ones((blk, blk), bool)
+    eos = jnp.asarray(cfg.eos_token_ids, jnp.int32)
+
+    def fn(state, cache, seed, prefix_len, page_table, threshold, temperature, top_k, top_p, keys, active):
+      b = seed.shape[0]
+      model = self._model(state)
+      positions = prefix_len[:, None] + jnp.arange(blk)[None, :]
+      tokens0 = jnp.full((b, blk), cfg.mask_token_id, jnp.int32).at[:, 0].set(seed)
+      typed = jax.random.wrap_key_data(keys)
+
+      def running(tokens):
+        is_mask = tokens == cfg.mask_token_id
+        is_eos = jnp.isin(tokens, eos)
+        # an EOS with no mask before it ends the block
+        masks_before = jnp.cumsum(is_mask, axis=1) - is_mask
+        done_eos = jnp.any(is_eos & (masks_before == 0), axis=1)
+        return jnp.any(is_mask, axis=1) & ~done_eos & active
+
+      def cond(carry):
+        tokens, steps, i = carry
+        return jnp.any(running(tokens)) & (i < blk)
+
+      def body(carry):
+        tokens, steps, i = carry
+        live = running(tokens)
+        inp = ForwardInputs(tokens=tokens, positions=positions, block_mask=mask, prefix_len=prefix_len,
+                            page_table=page_table)
+        logits, _ = model(inp, cache)
+        raw = jax.nn.softmax(sampling.exclude_token(logits, cfg.mask_token_id), axis=-1)
+        probs = sampling.processed_probs(logits, temperature, top_k, top_p, cfg.mask_token_id)
+        step_keys = jax.vmap(lambda k: jax.random.fold_in(k, i))(typed)
+        cand = jax.vmap(sampling.sample)(step_keys, probs)
+        conf = jnp.take_along_axis(raw, cand[..., None], axis=-1)[..., 0]  # untempered confidence
+        is_mask = tokens == cfg.mask_token_id
+        conf = jnp.where(is_mask, conf, -jnp.inf)
+        best = jnp.argmax(conf, axis=1)
+        take = (conf >= threshold[:, None]) | (jnp.arange(blk)[None, :] == best[:, None])
+        take = take & is_mask & live[:, None]
+        tokens = jnp.where(take, cand, tokens)
+        return tokens, steps + live.astype(jnp.int32), i + 1
+
+      tokens, steps, _ = jax.lax.while_loop(cond, body, (tokens0, jnp.zeros((b,), jnp.int32), jnp.int32(0)))
+      return tokens, steps
+
+    return fn
+
+  # ---- compilation -------------------------------------------------------------------------------------------------
+  def _spec(self, kind: str, blk: int, b: int) -> tuple[Callable, tuple, tuple]:
+    """(function, example args after (state, cache), donate) for one variant."""
+    cfg, rc = self.cfg, self.config
+    P = rc.pages_per_seq
+    i32 = lambda *s: np.zeros(s, np.int32)
+    samp = SamplingArrays.greedy(b).args()
+    V = cfg.vocab_size
+    if kind == "prefill":
+      return (self._prefill_fn(blk), (i32(b, blk), np.zeros((b, blk), bool), i32(b), i32(b, P), i32(b)) + samp,
+              (1,))
+    if kind == "draft":
+      return self._draft_fn(blk, lora=True), (i32(b), i32(b), i32(b, P)) + samp, ()
+    if kind == "verify":
+      q = jax.ShapeDtypeStruct((b, blk, V), jnp.float32)
+      return (self._verify_fn(blk, rc.rule), (i32(b, blk), q, np.zeros((b,), bool), i32(b), i32(b, P)) + samp,
+              (1,))
+    if kind == "denoise":
+      return (self._denoise_fn(blk), (i32(b), i32(b), i32(b, P), np.zeros(b, np.float32)) + samp +
+              (np.zeros(b, bool),), ())
+    raise ValueError(kind)
+
+  def compiled(self, kind: str, blk: int, b: int):
+    key = (kind, blk, b)
+    fn = self._compiled.get(key)
+    if fn is None:
+      f, args, donate = self._spec(kind, blk, b)
+      fn = jax.jit(f, donate_argnums=donate).lower(self.state, self.cache, *args).compile()
+      self._compiled[key] = fn
+    return fn
+
+  def variants(self, kinds: tuple[str, ...]) -> list[tuple[str, int, int]]:
+    out = []
+    for b in self.buckets:
+      if "prefill" in kinds:
+        out.append(("prefill", self.config.prefill_chunk, b))
+      if "verify" in kinds:
+        out.append(("verify", 1, b))
+      for blk in self.config.block_sizes:
+        for kind in ("draft", "verify", "denoise"):
+          if kind in kinds:
+            out.append((kind, blk, b))
+        if "denoise" in kinds:
+          out.append(("prefill", blk, b))  # commits a denoised block
+    return list(dict.fromkeys(out))
+
+  def warmup(self, kinds=("prefill", "draft", "verify"), progress: bool = True) -> None:
+    todo = [v for v in self.variants(kinds) if v not in self._compiled]
+    it = todo
+    if progress and todo:
+      from tqdm import tqdm
+      it = tqdm(todo, desc="compiling step variants", unit="variant")
+    for v in it:
+      self.compiled(*v)
+    self.mark_warm()
+
+  # ---- calls (host arrays in, host arrays out) ---------------------------------------------------------------------
+  def prefill(self, tokens, valid, prefix_len, page_table, last_idx, samp: SamplingArrays):
+    b, chunk = tokens.shape
+    fn = self.compiled("prefill", chunk, b)
+    self.cache, tok, lp, top_lp, top_ids = fn(self.state, self.cache, tokens, valid, prefix_len, page_table,
+                                              last_idx, *samp.args())
+    return np.asarray(tok), np.asarray(lp), np.asarray(top_lp), np.asarray(top_ids)
+
+  def draft(self, seed, prefix_len, page_table, blk: int, samp: SamplingArrays):
+    """Returns device arrays (draft tokens [b, B], their distributions [b, B, V]) for `verify`."""
+    fn = self.compiled("draft", blk, seed.shape[0])
+    return fn(self.state, self.cache, seed, prefix_len, page_table, *samp.args())
+
+  def verify(self, tokens, q, write, prefix_len, page_table, samp: SamplingArrays) -> VerifyResult:
+    b, blk = tokens.shape
+    if q is None:  # AR decode: nothing to accept, the draft distribution is unused
+      if blk != 1:
+        raise ValueError("verify without draft distributions is only AR decode (block of 1)")
+      q = self._dummy_q(b)
+    fn = self.compiled("verify", blk, b)
+    self.cache, acc, out, lp, top_lp, top_ids = fn(self.state, self.cache, tokens, q, write, prefix_len,
+                                                   page_table, *samp.args())
+    return VerifyResult(np.asarray(acc), np.asarray(out), np.asarray(lp), np.asarray(top_lp), np.asarray(top_ids))
+
+  def _dummy_q(self, b: int):
+    key = ("dummy_q", b)
+    if key not in self._compiled:
+      self._compiled[key] = np.zeros((b, 1, self.cfg.vocab_size), np.float32)
+    return self._compiled[key]
+
+  def denoise(self, seed, prefix_len, page_table, threshold, blk: int, samp: SamplingArrays, active):
+    fn = self.compiled("denoise", blk, seed.shape[0])
+    tokens, steps = fn(self.state, self.cache, seed, prefix_len, page_table, threshold, *samp.args(), active)
+    return np.asarray(tokens), np.asarray(steps)

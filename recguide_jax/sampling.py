@@ -1,0 +1,115 @@
+"""Device-side sampling and speculative acceptance (pure jnp, used inside the jitted steps).
+
+Distributions are processed per request: temperature, top-k and top-p, with the mask token always excluded. A
+temperature of 0 makes the processed distribution one-hot at the argmax, so greedy decoding is the temperature-0
+case of the same code: every acceptance rule below then reduces to "accept while the verifier's argmax equals the
+draft".
+
+Speculative acceptance (lossless for any draft distribution q the draft tokens were sampled from):
+- `leviathan`: accept draft x_j with probability min(1, p_{j-1}(x_j) / q_j(x_j)); at the first rejection sample
+  from norm(max(0, p - q)); after a fully accepted block the bonus token comes from p.
+- `reference` (NLD's public rule): draw an independent verifier sample y_{j-1} ~ p_{j-1} and accept while it equals
+  the draft; the emitted tokens are the verifier's samples.
+Here p_{j-1} is the verifier distribution at block index j-1, which predicts the token at index j.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+NEG_INF = -jnp.inf
+RULES = ("leviathan", "reference")
+NUM_TOP_LOGPROBS = 5
+
+
+def exclude_token(logits: jax.Array, token_id: int) -> jax.Array:
+  return logits.at[..., token_id].set(NEG_INF)
+
+
+def _filter_top_k_top_p(logits: jax.Array, top_k: jax.Array, top_p: jax.Array) -> jax.Array:
+  """logits [b, T, V]; top_k [b] (0 = off); top_p [b] (1 = off). Keeps ties at the cut."""
+  vocab = logits.shape[-1]
+  srt = jnp.sort(logits, axis=-1)[..., ::-1]  # descending
+  k = jnp.where(top_k > 0, jnp.minimum(top_k, vocab), vocab)
+  kth = jnp.take_along_axis(srt, (k - 1)[:, None, None].astype(jnp.int32).repeat(logits.shape[1], 1), axis=-1)
+  probs = jax.nn.softmax(srt, axis=-1)
+  before = jnp.cumsum(probs, axis=-1) - probs  # mass strictly before each sorted entry
+  keep_sorted = before < top_p[:, None, None]
+  keep_sorted = keep_sorted.at[..., 0].set(True)
+  # the smallest kept logit in sorted order is the top-p cutoff
+  pth = jnp.min(jnp.where(keep_sorted, srt, jnp.inf), axis=-1, keepdims=True)
+  cut = jnp.maximum(kth, pth)
+  return jnp.where(logits >= cut, logits, NEG_INF)
+
+
+def processed_probs(logits: jax.Array, temperature: jax.Array, top_k: jax.Array, top_p: jax.Array,
+                    mask_token_id: int) -> jax.Array:
+  """The distribution each request samples from: [b, T, V] float32 (one-hot at the argmax for temperature 0)."""
+  logits = exclude_token(logits.astype(jnp.float32), mask_token_id)
+  greedy = temperature <= 0
+  needs_filter = jnp.any(((top_k > 0) | (top_p < 1)) & ~greedy)
+  safe_t = jnp.where(greedy, 1.0, temperature)[:, None, None]
+  scaled = logits / safe_t
+  scaled = jax.lax.cond(needs_filter, lambda x: _filter_top_k_top_p(x, top_k, top_p), lambda x: x, scaled)
+  probs = jax.nn.softmax(scaled, axis=-1)
+  onehot = jax.nn.one_hot(jnp.argmax(logits, axis=-1), logits.shape[-1], dtype=jnp.float32)
+  return jnp.where(greedy[:, None, None], onehot, probs)
+
+
+def sample(key: jax.Array, probs: jax.Array) -> jax.Array:
+  """One sample per row of probs [..., V] (exactly the argmax for one-hot rows)."""
+  return jax.random.categorical(key, jnp.log(probs), axis=-1).astype(jnp.int32)
+
+
+def raw_logprobs(logits: jax.Array, tokens: jax.Array, mask_token_id: int):
+  """Log-probabilities of `tokens` under the model's raw distribution (mask excluded), plus the top entries."""
+  lp = jax.nn.log_softmax(exclude_token(logits.astype(jnp.float32), mask_token_id), axis=-1)
+  chosen = jnp.take_along_axis(lp, tokens[..., None], axis=-1)[..., 0]
+  top_lp, top_ids = jax.lax.top_k(lp, NUM_TOP_LOGPROBS)
+  return chosen, top_lp, top_ids.astype(jnp.int32)
+
+
+def split_keys(keys: jax.Array, n: int) -> list[jax.Array]:
+  """keys: [b, 2] uint32 raw key data, one stream per request -> n arrays of [b] typed keys."""
+  typed = jax.random.wrap_key_data(keys)
+  parts = jax.vmap(lambda k: jax.random.split(k, n))(typed)  # [b, n]
+  return [parts[:, i] for i in range(n)]
+
+
+def accept(rule: str, key_data: jax.Array, p: jax.Array, q: jax.Array, draft: jax.Array):
+  """Speculative acceptance for a batch of blocks.
+
+  p: [b, B, V] verifier distributions (index j predicts block index j+1); q: [b, B, V] the draft distributions
+  (index j is the distribution draft[j] was drawn from; index 0, the seed, is unused); draft: [b, B] (draft[0] is
+  the seed). Returns (accepted [b] in 1..B, out [b, B]) where out[:accepted] are the tokens to emit.
+  """
+  if rule not in RULES:
+    raise ValueError(f"unknown acceptance rule {rule!r}; expected one of {RULES}")
+  b, blk, _ = p.shape
+  k_u, k_res, k_ver = split_keys(key_data, 3)
+  x = draft[:, 1:]  # [b, B-1] tokens to verify
+  p_prev = p[:, :-1]  # [b, B-1, V] predicts x
+  if rule == "leviathan":
+    p_x = jnp.take_along_axis(p_prev, x[..., None], axis=-1)[..., 0]
+    q_x = jnp.take_along_axis(q[:, 1:], x[..., None], axis=-1)[..., 0]
+    u = 1.0 - jax.vmap(lambda k: jax.random.uniform(k, (blk - 1,)))(k_u)  # (0, 1]: u*q <= 0 never accepts p=0
+    ok = u * q_x <= p_x
+    m = jnp.sum(jnp.cumprod(ok.astype(jnp.int32), axis=1), axis=1)  # leading accepts, 0..B-1
+    p_m = jnp.take_along_axis(p, m[:, None, None], axis=1)[:, 0]  # [b, V]
+    q_next = jnp.take_along_axis(q, jnp.minimum(m + 1, blk - 1)[:, None, None], axis=1)[:, 0]
+    residual = jnp.maximum(p_m - q_next, 0.0)
+    total = jnp.sum(residual, axis=-1, keepdims=True)
+    residual = jnp.where(total > 0, residual / jnp.where(total > 0, total, 1.0), p_m)
+    final_dist = jnp.where((m < blk - 1)[:, None], residual, p_m)
+    final = jax.vmap(lambda k, d: sample(k, d))(k_res, final_dist)
+    out = jnp.concatenate([x, jnp.zeros((b, 1), jnp.int32)], axis=1)
+  else:
+    y = jax.vmap(lambda k, d: sample(k, d))(k_ver, p)  # [b, B] independent verifier samples
+    ok = y[:, :-1] == x
+    m = jnp.sum(jnp.cumprod(ok.astype(jnp.int32), axis=1), axis=1)
+    final = jnp.take_along_axis(y, m[:, None], axis=1)[:, 0]
+    out = y
+  idx = jnp.arange(blk)[None, :]
+  out = jnp.where(idx == m[:, None], final[:, None], out)
+  return m + 1, out.astype(jnp.int32)

@@ -1,0 +1,103 @@
+"""OpenAI-shaped response bodies and stream chunks.
+
+Every body carries the OpenAI fields; `speculation` (the request's RequestStats) sits next to `usage` as an
+extension that OpenAI clients keep as an extra attribute.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from typing import Sequence
+
+from recguide_jax.tokenizer import Tokenizer
+
+# JSON has no -inf; vLLM clamps the same way
+_MIN_LOGPROB = -9999.0
+
+
+def sse(obj) -> str:
+  return f"data: {json.dumps(obj, separators=(',', ':'))}\n\n"
+
+
+SSE_DONE = "data: [DONE]\n\n"
+
+
+def usage(prompt_tokens: int, completion_tokens: int) -> dict:
+  return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+          "total_tokens": prompt_tokens + completion_tokens}
+
+
+def _lp(x: float) -> float:
+  return float(x) if math.isfinite(x) else _MIN_LOGPROB
+
+
+def _token(tokenizer: Tokenizer, token_id: int) -> str:
+  return tokenizer.decode([token_id], skip_special_tokens=False)
+
+
+def completion_logprobs(tokenizer: Tokenizer, entries: Sequence[dict], offset: int) -> tuple[dict, int]:
+  """Legacy completions format; returns it and the text offset after these tokens."""
+  tokens, token_lps, tops, offsets = [], [], [], []
+  for e in entries:
+    tok = _token(tokenizer, e["token_id"])
+    tokens.append(tok)
+    token_lps.append(_lp(e["logprob"]))
+    offsets.append(offset)
+    offset += len(tok)
+    top = e.get("top_logprobs")
+    tops.append({_token(tokenizer, t): _lp(v) for t, v in top.items()} if top else None)
+  return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops, "text_offset": offsets}, offset
+
+
+def chat_logprobs(tokenizer: Tokenizer, entries: Sequence[dict]) -> dict:
+
+  def item(token_id, logprob):
+    tok = _token(tokenizer, token_id)
+    return {"token": tok, "logprob": _lp(logprob), "bytes": list(tok.encode("utf-8"))}
+
+  content = []
+  for e in entries:
+    entry = item(e["token_id"], e["logprob"])
+    entry["top_logprobs"] = [item(t, v) for t, v in (e.get("top_logprobs") or {}).items()]
+    content.append(entry)
+  return {"content": content}
+
+
+def completion(rid: str, created: int, model: str, text: str, finish_reason: str, logprobs, use: dict,
+               speculation: dict) -> dict:
+  return {"id": rid, "object": "text_completion", "created": created, "model": model,
+          "choices": [{"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}],
+          "usage": use, "speculation": speculation}
+
+
+def chat(rid: str, created: int, model: str, text: str, finish_reason: str, logprobs, use: dict,
+         speculation: dict) -> dict:
+  return {"id": rid, "object": "chat.completion", "created": created, "model": model,
+          "choices": [{"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": logprobs,
+                       "finish_reason": finish_reason}],
+          "usage": use, "speculation": speculation}
+
+
+def chunk(chat_kind: bool, rid: str, created: int, model: str, text: str | None, *, role: bool = False,
+          finish_reason: str | None = None, logprobs=None, include_usage: bool = False) -> dict:
+  """One stream chunk. `role` marks the first chat chunk; with include_usage every chunk has `usage: null`,
+  as OpenAI does, and a last chunk with empty choices carries the usage."""
+  if chat_kind:
+    delta = {"role": "assistant"} if role else {}
+    if text is not None:
+      delta["content"] = text
+    choice = {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
+    obj = "chat.completion.chunk"
+  else:
+    choice = {"index": 0, "text": text or "", "logprobs": logprobs, "finish_reason": finish_reason}
+    obj = "text_completion"
+  out = {"id": rid, "object": obj, "created": created, "model": model, "choices": [choice]}
+  if include_usage:
+    out["usage"] = None
+  return out
+
+
+def usage_chunk(chat_kind: bool, rid: str, created: int, model: str, use: dict, speculation: dict) -> dict:
+  return {"id": rid, "object": "chat.completion.chunk" if chat_kind else "text_completion", "created": created,
+          "model": model, "choices": [], "usage": use, "speculation": speculation}

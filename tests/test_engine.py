@@ -1,0 +1,207 @@
+"""Engine: losslessness of every decoding path against greedy AR, batch invariance, continuous batching, stop
+conditions, no KV page leaks, and no compilation after warm-up."""
+
+import numpy as np
+import pytest
+
+from recguide_jax import SamplingParams
+from recguide_jax import policies
+from recguide_jax.engine import RequestError
+from recguide_jax.model import ForwardInputs
+
+GREEDY = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
+
+
+def varied_prompts(n=20, seed=0, vocab=128):
+  rng = np.random.default_rng(seed)
+  prompts = []
+  for i in range(n):
+    length = int(rng.choice([1, 2, 5, 9, 16, 17, 33, 60]))
+    if i % 4 == 0:  # repetitive prompts push the model into loops, others are noise
+      prompts.append([int(t) for t in np.tile(rng.integers(4, vocab, 3), length)[:length]])
+    else:
+      prompts.append([int(t) for t in rng.integers(4, vocab, length)])
+  return prompts
+
+
+def run(llm, policy, prompts, params=GREEDY, join_every=None):
+  """Runs prompts through the engine; with join_every=k a new request joins every k engine steps."""
+  llm.set_policy(policy)
+  eng = llm.engine
+  if join_every is None:
+    reqs = [eng.add_request(p, params) for p in prompts]
+    eng.run_until_done()
+  else:
+    reqs, pending, steps = [], list(prompts), 0
+    while pending or eng.has_work():
+      if pending and steps % join_every == 0:
+        reqs.append(eng.add_request(pending.pop(0), params))
+      eng.step()
+      steps += 1
+  assert eng.allocator.num_used == 0
+  eng.allocator.check()
+  return reqs
+
+
+@pytest.fixture(scope="module")
+def ar_outputs(tiny_llm):
+  prompts = varied_prompts()
+  reqs = run(tiny_llm, policies.ARPolicy(), prompts)
+  return prompts, [r.output_ids for r in reqs]
+
+
+@pytest.mark.parametrize("block", [8, 16, 32])
+def test_linear_greedy_equals_ar_batch1(tiny_llm, ar_outputs, block):
+  prompts, expected = ar_outputs
+  for p, exp in zip(prompts, expected):
+    (req,) = run(tiny_llm, policies.LinearPolicy(block), [p])
+    assert req.output_ids == exp
+    assert sum(req.stats.accepted_lengths) >= len(exp) - 1
+    assert req.stats.forwards["draft"] == req.stats.forwards["verify"] == req.stats.rounds
+
+
+@pytest.mark.parametrize("block", [8, 16, 32])
+def test_linear_greedy_equals_ar_batch8_joining(tiny_llm, ar_outputs, block):
+  prompts, expected = ar_outputs
+  reqs = run(tiny_llm, policies.LinearPolicy(block), prompts, join_every=3)
+  assert [r.output_ids for r in reqs] == expected
+  assert max(len(tiny_llm.engine.running), 0) == 0
+
+
+def test_ar_batch_invariance(tiny_llm, ar_outputs):
+  prompts, expected = ar_outputs
+  # same requests in other company: together, reversed, and interleaved with sampled requests
+  reqs = run(tiny_llm, policies.ARPolicy(), prompts[::-1], join_every=2)
+  assert [r.output_ids for r in reqs][::-1] == expected
+  mixed = []
+  for p in prompts[:6]:
+    mixed.append((p, GREEDY))
+    mixed.append((p[::-1], SamplingParams(max_tokens=25, temperature=1.0, seed=3)))
+  tiny_llm.set_policy(policies.LinearPolicy(16))
+  eng = tiny_llm.engine
+  rs = [eng.add_request(p, sp) for p, sp in mixed]
+  eng.run_until_done()
+  assert [r.output_ids for r in rs[::2]] == expected[:6]
+
+
+def test_diffusion_commit_seeds_are_ar_predictions(tiny_llm, tiny_model):
+  """Block diffusion is not AR-equivalent, but every committed block's seed is the AR argmax after it."""
+  import jax.numpy as jnp
+  prompts = varied_prompts(4, seed=5)
+  reqs = run(tiny_llm, policies.DiffusionPolicy(8, threshold=0.5), prompts,
+             SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True))
+  for p, r in zip(prompts, reqs):
+    assert len(r.output_ids) == 24
+    seq = p + r.output_ids
+    n = len(seq)
+    logits, _ = tiny_model(ForwardInputs(tokens=jnp.asarray([seq]), positions=jnp.arange(n)[None],
+                                         block_mask=jnp.tril(jnp.ones((n, n), bool))))
+    ar = np.asarray(jnp.argmax(logits[0].at[:, 3].set(-jnp.inf), -1))
+    # output index 0 is the prefill's token; then each round emits 7 denoised tokens + 1 committed seed
+    assert r.output_ids[0] == ar[len(p) - 1]
+    for k in range(8, 24, 8):
+      assert r.output_ids[k] == ar[len(p) + k - 1]
+    assert r.stats.forwards["commit"] == 3 and r.stats.forwards["denoise"] >= 3
+
+
+def test_stop_conditions(tiny_llm, ar_outputs):
+  prompts, expected = ar_outputs
+  tiny_llm.set_policy(policies.LinearPolicy(8))
+  eng = tiny_llm.engine
+  target = expected[1]
+  stop_tok = target[10]
+  r1 = eng.add_request(prompts[1], SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True,
+                                                  stop_token_ids=[stop_tok]))
+  r2 = eng.add_request(prompts[1], SamplingParams(max_tokens=7, temperature=0.0, ignore_eos=True))
+  eng.run_until_done()
+  first = target.index(stop_tok)
+  assert r1.output_ids == target[:first + 1] and r1.finish_reason == "stop"
+  assert r2.output_ids == target[:7] and r2.finish_reason == "length"
+
+
+def test_eos_stops_unless_ignored(tiny_llm, ar_outputs):
+  prompts, expected = ar_outputs
+  tiny_llm.set_policy(policies.LinearPolicy(16))
+  eng = tiny_llm.engine
+  # pretend the 5th generated token is EOS by making it a stop id; ignore_eos keeps going past real EOS
+  r = eng.add_request(prompts[2], SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=False))
+  eng.run_until_done()
+  eos = tiny_llm.cfg.eos_token_ids[0]
+  exp = expected[2]
+  cut = exp.index(eos) + 1 if eos in exp else len(exp)
+  assert r.output_ids == exp[:cut]
+
+
+def test_abort_and_errors_leak_no_pages(tiny_llm):
+  tiny_llm.set_policy(policies.LinearPolicy(16))
+  eng = tiny_llm.engine
+  prompts = varied_prompts(8, seed=9)
+  reqs = [eng.add_request(p, SamplingParams(max_tokens=60, temperature=0.7, seed=i)) for i, p in enumerate(prompts)]
+  eng.step()
+  eng.step()
+  assert eng.allocator.num_used > 0
+  assert eng.abort(reqs[0].request_id) and eng.abort(reqs[5].request_id)
+  assert not eng.abort("no-such-request")
+  # a device step that raises: the engine fails the in-flight requests and frees their pages
+  real = eng.runner.verify
+
+  def boom(*a, **k):
+    raise RuntimeError("injected device failure")
+
+  eng.runner.verify = boom
+  try:
+    with pytest.raises(RuntimeError):
+      eng.step()
+  finally:
+    eng.runner.verify = real
+  eng.fail_all("injected")
+  assert all(r.finished for r in reqs)
+  assert reqs[0].finish_reason == "abort" and reqs[1].finish_reason == "error"
+  assert eng.allocator.num_used == 0 and not eng.running and not eng.waiting
+  eng.allocator.check()
+
+
+def test_bad_requests_rejected(tiny_llm):
+  eng = tiny_llm.engine
+  with pytest.raises(RequestError, match="prompt"):
+    eng.add_request([], GREEDY)
+  with pytest.raises(RequestError, match="vocabulary"):
+    eng.add_request([5, 999], GREEDY)
+  with pytest.raises(RequestError, match="max_model_len"):
+    eng.add_request([5] * 250, GREEDY)
+  for bad in [dict(max_tokens=0), dict(temperature=-1.0), dict(top_p=0.0), dict(top_p=1.5), dict(top_k=-2),
+              dict(logprobs=99), dict(stop=[""])]:
+    with pytest.raises(RequestError, match=list(bad)[0]):
+      eng.add_request([5, 6], SamplingParams(**bad))
+  assert not eng.has_work()
+
+
+def test_logprobs_and_stats(tiny_llm, ar_outputs):
+  prompts, expected = ar_outputs
+  tiny_llm.set_policy(policies.LinearPolicy(8))
+  (out,) = tiny_llm.generate([prompts[3]], SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True,
+                                                          logprobs=3))
+  assert out.token_ids == expected[3][:12]
+  assert len(out.logprobs) == 12
+  for entry, tok in zip(out.logprobs, out.token_ids):
+    assert entry["token_id"] == tok and entry["logprob"] <= 0
+    assert len(entry["top_logprobs"]) == 3
+    # greedy: the chosen token is the most likely one
+    assert max(entry["top_logprobs"].values()) == pytest.approx(entry["logprob"], abs=1e-5)
+  s = out.stats
+  assert s["rounds"] == len(s["accepted_lengths"]) and s["ttft_s"] > 0
+  assert s["forwards"]["prefill"] == -(-len(prompts[3]) // 16)  # chunked prefill, chunk 16
+  assert 1 + sum(s["accepted_lengths"]) >= 12
+
+
+def test_no_compiles_after_warmup(tiny_model):
+  from recguide_jax import LLM
+  llm = LLM(model=tiny_model, policy="linear", block_size=8, max_batch=4, max_model_len=128, page_size=8,
+            prefill_chunk=16, compile_cache_dir=None)
+  prompts = varied_prompts(7, seed=3)
+  params = [SamplingParams(max_tokens=20, temperature=t, top_k=k, top_p=p, seed=i)
+            for i, (t, k, p) in enumerate([(0, 0, 1), (1.0, 5, 1), (0.7, 0, 0.9), (0, 0, 1), (1.3, 0, 1),
+                                           (0, 0, 1), (0.5, 3, 0.5)])]
+  llm.generate(prompts, params)
+  llm.generate(prompts[:3], params[:3])
+  assert llm.runner.compiles_after_warmup == 0

@@ -1,0 +1,78 @@
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis import given, settings, strategies as st
+
+from recguide_jax.kv_cache import TRASH_PAGE, OutOfPages, PageAllocator, write_block, gather_prefix
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.tuples(st.sampled_from(["add", "reserve", "commit", "crop", "trim", "free"]),
+                          st.integers(0, 5), st.integers(0, 120)), max_size=60))
+def test_page_accounting_property(ops):
+  alloc = PageAllocator(num_pages=24, page_size=8, max_pages_per_seq=10)
+  live = set()
+  for op, seq, n in ops:
+    if op == "add":
+      if seq in live:
+        with pytest.raises(KeyError):
+          alloc.add(seq)
+      else:
+        alloc.add(seq)
+        live.add(seq)
+    elif seq not in live:
+      continue
+    elif op == "reserve":
+      before = (alloc.num_free, alloc.pages(seq))
+      try:
+        alloc.reserve(seq, n)
+        assert len(alloc.pages(seq)) >= alloc.pages_for(n)
+      except OutOfPages:
+        assert (alloc.num_free, alloc.pages(seq)) == before  # a failed reserve changes nothing
+    elif op == "commit":
+      cap = len(alloc.pages(seq)) * alloc.page_size
+      if n <= cap:
+        alloc.commit(seq, n)
+        assert alloc.length(seq) == n
+      else:
+        with pytest.raises(ValueError):
+          alloc.commit(seq, n)
+    elif op == "crop":
+      if n <= alloc.length(seq):
+        alloc.crop(seq, n)
+        assert len(alloc.pages(seq)) == alloc.pages_for(n)
+    elif op == "trim":
+      alloc.trim(seq)
+    elif op == "free":
+      alloc.free(seq)
+      live.discard(seq)
+    alloc.check()
+  for seq in list(live):
+    alloc.free(seq)
+  alloc.check()
+  assert alloc.num_free == 23 and alloc.num_used == 0
+
+
+def test_trash_page_never_allocated():
+  alloc = PageAllocator(num_pages=4, page_size=2, max_pages_per_seq=8)
+  alloc.add("a")
+  alloc.reserve("a", 6)
+  assert TRASH_PAGE not in alloc.pages("a")
+  with pytest.raises(OutOfPages):
+    alloc.reserve("a", 7)
+  row = alloc.page_table_row("a", 5)
+  assert list(row[3:]) == [TRASH_PAGE, TRASH_PAGE]
+
+
+def test_write_block_and_gather_roundtrip():
+  rng = np.random.default_rng(0)
+  pages = jnp.zeros((6, 4, 2, 3), jnp.float32)
+  table = np.array([[2, 5, 1], [3, 4, 0]], np.int32)
+  k_new = rng.normal(size=(2, 5, 2, 3)).astype(np.float32)
+  positions = np.array([[3, 4, 5, 6, 7], [0, 1, 2, 3, 4]], np.int32)
+  write = np.array([[True] * 5, [True, True, True, False, False]])
+  k_pages, _ = write_block(pages, pages, k_new, k_new, table, positions, write)
+  logical = np.asarray(gather_prefix(k_pages, table))
+  np.testing.assert_array_equal(logical[0, 3:8], k_new[0])
+  np.testing.assert_array_equal(logical[1, 0:3], k_new[1, :3])
+  np.testing.assert_array_equal(logical[1, 3:5], 0)  # unwritten tokens went to the trash page
