@@ -130,8 +130,9 @@ def _make_policy(policies):
 
 
 def _exit_after_shutdown(signum, frame):
-  # uvicorn catches SIGTERM itself, shuts down gracefully, then re-raises the signal to this handler
-  raise SystemExit(0)
+  # uvicorn catches SIGTERM / SIGINT itself, shuts down gracefully, then re-raises the signal to the handler it
+  # found: this one, so the process ends with a status instead of a signal death or a KeyboardInterrupt traceback
+  raise SystemExit(0 if signum == signal.SIGTERM else 128 + signum)
 
 
 def main(argv):
@@ -141,6 +142,7 @@ def main(argv):
   host, port = _HOST.value, _PORT.value
   _check_port(host, port)
   signal.signal(signal.SIGTERM, _exit_after_shutdown)
+  signal.signal(signal.SIGINT, _exit_after_shutdown)
 
   # Imported only now so that bad flags are reported at once, before jax loads.
   import uvicorn

@@ -127,7 +127,8 @@ class Request:
   seed_token: int | None = None  # emitted, not yet cached
   rng_seed: int = 0
   round_counter: int = 0
-  text: str = ""
+  text: str | None = None  # set when finished (cut before a stop string if one matched)
+  error_code: int | None = None
   policy_state: dict = dataclasses.field(default_factory=dict)
 
   @property
@@ -153,6 +154,7 @@ class Engine:
     self.totals = collections.Counter()  # engine-wide counters for /metrics
     self.accepted_per_position = collections.Counter()  # block index -> accepted draft tokens there
     self.block_size_choices = collections.Counter()
+    self.signal_log: list[dict] | None = None  # set to [] to record per-round draft signals (analysis)
 
   # ---- requests --------------------------------------------------------------------------------------------------
   def max_block(self) -> int:
@@ -161,6 +163,9 @@ class Engine:
   def validate_request(self, prompt_ids: Sequence[int], params: SamplingParams) -> list[int]:
     """Checks a request without touching engine state (safe from any thread); returns the prompt as ints."""
     params.validate(self.cfg.vocab_size)
+    if params.logprobs is not None and not self.policy.supports_logprobs:
+      raise RequestError(f"logprobs are not available with the {self.policy.name} policy (denoised tokens have "
+                         "no AR distribution)", "logprobs")
     try:
       prompt_ids = [int(t) for t in prompt_ids]
     except (TypeError, ValueError):
@@ -182,7 +187,7 @@ class Engine:
     return prompt_ids
 
   def add_request(self, prompt_ids: Sequence[int], params: SamplingParams, request_id: str | None = None,
-                  on_update=None, validated: bool = False) -> Request:
+                  on_update=None, validated: bool = False, arrival: float | None = None) -> Request:
     if not validated:
       prompt_ids = self.validate_request(prompt_ids, params)
     if len(self.waiting) >= self.max_queue:
@@ -190,6 +195,8 @@ class Engine:
     rid = request_id or f"req-{next(self._ids)}"
     seed = params.seed if params.seed is not None else int(np.random.randint(0, 2**31 - 1))
     req = Request(rid, list(prompt_ids), params, on_update=on_update, rng_seed=seed & 0xFFFFFFFF)
+    if arrival is not None:
+      req.arrival = arrival
     self.waiting.append(req)
     self.totals["requests_added"] += 1
     return req
@@ -336,8 +343,10 @@ class Engine:
     for i, r in enumerate(reqs):
       seed[i] = r.seed_token
       write[i] = True
-    drafted, q = self.runner.draft(seed, prefix_len, page_table, blk, samp)
+    drafted, q, signals = self.runner.draft(seed, prefix_len, page_table, blk, samp)
     res = self.runner.verify(drafted, q, write, prefix_len, page_table, samp)
+    res.draft_tokens = np.asarray(drafted)
+    res.draft_signals = np.asarray(signals)
     self.totals["forwards_draft"] += 1
     self.totals["forwards_verify"] += 1
     for i, r in enumerate(reqs):
@@ -363,6 +372,11 @@ class Engine:
     self.allocator.commit(r.request_id, c + accepted)
     self.allocator.trim(r.request_id)
     self.policy.observe(r, blk, accepted, res, i)
+    if self.signal_log is not None and res.draft_signals is not None:
+      self.signal_log.append({"block_size": blk, "accepted": accepted,
+                              "draft": res.draft_tokens[i].tolist(), "out": res.tokens[i, :accepted].tolist(),
+                              "conf": res.draft_signals[i, 0].tolist(), "margin": res.draft_signals[i, 1].tolist(),
+                              "alt": res.draft_signals[i, 2].astype(int).tolist()})
     self._emit(r, toks, list(res.logprobs[i, :accepted]), res.top_logprobs[i, :accepted], res.top_ids[i, :accepted])
 
   def _round_diffusion(self, reqs: list[Request], blk: int) -> None:
@@ -448,8 +462,11 @@ class Engine:
         for n in range(1, len(r.output_ids) + 1):
           if len(self.tokenizer.decode(r.output_ids[:n])) > pos:
             break
+        cut = len(r.output_ids) - n
         del r.output_ids[n:]
         del r.logprobs[n:]
+        if cut:
+          new = new[:max(len(new) - cut, 0)]
         r.text = text[:pos]
         reason = "stop"
     if r.seed_token is None or new:
@@ -466,8 +483,8 @@ class Engine:
     r.finish_reason = reason
     r.error = error
     r.stats.latency_s = time.perf_counter() - r.arrival
-    if self.tokenizer is not None and not r.text:
-      r.text = self.tokenizer.decode(r.output_ids)
+    if r.text is None:
+      r.text = self.tokenizer.decode(r.output_ids) if self.tokenizer is not None else ""
     if r.request_id in self._pledged:
       del self._pledged[r.request_id]
       self.allocator.free(r.request_id)
@@ -503,7 +520,11 @@ class EngineThread:
     self._thread.start()
     return self
 
+  def is_alive(self) -> bool:
+    return self._thread.is_alive()
+
   def submit(self, prompt_ids, params: SamplingParams, request_id: str, on_update=None) -> None:
+    arrival = time.perf_counter()
     prompt_ids = self.engine.validate_request(prompt_ids, params)
     with self._cond:
       if self._stop:
@@ -511,7 +532,7 @@ class EngineThread:
       queued = sum(1 for kind, *_ in self._inbox if kind == "add") + len(self.engine.waiting)
       if queued >= self.engine.max_queue:
         raise QueueFull(f"the request queue is full ({self.engine.max_queue} waiting)")
-      self._inbox.append(("add", prompt_ids, params, request_id, on_update))
+      self._inbox.append(("add", prompt_ids, params, request_id, on_update, arrival))
       self._cond.notify()
 
   def abort(self, request_id: str) -> None:
@@ -527,11 +548,12 @@ class EngineThread:
     while self._inbox:
       item = self._inbox.popleft()
       if item[0] == "add":
-        _, prompt_ids, params, rid, on_update = item
+        _, prompt_ids, params, rid, on_update, arrival = item
         try:
-          self.engine.add_request(prompt_ids, params, rid, on_update, validated=True)
+          self.engine.add_request(prompt_ids, params, rid, on_update, validated=True, arrival=arrival)
         except RequestError as e:
           req = Request(rid, prompt_ids, params, on_update=on_update)
+          req.error_code = e.code
           self.engine._finish(req, "error", str(e))
       else:
         # an abort may arrive before its add was moved in: handled because adds come first in FIFO order

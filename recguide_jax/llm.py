@@ -73,8 +73,10 @@ class LLM:
     self.runner = Runner(model, self.runner_config)
     self.engine = Engine(self.runner, self.policy, tokenizer=tokenizer, max_queue=max_queue)
     if warmup:
-      kinds = ("prefill", "draft", "verify", "denoise") if block_sizes else self.policy.step_kinds()
-      self.runner.warmup(kinds)
+      if block_sizes:  # several policies will share this LLM: compile every kind for the requested sizes
+        self.runner.warmup(("prefill", "draft", "verify", "denoise"), tuple(block_sizes))
+      else:
+        self.runner.warmup(self.policy.step_kinds(), self.policy.block_sizes())
 
   def set_policy(self, policy: str | policies_lib.Policy, block_size: int = 16, threshold: float = 0.9) -> None:
     """Switches the decoding policy for later requests (compiled variants are kept)."""

@@ -20,6 +20,7 @@ class RoundPlan:
 class Policy:
   name = "base"
   threshold = 0.9  # confidence threshold of the diffusion denoise loop
+  supports_logprobs = True
 
   def plan(self, req, engine) -> RoundPlan:
     raise NotImplementedError
@@ -68,6 +69,7 @@ class LinearPolicy(Policy):
 class DiffusionPolicy(Policy):
   """NLD's block diffusion `generate`: denoise a block by confidence threshold, then commit it causally."""
   name = "diffusion"
+  supports_logprobs = False
 
   def __init__(self, block_size: int = 32, threshold: float = 0.9):
     if not 0 < threshold <= 1:

@@ -135,6 +135,30 @@ class VerifyResult:
   logprobs: np.ndarray  # [b, B]
   top_logprobs: np.ndarray  # [b, B, K]
   top_ids: np.ndarray  # [b, B, K]
+  entropy: np.ndarray  # [b, B] verifier entropy per position (nats, mask excluded)
+  draft_tokens: np.ndarray | None = None  # [b, B] filled by the engine for linear rounds
+  draft_signals: np.ndarray | None = None  # [b, 3, B]
+
+
+def draft_signals(logits: jax.Array, drafted: jax.Array, cfg) -> jax.Array:
+  """RecGuide's draft uncertainty per position (recguide.md 4.1), from the raw draft distribution with the mask
+  token excluded (EOS stays): confidence p(top1), margin p(top1) - p(top2), and the runner-up ("alternative")
+  token: the most likely token other than the drafted one, the mask and EOS. Returns float32 [b, 3, B]."""
+  probs = jax.nn.softmax(sampling.exclude_token(logits.astype(jnp.float32), cfg.mask_token_id), axis=-1)
+  top2, _ = jax.lax.top_k(probs, 2)
+  conf, margin = top2[..., 0], top2[..., 0] - top2[..., 1]
+  excl = probs.at[..., cfg.mask_token_id].set(-1.0)
+  for e in cfg.eos_token_ids:
+    excl = excl.at[..., e].set(-1.0)
+  excl = jnp.where(jax.nn.one_hot(drafted, probs.shape[-1], dtype=bool), -1.0, excl)
+  alt = jnp.argmax(excl, axis=-1)
+  alt = jnp.where(jnp.max(excl, axis=-1) > 0, alt, -1)
+  return jnp.stack([conf, margin, alt.astype(jnp.float32)], axis=1)
+
+
+def verifier_entropy(logits: jax.Array, cfg) -> jax.Array:
+  lp = jax.nn.log_softmax(sampling.exclude_token(logits.astype(jnp.float32), cfg.mask_token_id), axis=-1)
+  return -jnp.sum(jnp.where(jnp.isfinite(lp), jnp.exp(lp) * lp, 0.0), axis=-1)
 
 
 class Runner:
@@ -210,7 +234,7 @@ class Runner:
       (k,) = sampling.split_keys(keys, 1)
       drafted = jax.vmap(sampling.sample)(k, q)
       drafted = drafted.at[:, 0].set(seed)
-      return drafted, q
+      return drafted, q, draft_signals(logits, drafted, cfg)
 
     return fn
 
@@ -226,7 +250,7 @@ class Runner:
       p = sampling.processed_probs(logits, temperature, top_k, top_p, cfg.mask_token_id)
       accepted, out = sampling.accept(rule, keys, p, q, tokens)
       lp, top_lp, top_ids = sampling.raw_logprobs(logits, out, cfg.mask_token_id)
-      return cache, accepted, out, lp, top_lp, top_ids
+      return cache, accepted, out, lp, top_lp, top_ids, verifier_entropy(logits, cfg)
 
     return fn
 
@@ -312,14 +336,16 @@ class Runner:
       self._compiled[key] = fn
     return fn
 
-  def variants(self, kinds: tuple[str, ...]) -> list[tuple[str, int, int]]:
+  def variants(self, kinds: tuple[str, ...], block_sizes: tuple[int, ...] | None = None) -> list[tuple[str, int, int]]:
+    """Every (kind, block, bucket) the given step kinds need for `block_sizes` (default: the configured ones)."""
+    sizes = self.config.block_sizes if block_sizes is None else block_sizes
     out = []
     for b in self.buckets:
       if "prefill" in kinds:
         out.append(("prefill", self.config.prefill_chunk, b))
       if "verify" in kinds:
         out.append(("verify", 1, b))
-      for blk in self.config.block_sizes:
+      for blk in sizes:
         for kind in ("draft", "verify", "denoise"):
           if kind in kinds:
             out.append((kind, blk, b))
@@ -327,8 +353,9 @@ class Runner:
           out.append(("prefill", blk, b))  # commits a denoised block
     return list(dict.fromkeys(out))
 
-  def warmup(self, kinds=("prefill", "draft", "verify"), progress: bool = True) -> None:
-    todo = [v for v in self.variants(kinds) if v not in self._compiled]
+  def warmup(self, kinds=("prefill", "draft", "verify"), block_sizes: tuple[int, ...] | None = None,
+             progress: bool = True) -> None:
+    todo = [v for v in self.variants(kinds, block_sizes) if v not in self._compiled]
     it = todo
     if progress and todo:
       from tqdm import tqdm
@@ -346,7 +373,8 @@ class Runner:
     return np.asarray(tok), np.asarray(lp), np.asarray(top_lp), np.asarray(top_ids)
 
   def draft(self, seed, prefix_len, page_table, blk: int, samp: SamplingArrays):
-    """Returns device arrays (draft tokens [b, B], their distributions [b, B, V]) for `verify`."""
+    """Returns device arrays: draft tokens [b, B], their distributions [b, B, V] (for `verify`) and the draft
+    signals [b, 3, B] (confidence, top-1/top-2 margin, runner-up token)."""
     fn = self.compiled("draft", blk, seed.shape[0])
     return fn(self.state, self.cache, seed, prefix_len, page_table, *samp.args())
 
@@ -357,9 +385,10 @@ class Runner:
         raise ValueError("verify without draft distributions is only AR decode (block of 1)")
       q = self._dummy_q(b)
     fn = self.compiled("verify", blk, b)
-    self.cache, acc, out, lp, top_lp, top_ids = fn(self.state, self.cache, tokens, q, write, prefix_len,
-                                                   page_table, *samp.args())
-    return VerifyResult(np.asarray(acc), np.asarray(out), np.asarray(lp), np.asarray(top_lp), np.asarray(top_ids))
+    self.cache, acc, out, lp, top_lp, top_ids, ent = fn(self.state, self.cache, tokens, q, write, prefix_len,
+                                                        page_table, *samp.args())
+    return VerifyResult(np.asarray(acc), np.asarray(out), np.asarray(lp), np.asarray(top_lp), np.asarray(top_ids),
+                        np.asarray(ent))
 
   def _dummy_q(self, b: int):
     key = ("dummy_q", b)

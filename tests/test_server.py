@@ -18,6 +18,8 @@ import sys
 import httpx
 import openai
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from prometheus_client.parser import text_string_to_metric_families
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # server_fixtures lives next to this file
@@ -25,6 +27,8 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # server_fixture
 import server_fixtures as sf  # noqa: E402
 
 from recguide_jax import LLM, SamplingParams  # noqa: E402
+from recguide_jax.server.streaming import TextDeltas, final_text, stop_position  # noqa: E402
+from recguide_jax.tokenizer import Tokenizer  # noqa: E402
 
 MODEL = "nld-test"  # the checkpoint directory's name: the default served model name
 MAX_MODEL_LEN = 256
@@ -134,6 +138,39 @@ async def wait_idle(base, timeout=60.0):
       return snap
     assert asyncio.get_running_loop().time() < deadline, "server did not go idle"
     await asyncio.sleep(0.2)
+
+
+# ---- incremental detokenization ------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def tokenizer(ckpt):
+  return Tokenizer.from_dir(ckpt)
+
+
+@settings(max_examples=300, deadline=None)
+@given(data=st.data())
+def test_text_deltas_concatenate_to_final_text(tokenizer, data):
+  """Random token streams (byte tokens split UTF-8 characters) emitted in random chunks, with stop strings cut
+  from the text: the deltas never need taking back and add up to the final text, as the engine would stop."""
+  # text with multi-byte characters (several byte tokens each) mixed with random tokens
+  pieces = data.draw(st.lists(st.one_of(st.text(alphabet="ab +\u00e9\u045e\u20ac\U0001F600", min_size=1, max_size=6),
+                                        st.integers(4, tokenizer.vocab_size - 1)), min_size=1, max_size=12))
+  ids = [t for p in pieces for t in (tokenizer.encode(p) if isinstance(p, str) else [p])]
+  full = tokenizer.decode(ids)
+  stops = []
+  if full and data.draw(st.booleans()):
+    start = data.draw(st.integers(0, len(full) - 1))
+    stops.append(full[start:start + data.draw(st.integers(1, 4))])
+  deltas, out, emitted, i = TextDeltas(tokenizer, stops), "", [], 0
+  while i < len(ids):
+    n = data.draw(st.integers(1, 6))
+    emitted += ids[i:i + n]
+    i += n
+    out += deltas.update(emitted)  # the engine reports the tokens of the step that hit a stop string too
+    if stop_position(tokenizer.decode(emitted), stops) is not None:
+      break
+  final = final_text(tokenizer, emitted, stops)
+  out += deltas.finish(final)
+  assert out == final
 
 
 # ---- CLI ----------------------------------------------------------------------------------------------------------
@@ -401,7 +438,7 @@ def test_concurrent_streams_with_disconnects(server, offline_llm):
     max_tokens = [24, 40, 64, 17][i % 4]
     kind = "hangup" if i % 4 == 3 else "stream"
     if kind == "hangup":
-      max_tokens = 220
+      max_tokens = 180
     path = "/v1/chat/completions" if chat else "/v1/completions"
     key = "messages" if chat else "prompt"
     jobs.append((kind, path, {key: prompt, **greedy(max_tokens)}, chat, prompt, max_tokens))

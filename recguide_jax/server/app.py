@@ -24,7 +24,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from recguide_jax.engine import EngineThread, RequestError
 from recguide_jax.server import protocol, responses
 from recguide_jax.server.metrics import CONTENT_TYPE, ServerMetrics
-from recguide_jax.server.streaming import TextDeltas, final_text
+from recguide_jax.server.streaming import TextDeltas
 from recguide_jax.tokenizer import Tokenizer
 
 log = logging.getLogger("recguide_jax.server")
@@ -37,6 +37,7 @@ class _Final:
   error: str | None
   logprobs: list[dict] | None
   stats: dict
+  text: str
 
 
 class _Tracker:
@@ -68,9 +69,13 @@ class _Tracker:
     final = None
     if req.finished:
       final = _Final(list(req.output_ids), req.finish_reason, req.error,
-                     list(req.logprobs) if req.params.logprobs is not None else None, req.stats.as_dict())
-      # recorded before the response can be sent, so /metrics never lags the answers a client has seen
-      self.metrics.record_finished(len(req.prompt_ids), len(final.output_ids), final.finish_reason, final.stats)
+                     list(req.logprobs) if req.params.logprobs is not None else None, req.stats.as_dict(),
+                     req.text or "")
+      try:
+        # recorded before the response can be sent, so /metrics never lags the answers a client has seen
+        self.metrics.record_finished(len(req.prompt_ids), len(final.output_ids), final.finish_reason, final.stats)
+      except Exception:  # an exception here would fail the whole engine step, i.e. every running request
+        log.exception("recording metrics of %s failed", self.rid)
     try:
       self.loop.call_soon_threadsafe(self.queue.put_nowait, (list(new_ids), lps, final))
     except RuntimeError:  # the loop is closed: nobody is waiting for this request any more
@@ -126,8 +131,7 @@ async def _disconnected(request: Request) -> None:
 
 
 def _engine_alive(engine_thread: EngineThread) -> bool:
-  thread = getattr(engine_thread, "_thread", None)  # EngineThread has no public liveness check
-  return thread is not None and thread.is_alive()
+  return engine_thread.is_alive()
 
 
 def create_app(engine_thread: EngineThread, tokenizer: Tokenizer, model_name: str, *, profile: str | None = None,
@@ -230,7 +234,7 @@ def create_app(engine_thread: EngineThread, tokenizer: Tokenizer, model_name: st
     err = failure(final)
     if err is not None:
       raise err
-    text = final_text(tokenizer, tracker.emitted, gen.params.stop_strings)
+    text = final.text
     use = responses.usage(len(gen.prompt_ids), len(final.output_ids))
     lps, _ = logprobs_payload(gen, final.logprobs or [], 0)
     build = responses.chat if gen.chat else responses.completion
@@ -261,7 +265,7 @@ def create_app(engine_thread: EngineThread, tokenizer: Tokenizer, model_name: st
           metrics.record_error(err.status)
           yield responses.sse(err.body())
           break
-        text = deltas.finish(final_text(tokenizer, tracker.emitted, gen.params.stop_strings))
+        text = deltas.finish(final.text)
         payload, offset = logprobs_payload(gen, (final.logprobs or [])[lp_sent:], offset)
         last = chunk(text, finish_reason=final.finish_reason, logprobs=payload)
         last["speculation"] = final.stats
@@ -270,6 +274,11 @@ def create_app(engine_thread: EngineThread, tokenizer: Tokenizer, model_name: st
           use = responses.usage(len(gen.prompt_ids), len(final.output_ids))
           yield responses.sse(responses.usage_chunk(chat, rid, created, model_name, use, final.stats))
         break
+      yield responses.SSE_DONE
+    except Exception as e:  # a bug here must still end the stream in a way clients understand
+      log.exception("stream %s failed", rid)
+      metrics.record_error(500)
+      yield responses.sse(protocol.APIError(500, f"internal server error: {type(e).__name__}: {e}").body())
       yield responses.SSE_DONE
     finally:
       tracker.close()

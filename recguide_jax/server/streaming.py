@@ -26,9 +26,8 @@ def stop_position(text: str, stop_strings: Sequence[str]) -> int | None:
 def final_text(tokenizer: Tokenizer, emitted_ids: Sequence[int], stop_strings: Sequence[str]) -> str:
   """The text of a finished request, from every token the engine emitted (before it cut the ids at a stop string).
 
-  Same rule as the engine's stop check (decode, cut before the earliest stop string), recomputed here because
-  `Engine._finish` replaces an empty `req.text` by the decode of the kept ids, so a stop string matching at
-  position 0 would leak its first token into the answer.
+  Same rule as the engine's stop check (decode, cut before the earliest stop string), recomputed from all emitted
+  ids so the streamed and the non-streamed answers come from one definition.
   """
   text = tokenizer.decode(emitted_ids)
   pos = stop_position(text, stop_strings)
@@ -44,10 +43,13 @@ class TextDeltas:
     self.sent = ""
 
   def _safe_end(self, text: str) -> int:
-    end = len(text.rstrip(REPLACEMENT_CHAR))
+    # the pending bytes behind a trailing U+FFFD may complete a character that continues a stop string, so the
+    # stop-string checks look at the text without it
+    text = text.rstrip(REPLACEMENT_CHAR)
+    end = len(text)
     pos = stop_position(text, self.stop_strings)
     if pos is not None:
-      end = min(end, pos)
+      end = pos
     for s in self.stop_strings:  # a tail that is a proper prefix of a stop string may still become one
       for k in range(min(len(s) - 1, len(text)), 0, -1):
         if text.endswith(s[:k]):

@@ -1,0 +1,82 @@
+"""Benchmark helpers shared by the launch scripts: GSM8K prompts, a fixed-concurrency driver over the engine, and
+the metrics (decode-only tokens per forward, mean accepted length, aggregate and per-request tokens/s)."""
+
+from __future__ import annotations
+
+import json
+import pathlib
+import statistics
+import time
+
+import numpy as np
+
+from recguide_jax.engine import SamplingParams
+
+
+def gsm8k_prompts(path: str | pathlib.Path, n: int, tokenizer, offset: int = 0) -> list[list[int]]:
+  path = pathlib.Path(path)
+  if not path.exists():
+    raise FileNotFoundError(f"GSM8K file {path} not found (pass --data)")
+  rows = [json.loads(l) for l in path.read_text().splitlines() if l.strip()][offset:offset + n]
+  if tokenizer is None:
+    raise ValueError("the checkpoint has no tokenizer; GSM8K prompts need one")
+  return [tokenizer.encode(tokenizer.apply_chat_template([{"role": "user", "content": r["question"].strip()}]))
+          for r in rows]
+
+
+def run_concurrent(engine, prompts: list[list[int]], params: SamplingParams, concurrency: int):
+  """Keeps `concurrency` requests in flight (a new one joins as soon as one finishes). Returns (requests, wall s)."""
+  pending = list(enumerate(prompts))
+  live, done = [], {}
+  t0 = time.perf_counter()
+  while pending or live:
+    while pending and len(live) < concurrency:
+      i, p = pending.pop(0)
+      live.append((i, engine.add_request(p, params)))
+    engine.step()
+    still = []
+    for i, r in live:
+      (done.__setitem__(i, r) if r.finished else still.append((i, r)))
+    live = still
+  wall = time.perf_counter() - t0
+  return [done[i] for i in range(len(prompts))], wall
+
+
+def summarize(reqs, wall_s: float) -> dict:
+  tokens = sum(len(r.output_ids) for r in reqs)
+  decode_fw = sum(r.stats.decode_forwards for r in reqs)
+  accepted = [a for r in reqs for a in r.stats.accepted_lengths]
+  per_req = [len(r.output_ids) / r.stats.latency_s for r in reqs if r.stats.latency_s]
+  return {
+      "requests": len(reqs), "generated_tokens": tokens, "wall_s": wall_s,
+      "tokens_per_s": tokens / wall_s if wall_s else 0.0,
+      "per_request_tokens_per_s": float(np.mean(per_req)) if per_req else 0.0,
+      "decode_forwards": decode_fw,
+      # per request, like the paper's decode-only TPF: tokens after the prefill's first token / decode forwards
+      "tpf": float(np.mean([(len(r.output_ids) - 1) / r.stats.decode_forwards for r in reqs
+                            if r.stats.decode_forwards])) if decode_fw else 0.0,
+      "mean_accepted_length": float(np.mean(accepted)) if accepted else 0.0,
+      "rounds": len(accepted),
+  }
+
+
+def median_runs(fn, repeats: int) -> tuple[list, dict]:
+  """Runs fn() -> (reqs, wall) `repeats` times; returns the last requests and the summary of the median-wall run."""
+  runs = [fn() for _ in range(repeats)]
+  walls = [w for _, w in runs]
+  med = statistics.median(walls)
+  reqs, _ = runs[-1]
+  out = summarize(reqs, med)
+  out["wall_s_all"] = walls
+  return reqs, out
+
+
+def loop_share(outputs: list[list[int]], min_period: int = 1, max_period: int = 16, min_repeats: int = 3) -> float:
+  """Share of outputs that end in a repetition loop: the tail repeats a period-k pattern >= min_repeats times."""
+  def looped(ids):
+    for k in range(min_period, max_period + 1):
+      tail = ids[-k * min_repeats:]
+      if len(tail) == k * min_repeats and all(tail[j] == tail[j % k] for j in range(len(tail))):
+        return True
+    return False
+  return float(np.mean([looped(o) for o in outputs])) if outputs else 0.0
