@@ -94,6 +94,7 @@ class RequestStats:
   block_sizes: list[int] = dataclasses.field(default_factory=list)
   forwards: dict[str, int] = dataclasses.field(
       default_factory=lambda: {"prefill": 0, "draft": 0, "verify": 0, "decode": 0, "denoise": 0, "commit": 0})
+  overlap: dict[str, int] = dataclasses.field(default_factory=dict)  # RecGuide branch outcomes
   draft_tokens: int = 0  # draft tokens offered to the verifier
   accepted_draft_tokens: int = 0
   ttft_s: float | None = None
@@ -154,6 +155,9 @@ class Engine:
     self.totals = collections.Counter()  # engine-wide counters for /metrics
     self.accepted_per_position = collections.Counter()  # block index -> accepted draft tokens there
     self.block_size_choices = collections.Counter()
+    self.bucketing = True  # False: mixed planned block sizes share one batch padded to the largest
+    self.forward_log: list[tuple[str, int, int]] | None = None  # set to [] to record every forward
+    self.decoding_count = 0  # requests decoding in the current step (the load the policy sees)
     self.signal_log: list[dict] | None = None  # set to [] to record per-round draft signals (analysis)
 
   # ---- requests --------------------------------------------------------------------------------------------------
@@ -245,10 +249,13 @@ class Engine:
     if prefilling:
       self._prefill(prefilling[:self.rc.max_batch])
     decoding = [r for r in self.running if r.seed_token is not None and not r.finished]
+    self.decoding_count = len(decoding)
     groups: dict[tuple, list[Request]] = {}
     for req in decoding:
       plan = self.policy.plan(req, self)
       groups.setdefault((plan.kind, plan.block_size), []).append(req)
+    if not self.bucketing:
+      groups = self._merge_linear_groups(groups)
     for (kind, blk), reqs in groups.items():
       for i in range(0, len(reqs), self.rc.max_batch):
         chunk = reqs[i:i + self.rc.max_batch]
@@ -258,6 +265,10 @@ class Engine:
           self._round_linear(chunk, blk)
         elif kind == "diffusion":
           self._round_diffusion(chunk, blk)
+        elif kind == "overlap":
+          self._round_overlap(chunk, blk)
+        elif kind == "shadow":
+          self._round_shadow(chunk, blk)
         else:
           raise ValueError(f"unknown plan kind {kind!r}")
     for req in list(self.running):
@@ -266,9 +277,32 @@ class Engine:
         finished.append(req)
     return finished
 
+  @staticmethod
+  def _merge_linear_groups(groups: dict) -> dict:
+    """Bucketing off (the paper's "+s_t"/"+z_t" rows): one mixed batch padded to its largest planned B; each
+    request keeps at most its own planned B of the verified tokens."""
+    linear = {k: v for k, v in groups.items() if k[0] == "linear"}
+    if len(linear) <= 1:
+      return groups
+    blk = max(k[1] for k in linear)
+    merged = []
+    for (_, planned), reqs in linear.items():
+      for r in reqs:
+        r.policy_state["cap"] = planned
+        merged.append(r)
+    out = {k: v for k, v in groups.items() if k[0] != "linear"}
+    out[("linear", blk)] = merged
+    return out
+
   def run_until_done(self) -> None:
     while self.has_work():
       self.step()
+
+  def _count_forward(self, kind: str, blk: int, rows: int) -> None:
+    """Every device forward: engine totals, and the ledger a profile can price (kind, block, live rows)."""
+    self.totals[f"forwards_{kind}"] += 1
+    if self.forward_log is not None:
+      self.forward_log.append((kind, blk, rows))
 
   # ---- batch assembly ------------------------------------------------------------------------------------------------
   def _batch_arrays(self, reqs: list[Request]):
@@ -306,7 +340,7 @@ class Engine:
       valid[i, :len(piece)] = True
       last_idx[i] = len(piece) - 1
     tok, lp, top_lp, top_ids = self.runner.prefill(tokens, valid, prefix_len, page_table, last_idx, samp)
-    self.totals["forwards_prefill"] += 1
+    self._count_forward("prefill", chunk, len(reqs))
     for i, r in enumerate(reqs):
       n = int(valid[i].sum())
       r.prefilled += n
@@ -330,12 +364,14 @@ class Engine:
       tokens[i, 0] = r.seed_token
       write[i] = True
     res = self.runner.verify(tokens, None, write, prefix_len, page_table, samp)
-    self.totals["forwards_decode"] += 1
+    self._count_forward("decode", 1, len(reqs))
     for i, r in enumerate(reqs):
       r.stats.forwards["decode"] += 1
       self._after_verify(r, 1, 1, res, i)
 
   def _round_linear(self, reqs: list[Request], blk: int) -> None:
+    for r in reqs:  # a prefetched overlap branch is only valid for the very next round
+      r.policy_state.pop("prefetched", None)
     self._reserve_block(reqs, blk)
     b, page_table, prefix_len, samp = self._batch_arrays(reqs)
     seed = np.zeros((b,), np.int32)
@@ -347,12 +383,41 @@ class Engine:
     res = self.runner.verify(drafted, q, write, prefix_len, page_table, samp)
     res.draft_tokens = np.asarray(drafted)
     res.draft_signals = np.asarray(signals)
-    self.totals["forwards_draft"] += 1
-    self.totals["forwards_verify"] += 1
+    self._count_forward("draft", blk, len(reqs))
+    self._count_forward("verify", blk, len(reqs))
     for i, r in enumerate(reqs):
       r.stats.forwards["draft"] += 1
       r.stats.forwards["verify"] += 1
-      self._after_verify(r, blk, int(res.accepted[i]), res, i)
+      cap = r.policy_state.pop("cap", blk)
+      self._after_verify(r, cap, min(int(res.accepted[i]), cap), res, i)
+
+  def _round_shadow(self, reqs: list[Request], chosen: int) -> None:
+    """Shadow trace (RecGuide calibration): from the same committed state run draft + verify at every block size,
+    log the counterfactual accepted lengths, and commit the chosen one, which runs last so that its K/V are the
+    canonical ones (the others only wrote slots past the committed length or slots the chosen verify rewrites)."""
+    sizes = self.policy.block_sizes()
+    self._reserve_block(reqs, max(sizes))
+    b, page_table, prefix_len, samp = self._batch_arrays(reqs)
+    seed = np.zeros((b,), np.int32)
+    write = np.zeros((b,), bool)
+    for i, r in enumerate(reqs):
+      seed[i] = r.seed_token
+      write[i] = True
+    counterfactual = [{} for _ in reqs]
+    for blk in [x for x in sizes if x != chosen] + [chosen]:
+      drafted, q, signals = self.runner.draft(seed, prefix_len, page_table, blk, samp)
+      res = self.runner.verify(drafted, q, write, prefix_len, page_table, samp)
+      for i in range(len(reqs)):
+        counterfactual[i][blk] = int(res.accepted[i])
+    res.draft_tokens = np.asarray(drafted)
+    res.draft_signals = np.asarray(signals)
+    self._count_forward("draft", chosen, len(reqs))
+    self._count_forward("verify", chosen, len(reqs))
+    for i, r in enumerate(reqs):
+      r.stats.forwards["draft"] += 1
+      r.stats.forwards["verify"] += 1
+      self.policy.record_shadow(r, counterfactual[i])
+      self._after_verify(r, chosen, int(res.accepted[i]), res, i)
 
   def _after_verify(self, r: Request, blk: int, accepted: int, res, i: int) -> None:
     c = self.allocator.length(r.request_id)
@@ -379,6 +444,75 @@ class Engine:
                               "alt": res.draft_signals[i, 2].astype(int).tolist()})
     self._emit(r, toks, list(res.logprobs[i, :accepted]), res.top_logprobs[i, :accepted], res.top_ids[i, :accepted])
 
+  def _round_overlap(self, reqs: list[Request], blk: int) -> None:
+    """RecGuide's verification-overlapped drafting for greedy requests: a draft forward only for requests without
+    a prefetched block, then one fused forward that verifies and drafts the planned branches."""
+    from recguide_jax.orchestrator import overlap as ov
+    self._reserve_block(reqs, blk)
+    b, page_table, prefix_len, samp = self._batch_arrays(reqs)
+    drafts = np.zeros((b, blk), np.int32)
+    signals = np.zeros((b, 3, blk), np.float32)
+    def prefetched(r):
+      pref = r.policy_state.get("prefetched")
+      return pref if pref is not None and len(pref.tokens) == blk else None
+
+    need = [i for i, r in enumerate(reqs) if prefetched(r) is None]
+    if need:
+      sub = [reqs[i] for i in need]
+      b2, pt2, pl2, samp2 = self._batch_arrays(sub)
+      seed = np.zeros((b2,), np.int32)
+      for j, r in enumerate(sub):
+        seed[j] = r.seed_token
+      tok, _, sig = self.runner.draft(seed, pl2, pt2, blk, samp2)
+      tok, sig = np.asarray(tok), np.asarray(sig)
+      self._count_forward("draft", blk, len(sub))
+      for j, i in enumerate(need):
+        drafts[i], signals[i] = tok[j], sig[j]
+        reqs[i].stats.forwards["draft"] += 1
+    for i, r in enumerate(reqs):
+      pref = prefetched(r)
+      r.policy_state.pop("prefetched", None)
+      if pref is not None:
+        assert int(pref.tokens[0]) == r.seed_token, "a reused branch must start at the committed next token"
+        drafts[i], signals[i] = pref.tokens, pref.signals
+        self.totals["overlap_saved_drafts"] += 1
+    plans = []
+    for i, r in enumerate(reqs):
+      plans.append(self.policy.plan_branches(r, signals[i], blk, self))
+    any_branch = any(plans)
+    qn = (1 + ov.MAX_BRANCHES) * blk if any_branch else blk
+    tokens = np.full((b, qn), self.cfg.mask_token_id, np.int32)
+    positions = np.zeros((b, qn), np.int32)
+    mask = np.zeros((b, qn, qn), bool)
+    mask[:, np.arange(qn), np.arange(qn)] = True  # padding rows: inert
+    lora = np.zeros((b, qn), bool)
+    write = np.zeros((b, qn), bool)
+    for i, r in enumerate(reqs):
+      t, pos, m, lo, w = ov.tree_layout(blk, drafts[i], plans[i], int(prefix_len[i]), self.cfg.mask_token_id)
+      tokens[i], positions[i], mask[i], lora[i], write[i] = t[:qn], pos[:qn], m[:qn, :qn], lo[:qn], w[:qn]
+    res, br_tok, br_sig = self.runner.fused(tokens, positions, mask, lora, write, prefix_len, page_table, samp, blk)
+    res.draft_tokens, res.draft_signals = drafts, signals
+    res.kind = "overlap"
+    self._count_forward("fused" if any_branch else "verify", blk, len(reqs))
+    for i, r in enumerate(reqs):
+      r.stats.forwards["verify"] += 1
+      accepted = int(res.accepted[i])
+      if plans[i]:
+        outcome = ov.select_reuse(accepted, res.tokens[i], plans[i], br_tok[i], blk)
+        self.totals[f"overlap_{outcome.label}"] += 1
+        r.stats.overlap[outcome.label] = r.stats.overlap.get(outcome.label, 0) + 1
+        if hasattr(self.policy, "observe_overlap"):
+          self.policy.observe_overlap(r, accepted, outcome.branch is not None)
+        if outcome.branch is not None:
+          tok = br_tok[i, outcome.branch].copy()
+          tok[0] = res.tokens[i, accepted - 1]
+          r.policy_state["prefetched"] = ov.Prefetched(tok, br_sig[i, outcome.branch], plans[i][outcome.branch].kind)
+      else:
+        self.totals["overlap_no_branch"] += 1
+      self._after_verify(r, blk, accepted, res, i)
+      if r.finished:
+        r.policy_state.pop("prefetched", None)
+
   def _round_diffusion(self, reqs: list[Request], blk: int) -> None:
     self._reserve_block(reqs, blk)
     b, page_table, prefix_len, samp = self._batch_arrays(reqs)
@@ -390,7 +524,7 @@ class Engine:
       active[i] = True
       threshold[i] = self.policy.threshold
     block, steps = self.runner.denoise(seed, prefix_len, page_table, threshold, blk, samp, active)
-    self.totals["forwards_denoise"] += 1
+    self._count_forward("denoise", blk, len(reqs))
     eos = set(self.cfg.eos_token_ids)
     commit_rows = []
     for i, r in enumerate(reqs):
@@ -421,7 +555,7 @@ class Engine:
       valid[j] = True
     last_idx = np.full((b2,), blk - 1, np.int32)
     tok, lp, top_lp, top_ids = self.runner.prefill(tokens, valid, prefix_len2, page_table2, last_idx, samp2)
-    self.totals["forwards_commit"] += 1
+    self._count_forward("commit", blk, len(live))
     for j, (i, r) in enumerate(live):
       r.stats.forwards["commit"] += 1
       c = self.allocator.length(r.request_id)

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 
-POLICY_NAMES = ("ar", "diffusion", "linear")
+POLICY_NAMES = ("ar", "diffusion", "linear", "recguide")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -87,11 +87,14 @@ class DiffusionPolicy(Policy):
     return ("prefill", "denoise")
 
 
-def make_policy(name: str, block_size: int = 16, threshold: float = 0.9) -> Policy:
+def make_policy(name: str, block_size: int = 16, threshold: float = 0.9, **recguide_kwargs) -> Policy:
   if name == "ar":
     return ARPolicy()
   if name == "linear":
     return LinearPolicy(block_size)
   if name == "diffusion":
     return DiffusionPolicy(block_size, threshold)
+  if name == "recguide":
+    from recguide_jax.orchestrator.policy import RecGuidePolicy
+    return RecGuidePolicy(block_size, **recguide_kwargs)
   raise ValueError(f"unknown policy {name!r}; expected one of {POLICY_NAMES}")

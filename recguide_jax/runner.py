@@ -138,6 +138,7 @@ class VerifyResult:
   entropy: np.ndarray  # [b, B] verifier entropy per position (nats, mask excluded)
   draft_tokens: np.ndarray | None = None  # [b, B] filled by the engine for linear rounds
   draft_signals: np.ndarray | None = None  # [b, 3, B]
+  kind: str = "linear"  # "linear" | "overlap" (which round produced it)
 
 
 def draft_signals(logits: jax.Array, drafted: jax.Array, cfg) -> jax.Array:
@@ -254,6 +255,38 @@ class Runner:
 
     return fn
 
+  def _fused_fn(self, blk: int, branches: int):
+    """RecGuide's fused forward for greedy requests: verify the B draft tokens (causal, committed) and, in the same
+    forward, draft up to `branches` prospective next blocks laid out as a tree (see orchestrator/overlap.py).
+    With branches = 0 this is a greedy verify of host-provided draft tokens (a reused branch block)."""
+    cfg = self.cfg
+
+    def fn(state, cache, tokens, positions, mask, lora, write, prefix_len, page_table, temperature, top_k, top_p,
+           keys):
+      b = tokens.shape[0]
+      inp = ForwardInputs(tokens=tokens, positions=positions, block_mask=mask, prefix_len=prefix_len,
+                          page_table=page_table, kv_write=write, lora_mask=lora if cfg.lora_rank else None)
+      logits, cache = self._model(state)(inp, cache)
+      v_logits = logits[:, :blk]
+      drafted = tokens[:, :blk]
+      p = sampling.processed_probs(v_logits, temperature, top_k, top_p, cfg.mask_token_id)
+      q = jax.nn.one_hot(drafted, cfg.vocab_size, dtype=jnp.float32)  # greedy drafts: a point mass
+      accepted, out = sampling.accept("leviathan", keys, p, q, drafted)
+      lp, top_lp, top_ids = sampling.raw_logprobs(v_logits, out, cfg.mask_token_id)
+      ent = verifier_entropy(v_logits, cfg)
+      if not branches:
+        return cache, accepted, out, lp, top_lp, top_ids, ent
+      br_logits = logits[:, blk:].reshape(b * branches, blk, -1)
+      br_in = tokens[:, blk:].reshape(b * branches, blk)
+      br_tok = jnp.argmax(sampling.exclude_token(br_logits, cfg.mask_token_id), axis=-1).astype(jnp.int32)
+      # a correction block keeps its alt token in slot 0; the continuation's slot 0 is the guessed bonus
+      br_tok = br_tok.at[:, 0].set(jnp.where(br_in[:, 0] != cfg.mask_token_id, br_in[:, 0], br_tok[:, 0]))
+      sig = draft_signals(br_logits, br_tok, cfg)
+      return (cache, accepted, out, lp, top_lp, top_ids, ent, br_tok.reshape(b, branches, blk),
+              sig.reshape(b, branches, 3, blk))
+
+    return fn
+
   def _denoise_fn(self, blk: int):
     """NLD `generate` inner loop: each iteration is one bidirectional forward; commit the most confident masked
     position plus every masked position whose confidence >= threshold; stop when no mask is left or an EOS has
@@ -322,6 +355,12 @@ class Runner:
       q = jax.ShapeDtypeStruct((b, blk, V), jnp.float32)
       return (self._verify_fn(blk, rc.rule), (i32(b, blk), q, np.zeros((b,), bool), i32(b), i32(b, P)) + samp,
               (1,))
+    if kind in ("fused", "gverify"):
+      nb = 3 if kind == "fused" else 0
+      qn = (1 + nb) * blk
+      return (self._fused_fn(blk, nb), (i32(b, qn), i32(b, qn), np.zeros((b, qn, qn), bool),
+                                        np.zeros((b, qn), bool), np.zeros((b, qn), bool), i32(b), i32(b, P)) + samp,
+              (1,))
     if kind == "denoise":
       return (self._denoise_fn(blk), (i32(b), i32(b), i32(b, P), np.zeros(b, np.float32)) + samp +
               (np.zeros(b, bool),), ())
@@ -346,7 +385,7 @@ class Runner:
       if "verify" in kinds:
         out.append(("verify", 1, b))
       for blk in sizes:
-        for kind in ("draft", "verify", "denoise"):
+        for kind in ("draft", "verify", "denoise", "fused", "gverify"):
           if kind in kinds:
             out.append((kind, blk, b))
         if "denoise" in kinds:
@@ -389,6 +428,19 @@ class Runner:
                                                         page_table, *samp.args())
     return VerifyResult(np.asarray(acc), np.asarray(out), np.asarray(lp), np.asarray(top_lp), np.asarray(top_ids),
                         np.asarray(ent))
+
+  def fused(self, tokens, positions, mask, lora, write, prefix_len, page_table, samp: SamplingArrays, blk: int):
+    """Greedy verify of tokens[:, :blk] plus the tree's branch drafts. Returns (VerifyResult, branch tokens
+    [b, 3, B] or None, branch signals [b, 3, 3, B] or None)."""
+    b, qn = tokens.shape
+    kind = "fused" if qn > blk else "gverify"
+    fn = self.compiled(kind, blk, b)
+    outs = fn(self.state, self.cache, tokens, positions, mask, lora, write, prefix_len, page_table, *samp.args())
+    self.cache = outs[0]
+    res = VerifyResult(*(np.asarray(x) for x in outs[1:7]))
+    if kind == "gverify":
+      return res, None, None
+    return res, np.asarray(outs[7]), np.asarray(outs[8])
 
   def _dummy_q(self, b: int):
     key = ("dummy_q", b)

@@ -15,6 +15,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from recguide_jax import attention as attn_lib
+from recguide_jax import attention_dispatch
 from recguide_jax.config import NLDConfig
 from recguide_jax.kv_cache import KVCache, write_block
 from recguide_jax.model import rope
@@ -83,10 +84,10 @@ class Attention(nnx.Module):
     if inp.train_block_size:
       out = attn_lib.sbd_training_attention(q, k, v, inp.train_block_size, cfg.head_dim ** -0.5)
     else:
-      out = attn_lib.block_attention_ref(
+      out = attention_dispatch.block_attention(
         q, k, v, inp.block_mask, k_pages=k_pages, v_pages=v_pages,
         page_table=inp.page_table if inp.prefix_len is not None else None, prefix_len=inp.prefix_len,
-        scale=cfg.head_dim ** -0.5)
+        scale=cfg.head_dim ** -0.5, impl=getattr(self, "attention_impl", "reference"))
     out = out.reshape(b, nq_tok, cfg.num_attention_heads * cfg.head_dim)
     y = self.o_proj(out)
     if cfg.lora_rank and inp.lora_mask is not None:

@@ -1,0 +1,146 @@
+"""RecGuide vs AR vs fixed-B LinearSS, measured side by side in one run on this machine, at several concurrency
+levels; every run is also priced with a hardware profile measured elsewhere (default: the paper's B200 table) to
+report tokens per unit of profiled time, the paper's own objective. Greedy outputs are checked against AR.
+
+  python launch/bench_recguide.py --concurrency 1,2,4,8,16,32 --num_prompts 32 --max_tokens 128
+"""
+
+import json
+import os
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+from absl import app, flags  # noqa: E402
+
+FLAGS = flags.FLAGS
+flags.DEFINE_string("checkpoint", None, "Checkpoint dir (default: the bundled model).")
+flags.DEFINE_string("data", os.path.join(ROOT, "..", "shared", "data", "gsm8k", "test.jsonl"), "GSM8K test jsonl.")
+flags.DEFINE_integer("num_prompts", 32, "Prompts per concurrency level.")
+flags.DEFINE_integer("max_tokens", 128, "New tokens per request.")
+flags.DEFINE_list("concurrency", ["1", "2", "4", "8", "16", "32"], "Concurrency levels.")
+flags.DEFINE_integer("repeats", 1, "Repeats per point; the median wall time is reported.")
+flags.DEFINE_string("profile", None, "Profile of THIS machine for RecGuide's switch (launch/profile.py output).")
+flags.DEFINE_string("policy_tables", None, "Fitted adaptive-B policy JSON (default: the checkpoint's, if any).")
+flags.DEFINE_string("price_profile", "b200_nld8b", "Profile used to price the runs (name or path).")
+flags.DEFINE_float("delta", 0.5, "Margin threshold of risky draft positions.")
+flags.DEFINE_bool("ablations", True, "Also run the Table 5 (overlap) and Table 6 (adaptive) ablation rows.")
+flags.DEFINE_string("out_json", os.path.join(ROOT, "docs", "bench_recguide.json"), "Output JSON.")
+flags.DEFINE_string("out_md", os.path.join(ROOT, "docs", "bench_recguide.md"), "Output markdown.")
+
+OFFICIAL_B = {1: 32, 2: 32, 4: 32, 8: 16, 16: 16, 32: 16, 64: 8, 128: 8}
+
+
+def priced_ms(forward_log, profile) -> float:
+  """Decode-only profiled time of a run: every forward charged at its own batch size (prefill excluded)."""
+  total = 0.0
+  for kind, blk, rows in forward_log:
+    if kind in ("draft", "verify", "gverify"):
+      total += profile.cost(rows, blk) / 2
+    elif kind == "fused":
+      total += profile.fused_cost(rows, blk)
+    elif kind == "decode":
+      total += profile.ar_cost(rows)
+  return total
+
+
+def main(argv):
+  del argv
+  import numpy as np
+  from recguide_jax import LLM, SamplingParams, bench, policies
+  from recguide_jax.orchestrator import profile as prof_lib
+  from recguide_jax.orchestrator.policy import RecGuidePolicy
+  try:
+    levels = [int(c) for c in FLAGS.concurrency]
+  except ValueError:
+    sys.exit("error: --concurrency must be integers")
+  price = prof_lib.load_profile(FLAGS.price_profile)
+  local = prof_lib.load_profile(FLAGS.profile) if FLAGS.profile else None
+  llm = LLM(FLAGS.checkpoint, policy="ar", block_sizes=(8, 16, 32), max_batch=max(levels), max_model_len=1024,
+            warmup=False)
+  llm.runner.warmup(("prefill", "draft", "verify", "fused", "gverify"), (8, 16, 32))
+  tables = None
+  tables_path = FLAGS.policy_tables
+  if tables_path is None and FLAGS.checkpoint:
+    cand = os.path.join(FLAGS.checkpoint, "recguide_policy.json")
+    tables_path = cand if os.path.exists(cand) else None
+  if tables_path:
+    from recguide_jax.orchestrator.adaptive import AdaptivePolicyTables
+    tables = AdaptivePolicyTables.load(tables_path)
+  prompts = bench.gsm8k_prompts(FLAGS.data, FLAGS.num_prompts, llm.tokenizer)
+  params = SamplingParams(max_tokens=FLAGS.max_tokens, temperature=0.0)
+
+  def recguide(**kw):
+    return RecGuidePolicy(16, delta=FLAGS.delta, profile=local, tables=tables, **kw)
+
+  results = []
+  ar_outputs = {}
+  for c in levels:
+    configs = [("ar", policies.ARPolicy())] + [(f"linear B={b}", policies.LinearPolicy(b)) for b in (8, 16, 32)]
+    configs.append(("recguide", recguide()))
+    if FLAGS.ablations and c == 1:  # Table 5: overlap components switched on in turn
+      configs += [("overlap +1st corr", recguide(fixed_regime="overlap", components=("p1",))),
+                  ("overlap +2nd corr", recguide(fixed_regime="overlap", components=("p1", "p2"))),
+                  ("overlap +continuation", recguide(fixed_regime="overlap"))]
+    if FLAGS.ablations and c > 1 and tables is not None:  # Table 6 rows (no bucketing = padded mixed batches)
+      configs += [("adaptive no bucketing", recguide(fixed_regime="adaptive", overlap=False)),
+                  ("adaptive + bucketing", recguide(fixed_regime="adaptive", overlap=False))]
+    for name, policy in configs:
+      llm.set_policy(policy)
+      llm.engine.bucketing = name != "adaptive no bucketing"
+      llm.engine.forward_log = []
+      reqs, summary = bench.median_runs(lambda: bench.run_concurrent(llm.engine, prompts, params, c),
+                                        FLAGS.repeats)
+      log, llm.engine.forward_log = llm.engine.forward_log, None
+      outs = [r.output_ids for r in reqs]
+      if name == "ar":
+        ar_outputs[c] = outs
+      blocks = [b for r in reqs for b in r.stats.block_sizes]
+      overlap = {}
+      for r in reqs:
+        for k, v in r.stats.overlap.items():
+          overlap[k] = overlap.get(k, 0) + v
+      per_run_ms = priced_ms(log, price) / FLAGS.repeats
+      summary.update(
+          policy=name, concurrency=c, lossless=outs == ar_outputs[c],
+          block_size_share={str(b): float(np.mean([x == b for x in blocks])) for b in (1, 8, 16, 32)} if blocks
+          else {}, overlap=overlap, regimes=dict(getattr(policy, "regime_counts", {})),
+          priced_ms=per_run_ms, priced_tokens_per_ms=summary["generated_tokens"] / per_run_ms if per_run_ms else 0)
+      results.append(summary)
+      print(f"C={c:<3} {name:<24} {summary['tokens_per_s']:8.1f} tok/s  TPF {summary['tpf']:.2f}  "
+            f"tau {summary['mean_accepted_length']:.2f}  priced {summary['priced_tokens_per_ms']:.3f} tok/ms  "
+            f"lossless={summary['lossless']}", flush=True)
+  by = {(r["policy"], r["concurrency"]): r for r in results}
+  for r in results:
+    c = r["concurrency"]
+    fixed = by.get((f"linear B={OFFICIAL_B.get(c, 16)}", c))
+    best = max((by[(p, c)] for p in ["ar", "linear B=8", "linear B=16", "linear B=32"] if (p, c) in by),
+               key=lambda x: x["tokens_per_s"])
+    r["vs_best_baseline_wall"] = r["tokens_per_s"] / best["tokens_per_s"]
+    r["vs_official_fixed_priced"] = r["priced_tokens_per_ms"] / fixed["priced_tokens_per_ms"] if fixed else None
+    r["tpf_vs_linear16"] = r["tpf"] / by[("linear B=16", c)]["tpf"]
+  os.makedirs(os.path.dirname(FLAGS.out_json), exist_ok=True)
+  meta = {"checkpoint": str(FLAGS.checkpoint or "bundled"), "num_prompts": FLAGS.num_prompts,
+          "max_tokens": FLAGS.max_tokens, "repeats": FLAGS.repeats, "price_profile": FLAGS.price_profile,
+          "local_profile": FLAGS.profile, "policy_tables": tables_path, "delta": FLAGS.delta,
+          "compiles_after_warmup": llm.runner.compiles_after_warmup}
+  with open(FLAGS.out_json, "w") as f:
+    json.dump({"meta": meta, "results": results}, f, indent=2)
+  lines = ["| C | policy | tok/s | per-req tok/s | TPF | tau | vs best baseline (wall) | priced tok/ms | vs official "
+           "fixed B (priced) | B share 1/8/16/32 | lossless |", "|" + "---|" * 11]
+  for r in results:
+    share = "/".join(f"{100 * r['block_size_share'].get(str(b), 0):.0f}" for b in (1, 8, 16, 32))
+    vs = f"{r['vs_official_fixed_priced']:.2f}x" if r["vs_official_fixed_priced"] else "-"
+    lines.append(f"| {r['concurrency']} | {r['policy']} | {r['tokens_per_s']:.1f} | "
+                 f"{r['per_request_tokens_per_s']:.1f} | {r['tpf']:.2f} | {r['mean_accepted_length']:.2f} | "
+                 f"{r['vs_best_baseline_wall']:.2f}x | {r['priced_tokens_per_ms']:.3f} | {vs} | {share} | "
+                 f"{r['lossless']} |")
+  with open(FLAGS.out_md, "w") as f:
+    f.write(f"GSM8K test, {FLAGS.num_prompts} prompts, greedy, max {FLAGS.max_tokens} new tokens; wall clock on this "
+            f"machine, priced with `{FLAGS.price_profile}`.\n\n" + "\n".join(lines) + "\n")
+  print("\n".join(lines))
+
+
+if __name__ == "__main__":
+  app.run(main)

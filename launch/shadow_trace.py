@@ -1,0 +1,45 @@
+"""Collects RecGuide shadow traces: every round runs B = 8/16/32 from the same committed state and logs the
+counterfactual accepted lengths plus the history signals (s, z). Use prompts the policy is not evaluated on (GSM8K
+train by default); then fit with launch/fit_policy.py.
+
+  python launch/shadow_trace.py --num_prompts 200 --out runs/shadow_gsm8k.jsonl
+"""
+
+import os
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+from absl import app, flags  # noqa: E402
+
+FLAGS = flags.FLAGS
+flags.DEFINE_string("checkpoint", None, "Checkpoint dir (default: the bundled model).")
+flags.DEFINE_string("data", os.path.join(ROOT, "..", "shared", "data", "gsm8k", "train.jsonl"), "Prompts (jsonl).")
+flags.DEFINE_integer("num_prompts", 200, "Prompts to trace.")
+flags.DEFINE_integer("offset", 0, "First prompt index.")
+flags.DEFINE_integer("max_tokens", 128, "New tokens per request.")
+flags.DEFINE_integer("concurrency", 8, "Requests in flight.")
+flags.DEFINE_integer("seed", 0, "Exploration seed.")
+flags.DEFINE_string("dataset", "gsm8k", "Dataset label written into each row.")
+flags.DEFINE_string("out", None, "Output JSONL.")
+
+
+def main(argv):
+  del argv
+  if not FLAGS.out:
+    sys.exit("error: --out is required")
+  from recguide_jax import LLM, SamplingParams, bench
+  from recguide_jax.orchestrator.shadow import ShadowTracePolicy
+  policy = ShadowTracePolicy(FLAGS.dataset, FLAGS.seed)
+  llm = LLM(FLAGS.checkpoint, policy=policy, max_batch=FLAGS.concurrency, max_model_len=1024)
+  prompts = bench.gsm8k_prompts(FLAGS.data, FLAGS.num_prompts, llm.tokenizer, offset=FLAGS.offset)
+  bench.run_concurrent(llm.engine, prompts, SamplingParams(max_tokens=FLAGS.max_tokens, temperature=0.0),
+                       FLAGS.concurrency)
+  os.makedirs(os.path.dirname(os.path.abspath(FLAGS.out)), exist_ok=True)
+  policy.write(FLAGS.out)
+  print(f"wrote {len(policy.rows)} rounds from {FLAGS.num_prompts} requests to {FLAGS.out}")
+
+
+if __name__ == "__main__":
+  app.run(main)

@@ -1,0 +1,425 @@
+"""RecGuide's adaptive block size (recguide.md 5.4-5.5): B*_t = argmax_B V_B(s_t, z_t) - rho_C * T_C(B), the
+offline exact 1-D search for rho_C, and the frozen per-load policy tables shipped with a checkpoint.
+
+Policy JSON, schema "recguide-policy/1" (written by launch/fit_policy.py, read by `load_policy`):
+
+  {
+    "schema": "recguide-policy/1",
+    "version": "3f2a9c1b7d4e",        # content hash unless a tag was given: identifies the frozen policy
+    "profile": "b200_nld8b",          # the hardware profile the costs came from
+    "notes": "...",
+    "levels": [                       # one entry per fitted concurrency level C
+      {"concurrency": 8, "rho": 0.21, "cold_start_block": 16,
+       "costs_ms": {"8": 17.114, "16": 18.737, "32": 21.478},       # T_C(B) the price rho was solved against
+       "objective": 0.29, "fixed_objectives": {"8": ..., "16": ..., "32": ...},   # tokens/ms/request (replay)
+       "shares": {"8": 0.05, "16": 0.40, "32": 0.55}}                # macro share of rounds per chosen B
+    ],
+    "value_model": { ... "recguide-value-model/1" ... }
+  }
+
+At runtime a load C uses the nearest fitted level (in log2 C, ties to the smaller level) for rho, costs and the
+cold-start block, so the decision always pairs a price with the costs it was solved against.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import math
+import os
+import pathlib
+import types
+from typing import Any, Mapping, Sequence
+
+import numpy as np
+
+from recguide_jax.orchestrator import value_model as vm
+
+SCHEMA = "recguide-policy/1"
+POLICY_FILENAME = "recguide_policy.json"  # where a checkpoint directory ships its frozen policy
+# NLD's official fixed recipe = the "Fixed Block" baseline, used for a request's first round (no history yet)
+COLD_START = types.MappingProxyType({1: 32, 2: 32, 4: 32, 8: 16, 16: 16, 32: 16, 64: 8, 128: 8})
+LINSPACE_POINTS = 33
+
+
+class PolicyError(ValueError):
+  """A policy file is malformed or a policy was asked something it cannot answer; the message names the field."""
+
+
+def nearest_level(c: float, levels: Sequence[int]) -> int:
+  """The level closest to C in log2 (load scales multiplicatively); ties go to the smaller level."""
+  if isinstance(c, bool) or not isinstance(c, (int, float)) or not c > 0:
+    raise PolicyError(f"concurrency C must be a positive number, got {c!r}")
+  if not levels:
+    raise PolicyError("no concurrency levels to choose from")
+  x = math.log2(c)
+  return min(sorted(levels), key=lambda level: abs(math.log2(level) - x))
+
+
+def cold_start_block(c: float, table: Mapping[int, int] = COLD_START) -> int:
+  """First-round B by load: C <= 4 -> 32, 8..32 -> 16, >= 64 -> 8 (other C: the nearest listed level)."""
+  return table[nearest_level(c, tuple(table))]
+
+
+def decide(value_model: vm.ValueModel, rho: float, costs: Mapping[int, float], s: float | None,
+           z: str | None) -> int:
+  """argmax_B V_B(s, z) - rho * T(B) over the blocks in `costs`, scanned in increasing B with a strict ">" so an
+  exact tie keeps the smaller block."""
+  if not costs:
+    raise PolicyError("decide needs at least one block cost")
+  if not math.isfinite(rho):
+    raise PolicyError(f"rho must be finite, got {rho!r}")
+  best, best_u = None, -math.inf
+  for b in sorted(costs):
+    u = value_model.value(b, s, z) - rho * costs[b]
+    if best is None or u > best_u:
+      best, best_u = b, u
+  return best
+
+
+# ---- offline replay and the rho search -------------------------------------------------------------------------------
+def group_rows(rows: Sequence[Mapping]) -> dict[str, dict[str, list[dict]]]:
+  """{dataset: {request_id: [rows sorted by round]}} after validating the rows."""
+  out: dict[str, dict[str, list[dict]]] = {}
+  for r in vm.validate_rows(rows):
+    out.setdefault(r["dataset"], {}).setdefault(r["request_id"], []).append(r)
+  for reqs in out.values():
+    for rounds in reqs.values():
+      rounds.sort(key=lambda r: r["round"])
+  return out
+
+
+class _Replay:
+  """Every logged round of every request, flattened for fast re-scoring at many prices.
+
+  A round's choice depends on rho only through its value vector (V_B(s, z) for each B), so rounds are pooled per
+  (request, value vector): per candidate rho only one choice per distinct vector is computed, then gathered."""
+
+  def __init__(self, groups: Mapping[str, Mapping[str, Sequence[Mapping]]], value_model: vm.ValueModel | None,
+               costs: Mapping[int, float], cold_start: int | None):
+    if not costs:
+      raise PolicyError("costs must hold at least one block size")
+    self.blocks = tuple(sorted(costs))
+    for b, t in costs.items():
+      if not (isinstance(t, (int, float)) and math.isfinite(t) and t > 0):
+        raise PolicyError(f"costs[{b}] must be a finite positive number of ms, got {t!r}")
+    if cold_start is not None and cold_start not in self.blocks:
+      raise PolicyError(f"cold_start block {cold_start} is not among the cost blocks {list(self.blocks)}")
+    if value_model is not None:
+      missing = [b for b in self.blocks if b not in value_model.block_sizes]
+      if missing:
+        raise PolicyError(f"the value model has no block size {missing[0]} (has {list(value_model.block_sizes)})")
+    self.T = np.array([float(costs[b]) for b in self.blocks])
+    vec_ids: dict[tuple, int] = {}
+    req_of, vid_of, a_rows, ds_of_req = [], [], [], []
+    n_req = 0
+    if not groups:
+      raise PolicyError("no trace rows to replay")
+    for d, (_, reqs) in enumerate(sorted(groups.items())):
+      if not reqs:
+        raise PolicyError("a dataset without requests cannot be macro-averaged")
+      for _, rounds in sorted(reqs.items()):
+        for r in rounds:
+          a = {int(b): v for b, v in r["A"].items()}  # JSON rows key A by strings, validated rows by ints
+          missing = [b for b in self.blocks if b not in a]
+          if missing:
+            raise PolicyError(f"row {r['dataset']}/{r['request_id']}/round {r['round']} has no A[{missing[0]}]")
+          a_rows.append([a[b] for b in self.blocks])
+          if value_model is None or (cold_start is not None and r["round"] == 0):
+            vid = -1  # the first round runs the cold-start block whatever rho is (no model: fixed-B replays only)
+          else:
+            vec = tuple(value_model.value(b, r["s"], r["z"]) for b in self.blocks)
+            vid = vec_ids.setdefault(vec, len(vec_ids))
+          req_of.append(n_req)
+          vid_of.append(vid)
+        ds_of_req.append(d)
+        n_req += 1
+    self.n_datasets = len(groups)
+    self.n_req = n_req
+    self.ds_of_req = np.array(ds_of_req)
+    self.req_per_ds = np.bincount(self.ds_of_req, minlength=self.n_datasets).astype(float)
+    self.vectors = np.array(list(vec_ids), np.float64).reshape(len(vec_ids), len(self.blocks))
+    self.cold_index = self.blocks.index(cold_start) if cold_start is not None else 0
+    # pool rounds per (request, vector id); the cold-start vector gets the id len(vectors)
+    vid = np.where(np.array(vid_of) < 0, len(vec_ids), np.array(vid_of))
+    key = np.array(req_of) * (len(vec_ids) + 1) + vid
+    uniq, inv = np.unique(key, return_inverse=True)
+    self.pair_req = uniq // (len(vec_ids) + 1)
+    self.pair_vid = uniq % (len(vec_ids) + 1)
+    self.pair_a = np.zeros((len(uniq), len(self.blocks)))
+    np.add.at(self.pair_a, inv, np.array(a_rows, np.float64))
+    self.pair_n = np.bincount(inv, minlength=len(uniq)).astype(float)
+    self.rounds_per_req = np.bincount(self.pair_req, weights=self.pair_n, minlength=n_req)
+
+  def vector_choices(self, rho: float) -> np.ndarray:
+    """Index into self.blocks per value vector (the cold-start vector last). np.argmax takes the first maximum,
+    i.e. the smallest B, exactly like `decide`'s strict '>'."""
+    u = self.vectors - rho * self.T[None, :]
+    ch = np.argmax(u, axis=1) if len(self.vectors) else np.zeros(0, np.int64)
+    return np.append(ch, self.cold_index)
+
+  def _score(self, pair_choice: np.ndarray) -> float:
+    take = np.arange(len(pair_choice))
+    tokens = np.bincount(self.pair_req, weights=self.pair_a[take, pair_choice], minlength=self.n_req)
+    ms = np.bincount(self.pair_req, weights=self.pair_n * self.T[pair_choice], minlength=self.n_req)
+    per_ds = np.bincount(self.ds_of_req, weights=tokens / ms, minlength=self.n_datasets) / self.req_per_ds
+    return float(per_ds.mean())
+
+  def objective(self, rho: float) -> float:
+    return self._score(self.vector_choices(rho)[self.pair_vid])
+
+  def fixed(self, b: int) -> float:
+    return self._score(np.full(len(self.pair_vid), self.blocks.index(b)))
+
+  def shares(self, rho: float) -> dict[int, float]:
+    """Share of rounds per block, per request, averaged within each dataset, then over datasets (Table 4 style)."""
+    ch = self.vector_choices(rho)[self.pair_vid]
+    out = {}
+    for j, b in enumerate(self.blocks):
+      per_req = np.bincount(self.pair_req, weights=self.pair_n * (ch == j), minlength=self.n_req)
+      per_req = per_req / self.rounds_per_req
+      out[b] = float((np.bincount(self.ds_of_req, weights=per_req, minlength=self.n_datasets) /
+                      self.req_per_ds).mean())
+    return out
+
+  def candidates(self) -> np.ndarray:
+    """{0}, every non-negative breakpoint (V_j - V_i)/(T_j - T_i) over the distinct value vectors, the midpoints
+    between consecutive points, max * 1.05 and 33 linspace points over [0, max * 1.05]."""
+    pts = [np.zeros(1)]
+    nb = len(self.blocks)
+    for i in range(nb):
+      for j in range(i + 1, nb):
+        dt = self.T[j] - self.T[i]
+        if dt != 0 and len(self.vectors):
+          bp = (self.vectors[:, j] - self.vectors[:, i]) / dt
+          pts.append(bp[bp >= 0])
+    pts = np.unique(np.concatenate(pts))
+    top = float(pts.max()) * 1.05
+    extra = [(pts[:-1] + pts[1:]) / 2, [top], np.linspace(0.0, top, LINSPACE_POINTS)]
+    return np.unique(np.concatenate([pts] + [np.asarray(e, np.float64) for e in extra]))
+
+
+@dataclasses.dataclass(frozen=True)
+class RhoSolution:
+  rho: float
+  objective: float  # macro tokens per ms per request under the rule at rho
+  shares: Mapping[int, float]  # macro share of rounds per chosen B
+  fixed_objectives: Mapping[int, float]  # the same objective with one B for every round
+  candidates: int  # prices evaluated
+
+  @property
+  def best_fixed_block(self) -> int:
+    return max(sorted(self.fixed_objectives), key=lambda b: self.fixed_objectives[b])
+
+
+def solve_rho(rows_by_request: Mapping[str, Mapping[str, Sequence[Mapping]]], value_model: vm.ValueModel,
+              costs: Mapping[int, float], cold_start: int | None = None) -> RhoSolution:
+  """The exact 1-D search for rho_C (recguide.md 5.4).
+
+  rows_by_request: {dataset: {request_id: [rows]}} as `group_rows` builds. Each request's logged rounds are
+  replayed with B_t chosen by `decide` from the round's own (s, z) (round 0 takes `cold_start` when given); the
+  score is the macro over datasets of the mean over requests of sum_t A_{B_t} / sum_t T(B_t). The objective is
+  piecewise constant in rho with jumps only at the candidate breakpoints, so scanning the candidates (midpoints
+  stand for the open intervals) finds the exact maximum; ties go to the smaller rho."""
+  replay = _Replay(rows_by_request, value_model, costs, cold_start)
+  best_rho, best = None, -math.inf
+  cands = replay.candidates()
+  for rho in cands:  # ascending, strict '>': ties keep the smaller rho
+    score = replay.objective(float(rho))
+    if score > best:
+      best_rho, best = float(rho), score
+  fixed = {b: replay.fixed(b) for b in replay.blocks}
+  return RhoSolution(best_rho, best, types.MappingProxyType(replay.shares(best_rho)),
+                     types.MappingProxyType(fixed), len(cands))
+
+
+def replay_objective(rows_by_request: Mapping[str, Mapping[str, Sequence[Mapping]]], value_model: vm.ValueModel,
+                     costs: Mapping[int, float], rho: float, cold_start: int | None = None) -> float:
+  """The objective `solve_rho` maximises, at one given rho."""
+  return _Replay(rows_by_request, value_model, costs, cold_start).objective(rho)
+
+
+def fixed_objective(rows_by_request: Mapping[str, Mapping[str, Sequence[Mapping]]], costs: Mapping[int, float],
+                    block: int) -> float:
+  """The objective with the same block for every round (the fixed-B baselines)."""
+  return _Replay(rows_by_request, None, costs, None).fixed(block)
+
+
+# ---- frozen policy tables --------------------------------------------------------------------------------------------
+def _int_keyed(raw: Any, field: str, positive_values: bool = True) -> Mapping[int, float]:
+  if not isinstance(raw, Mapping) or not raw:
+    raise PolicyError(f"{field} must be a non-empty object keyed by block size")
+  out = {}
+  for k, v in raw.items():
+    try:
+      b = int(k)
+    except (TypeError, ValueError):
+      raise PolicyError(f"{field} has a non-integer key {k!r}") from None
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or (
+        positive_values and v <= 0):
+      raise PolicyError(f"{field}[{b}] must be a finite{' positive' if positive_values else ''} number, got {v!r}")
+    out[b] = float(v)
+  return types.MappingProxyType(dict(sorted(out.items())))
+
+
+@dataclasses.dataclass(frozen=True)
+class LevelPolicy:
+  """The adaptive rule at one load level C."""
+  concurrency: int
+  rho: float
+  costs_ms: Mapping[int, float]
+  cold_start_block: int
+  objective: float | None = None
+  fixed_objectives: Mapping[int, float] | None = None
+  shares: Mapping[int, float] | None = None
+
+  def __post_init__(self):
+    where = f"levels[C={self.concurrency}]"
+    if isinstance(self.concurrency, bool) or not isinstance(self.concurrency, int) or self.concurrency < 1:
+      raise PolicyError(f"level concurrency must be a positive integer, got {self.concurrency!r}")
+    if isinstance(self.rho, bool) or not isinstance(self.rho, (int, float)) or not math.isfinite(self.rho) \
+        or self.rho < 0:
+      raise PolicyError(f"{where}.rho must be a finite number >= 0, got {self.rho!r}")
+    object.__setattr__(self, "rho", float(self.rho))
+    object.__setattr__(self, "costs_ms", _int_keyed(self.costs_ms, f"{where}.costs_ms"))
+    if self.cold_start_block not in self.costs_ms:
+      raise PolicyError(f"{where}.cold_start_block {self.cold_start_block!r} is not among the cost blocks "
+                        f"{list(self.costs_ms)}")
+    for field in ("fixed_objectives", "shares"):
+      if getattr(self, field) is not None:
+        object.__setattr__(self, field, _int_keyed(getattr(self, field), f"{where}.{field}", False))
+
+  def to_json(self) -> dict:
+    out = {"concurrency": self.concurrency, "rho": self.rho, "cold_start_block": self.cold_start_block,
+           "costs_ms": {str(b): t for b, t in self.costs_ms.items()}}
+    if self.objective is not None:
+      out["objective"] = self.objective
+    for field in ("fixed_objectives", "shares"):
+      if getattr(self, field) is not None:
+        out[field] = {str(b): v for b, v in getattr(self, field).items()}
+    return out
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class AdaptivePolicyTables:
+  """The frozen adaptive-B policy: value model + (rho, costs, cold start) per load level, versioned JSON."""
+  value_model: vm.ValueModel
+  levels: tuple[LevelPolicy, ...]
+  profile: str
+  version: str = ""  # empty: filled with a hash of the content
+  notes: str = ""
+
+  def __post_init__(self):
+    if not self.levels:
+      raise PolicyError("a policy needs at least one concurrency level")
+    levels = tuple(sorted(self.levels, key=lambda lv: lv.concurrency))
+    seen = [lv.concurrency for lv in levels]
+    if len(set(seen)) != len(seen):
+      raise PolicyError(f"levels repeat a concurrency: {seen}")
+    for lv in levels:
+      missing = [b for b in lv.costs_ms if b not in self.value_model.block_sizes]
+      if missing:
+        raise PolicyError(f"levels[C={lv.concurrency}].costs_ms has block {missing[0]}, which the value model "
+                          f"lacks (has {list(self.value_model.block_sizes)})")
+    object.__setattr__(self, "levels", levels)
+    if not self.version:
+      object.__setattr__(self, "version", self.content_hash())
+
+  @property
+  def head_cap(self) -> int | None:
+    """The e_t head cap the runtime must use in `round_entropy` (the one the signal was fitted with)."""
+    return self.value_model.head_cap
+
+  @property
+  def concurrency_levels(self) -> tuple[int, ...]:
+    return tuple(lv.concurrency for lv in self.levels)
+
+  def level(self, c: float) -> LevelPolicy:
+    target = nearest_level(c, self.concurrency_levels)
+    return next(lv for lv in self.levels if lv.concurrency == target)
+
+  def rho_for(self, c: float) -> float:
+    return self.level(c).rho
+
+  def costs_for(self, c: float) -> dict[int, float]:
+    """The T_C(B) the level's rho was solved against (pair them: rho is a price in tokens per ms of these costs)."""
+    return dict(self.level(c).costs_ms)
+
+  def decide(self, c: float, s: float | None, z: str | None) -> int:
+    lv = self.level(c)
+    return decide(self.value_model, lv.rho, lv.costs_ms, s, z)
+
+  def next_block(self, c: float, history: Sequence[vm.RoundRecord | Mapping]) -> int:
+    """The block for a request's next round at load C: the cold-start block without history, else the rule."""
+    lv = self.level(c)
+    if not history:
+      return lv.cold_start_block
+    s = vm.signal_s(history, self.value_model.window)
+    return decide(self.value_model, lv.rho, lv.costs_ms, s, vm.stratum(history))
+
+  # ---- JSON --------------------------------------------------------------------------------------------------------
+  def _payload(self) -> dict:
+    return {"profile": self.profile, "notes": self.notes, "levels": [lv.to_json() for lv in self.levels],
+            "value_model": self.value_model.to_json()}
+
+  def content_hash(self) -> str:
+    blob = json.dumps(self._payload(), sort_keys=True, separators=(",", ":"))
+    return hashlib.sha256(blob.encode()).hexdigest()[:12]
+
+  def to_json(self) -> dict:
+    return {"schema": SCHEMA, "version": self.version, **self._payload()}
+
+  @classmethod
+  def from_json(cls, raw: Any, where: str = "policy") -> "AdaptivePolicyTables":
+    if not isinstance(raw, Mapping):
+      raise PolicyError(f"{where}: a policy must be a JSON object")
+    if raw.get("schema") != SCHEMA:
+      raise PolicyError(f"{where}: field 'schema' must be {SCHEMA!r}, got {raw.get('schema')!r}")
+    for key in ("levels", "value_model", "profile"):
+      if key not in raw:
+        raise PolicyError(f"{where}: missing field {key!r}")
+    if not isinstance(raw["levels"], list):
+      raise PolicyError(f"{where}: field 'levels' must be a list")
+    try:
+      model = vm.ValueModel.from_json(raw["value_model"], f"{where}: value_model")
+      levels = []
+      for i, lv in enumerate(raw["levels"]):
+        if not isinstance(lv, Mapping):
+          raise PolicyError(f"levels[{i}] must be an object")
+        for key in ("concurrency", "rho", "costs_ms", "cold_start_block"):
+          if key not in lv:
+            raise PolicyError(f"levels[{i}] is missing field {key!r}")
+        levels.append(LevelPolicy(lv["concurrency"], lv["rho"], lv["costs_ms"], lv["cold_start_block"],
+                                  lv.get("objective"), lv.get("fixed_objectives"), lv.get("shares")))
+      return cls(model, tuple(levels), str(raw["profile"]), str(raw.get("version", "")), str(raw.get("notes", "")))
+    except (PolicyError, vm.TraceError) as e:
+      msg = str(e)
+      raise PolicyError(msg if msg.startswith(where) else f"{where}: {msg}") from None
+
+  def save(self, path: str | os.PathLike) -> pathlib.Path:
+    """Writes the JSON; a directory path (a checkpoint) gets `recguide_policy.json` inside it."""
+    path = pathlib.Path(path)
+    if path.is_dir():
+      path = path / POLICY_FILENAME
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(self.to_json(), indent=1) + "\n")
+    return path
+
+  @classmethod
+  def load(cls, path: str | os.PathLike) -> "AdaptivePolicyTables":
+    return load_policy(path)
+
+
+def load_policy(path: str | os.PathLike) -> AdaptivePolicyTables:
+  """Loads a policy JSON file, or the `recguide_policy.json` a checkpoint directory ships."""
+  path = pathlib.Path(path)
+  if path.is_dir():
+    path = path / POLICY_FILENAME
+  if not path.is_file():
+    raise PolicyError(f"policy file {path} does not exist (fit one with launch/fit_policy.py)")
+  try:
+    raw = json.loads(path.read_text())
+  except json.JSONDecodeError as e:
+    raise PolicyError(f"{path}: not valid JSON ({e})") from None
+  return AdaptivePolicyTables.from_json(raw, str(path))

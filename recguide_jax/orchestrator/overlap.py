@@ -1,0 +1,140 @@
+"""Predictive draft-verify overlap (RecGuide, light load; recguide.md section 4).
+
+After a draft, each draft position i in 1..B-1 is analysed (confidence, top-1/top-2 margin with the mask token
+excluded); a position is risky when its margin < delta (strict). From the first two risky positions P1 < P2 and
+the crossing count K, the paper's final rule ("margin_risk_no_p3") plans speculative branches:
+
+  K = 0: continuation;  K = 1: corr(P1) + continuation;  K = 2: corr(P1) + corr(P2) + continuation;
+  K >= 3: corr(P1) + corr(P2).
+
+The verify forward and every branch draft run in ONE forward with a flattened shared-prefix ("tree") layout: the
+B verifier tokens, then B tokens per branch. A branch block token sees the committed KV, the verifier tokens
+before its branch point `pre` (P_k for a correction, B for the continuation) and its own block bidirectionally;
+verifier tokens are causal among themselves. Positions put each branch block exactly where the next round's block
+will sit if it is confirmed. Only the verifier tokens are committed; draft LoRA is on for branch tokens only.
+
+After verification a branch is reused as the next round's draft when it hits, which saves a draft forward:
+- full acceptance and the continuation's first token equals the bonus token;
+- first rejection at P_k with corr(P_k) executed and the verifier's correction equals alt_k.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Sequence
+
+import numpy as np
+
+MAX_BRANCHES = 3
+CORRECTION, CONTINUATION = "correction", "continuation"
+
+
+@dataclasses.dataclass(frozen=True)
+class DraftAnalysis:
+  risky: tuple[int, ...]  # first (up to 3) risky positions, ascending
+  crossings: int  # total number of risky positions
+  alt: tuple[int, ...]  # runner-up token at each of `risky` (-1: no valid alternative)
+
+
+@dataclasses.dataclass(frozen=True)
+class Branch:
+  kind: str  # CORRECTION | CONTINUATION
+  pre: int  # verifier tokens the branch builds on (P_k, or B for the continuation)
+  alt: int = -1  # the correction token placed at the block's first slot (corrections only)
+
+
+@dataclasses.dataclass
+class Prefetched:
+  """A branch block confirmed by verification, ready as the next round's draft (its analysis done)."""
+  tokens: np.ndarray  # [B]; tokens[0] is the committed next token (the new seed)
+  signals: np.ndarray  # [3, B] confidence, margin, runner-up of the block's positions
+  kind: str
+
+
+def analyze(signals: np.ndarray, delta: float) -> DraftAnalysis:
+  """signals: [3, B] (confidence, margin, runner-up) of one draft; position 0 (the seed) is never scanned."""
+  margin = signals[1, 1:]
+  risky = [int(i) + 1 for i in np.nonzero(margin < delta)[0]]
+  alt = tuple(int(signals[2, p]) for p in risky[:3])
+  return DraftAnalysis(tuple(risky[:3]), len(risky), alt)
+
+
+def plan_branches(analysis: DraftAnalysis, block: int, *, generated: int, committed: int, max_new: int,
+                  max_len: int, components: Sequence[str] = ("p1", "p2", "continuation")) -> list[Branch]:
+  """The paper's no-P3 rule plus its boundary filters. `components` switches parts on for ablations
+  (Table 5: "p1" only, then "+p2", then "+continuation")."""
+  out: list[Branch] = []
+  for idx, name in ((0, "p1"), (1, "p2")):
+    if name not in components or len(analysis.risky) <= idx:
+      continue
+    p, alt = analysis.risky[idx], analysis.alt[idx]
+    if alt < 0:  # no executable alternative token
+      continue
+    if generated + p >= max_new or committed + p + block > max_len:
+      continue
+    out.append(Branch(CORRECTION, p, alt))
+  if ("continuation" in components and analysis.crossings <= 2 and generated + block < max_new
+      and committed + 2 * block <= max_len):
+    out.append(Branch(CONTINUATION, block))
+  return out
+
+
+def tree_layout(block: int, draft: np.ndarray, branches: Sequence[Branch], committed: int, mask_token_id: int):
+  """One request's flattened tree: Q = 4B query tokens (verifier + up to 3 branch slots; unused slots are inert).
+
+  Returns tokens [Q], positions [Q], mask [Q, Q] (bool, row = query), lora [Q], write [Q].
+  """
+  q = (1 + MAX_BRANCHES) * block
+  tokens = np.full((q,), mask_token_id, np.int32)
+  positions = np.zeros((q,), np.int32)
+  mask = np.zeros((q, q), bool)
+  lora = np.zeros((q,), bool)
+  write = np.zeros((q,), bool)
+  tokens[:block] = draft
+  positions[:block] = committed + np.arange(block)
+  mask[:block, :block] = np.tril(np.ones((block, block), bool))
+  write[:block] = True
+  for k in range(MAX_BRANCHES):
+    lo = (k + 1) * block
+    sl = slice(lo, lo + block)
+    if k < len(branches):
+      br = branches[k]
+      positions[sl] = committed + br.pre + np.arange(block)
+      if br.kind == CORRECTION:
+        tokens[lo] = br.alt
+      mask[sl, :br.pre] = True  # the verifier tokens before the branch point (same K/V as a committed prefix)
+      mask[sl, sl] = True  # the block itself, bidirectionally
+      lora[sl] = True
+    else:  # inert slot: sees only itself
+      positions[sl] = committed + np.arange(block)
+      mask[np.arange(lo, lo + block), np.arange(lo, lo + block)] = True
+  return tokens, positions, mask, lora, write
+
+
+@dataclasses.dataclass(frozen=True)
+class ReuseOutcome:
+  label: str  # one of OUTCOMES
+  branch: int | None  # index of the reused branch
+
+
+OUTCOMES = ("correction_hit", "correction_miss", "continuation_hit", "continuation_miss", "continuation_absent",
+            "no_hit")
+
+
+def select_reuse(accepted: int, out_tokens: np.ndarray, branches: Sequence[Branch], branch_tokens: np.ndarray,
+                 block: int) -> ReuseOutcome:
+  """accepted in 1..B; out_tokens [>= accepted] the emitted tokens (out[accepted-1] = new seed);
+  branch_tokens [n, B] the branch blocks' tokens (correction blocks start with their alt)."""
+  seed = int(out_tokens[accepted - 1])
+  if accepted == block:  # full acceptance: the continuation guessed the bonus token?
+    for k, br in enumerate(branches):
+      if br.kind == CONTINUATION:
+        hit = int(branch_tokens[k][0]) == seed
+        return ReuseOutcome("continuation_hit" if hit else "continuation_miss", k if hit else None)
+    return ReuseOutcome("continuation_absent", None)
+  rejected = accepted  # the first rejected draft position (m + 1)
+  for k, br in enumerate(branches):
+    if br.kind == CORRECTION and br.pre == rejected:
+      hit = br.alt == seed
+      return ReuseOutcome("correction_hit" if hit else "correction_miss", k if hit else None)
+  return ReuseOutcome("no_hit", None)

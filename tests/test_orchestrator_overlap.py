@@ -1,0 +1,158 @@
+"""RecGuide overlap: branch planner, tree mask, reuse rules, exactness of the fused forward, and end to end: greedy
+output unchanged and a hit really saves a draft forward."""
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from recguide_jax import SamplingParams
+from recguide_jax.model import ForwardInputs
+from recguide_jax.orchestrator import overlap as ov
+
+
+def signals_with_margins(margins, alts=None):
+  b = len(margins)
+  sig = np.zeros((3, b), np.float32)
+  sig[0] = 0.9
+  sig[1] = margins
+  sig[2] = alts if alts is not None else np.arange(100, 100 + b)
+  return sig
+
+
+@pytest.mark.parametrize("risky,expected", [
+    ([], [("continuation", 8)]),
+    ([3], [("correction", 3), ("continuation", 8)]),
+    ([2, 5], [("correction", 2), ("correction", 5), ("continuation", 8)]),
+    ([1, 4, 6], [("correction", 1), ("correction", 4)]),
+    ([1, 2, 3, 7], [("correction", 1), ("correction", 2)]),
+])
+def test_branch_plan_follows_no_p3_rule(risky, expected):
+  margins = np.full(8, 0.9)
+  margins[0] = 0.0  # the seed position is never scanned
+  margins[risky] = 0.2
+  analysis = ov.analyze(signals_with_margins(margins), delta=0.5)
+  assert analysis.risky == tuple(risky[:3]) and analysis.crossings == len(risky)
+  plan = ov.plan_branches(analysis, 8, generated=0, committed=10, max_new=100, max_len=1000)
+  assert [(b.kind, b.pre) for b in plan] == expected
+  for b in plan:
+    if b.kind == "correction":
+      assert b.alt == 100 + b.pre
+
+
+def test_margin_equal_to_delta_is_not_risky_and_boundary_filters():
+  margins = np.array([0, 0.5, 0.49, 0.9, 0.9, 0.9, 0.9, 0.9])
+  a = ov.analyze(signals_with_margins(margins), 0.5)
+  assert a.risky == (2,)
+  # near the end of max_tokens: no continuation, correction at 2 still fits
+  plan = ov.plan_branches(a, 8, generated=93, committed=10, max_new=100, max_len=1000)
+  assert [(b.kind, b.pre) for b in plan] == [("correction", 2)]
+  plan = ov.plan_branches(a, 8, generated=98, committed=10, max_new=100, max_len=1000)
+  assert plan == []
+  # no valid alternative token: no correction branch
+  a2 = ov.analyze(signals_with_margins(margins, alts=np.full(8, -1)), 0.5)
+  assert [b.kind for b in ov.plan_branches(a2, 8, generated=0, committed=0, max_new=99, max_len=999)] == [
+      "continuation"]
+  # components switch parts off (ablations)
+  plan = ov.plan_branches(a, 8, generated=0, committed=0, max_new=99, max_len=999, components=("continuation",))
+  assert [b.kind for b in plan] == ["continuation"]
+
+
+def test_tree_layout_mask_positions_lora():
+  blk, c = 4, 20
+  draft = np.array([5, 6, 7, 8])
+  branches = [ov.Branch("correction", 2, alt=42), ov.Branch("continuation", 4)]
+  tokens, pos, mask, lora, write = ov.tree_layout(blk, draft, branches, c, mask_token_id=3)
+  assert list(tokens[:4]) == [5, 6, 7, 8] and list(tokens[4:8]) == [42, 3, 3, 3] and list(tokens[8:12]) == [3] * 4
+  assert list(pos[:4]) == [20, 21, 22, 23] and list(pos[4:8]) == [22, 23, 24, 25] and list(pos[8:12]) == [24, 25,
+                                                                                                        26, 27]
+  assert list(write) == [True] * 4 + [False] * 12 and list(lora) == [False] * 4 + [True] * 8 + [False] * 4
+  np.testing.assert_array_equal(mask[:4, :4], np.tril(np.ones((4, 4), bool)))
+  assert not mask[:4, 4:].any()  # the verifier never sees branches
+  for q in range(4, 8):  # correction block: verifier tokens 0..1 + own block
+    assert list(np.nonzero(mask[q])[0]) == [0, 1, 4, 5, 6, 7]
+  for q in range(8, 12):  # continuation: all verifier tokens + own block
+    assert list(np.nonzero(mask[q])[0]) == [0, 1, 2, 3, 8, 9, 10, 11]
+  for q in range(12, 16):  # unused slot is inert
+    assert list(np.nonzero(mask[q])[0]) == [q]
+
+
+def test_reuse_rules():
+  branches = [ov.Branch("correction", 2, alt=42), ov.Branch("correction", 5, alt=43), ov.Branch("continuation", 8)]
+  bt = np.array([[42, 1, 1, 1, 1, 1, 1, 1], [43, 2, 2, 2, 2, 2, 2, 2], [77, 3, 3, 3, 3, 3, 3, 3]])
+  out = np.array([10, 42, 0, 0, 0, 0, 0, 0])
+  assert ov.select_reuse(2, out, branches, bt, 8) == ov.ReuseOutcome("correction_hit", 0)
+  out2 = np.array([10, 41, 0, 0, 0, 0, 0, 0])
+  assert ov.select_reuse(2, out2, branches, bt, 8) == ov.ReuseOutcome("correction_miss", None)
+  out3 = np.array([10, 11, 12, 13, 43, 0, 0, 0])
+  assert ov.select_reuse(5, out3, branches, bt, 8).branch == 1
+  assert ov.select_reuse(3, out3, branches, bt, 8).label == "no_hit"
+  full = np.array([1, 2, 3, 4, 5, 6, 7, 77])
+  assert ov.select_reuse(8, full, branches, bt, 8) == ov.ReuseOutcome("continuation_hit", 2)
+  full[-1] = 78
+  assert ov.select_reuse(8, full, branches, bt, 8).label == "continuation_miss"
+  assert ov.select_reuse(8, full, branches[:2], bt[:2], 8).label == "continuation_absent"
+
+
+def _forward(model, tokens, positions, mask, prefix_len, page_table, cache, write=None, lora=None):
+  return model(ForwardInputs(tokens=jnp.asarray(tokens)[None], positions=jnp.asarray(positions)[None],
+                             block_mask=jnp.asarray(mask)[None], prefix_len=jnp.asarray([prefix_len]),
+                             page_table=jnp.asarray(page_table)[None],
+                             kv_write=None if write is None else jnp.asarray(write)[None],
+                             lora_mask=None if lora is None else jnp.asarray(lora)[None]), cache)
+
+
+def test_fused_forward_is_exact(tiny_model):
+  """Verifier logits equal a plain causal verify; branch drafts equal normal draft forwards on the committed
+  prefix they assume; the committed cache equals the plain verify's."""
+  from recguide_jax.kv_cache import KVCache, PageAllocator
+  cfg = tiny_model.cfg
+  blk, mask_id = 8, cfg.mask_token_id
+  rng = np.random.default_rng(1)
+  prompt = rng.integers(4, 128, 13)
+  alloc = PageAllocator(64, 8, 16)
+  alloc.add("r")
+  alloc.reserve("r", 64)
+  pt = alloc.page_table_row("r", 16)
+  cache = tiny_model.new_cache(64, 8)
+  n = len(prompt)
+  _, cache = _forward(tiny_model, prompt, np.arange(n), np.tril(np.ones((n, n), bool)), 0, pt, cache,
+                      write=np.ones(n, bool))
+  draft = rng.integers(4, 128, blk)
+  branches = [ov.Branch("correction", 3, alt=77), ov.Branch("continuation", blk)]
+  tokens, pos, mask, lora, write = ov.tree_layout(blk, draft, branches, n, mask_id)
+  fused_logits, fused_cache = _forward(tiny_model, tokens, pos, mask, n, pt, cache, write=write, lora=lora)
+  plain_logits, plain_cache = _forward(tiny_model, draft, n + np.arange(blk), np.tril(np.ones((blk, blk), bool)), n,
+                                       pt, cache, write=np.ones(blk, bool))
+  np.testing.assert_allclose(fused_logits[0, :blk], plain_logits[0], atol=1e-5)
+  for a, b in zip(fused_cache.k + fused_cache.v, plain_cache.k + plain_cache.v):
+    np.testing.assert_allclose(np.asarray(a)[1:], np.asarray(b)[1:], atol=1e-6)  # page 0 is trash
+  # correction branch == drafting [alt, MASK...] after committing draft[:3]
+  full = np.ones((blk, blk), bool)
+  corr_in = np.array([77] + [mask_id] * (blk - 1))
+  corr_ref, _ = _forward(tiny_model, corr_in, n + 3 + np.arange(blk), full, n + 3, pt, plain_cache)
+  np.testing.assert_allclose(fused_logits[0, blk:2 * blk], corr_ref[0], atol=1e-5)
+  cont_ref, _ = _forward(tiny_model, np.full(blk, mask_id), n + blk + np.arange(blk), full, n + blk, pt, plain_cache)
+  np.testing.assert_allclose(fused_logits[0, 2 * blk:3 * blk], cont_ref[0], atol=1e-5)
+
+
+def test_overlap_is_lossless_and_hits_save_forwards(tiny_llm):
+  from recguide_jax import policies
+  from recguide_jax.orchestrator.policy import RecGuidePolicy
+  rng = np.random.default_rng(4)
+  prompts = [[int(t) for t in np.tile(rng.integers(4, 128, 2), 12)[:int(rng.integers(3, 24))]] for _ in range(6)]
+  params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
+  tiny_llm.set_policy(policies.ARPolicy())
+  ar = [o.token_ids for o in tiny_llm.generate(prompts, params)]
+  # delta 1.0: every position is risky, so corrections are planned whenever an alternative exists;
+  # delta 0.0: nothing is risky, so every round carries a continuation branch
+  for delta in (0.0, 1.0):
+    tiny_llm.set_policy(RecGuidePolicy(16, delta=delta, fixed_regime="overlap"))
+    outs = tiny_llm.generate(prompts, params)
+    assert [o.token_ids for o in outs] == ar
+    assert tiny_llm.engine.allocator.num_used == 0
+  hits = sum(o.stats["overlap"].get("correction_hit", 0) + o.stats["overlap"].get("continuation_hit", 0)
+             for o in outs)
+  saved = sum(o.stats["rounds"] - o.stats["forwards"]["draft"] for o in outs)
+  # each consumed hit skipped exactly one draft forward (a hit in a request's last round is never consumed)
+  assert 0 < saved <= hits
+  assert all(o.stats["forwards"]["verify"] == o.stats["rounds"] for o in outs)
