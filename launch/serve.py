@@ -34,7 +34,12 @@ _NUM_PAGES = flags.DEFINE_integer("num_pages", 0, "KV cache pages; 0 sizes the c
 _PAGE_SIZE = flags.DEFINE_integer("page_size", 16, "Tokens per KV cache page.")
 _MAX_MODEL_LEN = flags.DEFINE_integer("max_model_len", 1024, "Longest prompt + output, in tokens.")
 _MAX_QUEUE = flags.DEFINE_integer("max_queue", 256, "Most requests waiting for a batch slot; more get HTTP 429.")
-_PROFILE = flags.DEFINE_string("profile", None, "Hardware profile JSON for the RecGuide policy (optional).")
+_PROFILE = flags.DEFINE_string("profile", None, "Hardware profile for the RecGuide policy: a JSON path from "
+                               "launch/profile.py or a shipped profile name such as b200_nld8b (optional).")
+_POLICY_TABLES = flags.DEFINE_string("policy_tables", None, "RecGuide adaptive-B policy JSON (default: "
+                                     "<checkpoint>/recguide_policy.json when it exists).")
+_ATTENTION = flags.DEFINE_enum("attention", "auto", ["auto", "reference", "pallas"],
+                               "Attention implementation: Pallas kernels on GPU/TPU, the jnp reference on CPU.")
 _COMPILE_CACHE_DIR = flags.DEFINE_string("compile_cache_dir", None, "Persistent XLA compilation cache. Default: "
                                          "$RECGUIDE_COMPILE_CACHE or ~/.cache/recguide_jax/xla; '' disables it.")
 _SERVED_MODEL_NAME = flags.DEFINE_string("served_model_name", None, "Model name clients pass as `model`. Default: "
@@ -78,13 +83,11 @@ def _check_flags() -> None:
   _check(not cache or not os.path.exists(cache) or os.path.isdir(cache), "compile_cache_dir",
          f"{cache} exists and is not a directory")
   if _PROFILE.value is not None:
+    from recguide_jax.orchestrator import profile as prof_lib
     try:
-      with open(_PROFILE.value) as f:
-        json.load(f)
-    except OSError as e:
-      _fail(f"--profile: cannot read {_PROFILE.value}: {e.strerror}")
-    except json.JSONDecodeError as e:
-      _fail(f"--profile: {_PROFILE.value} is not valid JSON: {e}")
+      prof_lib.load_profile(_PROFILE.value)  # a path, or the name of a shipped profile
+    except (OSError, ValueError) as e:
+      _fail(f"--profile: {e}")
 
 
 def _check_checkpoint(path: str) -> None:
@@ -109,23 +112,34 @@ def _check_port(host: str, port: int) -> None:
       _fail(f"--port: cannot listen on {host}:{port}: {e.strerror}")
 
 
-def _make_policy(policies):
-  """Builds the policy; --profile goes to the factory when it takes one (RecGuide), else it is only stored."""
-  import inspect
+def _make_policy(policies, checkpoint: str):
+  """Builds the policy. RecGuide takes the hardware profile (--profile, a path or a shipped profile name) and the
+  adaptive-B tables shipped beside the checkpoint (recguide_policy.json) when present."""
   name = _POLICY.value
   _check(name in policies.POLICY_NAMES, "policy", f"unknown policy {name!r}; expected one of "
          f"{', '.join(policies.POLICY_NAMES)}")
   kwargs = {}
-  profile_used = False
-  if _PROFILE.value is not None and "profile" in inspect.signature(policies.make_policy).parameters:
-    kwargs["profile"] = _PROFILE.value
-    profile_used = True
+  if name == "recguide":
+    from recguide_jax.orchestrator import adaptive, profile as prof_lib
+    if _PROFILE.value is not None:
+      try:
+        kwargs["profile"] = prof_lib.load_profile(_PROFILE.value)
+      except (OSError, ValueError) as e:
+        _fail(f"--profile: {e}")
+    tables_path = _POLICY_TABLES.value or os.path.join(checkpoint, "recguide_policy.json")
+    if os.path.exists(tables_path):
+      try:
+        kwargs["tables"] = adaptive.load_policy(tables_path)
+      except (OSError, ValueError) as e:
+        _fail(f"--policy_tables: {e}")
+    elif _POLICY_TABLES.value:
+      _fail(f"--policy_tables: {tables_path} does not exist")
+  elif _PROFILE.value is not None:
+    logging.info("--profile %s is stored; the %s policy does not use a hardware profile", _PROFILE.value, name)
   try:
     policy = policies.make_policy(name, _BLOCK_SIZE.value, _THRESHOLD.value, **kwargs)
   except ValueError as e:
     _fail(f"--policy={name}: {e}")
-  if _PROFILE.value is not None and not profile_used:
-    logging.info("--profile %s is stored; the %s policy does not use a hardware profile", _PROFILE.value, name)
   return policy
 
 
@@ -157,7 +171,7 @@ def main(argv):
 
   checkpoint = _CHECKPOINT.value or str(llm_lib.default_checkpoint())
   _check_checkpoint(checkpoint)
-  policy = _make_policy(policies)
+  policy = _make_policy(policies, checkpoint)
   cache = _COMPILE_CACHE_DIR.value
   cache = llm_lib.DEFAULT_COMPILE_CACHE if cache is None else (cache or None)
   name = _SERVED_MODEL_NAME.value or os.path.basename(os.path.normpath(os.path.abspath(checkpoint)))
@@ -169,7 +183,7 @@ def main(argv):
     llm = llm_lib.LLM(checkpoint, policy, _BLOCK_SIZE.value, threshold=_THRESHOLD.value, max_batch=_MAX_BATCH.value,
                       max_model_len=_MAX_MODEL_LEN.value, num_pages=_NUM_PAGES.value or None,
                       page_size=_PAGE_SIZE.value, rule=_RULE.value, compile_cache_dir=cache, warmup=True,
-                      max_queue=_MAX_QUEUE.value)
+                      max_queue=_MAX_QUEUE.value, attention=_ATTENTION.value)
   except (CheckpointError, ConfigError, TokenizerError, OSError) as e:
     _fail(f"--checkpoint: {e}")
   except ValueError as e:

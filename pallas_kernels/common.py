@@ -31,8 +31,8 @@ def round_up(n: int, m: int) -> int:
 
 
 def mask_kind_of(block_mask) -> str:
-  """"causal"/"full" for a string or for a concrete mask equal to one (so jitted callers that close over
-  `jnp.tril(...)` still get the cheap iota mask); "tree" for anything else, including traced masks."""
+  """The kernel's mask kind: "causal"/"full" for a string or for a concrete mask equal to one (so jitted callers
+  that close over `jnp.tril(...)` still get the cheap iota mask); "tree" for anything else, including traced masks."""
   if isinstance(block_mask, str):
     if block_mask not in ("causal", "full"):
       raise ValueError(f"mask kind must be 'causal' or 'full' (or a boolean array), got {block_mask!r}")

@@ -50,7 +50,8 @@ class LLM:
                num_pages: int | None = None, page_size: int = 16, prefill_chunk: int = 64,
                block_sizes: Sequence[int] | None = None, dtype: str | None = None, rule: str = "leviathan",
                compile_cache_dir: str | os.PathLike | None = DEFAULT_COMPILE_CACHE, warmup: bool = True,
-               model: NLDModel | None = None, tokenizer: Tokenizer | None = None, max_queue: int = 1 << 16):
+               model: NLDModel | None = None, tokenizer: Tokenizer | None = None, max_queue: int = 1 << 16,
+               attention: str = "auto", policy_kwargs: dict | None = None):
     from recguide_jax import checkpoint as ckpt_lib
     if model is None:
       path = pathlib.Path(checkpoint) if checkpoint is not None else default_checkpoint()
@@ -59,11 +60,13 @@ class LLM:
       model = ckpt_lib.load_model(path, dtype=dtype)
       if tokenizer is None and (path / "tokenizer.json").exists():
         tokenizer = Tokenizer.from_dir(path)
+    from recguide_jax import attention_dispatch
+    attention_dispatch.set_attention_impl(model, attention)  # before the runner splits the model
     self.model = model
     self.cfg = model.cfg
     self.tokenizer = tokenizer
     self.policy = policy if isinstance(policy, policies_lib.Policy) else policies_lib.make_policy(
-        policy, block_size, threshold)
+        policy, block_size, threshold, **(policy_kwargs or {}))
     sizes = tuple(sorted(set(block_sizes or ()) | set(self.policy.block_sizes()))) or (block_size,)
     pages_per_seq = -(-(max_model_len + max(sizes + (prefill_chunk,))) // page_size)
     self.runner_config = RunnerConfig(
