@@ -12,10 +12,11 @@ import sys
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-from absl import app, flags  # noqa: E402
+from absl import app, flags, logging  # noqa: E402
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string("checkpoint", None, "Checkpoint dir (default: the bundled model).")
+flags.DEFINE_enum("attention", "auto", ["auto", "reference", "pallas"], "Attention implementation.")
 flags.DEFINE_string("data", os.path.join(ROOT, "..", "shared", "data", "gsm8k", "test.jsonl"), "GSM8K test jsonl.")
 flags.DEFINE_integer("num_prompts", 32, "Prompts per concurrency level.")
 flags.DEFINE_integer("max_tokens", 128, "New tokens per request.")
@@ -47,6 +48,8 @@ def priced_ms(forward_log, profile) -> float:
 
 def main(argv):
   del argv
+  if FLAGS['verbosity'].using_default_value:
+    logging.set_verbosity(logging.WARNING)  # orbax logs every checkpoint step at INFO
   import numpy as np
   from recguide_jax import LLM, SamplingParams, bench, policies
   from recguide_jax.orchestrator import profile as prof_lib
@@ -58,7 +61,7 @@ def main(argv):
   price = prof_lib.load_profile(FLAGS.price_profile)
   local = prof_lib.load_profile(FLAGS.profile) if FLAGS.profile else None
   llm = LLM(FLAGS.checkpoint, policy="ar", block_sizes=(8, 16, 32), max_batch=max(levels), max_model_len=1024,
-            warmup=False)
+            warmup=False, attention=FLAGS.attention)
   llm.runner.warmup(("prefill", "draft", "verify", "fused", "gverify"), (8, 16, 32))
   tables = None
   tables_path = FLAGS.policy_tables

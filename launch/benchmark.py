@@ -11,10 +11,11 @@ import sys
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-from absl import app, flags  # noqa: E402
+from absl import app, flags, logging  # noqa: E402
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string("checkpoint", None, "Checkpoint dir (default: the bundled model).")
+flags.DEFINE_enum("attention", "auto", ["auto", "reference", "pallas"], "Attention implementation.")
 flags.DEFINE_string("data", os.path.join(ROOT, "..", "shared", "data", "gsm8k", "test.jsonl"), "GSM8K test jsonl.")
 flags.DEFINE_integer("num_prompts", 32, "Prompts from the start of the data file.")
 flags.DEFINE_integer("max_tokens", 128, "New tokens per request (greedy, stops at EOS).")
@@ -27,6 +28,8 @@ flags.DEFINE_string("out_md", os.path.join(ROOT, "docs", "bench_linear.md"), "Ou
 
 def main(argv):
   del argv
+  if FLAGS['verbosity'].using_default_value:
+    logging.set_verbosity(logging.WARNING)  # orbax logs every checkpoint step at INFO
   try:
     batch_sizes = [int(b) for b in FLAGS.batch_sizes]
     blocks = [int(b) for b in FLAGS.block_sizes]
@@ -38,7 +41,7 @@ def main(argv):
     sys.exit("error: --repeats, --num_prompts and --max_tokens must be positive")
   from recguide_jax import LLM, SamplingParams, bench, policies
   llm = LLM(FLAGS.checkpoint, policy="ar", block_sizes=tuple(blocks), max_batch=max(batch_sizes),
-            max_model_len=1024, warmup=False)
+            max_model_len=1024, warmup=False, attention=FLAGS.attention)
   llm.runner.warmup(("prefill", "draft", "verify"), tuple(blocks))
   prompts = bench.gsm8k_prompts(FLAGS.data, FLAGS.num_prompts, llm.tokenizer)
   params = SamplingParams(max_tokens=FLAGS.max_tokens, temperature=0.0)

@@ -14,10 +14,11 @@ import sys
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-from absl import app, flags  # noqa: E402
+from absl import app, flags, logging  # noqa: E402
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string("checkpoint", None, "Checkpoint dir (default: the bundled model).")
+flags.DEFINE_enum("attention", "auto", ["auto", "reference", "pallas"], "Attention implementation.")
 flags.DEFINE_string("data", os.path.join(ROOT, "..", "shared", "data", "gsm8k", "test.jsonl"), "GSM8K test jsonl.")
 flags.DEFINE_integer("num_prompts", 200, "Test prompts for the decoding figures.")
 flags.DEFINE_integer("max_tokens", 128, "New tokens per request.")
@@ -80,10 +81,13 @@ def signal_stats(log):
 
 def main(argv):
   del argv
+  if FLAGS['verbosity'].using_default_value:
+    logging.set_verbosity(logging.WARNING)  # orbax logs every checkpoint step at INFO
   import numpy as np
   from recguide_jax import LLM, SamplingParams, bench, policies
   from recguide_jax.train import data as data_lib
-  llm = LLM(FLAGS.checkpoint, policy="ar", block_sizes=(8, 16, 32), max_batch=FLAGS.concurrency, warmup=False)
+  llm = LLM(FLAGS.checkpoint, policy="ar", block_sizes=(8, 16, 32), max_batch=FLAGS.concurrency, warmup=False,
+            attention=FLAGS.attention)
   llm.runner.warmup(("prefill", "draft", "verify"), (8, 16, 32))
   rows = data_lib.load_gsm8k(FLAGS.data)
   result = {"checkpoint": str(FLAGS.checkpoint or "bundled"), "num_prompts": FLAGS.num_prompts,

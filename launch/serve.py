@@ -37,7 +37,8 @@ _MAX_QUEUE = flags.DEFINE_integer("max_queue", 256, "Most requests waiting for a
 _PROFILE = flags.DEFINE_string("profile", None, "Hardware profile for the RecGuide policy: a JSON path from "
                                "launch/profile.py or a shipped profile name such as b200_nld8b (optional).")
 _POLICY_TABLES = flags.DEFINE_string("policy_tables", None, "RecGuide adaptive-B policy JSON (default: "
-                                     "<checkpoint>/recguide_policy.json when it exists).")
+                                     "<checkpoint>/recguide_policy.json when it exists; likewise the profile "
+                                     "defaults to <checkpoint>/profile.json).")
 _ATTENTION = flags.DEFINE_enum("attention", "auto", ["auto", "reference", "pallas"],
                                "Attention implementation: Pallas kernels on GPU/TPU, the jnp reference on CPU.")
 _COMPILE_CACHE_DIR = flags.DEFINE_string("compile_cache_dir", None, "Persistent XLA compilation cache. Default: "
@@ -120,20 +121,22 @@ def _make_policy(policies, checkpoint: str):
          f"{', '.join(policies.POLICY_NAMES)}")
   kwargs = {}
   if name == "recguide":
+    from recguide_jax import llm as llm_lib
     from recguide_jax.orchestrator import adaptive, profile as prof_lib
+    try:
+      kwargs = llm_lib.recguide_defaults(checkpoint)  # tables and profile shipped beside the checkpoint
+    except (OSError, ValueError) as e:
+      _fail(f"--checkpoint: {e}")
     if _PROFILE.value is not None:
       try:
         kwargs["profile"] = prof_lib.load_profile(_PROFILE.value)
       except (OSError, ValueError) as e:
         _fail(f"--profile: {e}")
-    tables_path = _POLICY_TABLES.value or os.path.join(checkpoint, "recguide_policy.json")
-    if os.path.exists(tables_path):
+    if _POLICY_TABLES.value:
       try:
-        kwargs["tables"] = adaptive.load_policy(tables_path)
+        kwargs["tables"] = adaptive.load_policy(_POLICY_TABLES.value)
       except (OSError, ValueError) as e:
         _fail(f"--policy_tables: {e}")
-    elif _POLICY_TABLES.value:
-      _fail(f"--policy_tables: {tables_path} does not exist")
   elif _PROFILE.value is not None:
     logging.info("--profile %s is stored; the %s policy does not use a hardware profile", _PROFILE.value, name)
   try:

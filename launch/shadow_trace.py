@@ -11,10 +11,11 @@ import sys
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-from absl import app, flags  # noqa: E402
+from absl import app, flags, logging  # noqa: E402
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string("checkpoint", None, "Checkpoint dir (default: the bundled model).")
+flags.DEFINE_enum("attention", "auto", ["auto", "reference", "pallas"], "Attention implementation.")
 flags.DEFINE_string("data", os.path.join(ROOT, "..", "shared", "data", "gsm8k", "train.jsonl"), "Prompts (jsonl).")
 flags.DEFINE_integer("num_prompts", 200, "Prompts to trace.")
 flags.DEFINE_integer("offset", 0, "First prompt index.")
@@ -27,12 +28,15 @@ flags.DEFINE_string("out", None, "Output JSONL.")
 
 def main(argv):
   del argv
+  if FLAGS['verbosity'].using_default_value:
+    logging.set_verbosity(logging.WARNING)  # orbax logs every checkpoint step at INFO
   if not FLAGS.out:
     sys.exit("error: --out is required")
   from recguide_jax import LLM, SamplingParams, bench
   from recguide_jax.orchestrator.shadow import ShadowTracePolicy
   policy = ShadowTracePolicy(FLAGS.dataset, FLAGS.seed)
-  llm = LLM(FLAGS.checkpoint, policy=policy, max_batch=FLAGS.concurrency, max_model_len=1024)
+  llm = LLM(FLAGS.checkpoint, policy=policy, max_batch=FLAGS.concurrency, max_model_len=1024,
+            attention=FLAGS.attention)
   prompts = bench.gsm8k_prompts(FLAGS.data, FLAGS.num_prompts, llm.tokenizer, offset=FLAGS.offset)
   bench.run_concurrent(llm.engine, prompts, SamplingParams(max_tokens=FLAGS.max_tokens, temperature=0.0),
                        FLAGS.concurrency)

@@ -42,6 +42,8 @@ flags.DEFINE_integer("steps", None, "Stop after this many more steps (for runnin
 
 def main(argv):
   del argv
+  if FLAGS['verbosity'].using_default_value:
+    logging.set_verbosity(logging.WARNING)  # orbax logs every checkpoint step at INFO
   if not FLAGS.out_dir:
     sys.exit("error: --out_dir is required")
   if not os.path.exists(os.path.join(FLAGS.data_dir, "train.jsonl")):

@@ -358,31 +358,38 @@ class Engine:
   def _round_ar(self, reqs: list[Request]) -> None:
     self._reserve_block(reqs, 1)
     b, page_table, prefix_len, samp = self._batch_arrays(reqs)
-    tokens = np.zeros((b, 1), np.int32)
-    write = np.zeros((b,), bool)
-    for i, r in enumerate(reqs):
-      tokens[i, 0] = r.seed_token
-      write[i] = True
+    seed, write = self._seeds(reqs, b)
+    tokens = seed[:, None]
     res = self.runner.verify(tokens, None, write, prefix_len, page_table, samp)
     self._count_forward("decode", 1, len(reqs))
     for i, r in enumerate(reqs):
       r.stats.forwards["decode"] += 1
       self._after_verify(r, 1, 1, res, i)
 
+  def _seeds(self, reqs: list[Request], b: int) -> tuple[np.ndarray, np.ndarray]:
+    """Per-row seed tokens and the live-row flag of a padded batch."""
+    seed = np.zeros((b,), np.int32)
+    live = np.zeros((b,), bool)
+    for i, r in enumerate(reqs):
+      seed[i] = r.seed_token
+      live[i] = True
+    return seed, live
+
+  def _draft_verify(self, blk: int, seed, write, prefix_len, page_table, samp):
+    """One LinearSS round on the device: draft forward, then verify forward (which commits K/V)."""
+    drafted, q, signals = self.runner.draft(seed, prefix_len, page_table, blk, samp)
+    res = self.runner.verify(drafted, q, write, prefix_len, page_table, samp)
+    res.draft_tokens = np.asarray(drafted)
+    res.draft_signals = np.asarray(signals)
+    return res
+
   def _round_linear(self, reqs: list[Request], blk: int) -> None:
     for r in reqs:  # a prefetched overlap branch is only valid for the very next round
       r.policy_state.pop("prefetched", None)
     self._reserve_block(reqs, blk)
     b, page_table, prefix_len, samp = self._batch_arrays(reqs)
-    seed = np.zeros((b,), np.int32)
-    write = np.zeros((b,), bool)
-    for i, r in enumerate(reqs):
-      seed[i] = r.seed_token
-      write[i] = True
-    drafted, q, signals = self.runner.draft(seed, prefix_len, page_table, blk, samp)
-    res = self.runner.verify(drafted, q, write, prefix_len, page_table, samp)
-    res.draft_tokens = np.asarray(drafted)
-    res.draft_signals = np.asarray(signals)
+    seed, write = self._seeds(reqs, b)
+    res = self._draft_verify(blk, seed, write, prefix_len, page_table, samp)
     self._count_forward("draft", blk, len(reqs))
     self._count_forward("verify", blk, len(reqs))
     for i, r in enumerate(reqs):
@@ -398,19 +405,12 @@ class Engine:
     sizes = self.policy.block_sizes()
     self._reserve_block(reqs, max(sizes))
     b, page_table, prefix_len, samp = self._batch_arrays(reqs)
-    seed = np.zeros((b,), np.int32)
-    write = np.zeros((b,), bool)
-    for i, r in enumerate(reqs):
-      seed[i] = r.seed_token
-      write[i] = True
+    seed, write = self._seeds(reqs, b)
     counterfactual = [{} for _ in reqs]
     for blk in [x for x in sizes if x != chosen] + [chosen]:
-      drafted, q, signals = self.runner.draft(seed, prefix_len, page_table, blk, samp)
-      res = self.runner.verify(drafted, q, write, prefix_len, page_table, samp)
+      res = self._draft_verify(blk, seed, write, prefix_len, page_table, samp)
       for i in range(len(reqs)):
         counterfactual[i][blk] = int(res.accepted[i])
-    res.draft_tokens = np.asarray(drafted)
-    res.draft_signals = np.asarray(signals)
     self._count_forward("draft", chosen, len(reqs))
     self._count_forward("verify", chosen, len(reqs))
     for i, r in enumerate(reqs):
@@ -460,9 +460,7 @@ class Engine:
     if need:
       sub = [reqs[i] for i in need]
       b2, pt2, pl2, samp2 = self._batch_arrays(sub)
-      seed = np.zeros((b2,), np.int32)
-      for j, r in enumerate(sub):
-        seed[j] = r.seed_token
+      seed, _ = self._seeds(sub, b2)
       tok, _, sig = self.runner.draft(seed, pl2, pt2, blk, samp2)
       tok, sig = np.asarray(tok), np.asarray(sig)
       self._count_forward("draft", blk, len(sub))
@@ -516,13 +514,8 @@ class Engine:
   def _round_diffusion(self, reqs: list[Request], blk: int) -> None:
     self._reserve_block(reqs, blk)
     b, page_table, prefix_len, samp = self._batch_arrays(reqs)
-    seed = np.zeros((b,), np.int32)
-    active = np.zeros((b,), bool)
-    threshold = np.ones((b,), np.float32)
-    for i, r in enumerate(reqs):
-      seed[i] = r.seed_token
-      active[i] = True
-      threshold[i] = self.policy.threshold
+    seed, active = self._seeds(reqs, b)
+    threshold = np.full((b,), self.policy.threshold, np.float32)
     block, steps = self.runner.denoise(seed, prefix_len, page_table, threshold, blk, samp, active)
     self._count_forward("denoise", blk, len(reqs))
     eos = set(self.cfg.eos_token_ids)

@@ -25,6 +25,19 @@ def default_checkpoint() -> pathlib.Path:
   return pathlib.Path(os.environ.get("RECGUIDE_CHECKPOINT", BUNDLED_CHECKPOINT))
 
 
+def recguide_defaults(checkpoint_dir: str | os.PathLike) -> dict:
+  """RecGuide's data shipped beside a checkpoint: the fitted adaptive-B tables (`recguide_policy.json`) and a
+  hardware profile of the machine class it was measured on (`profile.json`), when present."""
+  from recguide_jax.orchestrator import adaptive, profile as prof_lib
+  path = pathlib.Path(checkpoint_dir)
+  out = {}
+  if (path / "recguide_policy.json").exists():
+    out["tables"] = adaptive.load_policy(path / "recguide_policy.json")
+  if (path / "profile.json").exists():
+    out["profile"] = prof_lib.load_profile(path / "profile.json")
+  return out
+
+
 @dataclasses.dataclass
 class RequestOutput:
   request_id: str
@@ -53,8 +66,10 @@ class LLM:
                model: NLDModel | None = None, tokenizer: Tokenizer | None = None, max_queue: int = 1 << 16,
                attention: str = "auto", policy_kwargs: dict | None = None):
     from recguide_jax import checkpoint as ckpt_lib
+    checkpoint_dir = None
     if model is None:
       path = pathlib.Path(checkpoint) if checkpoint is not None else default_checkpoint()
+      checkpoint_dir = path
       if not path.exists():
         raise FileNotFoundError(f"checkpoint directory {path} does not exist")
       model = ckpt_lib.load_model(path, dtype=dtype)
@@ -65,6 +80,8 @@ class LLM:
     self.model = model
     self.cfg = model.cfg
     self.tokenizer = tokenizer
+    if policy == "recguide" and checkpoint_dir is not None:
+      policy_kwargs = {**recguide_defaults(checkpoint_dir), **(policy_kwargs or {})}
     self.policy = policy if isinstance(policy, policies_lib.Policy) else policies_lib.make_policy(
         policy, block_size, threshold, **(policy_kwargs or {}))
     sizes = tuple(sorted(set(block_sizes or ()) | set(self.policy.block_sizes()))) or (block_size,)

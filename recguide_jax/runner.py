@@ -213,7 +213,7 @@ class Runner:
       logits = model.logits(h_last)  # [b, 1, V]
       probs = sampling.processed_probs(logits, temperature, top_k, top_p, cfg.mask_token_id)
       (k,) = sampling.split_keys(keys, 1)
-      tok = jax.vmap(sampling.sample)(k, probs)  # [b, 1]
+      tok = sampling.draw(k, probs, temperature <= 0)  # [b, 1]
       lp, top_lp, top_ids = sampling.raw_logprobs(logits, tok, cfg.mask_token_id)
       return cache, tok[:, 0], lp[:, 0], top_lp[:, 0], top_ids[:, 0]
 
@@ -233,7 +233,7 @@ class Runner:
       logits, _ = self._model(state)(inp, cache)
       q = sampling.processed_probs(logits, temperature, top_k, top_p, cfg.mask_token_id)
       (k,) = sampling.split_keys(keys, 1)
-      drafted = jax.vmap(sampling.sample)(k, q)
+      drafted = sampling.draw(k, q, temperature <= 0)
       drafted = drafted.at[:, 0].set(seed)
       return drafted, q, draft_signals(logits, drafted, cfg)
 
@@ -249,7 +249,7 @@ class Runner:
                           page_table=page_table, kv_write=jnp.broadcast_to(write[:, None], tokens.shape))
       logits, cache = self._model(state)(inp, cache)
       p = sampling.processed_probs(logits, temperature, top_k, top_p, cfg.mask_token_id)
-      accepted, out = sampling.accept(rule, keys, p, q, tokens)
+      accepted, out = sampling.accept(rule, keys, p, q, tokens, temperature <= 0)
       lp, top_lp, top_ids = sampling.raw_logprobs(logits, out, cfg.mask_token_id)
       return cache, accepted, out, lp, top_lp, top_ids, verifier_entropy(logits, cfg)
 
@@ -271,7 +271,7 @@ class Runner:
       drafted = tokens[:, :blk]
       p = sampling.processed_probs(v_logits, temperature, top_k, top_p, cfg.mask_token_id)
       q = jax.nn.one_hot(drafted, cfg.vocab_size, dtype=jnp.float32)  # greedy drafts: a point mass
-      accepted, out = sampling.accept("leviathan", keys, p, q, drafted)
+      accepted, out = sampling.accept("leviathan", keys, p, q, drafted, temperature <= 0)
       lp, top_lp, top_ids = sampling.raw_logprobs(v_logits, out, cfg.mask_token_id)
       ent = verifier_entropy(v_logits, cfg)
       if not branches:

@@ -62,6 +62,14 @@ def sample(key: jax.Array, probs: jax.Array) -> jax.Array:
   return jax.random.categorical(key, jnp.log(probs), axis=-1).astype(jnp.int32)
 
 
+def draw(keys: jax.Array, probs: jax.Array, greedy: jax.Array) -> jax.Array:
+  """One sample per row of probs [b, ..., V] with per-request typed keys [b]. When every request is greedy the
+  rows are one-hot and the argmax is the sample: skip generating Gumbel noise for the whole vocabulary (the
+  dominant cost of a CPU step)."""
+  return jax.lax.cond(jnp.all(greedy), lambda: jnp.argmax(probs, axis=-1).astype(jnp.int32),
+                      lambda: jax.vmap(sample)(keys, probs))
+
+
 def raw_logprobs(logits: jax.Array, tokens: jax.Array, mask_token_id: int):
   """Log-probabilities of `tokens` under the model's raw distribution (mask excluded), plus the top entries."""
   lp = jax.nn.log_softmax(exclude_token(logits.astype(jnp.float32), mask_token_id), axis=-1)
@@ -77,16 +85,19 @@ def split_keys(keys: jax.Array, n: int) -> list[jax.Array]:
   return [parts[:, i] for i in range(n)]
 
 
-def accept(rule: str, key_data: jax.Array, p: jax.Array, q: jax.Array, draft: jax.Array):
+def accept(rule: str, key_data: jax.Array, p: jax.Array, q: jax.Array, draft: jax.Array,
+           greedy: jax.Array | None = None):
   """Speculative acceptance for a batch of blocks.
 
   p: [b, B, V] verifier distributions (index j predicts block index j+1); q: [b, B, V] the draft distributions
   (index j is the distribution draft[j] was drawn from; index 0, the seed, is unused); draft: [b, B] (draft[0] is
-  the seed). Returns (accepted [b] in 1..B, out [b, B]) where out[:accepted] are the tokens to emit.
+  the seed); greedy: [b] bool, rows whose p and q are one-hot (enables the no-noise fast path when all are).
+  Returns (accepted [b] in 1..B, out [b, B]) where out[:accepted] are the tokens to emit.
   """
   if rule not in RULES:
     raise ValueError(f"unknown acceptance rule {rule!r}; expected one of {RULES}")
   b, blk, _ = p.shape
+  greedy = jnp.zeros((b,), bool) if greedy is None else greedy
   k_u, k_res, k_ver = split_keys(key_data, 3)
   x = draft[:, 1:]  # [b, B-1] tokens to verify
   p_prev = p[:, :-1]  # [b, B-1, V] predicts x
@@ -102,10 +113,10 @@ def accept(rule: str, key_data: jax.Array, p: jax.Array, q: jax.Array, draft: ja
     total = jnp.sum(residual, axis=-1, keepdims=True)
     residual = jnp.where(total > 0, residual / jnp.where(total > 0, total, 1.0), p_m)
     final_dist = jnp.where((m < blk - 1)[:, None], residual, p_m)
-    final = jax.vmap(lambda k, d: sample(k, d))(k_res, final_dist)
+    final = draw(k_res, final_dist, greedy)
     out = jnp.concatenate([x, jnp.zeros((b, 1), jnp.int32)], axis=1)
   else:
-    y = jax.vmap(lambda k, d: sample(k, d))(k_ver, p)  # [b, B] independent verifier samples
+    y = draw(k_ver, p, greedy)  # [b, B] independent verifier samples
     ok = y[:, :-1] == x
     m = jnp.sum(jnp.cumprod(ok.astype(jnp.int32), axis=1), axis=1)
     final = jnp.take_along_axis(y, m[:, None], axis=1)[:, 0]

@@ -196,7 +196,7 @@ def test_logprobs_and_stats(tiny_llm, ar_outputs):
 
 def test_no_compiles_after_warmup(tiny_model):
   from recguide_jax import LLM
-  llm = LLM(model=tiny_model, policy="linear", block_size=8, max_batch=4, max_model_len=128, page_size=8,
+  llm = LLM(model=tiny_model, policy="linear", block_size=8, max_batch=2, max_model_len=128, page_size=8,
             prefill_chunk=16, compile_cache_dir=None)
   prompts = varied_prompts(7, seed=3)
   params = [SamplingParams(max_tokens=20, temperature=t, top_k=k, top_p=p, seed=i)

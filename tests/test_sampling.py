@@ -19,7 +19,7 @@ VOCAB = 6
 MASK = 5
 PROMPT = [1, 4, 2]
 N_TOKENS = 3
-N_SAMPLES = 3000
+N_SAMPLES = 2000
 
 
 @pytest.fixture(scope="module")

@@ -61,6 +61,9 @@ class RecGuidePolicy(Policy):
     self.fixed_regime = fixed_regime  # "overlap" | "adaptive" | "linear" | "ar": bypasses the switch (ablations)
     self.entropy_head_cap = entropy_head_cap
     self.stats = OnlineStats()
+    if tables is not None:  # start the online estimates from the fitted model's unconditional values
+      self.stats.accepted = {b: tables.value_model.value(b, None) for b in BLOCKS}
+      self.stats.overlap_accepted = self.stats.accepted[block_size]
     self.regime_counts = collections.Counter()
 
   def block_sizes(self):

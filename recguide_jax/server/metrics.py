@@ -36,6 +36,11 @@ def _copy(counter) -> dict:
   return dict(counter)
 
 
+# RecGuide overlap outcomes (orchestrator/overlap.py OUTCOMES) split into hits and misses
+OVERLAP_HITS = ("correction_hit", "continuation_hit")
+OVERLAP_MISSES = ("correction_miss", "continuation_miss", "continuation_absent", "no_hit")
+
+
 class ServerMetrics:
 
   def __init__(self, engine_thread, prefix: str = "recguide"):
@@ -136,6 +141,7 @@ class _EngineCollector:
     for k in sorted(block_sizes):
       blocks.add_metric([str(k)], block_sizes[k])
     yield blocks
-    yield counter("overlap_hits", "Rounds whose overlapped draft was used (RecGuide).", totals.get("overlap_hits", 0))
-    yield counter("overlap_misses", "Rounds whose overlapped draft was discarded (RecGuide).",
-                  totals.get("overlap_misses", 0))
+    hits = sum(totals.get(f"overlap_{k}", 0) for k in OVERLAP_HITS)
+    misses = sum(totals.get(f"overlap_{k}", 0) for k in OVERLAP_MISSES)
+    yield counter("overlap_hits", "Fused rounds whose branch became the next draft (RecGuide).", hits)
+    yield counter("overlap_misses", "Fused rounds whose branches were all discarded (RecGuide).", misses)
