@@ -74,21 +74,24 @@ def main(argv):
   prompts = bench.gsm8k_prompts(FLAGS.data, FLAGS.num_prompts, llm.tokenizer)
   params = SamplingParams(max_tokens=FLAGS.max_tokens, temperature=0.0)
 
-  def recguide(**kw):
-    return RecGuidePolicy(16, delta=FLAGS.delta, profile=local, tables=tables, **kw)
+  def recguide(profile=None, **kw):
+    return RecGuidePolicy(16, delta=FLAGS.delta, profile=profile or local, tables=tables, **kw)
 
   results = []
   ar_outputs = {}
   for c in levels:
     configs = [("ar", policies.ARPolicy())] + [(f"linear B={b}", policies.LinearPolicy(b)) for b in (8, 16, 32)]
+    # the controller decides with this machine's profile (wall clock) and, separately, with the pricing profile
+    # (what it would do on that hardware; the run is then priced with the same profile)
     configs.append(("recguide", recguide()))
+    configs.append((f"recguide@{price.name or 'price'}", recguide(profile=price)))
     if FLAGS.ablations and c == 1:  # Table 5: overlap components switched on in turn
       configs += [("overlap +1st corr", recguide(fixed_regime="overlap", components=("p1",))),
                   ("overlap +2nd corr", recguide(fixed_regime="overlap", components=("p1", "p2"))),
                   ("overlap +continuation", recguide(fixed_regime="overlap"))]
     if FLAGS.ablations and c > 1 and tables is not None:  # Table 6 rows (no bucketing = padded mixed batches)
-      configs += [("adaptive no bucketing", recguide(fixed_regime="adaptive", overlap=False)),
-                  ("adaptive + bucketing", recguide(fixed_regime="adaptive", overlap=False))]
+      configs += [("adaptive no bucketing", recguide(profile=price, fixed_regime="adaptive", overlap=False)),
+                  ("adaptive + bucketing", recguide(profile=price, fixed_regime="adaptive", overlap=False))]
     for name, policy in configs:
       llm.set_policy(policy)
       llm.engine.bucketing = name != "adaptive no bucketing"

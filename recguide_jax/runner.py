@@ -146,7 +146,7 @@ def draft_signals(logits: jax.Array, drafted: jax.Array, cfg) -> jax.Array:
   token excluded (EOS stays): confidence p(top1), margin p(top1) - p(top2), and the runner-up ("alternative")
   token: the most likely token other than the drafted one, the mask and EOS. Returns float32 [b, 3, B]."""
   probs = jax.nn.softmax(sampling.exclude_token(logits.astype(jnp.float32), cfg.mask_token_id), axis=-1)
-  top2, _ = jax.lax.top_k(probs, 2)
+  top2, _ = sampling.top_n(probs, 2)
   conf, margin = top2[..., 0], top2[..., 0] - top2[..., 1]
   excl = probs.at[..., cfg.mask_token_id].set(-1.0)
   for e in cfg.eos_token_ids:

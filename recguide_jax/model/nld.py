@@ -81,6 +81,11 @@ class Attention(nnx.Module):
     if cfg.llama_4_scaling_beta:
       sp = inp.positions if inp.scale_positions is None else inp.scale_positions
       q = q * rope.llama4_query_scale(sp, cfg).astype(q.dtype)[..., None, None]
+    if inp.kv_write is not None:
+      # Commit first, then attend: the new entries sit at positions >= prefix_len, which the prefix read masks,
+      # so the result is the same, and writing before reading lets XLA update the donated pages in place (a
+      # read-then-write order made it copy the whole cache every layer).
+      k_pages, v_pages = write_block(k_pages, v_pages, k, v, inp.page_table, inp.positions, inp.kv_write)
     if inp.train_block_size:
       out = attn_lib.sbd_training_attention(q, k, v, inp.train_block_size, cfg.head_dim ** -0.5)
     else:
@@ -93,8 +98,6 @@ class Attention(nnx.Module):
     if cfg.lora_rank and inp.lora_mask is not None:
       delta = (out @ self.lora_a[...].astype(out.dtype)) @ self.lora_b[...].astype(out.dtype)
       y = y + cfg.lora_scale * delta * inp.lora_mask[..., None].astype(y.dtype)
-    if inp.kv_write is not None:
-      k_pages, v_pages = write_block(k_pages, v_pages, k, v, inp.page_table, inp.positions, inp.kv_write)
     return y, k_pages, v_pages
 
 
