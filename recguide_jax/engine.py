@@ -157,6 +157,7 @@ class Engine:
     self.block_size_choices = collections.Counter()
     self.bucketing = True  # False: mixed planned block sizes share one batch padded to the largest
     self.forward_log: list[tuple[str, int, int]] | None = None  # set to [] to record every forward
+    self.step_count = 0
     self.decoding_count = 0  # requests decoding in the current step (the load the policy sees)
     self.signal_log: list[dict] | None = None  # set to [] to record per-round draft signals (analysis)
 
@@ -243,6 +244,7 @@ class Engine:
   # ---- one engine iteration ------------------------------------------------------------------------------------------
   def step(self) -> list[Request]:
     """Runs one iteration; returns the requests that finished in it."""
+    self.step_count += 1
     self._admit()
     finished: list[Request] = []
     prefilling = [r for r in self.running if r.prefilled < len(r.prompt_ids)]

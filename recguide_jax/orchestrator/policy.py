@@ -65,6 +65,7 @@ class RecGuidePolicy(Policy):
       self.stats.accepted = {b: tables.value_model.value(b, None) for b in BLOCKS}
       self.stats.overlap_accepted = self.stats.accepted[block_size]
     self.regime_counts = collections.Counter()
+    self._regime_memo: tuple = (None, None)
 
   def block_sizes(self):
     return BLOCKS
@@ -135,7 +136,12 @@ class RecGuidePolicy(Policy):
   def plan(self, req, engine) -> RoundPlan:
     self._eos = frozenset(engine.cfg.eos_token_ids)
     concurrency = engine.decoding_count
-    regime = self.regime(concurrency)
+    # the regime depends only on the load and engine-wide estimates: decide it once per engine step, not per
+    # request (per-request Python work showed up as a few % of an AR step at high concurrency)
+    key = (engine.step_count, concurrency)
+    if self._regime_memo[0] != key:
+      self._regime_memo = (key, self.regime(concurrency))
+    regime = self._regime_memo[1]
     greedy = req.params.temperature <= 0
     if regime == "overlap" and not greedy:
       regime = "adaptive"  # the reuse rules assume greedy matching
