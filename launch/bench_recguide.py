@@ -12,14 +12,12 @@ import sys
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-from absl import app, flags, logging  # noqa: E402
+from absl import app, flags  # noqa: E402
+
+from recguide_jax import cli  # noqa: E402
 
 FLAGS = flags.FLAGS
-flags.DEFINE_string("checkpoint", None, "Checkpoint dir (default: the bundled model).")
-flags.DEFINE_enum("attention", "auto", ["auto", "reference", "pallas"], "Attention implementation.")
-flags.DEFINE_string("data", os.path.join(ROOT, "..", "shared", "data", "gsm8k", "test.jsonl"), "GSM8K test jsonl.")
-flags.DEFINE_integer("num_prompts", 32, "Prompts per concurrency level.")
-flags.DEFINE_integer("max_tokens", 128, "New tokens per request.")
+cli.define_model_and_data_flags("test", num_prompts=32, max_tokens=128)
 flags.DEFINE_list("concurrency", ["1", "2", "4", "8", "16", "32"], "Concurrency levels.")
 flags.DEFINE_integer("repeats", 1, "Repeats per point; the median wall time is reported.")
 flags.DEFINE_string("profile", None, "Profile of THIS machine for RecGuide's switch (launch/profile.py output).")
@@ -48,8 +46,7 @@ def priced_ms(forward_log, profile) -> float:
 
 def main(argv):
   del argv
-  if FLAGS['verbosity'].using_default_value:
-    logging.set_verbosity(logging.WARNING)  # orbax logs every checkpoint step at INFO
+  cli.quiet_logging()
   import numpy as np
   from recguide_jax import LLM, SamplingParams, bench, policies
   from recguide_jax.orchestrator import profile as prof_lib

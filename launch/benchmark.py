@@ -11,14 +11,12 @@ import sys
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-from absl import app, flags, logging  # noqa: E402
+from absl import app, flags  # noqa: E402
+
+from recguide_jax import cli  # noqa: E402
 
 FLAGS = flags.FLAGS
-flags.DEFINE_string("checkpoint", None, "Checkpoint dir (default: the bundled model).")
-flags.DEFINE_enum("attention", "auto", ["auto", "reference", "pallas"], "Attention implementation.")
-flags.DEFINE_string("data", os.path.join(ROOT, "..", "shared", "data", "gsm8k", "test.jsonl"), "GSM8K test jsonl.")
-flags.DEFINE_integer("num_prompts", 32, "Prompts from the start of the data file.")
-flags.DEFINE_integer("max_tokens", 128, "New tokens per request (greedy, stops at EOS).")
+cli.define_model_and_data_flags("test", num_prompts=32, max_tokens=128)
 flags.DEFINE_list("batch_sizes", ["1", "8"], "Concurrency levels.")
 flags.DEFINE_list("block_sizes", ["8", "16", "32"], "LinearSS block sizes.")
 flags.DEFINE_integer("repeats", 3, "Repeats per point (the median wall time is reported).")
@@ -28,8 +26,7 @@ flags.DEFINE_string("out_md", os.path.join(ROOT, "docs", "bench_linear.md"), "Ou
 
 def main(argv):
   del argv
-  if FLAGS['verbosity'].using_default_value:
-    logging.set_verbosity(logging.WARNING)  # orbax logs every checkpoint step at INFO
+  cli.quiet_logging()
   try:
     batch_sizes = [int(b) for b in FLAGS.batch_sizes]
     blocks = [int(b) for b in FLAGS.block_sizes]

@@ -14,14 +14,12 @@ import sys
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-from absl import app, flags, logging  # noqa: E402
+from absl import app, flags  # noqa: E402
+
+from recguide_jax import cli  # noqa: E402
 
 FLAGS = flags.FLAGS
-flags.DEFINE_string("checkpoint", None, "Checkpoint dir (default: the bundled model).")
-flags.DEFINE_enum("attention", "auto", ["auto", "reference", "pallas"], "Attention implementation.")
-flags.DEFINE_string("data", os.path.join(ROOT, "..", "shared", "data", "gsm8k", "test.jsonl"), "GSM8K test jsonl.")
-flags.DEFINE_integer("num_prompts", 200, "Test prompts for the decoding figures.")
-flags.DEFINE_integer("max_tokens", 128, "New tokens per request.")
+cli.define_model_and_data_flags("test", num_prompts=200, max_tokens=128)
 flags.DEFINE_integer("concurrency", 8, "Requests in flight (does not change greedy outputs).")
 flags.DEFINE_string("out_json", os.path.join(ROOT, "docs", "model_eval.json"), "Output JSON.")
 
@@ -81,8 +79,7 @@ def signal_stats(log):
 
 def main(argv):
   del argv
-  if FLAGS['verbosity'].using_default_value:
-    logging.set_verbosity(logging.WARNING)  # orbax logs every checkpoint step at INFO
+  cli.quiet_logging()
   import numpy as np
   from recguide_jax import LLM, SamplingParams, bench, policies
   from recguide_jax.train import data as data_lib

@@ -11,15 +11,13 @@ import sys
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-from absl import app, flags, logging  # noqa: E402
+from absl import app, flags  # noqa: E402
+
+from recguide_jax import cli  # noqa: E402
 
 FLAGS = flags.FLAGS
-flags.DEFINE_string("checkpoint", None, "Checkpoint dir (default: the bundled model).")
-flags.DEFINE_enum("attention", "auto", ["auto", "reference", "pallas"], "Attention implementation.")
-flags.DEFINE_string("data", os.path.join(ROOT, "..", "shared", "data", "gsm8k", "train.jsonl"), "Prompts (jsonl).")
-flags.DEFINE_integer("num_prompts", 200, "Prompts to trace.")
+cli.define_model_and_data_flags("train", num_prompts=200, max_tokens=128)
 flags.DEFINE_integer("offset", 0, "First prompt index.")
-flags.DEFINE_integer("max_tokens", 128, "New tokens per request.")
 flags.DEFINE_integer("concurrency", 8, "Requests in flight.")
 flags.DEFINE_integer("seed", 0, "Exploration seed.")
 flags.DEFINE_string("dataset", "gsm8k", "Dataset label written into each row.")
@@ -28,8 +26,7 @@ flags.DEFINE_string("out", None, "Output JSONL.")
 
 def main(argv):
   del argv
-  if FLAGS['verbosity'].using_default_value:
-    logging.set_verbosity(logging.WARNING)  # orbax logs every checkpoint step at INFO
+  cli.quiet_logging()
   if not FLAGS.out:
     sys.exit("error: --out is required")
   from recguide_jax import LLM, SamplingParams, bench

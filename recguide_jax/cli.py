@@ -1,0 +1,25 @@
+"""Flags and setup shared by the GSM8K-driven launch scripts (benchmark, bench_recguide, eval_model,
+shadow_trace), so each script only defines what is its own."""
+
+from __future__ import annotations
+
+import os
+
+from absl import flags, logging
+
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+GSM8K_DIR = os.path.join(REPO_ROOT, "..", "shared", "data", "gsm8k")
+
+
+def define_model_and_data_flags(split: str = "test", num_prompts: int = 32, max_tokens: int = 128) -> None:
+  flags.DEFINE_string("checkpoint", None, "Checkpoint dir (default: the bundled model).")
+  flags.DEFINE_enum("attention", "auto", ["auto", "reference", "pallas"], "Attention implementation.")
+  flags.DEFINE_string("data", os.path.join(GSM8K_DIR, f"{split}.jsonl"), f"GSM8K {split} jsonl (prompts).")
+  flags.DEFINE_integer("num_prompts", num_prompts, "Prompts from the start of the data file.")
+  flags.DEFINE_integer("max_tokens", max_tokens, "New tokens per request (greedy, stops at EOS).")
+
+
+def quiet_logging() -> None:
+  """orbax logs every step of a checkpoint read at INFO; keep it quiet unless --verbosity was given."""
+  if flags.FLAGS["verbosity"].using_default_value:
+    logging.set_verbosity(logging.WARNING)
