@@ -31,7 +31,6 @@ from jax.experimental.pallas import tpu as pltpu
 from pallas_kernels import common
 from pallas_kernels import kv_write_tpu as kv_write
 from pallas_kernels.common import NEG_INF
-from recguide_jax import attention as attn_lib
 
 
 def _kernel(pt_ref, plen_ref, *refs, mask_kind: str, nq: int, qp: int, ppb: int, scale: float, precision):
@@ -167,29 +166,10 @@ def block_attention(q: jax.Array, k_block: jax.Array, v_block: jax.Array, block_
   as `kv_cache.write_block`) after the attention and returns (out, k_pages, v_pages); the pages passed in are
   donated then.
   """
-  b, nq, _, d = q.shape
-  kind = common.mask_kind_of(block_mask)
-  tree = common.dense_mask(block_mask, b, nq) if kind == "tree" else None
-  if page_table is None:
-    if write_positions is not None:
-      raise ValueError("a fused K/V write needs the page table")
-    prefix = common.placeholder_prefix(b, k_block.shape[2], d, k_block.dtype, 8)
-  else:
-    prefix = (k_pages, v_pages, page_table, prefix_len)
-  out = _attention(q, k_block, v_block, tree, *prefix, mask_kind=kind, scale=float(scale), interpret=interpret,
-                   block_sizes=block_sizes)
-  if write_positions is None:
-    return out
-  # after the attention, whose prefix must not see this block's own entries yet
-  write = jnp.ones(write_positions.shape, bool) if write is None else write
-  k_pages, v_pages = kv_write.kv_write(k_pages, v_pages, k_block, v_block, page_table, write_positions, write,
-                                       interpret=interpret)
-  return out, k_pages, v_pages
+  return common.run_block_attention(
+      _attention, kv_write.kv_write, 8, q, k_block, v_block, block_mask, k_pages=k_pages, v_pages=v_pages,
+      page_table=page_table, prefix_len=prefix_len, scale=scale, write_positions=write_positions, write=write,
+      interpret=interpret, block_sizes=block_sizes)
 
 
-def block_attention_ref(q, k_block, v_block, block_mask, *, k_pages=None, v_pages=None, page_table=None,
-                        prefix_len=None, scale: float) -> jax.Array:
-  """Pure-jnp twin: the project's reference with the same mask-kind shorthand."""
-  mask = common.dense_mask(block_mask, q.shape[0], q.shape[1])
-  return attn_lib.block_attention_ref(q, k_block, v_block, mask, k_pages=k_pages, v_pages=v_pages,
-                                      page_table=page_table, prefix_len=prefix_len, scale=scale)
+block_attention_ref = common.block_attention_ref

@@ -155,3 +155,37 @@ def write_slots(page_table: jax.Array, positions: jax.Array, write: jax.Array, p
   page = jnp.take_along_axis(page_table, logical, axis=1)
   page = jnp.where(write, page, TRASH_PAGE)
   return page.astype(jnp.int32), (positions % page_size).astype(jnp.int32)
+
+
+def run_block_attention(attention, kv_write_fn, placeholder_page_size: int, q, k_block, v_block, block_mask, *,
+                        k_pages, v_pages, page_table, prefix_len, scale, write_positions, write, interpret,
+                        block_sizes):
+  """The shared entry of both backends' `block_attention`: mask-kind dispatch, the empty-prefix placeholder, the
+  kernel call, then the optional fused K/V write (after the attention, whose prefix must not see the block's own
+  entries). `attention` and `kv_write_fn` are the backend's kernels."""
+  b, nq, _, d = q.shape
+  kind = mask_kind_of(block_mask)
+  tree = dense_mask(block_mask, b, nq) if kind == "tree" else None
+  if page_table is None:
+    if write_positions is not None:
+      raise ValueError("a fused K/V write needs the page table")
+    prefix = placeholder_prefix(b, k_block.shape[2], d, k_block.dtype, placeholder_page_size)
+  else:
+    prefix = (k_pages, v_pages, page_table, prefix_len)
+  out = attention(q, k_block, v_block, tree, *prefix, mask_kind=kind, scale=float(scale), interpret=interpret,
+                  block_sizes=block_sizes)
+  if write_positions is None:
+    return out
+  write = jnp.ones(write_positions.shape, bool) if write is None else write
+  k_pages, v_pages = kv_write_fn(k_pages, v_pages, k_block, v_block, page_table, write_positions, write,
+                                 interpret=interpret)
+  return out, k_pages, v_pages
+
+
+def block_attention_ref(q, k_block, v_block, block_mask, *, k_pages=None, v_pages=None, page_table=None,
+                        prefix_len=None, scale: float) -> jax.Array:
+  """Pure-jnp twin of both kernels: the project's reference with the same mask-kind shorthand."""
+  from recguide_jax import attention as attn_lib
+  mask = dense_mask(block_mask, q.shape[0], q.shape[1])
+  return attn_lib.block_attention_ref(q, k_block, v_block, mask, k_pages=k_pages, v_pages=v_pages,
+                                      page_table=page_table, prefix_len=prefix_len, scale=scale)
