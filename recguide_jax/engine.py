@@ -381,8 +381,9 @@ class Engine:
     """One LinearSS round on the device: draft forward, then verify forward (which commits K/V)."""
     drafted, q, signals = self.runner.draft(seed, prefix_len, page_table, blk, samp)
     res = self.runner.verify(drafted, q, write, prefix_len, page_table, samp)
-    res.draft_tokens = np.asarray(drafted)
-    res.draft_signals = np.asarray(signals)
+    if self.signal_log is not None:  # only analysis reads the draft back: no extra device->host copy per round
+      res.draft_tokens = np.asarray(drafted)
+      res.draft_signals = np.asarray(signals)
     return res
 
   def _round_linear(self, reqs: list[Request], blk: int) -> None:
