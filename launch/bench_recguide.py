@@ -23,7 +23,8 @@ flags.DEFINE_integer("repeats", 1, "Repeats per point; the median wall time is r
 flags.DEFINE_string("profile", None, "Profile of THIS machine for RecGuide's switch (launch/profile.py output).")
 flags.DEFINE_string("policy_tables", None, "Fitted adaptive-B policy JSON (default: the checkpoint's, if any).")
 flags.DEFINE_string("price_profile", "b200_nld8b", "Profile used to price the runs (name or path).")
-flags.DEFINE_float("delta", 0.5, "Margin threshold of risky draft positions.")
+flags.DEFINE_float("delta", None, "Margin threshold of risky draft positions (default: the policy's fitted "
+                   "overlap_delta, else 0.5).")
 flags.DEFINE_bool("ablations", True, "Also run the Table 5 (overlap) and Table 6 (adaptive) ablation rows.")
 flags.DEFINE_string("out_json", os.path.join(ROOT, "docs", "bench_recguide.json"), "Output JSON.")
 flags.DEFINE_string("out_md", os.path.join(ROOT, "docs", "bench_recguide.md"), "Output markdown.")
@@ -62,8 +63,9 @@ def main(argv):
   llm.runner.warmup(("prefill", "draft", "verify", "fused", "gverify"), (8, 16, 32))
   tables = None
   tables_path = FLAGS.policy_tables
-  if tables_path is None and FLAGS.checkpoint:
-    cand = os.path.join(FLAGS.checkpoint, "recguide_policy.json")
+  if tables_path is None:  # the tables shipped beside the checkpoint (the bundled one by default)
+    from recguide_jax import llm as llm_lib
+    cand = os.path.join(FLAGS.checkpoint or str(llm_lib.default_checkpoint()), "recguide_policy.json")
     tables_path = cand if os.path.exists(cand) else None
   if tables_path:
     from recguide_jax.orchestrator.adaptive import AdaptivePolicyTables
@@ -126,7 +128,7 @@ def main(argv):
   os.makedirs(os.path.dirname(FLAGS.out_json), exist_ok=True)
   meta = {"checkpoint": str(FLAGS.checkpoint or "bundled"), "num_prompts": FLAGS.num_prompts,
           "max_tokens": FLAGS.max_tokens, "repeats": FLAGS.repeats, "price_profile": FLAGS.price_profile,
-          "local_profile": FLAGS.profile, "policy_tables": tables_path, "delta": FLAGS.delta,
+          "local_profile": FLAGS.profile, "policy_tables": tables_path, "delta": recguide().delta,
           "compiles_after_warmup": llm.runner.compiles_after_warmup}
   with open(FLAGS.out_json, "w") as f:
     json.dump({"meta": meta, "results": results}, f, indent=2)

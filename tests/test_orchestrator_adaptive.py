@@ -1,6 +1,7 @@
 """RecGuide adaptive drafting: hardware profiles, verifier signals, the value model fit, the decision rule, the rho
 search, the policy tables and the two launch scripts (profile, fit_policy)."""
 
+import dataclasses
 import json
 import math
 import os
@@ -374,6 +375,22 @@ def test_policy_tables_round_trip_and_runtime(model, tmp_path):
     ad.load_policy(tmp_path / "missing.json")
 
 
+def test_policy_carries_the_fitted_overlap_delta(model, tmp_path):
+  from recguide_jax.orchestrator.policy import PAPER_DELTA, RecGuidePolicy
+  levels = (ad.LevelPolicy(1, 0.1, pf.load_profile("b200_nld8b").costs(1), 32),)
+  plain = ad.AdaptivePolicyTables(model, levels, "b200_nld8b")
+  assert "overlap_delta" not in plain.to_json() and RecGuidePolicy(16, tables=plain).delta == PAPER_DELTA
+  fitted = dataclasses.replace(plain, overlap_delta=0.15, version="")
+  assert fitted.version != plain.version  # the threshold is part of the versioned content
+  back = ad.load_policy(fitted.save(tmp_path / "p.json"))
+  assert back.overlap_delta == 0.15 and RecGuidePolicy(16, tables=back).delta == 0.15
+  assert RecGuidePolicy(16, tables=back, delta=0.4).delta == 0.4  # an explicit delta wins
+  for bad in (1.5, "0.2", True):
+    raw = fitted.to_json() | {"overlap_delta": bad}
+    with pytest.raises(ad.PolicyError, match="overlap_delta"):
+      ad.AdaptivePolicyTables.from_json(raw)
+
+
 # ---- launch scripts --------------------------------------------------------------------------------------------------
 def _run(args, timeout):
   env = dict(os.environ, JAX_PLATFORMS="cpu")
@@ -425,3 +442,24 @@ def test_launch_profile_does_not_shadow_stdlib_profile():
           "cProfile.run('1 + 1')")
   proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60)
   assert proc.returncode == 0, proc.stderr[-2000:]
+
+
+def test_fit_delta_end_to_end(tmp_path):
+  """launch/fit_delta.py on the bundled model: sweeps delta with overlap at C=1 (lossless checked inside) and writes
+  the best one into a copy of the shipped policy."""
+  import shutil
+  from recguide_jax.llm import BUNDLED_CHECKPOINT
+  policy = tmp_path / "policy.json"
+  shutil.copy(os.path.join(BUNDLED_CHECKPOINT, ad.POLICY_FILENAME), policy)
+  data = tmp_path / "train.jsonl"
+  data.write_text("".join(json.dumps({"question": q, "answer": "-"}) + "\n" for q in (
+      "Ann has 5 apples and buys 7 more. How many apples does she have?",
+      "A pen costs $3. How much do 4 pens cost?")))
+  out = tmp_path / "sweep.json"
+  stdout = _run(["launch/fit_delta.py", f"--data={data}", "--num_prompts=2", "--max_tokens=24",
+                 "--deltas=0.1,0.4", f"--policy={policy}", f"--out_json={out}"], timeout=300)
+  sweep = json.loads(out.read_text())
+  assert [r["delta"] for r in sweep["sweep"]] == [0.1, 0.4] and all(r["lossless"] for r in sweep["sweep"])
+  best = max(sweep["sweep"], key=lambda r: (round(r["tpf"], 6), r["delta"]))
+  assert sweep["best_delta"] == best["delta"] == ad.load_policy(policy).overlap_delta
+  assert "best delta" in stdout

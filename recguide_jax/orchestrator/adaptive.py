@@ -309,6 +309,8 @@ class AdaptivePolicyTables:
   profile: str
   version: str = ""  # empty: filled with a hash of the content
   notes: str = ""
+  # the overlap planner's margin threshold fitted for this checkpoint (launch/fit_delta.py); None: the default
+  overlap_delta: float | None = None
 
   def __post_init__(self):
     if not self.levels:
@@ -323,6 +325,8 @@ class AdaptivePolicyTables:
         raise PolicyError(f"levels[C={lv.concurrency}].costs_ms has block {missing[0]}, which the value model "
                           f"lacks (has {list(self.value_model.block_sizes)})")
     object.__setattr__(self, "levels", levels)
+    if self.overlap_delta is not None and not 0.0 <= self.overlap_delta <= 1.0:
+      raise PolicyError(f"overlap_delta must lie in [0, 1], got {self.overlap_delta}")
     if not self.version:
       object.__setattr__(self, "version", self.content_hash())
 
@@ -360,8 +364,11 @@ class AdaptivePolicyTables:
 
   # ---- JSON --------------------------------------------------------------------------------------------------------
   def _payload(self) -> dict:
-    return {"profile": self.profile, "notes": self.notes, "levels": [lv.to_json() for lv in self.levels],
-            "value_model": self.value_model.to_json()}
+    out = {"profile": self.profile, "notes": self.notes, "levels": [lv.to_json() for lv in self.levels],
+           "value_model": self.value_model.to_json()}
+    if self.overlap_delta is not None:
+      out["overlap_delta"] = self.overlap_delta
+    return out
 
   def content_hash(self) -> str:
     blob = json.dumps(self._payload(), sort_keys=True, separators=(",", ":"))
@@ -392,7 +399,11 @@ class AdaptivePolicyTables:
             raise PolicyError(f"levels[{i}] is missing field {key!r}")
         levels.append(LevelPolicy(lv["concurrency"], lv["rho"], lv["costs_ms"], lv["cold_start_block"],
                                   lv.get("objective"), lv.get("fixed_objectives"), lv.get("shares")))
-      return cls(model, tuple(levels), str(raw["profile"]), str(raw.get("version", "")), str(raw.get("notes", "")))
+      delta = raw.get("overlap_delta")
+      if delta is not None and (isinstance(delta, bool) or not isinstance(delta, (int, float))):
+        raise PolicyError(f"field 'overlap_delta' must be a number, got {delta!r}")
+      return cls(model, tuple(levels), str(raw["profile"]), str(raw.get("version", "")), str(raw.get("notes", "")),
+                 None if delta is None else float(delta))
     except (PolicyError, vm.TraceError) as e:
       msg = str(e)
       raise PolicyError(msg if msg.startswith(where) else f"{where}: {msg}") from None

@@ -21,6 +21,7 @@ from recguide_jax.orchestrator import overlap as ov
 from recguide_jax.policies import Policy, RoundPlan
 
 BLOCKS = (8, 16, 32)
+PAPER_DELTA = 0.5  # risky-position margin threshold of the paper (NLD-8B)
 
 
 @dataclasses.dataclass
@@ -45,12 +46,14 @@ class OnlineStats:
 class RecGuidePolicy(Policy):
   name = "recguide"
 
-  def __init__(self, block_size: int = 16, *, delta: float = 0.5, components=("p1", "p2", "continuation"),
+  def __init__(self, block_size: int = 16, *, delta: float | None = None, components=("p1", "p2", "continuation"),
                overlap: bool = True, adaptive: bool = True, switch: bool = True, profile=None, tables=None,
                fixed_regime: str | None = None, entropy_head_cap: int | None = None):
     if block_size not in BLOCKS:
       raise ValueError(f"recguide block_size must be one of {BLOCKS}, got {block_size}")
     self.block_size = block_size
+    if delta is None:  # the threshold fitted with the tables (launch/fit_delta.py), else the paper's
+      delta = tables.overlap_delta if tables is not None and tables.overlap_delta is not None else PAPER_DELTA
     self.delta = delta
     self.components = tuple(components)
     self.overlap = overlap

@@ -75,27 +75,43 @@ def encode_documents(tok: Tokenizer, rows: list[dict]) -> list[np.ndarray]:
 
 class PackedBatches:
   """Packs documents (shuffled per epoch) end to end into rows of `seq_len` tokens; batch `i` of the stream is
-  a pure function of (seed, i)."""
+  a pure function of (seed, i). `weights` (optional, one array per document, same lengths) are packed alongside
+  and returned by `weighted_batch` (per-token loss weights, e.g. 0 on prompts)."""
 
-  def __init__(self, docs: list[np.ndarray], seq_len: int, batch_size: int, seed: int = 0):
+  def __init__(self, docs: list[np.ndarray], seq_len: int, batch_size: int, seed: int = 0,
+               weights: list[np.ndarray] | None = None):
+    if weights is not None and [len(w) for w in weights] != [len(d) for d in docs]:
+      raise ValueError("every document needs one weight per token")
     self.docs = docs
+    self.weights = weights
     self.seq_len = seq_len
     self.batch_size = batch_size
     self.seed = seed
     total = sum(len(d) for d in docs)
     self.rows_per_epoch = total // seq_len
     self.batches_per_epoch = self.rows_per_epoch // batch_size
-    self._epoch_cache: dict[int, np.ndarray] = {}
+    self._epoch_cache: dict[int, tuple[np.ndarray, np.ndarray | None]] = {}
 
-  def _epoch_rows(self, epoch: int) -> np.ndarray:
+  def _epoch_rows(self, epoch: int) -> tuple[np.ndarray, np.ndarray | None]:
     if epoch not in self._epoch_cache:
       order = np.random.default_rng([self.seed, epoch]).permutation(len(self.docs))
-      stream = np.concatenate([self.docs[i] for i in order])
-      rows = stream[:self.rows_per_epoch * self.seq_len].reshape(self.rows_per_epoch, self.seq_len)
-      self._epoch_cache = {epoch: rows}  # keep one epoch in memory
+      n = self.rows_per_epoch * self.seq_len
+      rows = np.concatenate([self.docs[i] for i in order])[:n].reshape(self.rows_per_epoch, self.seq_len)
+      wrows = None
+      if self.weights is not None:
+        wrows = np.concatenate([self.weights[i] for i in order])[:n].reshape(self.rows_per_epoch, self.seq_len)
+      self._epoch_cache = {epoch: (rows, wrows)}  # keep one epoch in memory
     return self._epoch_cache[epoch]
 
-  def batch(self, index: int) -> np.ndarray:
+  def _slice(self, index: int, which: int) -> np.ndarray:
     epoch, i = divmod(index, self.batches_per_epoch)
-    rows = self._epoch_rows(epoch)
+    rows = self._epoch_rows(epoch)[which]
     return rows[i * self.batch_size:(i + 1) * self.batch_size]
+
+  def batch(self, index: int) -> np.ndarray:
+    return self._slice(index, 0)
+
+  def weighted_batch(self, index: int) -> tuple[np.ndarray, np.ndarray]:
+    if self.weights is None:
+      raise ValueError("these batches were packed without weights")
+    return self._slice(index, 0), self._slice(index, 1)

@@ -194,6 +194,16 @@ class Trainer:
       keep = [l for l in path.read_text().splitlines() if l and json.loads(l)["step"] < self.step]
       path.write_text("".join(l + "\n" for l in keep))
 
+  def evaluate(self) -> dict:
+    """Held-out metrics logged every `eval_every` steps."""
+    return {"eval_ar_ce": self.eval_ar_loss()}
+
+  def progress_postfix(self, m: dict) -> dict:
+    return {"loss": f"{m['loss']:.3f}", "ar": f"{m['ar_ce']:.3f}", "diff": f"{m['diff_ce']:.3f}"}
+
+  def plot(self) -> None:
+    plot_curves(self.log_path(), self.out / "loss_curves.png")
+
   def run(self, steps: int | None = None) -> None:
     """Trains until `total_steps` (or `steps` more steps), checkpointing every `save_every`."""
     resumed = self.restore()
@@ -208,21 +218,22 @@ class Trainer:
     with open(self.log_path(), "a") as log:
       while self.step < end:
         m = self.train_step()
-        if self.tc.eval_every and self.step % self.tc.eval_every == 0:
-          m["eval_ar_ce"] = self.eval_ar_loss()
-        if m["step"] % self.tc.log_every == 0 or "eval_ar_ce" in m:
+        evaluated = bool(self.tc.eval_every and self.step % self.tc.eval_every == 0)
+        if evaluated:
+          m.update(self.evaluate())
+        if m["step"] % self.tc.log_every == 0 or evaluated:
           m["elapsed_s"] = time.perf_counter() - t0
           log.write(json.dumps(m) + "\n")
           log.flush()
         if bar is not None:
           bar.update(1)
-          bar.set_postfix(loss=f"{m['loss']:.3f}", ar=f"{m['ar_ce']:.3f}", diff=f"{m['diff_ce']:.3f}",
-                          tok_s=f"{tokens_per_step * bar.n / max(time.perf_counter() - t0, 1e-9) :.0f}")
+          bar.set_postfix(**self.progress_postfix(m),
+                          tok_s=f"{tokens_per_step * (bar.n - bar.initial) / max(time.perf_counter() - t0, 1e-9) :.0f}")
         if self.step % self.tc.save_every == 0 or self.step == end:
           self.save()
     if bar is not None:
       bar.close()
-    plot_curves(self.log_path(), self.out / "loss_curves.png")
+    self.plot()
 
 
 def plot_curves(log_path: pathlib.Path, png_path: pathlib.Path) -> None:

@@ -1,0 +1,91 @@
+"""Fits RecGuide's overlap margin threshold delta for a checkpoint: runs verification-overlapped drafting at
+concurrency 1 (where overlap runs) on GSM8K train prompts for each delta of a grid, measures decode tokens per
+forward and the branch outcome counters, and stores the best delta in the checkpoint's `recguide_policy.json`
+(field `overlap_delta`, which `RecGuidePolicy` uses when no delta is given). The fused verify+branches forward has
+the same shape whatever branches it carries, so tokens per forward is the objective on any hardware.
+
+  python launch/fit_delta.py --num_prompts 32 --deltas 0.05,0.1,0.2,0.3,0.4,0.5,0.6
+"""
+
+import dataclasses
+import json
+import os
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+from absl import app, flags  # noqa: E402
+
+from recguide_jax import cli  # noqa: E402
+
+FLAGS = flags.FLAGS
+cli.define_model_and_data_flags("train", num_prompts=32, max_tokens=128)
+flags.DEFINE_integer("offset", 0, "First prompt index in --data.")
+flags.DEFINE_list("deltas", ["0.05", "0.1", "0.2", "0.3", "0.4", "0.5", "0.6"], "Delta grid.")
+flags.DEFINE_integer("block_size", 16, "Overlap block size B.")
+flags.DEFINE_string("policy", None, "Policy JSON to update (default: the checkpoint's recguide_policy.json).")
+flags.DEFINE_string("out_json", os.path.join(ROOT, "docs", "fit_delta.json"), "Sweep results JSON.")
+
+
+def main(argv):
+  del argv
+  cli.quiet_logging()
+  try:
+    deltas = sorted({float(d) for d in FLAGS.deltas})
+  except ValueError:
+    sys.exit(f"error: --deltas must be numbers, got {FLAGS.deltas}")
+  if not deltas or deltas[0] < 0 or deltas[-1] > 1:
+    sys.exit("error: --deltas must lie in [0, 1]")
+  if FLAGS.block_size not in (8, 16, 32):
+    sys.exit("error: --block_size must be 8, 16 or 32")
+  from recguide_jax import LLM, SamplingParams, bench, llm as llm_lib, policies
+  from recguide_jax.orchestrator import adaptive
+  from recguide_jax.orchestrator.policy import RecGuidePolicy
+  checkpoint = FLAGS.checkpoint or str(llm_lib.default_checkpoint())
+  policy_path = FLAGS.policy or os.path.join(checkpoint, adaptive.POLICY_FILENAME)
+  if not os.path.exists(policy_path):
+    sys.exit(f"error: --policy {policy_path} does not exist (fit one with launch/fit_policy.py first)")
+  try:
+    tables = adaptive.load_policy(policy_path)
+  except adaptive.PolicyError as e:
+    sys.exit(f"error: --policy: {e}")
+  llm = LLM(checkpoint, policy="ar", block_sizes=(FLAGS.block_size,), max_batch=1, warmup=False,
+            attention=FLAGS.attention)
+  llm.runner.warmup(("prefill", "draft", "verify", "fused"), (FLAGS.block_size,))
+  prompts = bench.gsm8k_prompts(FLAGS.data, FLAGS.num_prompts, llm.tokenizer, offset=FLAGS.offset)
+  params = SamplingParams(max_tokens=FLAGS.max_tokens, temperature=0.0)
+  llm.set_policy(policies.ARPolicy())
+  ar = [r.output_ids for r in bench.run_concurrent(llm.engine, prompts, params, 1)[0]]
+  llm.set_policy(policies.LinearPolicy(FLAGS.block_size))
+  linear = bench.summarize(bench.run_concurrent(llm.engine, prompts, params, 1)[0], 0.0)
+  rows = []
+  for d in deltas:
+    llm.set_policy(RecGuidePolicy(FLAGS.block_size, delta=d, fixed_regime="overlap"))
+    reqs, _ = bench.run_concurrent(llm.engine, prompts, params, 1)
+    s = bench.summarize(reqs, 0.0)
+    outcomes = {}
+    for r in reqs:
+      for k, v in r.stats.overlap.items():
+        outcomes[k] = outcomes.get(k, 0) + v
+    row = {"delta": d, "tpf": s["tpf"], "tpf_vs_linear": s["tpf"] / linear["tpf"], "tau": s["mean_accepted_length"],
+           "outcomes": outcomes, "lossless": [r.output_ids for r in reqs] == ar}
+    rows.append(row)
+    print(f"delta {d:.2f}: TPF {row['tpf']:.3f} ({row['tpf_vs_linear']:.2f}x LinearSS B={FLAGS.block_size}) "
+          f"lossless={row['lossless']} {outcomes}", flush=True)
+  if not all(r["lossless"] for r in rows):
+    sys.exit("error: an overlap run differed from greedy AR; not updating the policy")
+  best = max(rows, key=lambda r: (round(r["tpf"], 6), r["delta"]))
+  updated = dataclasses.replace(tables, overlap_delta=best["delta"], version="")
+  updated.save(policy_path)
+  os.makedirs(os.path.dirname(FLAGS.out_json), exist_ok=True)
+  with open(FLAGS.out_json, "w") as f:
+    json.dump({"checkpoint": checkpoint, "data": os.path.basename(FLAGS.data), "offset": FLAGS.offset,
+               "num_prompts": FLAGS.num_prompts, "max_tokens": FLAGS.max_tokens, "block_size": FLAGS.block_size,
+               "linear_tpf": linear["tpf"], "sweep": rows, "best_delta": best["delta"]}, f, indent=2)
+  print(f"best delta {best['delta']} (TPF {best['tpf']:.3f}, LinearSS {linear['tpf']:.3f}); wrote {policy_path} "
+        f"version {updated.version}")
+
+
+if __name__ == "__main__":
+  app.run(main)
