@@ -62,7 +62,11 @@ def summarize(reqs, wall_s: float) -> dict:
 
 def median_runs(fn, repeats: int) -> tuple[list, dict]:
   """Runs fn() -> (reqs, wall) `repeats` times; returns the last requests and the summary of the median-wall run."""
-  runs = [fn() for _ in range(repeats)]
+  return median_of([fn() for _ in range(repeats)])
+
+
+def median_of(runs: list[tuple[list, float]]) -> tuple[list, dict]:
+  """The last run's requests and their summary at the median wall time of `runs` [(reqs, wall)]."""
   walls = [w for _, w in runs]
   med = statistics.median(walls)
   reqs, _ = runs[-1]

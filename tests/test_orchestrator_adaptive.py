@@ -463,3 +463,25 @@ def test_fit_delta_end_to_end(tmp_path):
   best = max(sweep["sweep"], key=lambda r: (round(r["tpf"], 6), r["delta"]))
   assert sweep["best_delta"] == best["delta"] == ad.load_policy(policy).overlap_delta
   assert "best delta" in stdout
+
+
+def test_bench_recguide_end_to_end(tmp_path):
+  """launch/bench_recguide.py on the bundled model at two loads with interleaved repeats: every row is lossless,
+  the priced and wall-clock ratios are filled in, and the ablation rows of Tables 5 and 6 are present."""
+  data = tmp_path / "test.jsonl"
+  data.write_text("".join(json.dumps({"question": q, "answer": "-"}) + "\n" for q in (
+      "Ann has 5 apples and buys 7 more. How many apples does she have?",
+      "A pen costs $3. How much do 4 pens cost?", "Tom walks 3 miles a day. How far does he walk in a week?")))
+  out_json, out_md = tmp_path / "bench.json", tmp_path / "bench.md"
+  _run(["launch/bench_recguide.py", f"--data={data}", "--num_prompts=3", "--max_tokens=20", "--concurrency=1,2",
+        "--repeats=2", "--profile=docs/profile_cpu.json", f"--out_json={out_json}", f"--out_md={out_md}"],
+       timeout=600)
+  res = json.loads(out_json.read_text())
+  rows = {(r["policy"], r["concurrency"]): r for r in res["results"]}
+  assert all(r["lossless"] for r in res["results"])
+  assert {"overlap +1st corr", "overlap +2nd corr", "overlap +continuation"} <= {p for p, c in rows if c == 1}
+  assert {"adaptive no bucketing", "adaptive + bucketing"} <= {p for p, c in rows if c == 2}
+  for r in res["results"]:
+    assert len(r["wall_s_all"]) == 2 and r["vs_best_baseline_wall"] > 0 and r["priced_tokens_per_ms"] > 0
+  assert res["meta"]["compiles_after_warmup"] == 0
+  assert res["meta"]["delta"] > 0 and "| recguide |" in out_md.read_text()
