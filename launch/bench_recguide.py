@@ -85,9 +85,10 @@ def main(argv):
     configs.append(("recguide", recguide()))
     configs.append((f"recguide@{price.name or 'price'}", recguide(profile=price)))
     if FLAGS.ablations and c == 1:  # Table 5: overlap components switched on in turn
-      configs += [("overlap +1st corr", recguide(fixed_regime="overlap", components=("p1",))),
-                  ("overlap +2nd corr", recguide(fixed_regime="overlap", components=("p1", "p2"))),
-                  ("overlap +continuation", recguide(fixed_regime="overlap"))]
+      configs += [("overlap +1st corr", recguide(fixed_regime="overlap", planner="no_p3", components=("p1",))),
+                  ("overlap +2nd corr", recguide(fixed_regime="overlap", planner="no_p3", components=("p1", "p2"))),
+                  ("overlap +continuation", recguide(fixed_regime="overlap", planner="no_p3")),
+                  ("overlap expected-hit planner", recguide(fixed_regime="overlap", planner="expected_hit"))]
     if FLAGS.ablations and c > 1 and tables is not None:  # Table 6 rows (no bucketing = padded mixed batches)
       configs += [("adaptive no bucketing", recguide(profile=price, fixed_regime="adaptive", overlap=False)),
                   ("adaptive + bucketing", recguide(profile=price, fixed_regime="adaptive", overlap=False))]
@@ -135,7 +136,7 @@ def main(argv):
   os.makedirs(os.path.dirname(FLAGS.out_json), exist_ok=True)
   meta = {"checkpoint": str(FLAGS.checkpoint or "bundled"), "num_prompts": FLAGS.num_prompts,
           "max_tokens": FLAGS.max_tokens, "repeats": FLAGS.repeats, "price_profile": FLAGS.price_profile,
-          "local_profile": FLAGS.profile, "policy_tables": tables_path, "delta": recguide().delta,
+          "local_profile": FLAGS.profile, "policy_tables": tables_path, "delta": recguide().delta, "planner": recguide().planner,
           "compiles_after_warmup": llm.runner.compiles_after_warmup}
   with open(FLAGS.out_json, "w") as f:
     json.dump({"meta": meta, "results": results}, f, indent=2)

@@ -1,8 +1,10 @@
-"""Fits RecGuide's overlap margin threshold delta for a checkpoint: runs verification-overlapped drafting at
-concurrency 1 (where overlap runs) on GSM8K train prompts for each delta of a grid, measures decode tokens per
-forward and the branch outcome counters, and stores the best delta in the checkpoint's `recguide_policy.json`
-(field `overlap_delta`, which `RecGuidePolicy` uses when no delta is given). The fused verify+branches forward has
-the same shape whatever branches it carries, so tokens per forward is the objective on any hardware.
+"""Fits RecGuide's overlap branch planning for a checkpoint: runs verification-overlapped drafting at
+concurrency 1 (where overlap runs) on GSM8K train prompts with the paper's no-P3 rule for each margin threshold
+delta of a grid, and with our expected-hit planner (`overlap.plan_expected_hit`, no threshold); measures decode
+tokens per forward and the branch outcome counters; stores the best no-P3 delta (`overlap_delta`) and the better
+planner (`overlap_planner`) in the checkpoint's `recguide_policy.json`, which `RecGuidePolicy` uses when they are
+not given. The fused verify+branches forward has the same shape whatever branches it carries, so tokens per
+forward is the objective on any hardware.
 
   python launch/fit_delta.py --num_prompts 32 --deltas 0.05,0.1,0.2,0.3,0.4,0.5,0.6
 """
@@ -23,6 +25,7 @@ FLAGS = flags.FLAGS
 cli.define_model_and_data_flags("train", num_prompts=32, max_tokens=128)
 flags.DEFINE_integer("offset", 0, "First prompt index in --data.")
 flags.DEFINE_list("deltas", ["0.05", "0.1", "0.2", "0.3", "0.4", "0.5", "0.6"], "Delta grid.")
+flags.DEFINE_list("planners", ["no_p3", "expected_hit"], "Branch planners to compare (no_p3 sweeps --deltas).")
 flags.DEFINE_integer("block_size", 16, "Overlap block size B.")
 flags.DEFINE_string("policy", None, "Policy JSON to update (default: the checkpoint's recguide_policy.json).")
 flags.DEFINE_string("out_json", os.path.join(ROOT, "docs", "fit_delta.json"), "Sweep results JSON.")
@@ -37,6 +40,8 @@ def main(argv):
     sys.exit(f"error: --deltas must be numbers, got {FLAGS.deltas}")
   if not deltas or deltas[0] < 0 or deltas[-1] > 1:
     sys.exit("error: --deltas must lie in [0, 1]")
+  if not FLAGS.planners or any(p not in ("no_p3", "expected_hit") for p in FLAGS.planners):
+    sys.exit(f"error: --planners must name no_p3 and/or expected_hit, got {FLAGS.planners}")
   if FLAGS.block_size not in (8, 16, 32):
     sys.exit("error: --block_size must be 8, 16 or 32")
   from recguide_jax import LLM, SamplingParams, bench, llm as llm_lib, policies
@@ -60,31 +65,39 @@ def main(argv):
   llm.set_policy(policies.LinearPolicy(FLAGS.block_size))
   linear = bench.summarize(bench.run_concurrent(llm.engine, prompts, params, 1)[0], 0.0)
   rows = []
-  for d in deltas:
-    llm.set_policy(RecGuidePolicy(FLAGS.block_size, delta=d, fixed_regime="overlap"))
+  configs = [("no_p3", d) for d in deltas] if "no_p3" in FLAGS.planners else []
+  if "expected_hit" in FLAGS.planners:
+    configs.append(("expected_hit", None))
+  for planner, d in configs:
+    llm.set_policy(RecGuidePolicy(FLAGS.block_size, delta=d, planner=planner, fixed_regime="overlap"))
     reqs, _ = bench.run_concurrent(llm.engine, prompts, params, 1)
     s = bench.summarize(reqs, 0.0)
     outcomes = {}
     for r in reqs:
       for k, v in r.stats.overlap.items():
         outcomes[k] = outcomes.get(k, 0) + v
-    row = {"delta": d, "tpf": s["tpf"], "tpf_vs_linear": s["tpf"] / linear["tpf"], "tau": s["mean_accepted_length"],
+    row = {"planner": planner, "delta": d, "tpf": s["tpf"], "tpf_vs_linear": s["tpf"] / linear["tpf"], "tau": s["mean_accepted_length"],
            "outcomes": outcomes, "lossless": [r.output_ids for r in reqs] == ar}
     rows.append(row)
-    print(f"delta {d:.2f}: TPF {row['tpf']:.3f} ({row['tpf_vs_linear']:.2f}x LinearSS B={FLAGS.block_size}) "
+    label = f"no_p3 delta {d:.2f}" if d is not None else planner
+    print(f"{label:<16}: TPF {row['tpf']:.3f} ({row['tpf_vs_linear']:.2f}x LinearSS B={FLAGS.block_size}) "
           f"lossless={row['lossless']} {outcomes}", flush=True)
   if not all(r["lossless"] for r in rows):
     sys.exit("error: an overlap run differed from greedy AR; not updating the policy")
-  best = max(rows, key=lambda r: (round(r["tpf"], 6), r["delta"]))
-  updated = dataclasses.replace(tables, overlap_delta=best["delta"], version="")
+  key = lambda r: (round(r["tpf"], 6), r["delta"] or 0.0)  # noqa: E731
+  best = max(rows, key=key)
+  no_p3 = [r for r in rows if r["planner"] == "no_p3"]
+  best_delta = max(no_p3, key=key)["delta"] if no_p3 else tables.overlap_delta
+  updated = dataclasses.replace(tables, overlap_delta=best_delta, overlap_planner=best["planner"], version="")
   updated.save(policy_path)
   os.makedirs(os.path.dirname(FLAGS.out_json), exist_ok=True)
   with open(FLAGS.out_json, "w") as f:
     json.dump({"checkpoint": checkpoint, "data": os.path.basename(FLAGS.data), "offset": FLAGS.offset,
                "num_prompts": FLAGS.num_prompts, "max_tokens": FLAGS.max_tokens, "block_size": FLAGS.block_size,
-               "linear_tpf": linear["tpf"], "sweep": rows, "best_delta": best["delta"]}, f, indent=2)
-  print(f"best delta {best['delta']} (TPF {best['tpf']:.3f}, LinearSS {linear['tpf']:.3f}); wrote {policy_path} "
-        f"version {updated.version}")
+               "linear_tpf": linear["tpf"], "sweep": rows, "best_planner": best["planner"],
+               "best_delta": best_delta}, f, indent=2)
+  print(f"best: {best['planner']} (TPF {best['tpf']:.3f}, {best['tpf_vs_linear']:.2f}x LinearSS {linear['tpf']:.3f}); "
+        f"best no_p3 delta {best_delta}; wrote {policy_path} version {updated.version}")
 
 
 if __name__ == "__main__":

@@ -32,6 +32,11 @@ def test_bundled_checkpoint_is_small_and_complete():
   assert sum(p.stat().st_size for p in files) < 25 * 2**20
 
 
+def test_bundled_checkpoint_ships_its_draft_lora(bundled):
+  """The self-distilled draft adapter is part of the checkpoint and the engine routes it to draft tokens only."""
+  assert bundled.cfg.lora_rank > 0 and bundled.cfg.lora_scale > 0
+
+
 def test_bundled_greedy_speculation_equals_ar(bundled):
   params = SamplingParams(max_tokens=64, temperature=0.0)
   convs = [[{"role": "user", "content": q}] for q in QUESTIONS]

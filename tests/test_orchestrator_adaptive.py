@@ -389,6 +389,12 @@ def test_policy_carries_the_fitted_overlap_delta(model, tmp_path):
     raw = fitted.to_json() | {"overlap_delta": bad}
     with pytest.raises(ad.PolicyError, match="overlap_delta"):
       ad.AdaptivePolicyTables.from_json(raw)
+  assert RecGuidePolicy(16, tables=back).planner == "no_p3"  # the paper's rule unless a planner was fitted
+  planned = ad.load_policy(dataclasses.replace(back, overlap_planner="expected_hit", version="").save(tmp_path / "q"))
+  assert planned.overlap_planner == "expected_hit" and RecGuidePolicy(16, tables=planned).planner == "expected_hit"
+  for bad in ("greedy", 3):
+    with pytest.raises(ad.PolicyError, match="overlap_planner"):
+      ad.AdaptivePolicyTables.from_json(fitted.to_json() | {"overlap_planner": bad})
 
 
 # ---- launch scripts --------------------------------------------------------------------------------------------------
@@ -459,10 +465,14 @@ def test_fit_delta_end_to_end(tmp_path):
   stdout = _run(["launch/fit_delta.py", f"--data={data}", "--num_prompts=2", "--max_tokens=24",
                  "--deltas=0.1,0.4", f"--policy={policy}", f"--out_json={out}"], timeout=300)
   sweep = json.loads(out.read_text())
-  assert [r["delta"] for r in sweep["sweep"]] == [0.1, 0.4] and all(r["lossless"] for r in sweep["sweep"])
-  best = max(sweep["sweep"], key=lambda r: (round(r["tpf"], 6), r["delta"]))
-  assert sweep["best_delta"] == best["delta"] == ad.load_policy(policy).overlap_delta
-  assert "best delta" in stdout
+  assert [(r["planner"], r["delta"]) for r in sweep["sweep"]] == [("no_p3", 0.1), ("no_p3", 0.4),
+                                                                   ("expected_hit", None)]
+  assert all(r["lossless"] for r in sweep["sweep"])
+  key = lambda r: (round(r["tpf"], 6), r["delta"] or 0.0)  # noqa: E731
+  fitted = ad.load_policy(policy)
+  assert sweep["best_delta"] == max(sweep["sweep"][:2], key=key)["delta"] == fitted.overlap_delta
+  assert sweep["best_planner"] == max(sweep["sweep"], key=key)["planner"] == fitted.overlap_planner
+  assert "best:" in stdout
 
 
 def test_bench_recguide_end_to_end(tmp_path):
@@ -479,7 +489,8 @@ def test_bench_recguide_end_to_end(tmp_path):
   res = json.loads(out_json.read_text())
   rows = {(r["policy"], r["concurrency"]): r for r in res["results"]}
   assert all(r["lossless"] for r in res["results"])
-  assert {"overlap +1st corr", "overlap +2nd corr", "overlap +continuation"} <= {p for p, c in rows if c == 1}
+  assert {"overlap +1st corr", "overlap +2nd corr", "overlap +continuation", "overlap expected-hit planner"} <= {
+      p for p, c in rows if c == 1}
   assert {"adaptive no bucketing", "adaptive + bucketing"} <= {p for p, c in rows if c == 2}
   for r in res["results"]:
     assert len(r["wall_s_all"]) == 2 and r["vs_best_baseline_wall"] > 0 and r["priced_tokens_per_ms"] > 0

@@ -57,6 +57,58 @@ def test_margin_equal_to_delta_is_not_risky_and_boundary_filters():
   assert [b.kind for b in plan] == ["continuation"]
 
 
+def _brute_force_expected_hit(signals, block, allowed):
+  conf, margin, alt = signals
+  scores = []
+  for p in range(1, block):
+    if alt[p] >= 0 and p in allowed:
+      scores.append((np.prod(conf[1:p]) * (conf[p] - margin[p]), p, int(alt[p])))
+  if block in allowed:
+    scores.append((np.prod(conf[1:block]) * np.mean(conf[1:block]), block, -1))
+  top = sorted(scores, key=lambda s: (-s[0], s[1]))[:ov.MAX_BRANCHES]
+  return sorted((p, a) for _, p, a in top)
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_expected_hit_planner_matches_brute_force(seed):
+  rng = np.random.default_rng(seed)
+  block = 16
+  conf = rng.uniform(0.3, 1.0, block)
+  margin = conf * rng.uniform(0.0, 1.0, block)
+  alt = rng.integers(8, 100, block).astype(float)
+  alt[rng.integers(1, block)] = -1  # no executable alternative there
+  signals = np.stack([conf, margin, alt])
+  got = ov.plan_expected_hit(signals, block, generated=0, committed=0, max_new=1000, max_len=1000)
+  assert [(b.pre, b.alt if b.kind == ov.CORRECTION else -1) for b in got] == \
+      _brute_force_expected_hit(signals, block, set(range(1, block + 1)))
+  assert [b.pre for b in got] == sorted(b.pre for b in got) and len(got) == ov.MAX_BRANCHES
+  assert all((b.kind == ov.CONTINUATION) == (b.pre == block) for b in got)
+  # boundary filters: 5 tokens left drop corrections at p >= 5 and the continuation
+  got = ov.plan_expected_hit(signals, block, generated=10, committed=0, max_new=15, max_len=1000)
+  assert [(b.pre, b.alt) for b in got] == _brute_force_expected_hit(signals, block, set(range(1, 5)))
+
+
+def test_expected_hit_planner_prefers_the_continuation_for_a_confident_draft():
+  block = 8
+  conf = np.full(block, 0.99)
+  signals = np.stack([conf, conf - 0.005, np.full(block, 42.0)])
+  got = ov.plan_expected_hit(signals, block, generated=0, committed=0, max_new=100, max_len=100)
+  assert got[-1].kind == ov.CONTINUATION and len(got) == 3
+  # an uncertain position with a strong runner-up gets a correction
+  conf[2], signals[1, 2] = 0.4, 0.05
+  got = ov.plan_expected_hit(signals, block, generated=0, committed=0, max_new=100, max_len=100)
+  assert (2, 42) in [(b.pre, b.alt) for b in got if b.kind == ov.CORRECTION]
+
+
+def test_reuse_with_two_alternatives_at_one_position():
+  branches = [ov.Branch(ov.CORRECTION, 3, 50), ov.Branch(ov.CORRECTION, 3, 60), ov.Branch(ov.CONTINUATION, 8)]
+  toks = np.zeros((3, 8), np.int32)
+  out = np.array([5, 6, 60])
+  assert ov.select_reuse(3, out, branches, toks, 8) == ov.ReuseOutcome("correction_hit", 1)
+  assert ov.select_reuse(3, np.array([5, 6, 70]), branches, toks, 8) == ov.ReuseOutcome("correction_miss", None)
+  assert ov.select_reuse(2, np.array([5, 70]), branches, toks, 8) == ov.ReuseOutcome("no_hit", None)
+
+
 def test_tree_layout_mask_positions_lora():
   blk, c = 4, 20
   draft = np.array([5, 6, 7, 8])
@@ -145,11 +197,12 @@ def test_overlap_is_lossless_and_hits_save_forwards(tiny_llm):
   ar = [o.token_ids for o in tiny_llm.generate(prompts, params)]
   # delta 1.0: every position is risky, so corrections are planned whenever an alternative exists;
   # delta 0.0: nothing is risky, so every round carries a continuation branch
-  for delta in (0.0, 1.0):
-    tiny_llm.set_policy(RecGuidePolicy(16, delta=delta, fixed_regime="overlap"))
-    outs = tiny_llm.generate(prompts, params)
-    assert [o.token_ids for o in outs] == ar
-    assert tiny_llm.engine.allocator.num_used == 0
+  for planner in ("expected_hit", "no_p3"):  # expected_hit: every slot filled, corrections anywhere
+    for delta in ((None,) if planner == "expected_hit" else (0.0, 1.0)):
+      tiny_llm.set_policy(RecGuidePolicy(16, delta=delta, planner=planner, fixed_regime="overlap"))
+      outs = tiny_llm.generate(prompts, params)
+      assert [o.token_ids for o in outs] == ar, (planner, delta)
+      assert tiny_llm.engine.allocator.num_used == 0
   hits = sum(o.stats["overlap"].get("correction_hit", 0) + o.stats["overlap"].get("continuation_hit", 0)
              for o in outs)
   saved = sum(o.stats["rounds"] - o.stats["forwards"]["draft"] for o in outs)

@@ -35,6 +35,7 @@ from typing import Any, Mapping, Sequence
 import numpy as np
 
 from recguide_jax.orchestrator import value_model as vm
+from recguide_jax.orchestrator.overlap import PLANNERS
 
 SCHEMA = "recguide-policy/1"
 POLICY_FILENAME = "recguide_policy.json"  # where a checkpoint directory ships its frozen policy
@@ -311,6 +312,7 @@ class AdaptivePolicyTables:
   notes: str = ""
   # the overlap planner's margin threshold fitted for this checkpoint (launch/fit_delta.py); None: the default
   overlap_delta: float | None = None
+  overlap_planner: str = ""  # "no_p3" | "expected_hit" (launch/fit_delta.py); empty: the paper's rule
 
   def __post_init__(self):
     if not self.levels:
@@ -325,6 +327,8 @@ class AdaptivePolicyTables:
         raise PolicyError(f"levels[C={lv.concurrency}].costs_ms has block {missing[0]}, which the value model "
                           f"lacks (has {list(self.value_model.block_sizes)})")
     object.__setattr__(self, "levels", levels)
+    if self.overlap_planner and self.overlap_planner not in PLANNERS:
+      raise PolicyError(f"overlap_planner must be one of {PLANNERS}, got {self.overlap_planner!r}")
     if self.overlap_delta is not None and not 0.0 <= self.overlap_delta <= 1.0:
       raise PolicyError(f"overlap_delta must lie in [0, 1], got {self.overlap_delta}")
     if not self.version:
@@ -368,6 +372,8 @@ class AdaptivePolicyTables:
            "value_model": self.value_model.to_json()}
     if self.overlap_delta is not None:
       out["overlap_delta"] = self.overlap_delta
+    if self.overlap_planner:
+      out["overlap_planner"] = self.overlap_planner
     return out
 
   def content_hash(self) -> str:
@@ -402,8 +408,11 @@ class AdaptivePolicyTables:
       delta = raw.get("overlap_delta")
       if delta is not None and (isinstance(delta, bool) or not isinstance(delta, (int, float))):
         raise PolicyError(f"field 'overlap_delta' must be a number, got {delta!r}")
+      planner = raw.get("overlap_planner", "")
+      if not isinstance(planner, str):
+        raise PolicyError(f"field 'overlap_planner' must be a string, got {planner!r}")
       return cls(model, tuple(levels), str(raw["profile"]), str(raw.get("version", "")), str(raw.get("notes", "")),
-                 None if delta is None else float(delta))
+                 None if delta is None else float(delta), planner)
     except (PolicyError, vm.TraceError) as e:
       msg = str(e)
       raise PolicyError(msg if msg.startswith(where) else f"{where}: {msg}") from None

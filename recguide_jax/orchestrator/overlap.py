@@ -26,6 +26,7 @@ from typing import Sequence
 import numpy as np
 
 MAX_BRANCHES = 3
+PLANNERS = ("no_p3", "expected_hit")  # the paper's final rule (default), our slot-filling alternative
 CORRECTION, CONTINUATION = "correction", "continuation"
 
 
@@ -77,6 +78,33 @@ def plan_branches(analysis: DraftAnalysis, block: int, *, generated: int, commit
       and committed + 2 * block <= max_len):
     out.append(Branch(CONTINUATION, block))
   return out
+
+
+def plan_expected_hit(signals: np.ndarray, block: int, *, generated: int, committed: int, max_new: int,
+                      max_len: int, max_branches: int = MAX_BRANCHES) -> list[Branch]:
+  """Our alternative to the no-P3 rule: fill every branch slot of the fused forward with the branches most likely
+  to hit, judged by the draft's own probabilities (signals [3, B]: confidence C, margin M, runner-up id).
+
+  A correction at p hits when draft positions 1..p-1 are accepted and the verifier picks the runner-up at p:
+  P ~ prod_{j<p} C_j * (C_p - M_p) (C_p - M_p is the runner-up's probability). The continuation hits on full
+  acceptance with the right bonus: P ~ prod_{j<B} C_j * mean(C) (the bonus is not drafted yet). The fused forward
+  has a fixed shape of (1 + MAX_BRANCHES) * B query tokens, so an empty slot costs as much as a used one; the
+  paper's rule leaves slots empty because its padded dense rows did cost compute (recguide.md 4.7). Same boundary
+  filters as the paper's rule. (Rank-3 alternatives as extra candidates were measured too: no gain on the
+  bundled model, they only displaced corrections at other positions.)"""
+  conf, margin, alt = signals[0, :block], signals[1, :block], signals[2, :block].astype(np.int64)
+  before = np.cumprod(np.concatenate([[1.0], conf[1:block - 1]]))  # before[p-1] = prod_{j=1..p-1} C_j
+  cands: list[tuple[float, Branch]] = []
+  for p in range(1, block):
+    if alt[p] < 0 or generated + p >= max_new or committed + p + block > max_len:
+      continue
+    cands.append((float(before[p - 1] * (conf[p] - margin[p])), Branch(CORRECTION, p, int(alt[p]))))
+  if generated + block < max_new and committed + 2 * block <= max_len:
+    full = float(np.prod(conf[1:block]))
+    cands.append((full * float(np.mean(conf[1:block])), Branch(CONTINUATION, block)))
+  # highest score first; ties to the earlier branch point (its prefix is likelier to be accepted)
+  chosen = sorted(cands, key=lambda sb: (-sb[0], sb[1].pre))[:max_branches]
+  return [b for _, b in sorted(chosen, key=lambda sb: sb[1].pre)]
 
 
 def tree_layout(block: int, draft: np.ndarray, branches: Sequence[Branch], committed: int, mask_token_id: int):
@@ -133,8 +161,8 @@ def select_reuse(accepted: int, out_tokens: np.ndarray, branches: Sequence[Branc
         return ReuseOutcome("continuation_hit" if hit else "continuation_miss", k if hit else None)
     return ReuseOutcome("continuation_absent", None)
   rejected = accepted  # the first rejected draft position (m + 1)
-  for k, br in enumerate(branches):
-    if br.kind == CORRECTION and br.pre == rejected:
-      hit = br.alt == seed
-      return ReuseOutcome("correction_hit" if hit else "correction_miss", k if hit else None)
-  return ReuseOutcome("no_hit", None)
+  covering = [k for k, br in enumerate(branches) if br.kind == CORRECTION and br.pre == rejected]
+  for k in covering:  # several alternatives may cover one position (expected-hit planner)
+    if branches[k].alt == seed:
+      return ReuseOutcome("correction_hit", k)
+  return ReuseOutcome("correction_miss" if covering else "no_hit", None)

@@ -46,7 +46,8 @@ class OnlineStats:
 class RecGuidePolicy(Policy):
   name = "recguide"
 
-  def __init__(self, block_size: int = 16, *, delta: float | None = None, components=("p1", "p2", "continuation"),
+  def __init__(self, block_size: int = 16, *, delta: float | None = None, planner: str | None = None,
+               components=("p1", "p2", "continuation"),
                overlap: bool = True, adaptive: bool = True, switch: bool = True, profile=None, tables=None,
                fixed_regime: str | None = None, entropy_head_cap: int | None = None):
     if block_size not in BLOCKS:
@@ -55,6 +56,11 @@ class RecGuidePolicy(Policy):
     if delta is None:  # the threshold fitted with the tables (launch/fit_delta.py), else the paper's
       delta = tables.overlap_delta if tables is not None and tables.overlap_delta is not None else PAPER_DELTA
     self.delta = delta
+    if planner is None:  # the branch planner fitted with the tables, else the paper's no-P3 rule
+      planner = tables.overlap_planner if tables is not None and tables.overlap_planner else ov.PLANNERS[0]
+    if planner not in ov.PLANNERS:
+      raise ValueError(f"planner must be one of {ov.PLANNERS}, got {planner!r}")
+    self.planner = planner
     self.components = tuple(components)
     self.overlap = overlap
     self.adaptive = adaptive
@@ -158,11 +164,11 @@ class RecGuidePolicy(Policy):
     return RoundPlan("linear", self._adaptive_block(req, concurrency))
 
   def plan_branches(self, req, signals: np.ndarray, blk: int, engine) -> list:
-    analysis = ov.analyze(signals, self.delta)
-    committed = engine.allocator.length(req.request_id)
-    return ov.plan_branches(analysis, blk, generated=len(req.output_ids), committed=committed,
-                            max_new=req.params.max_tokens, max_len=engine.rc.max_model_len + engine.rc.max_block,
-                            components=self.components)
+    bounds = dict(generated=len(req.output_ids), committed=engine.allocator.length(req.request_id),
+                  max_new=req.params.max_tokens, max_len=engine.rc.max_model_len + engine.rc.max_block)
+    if self.planner == "expected_hit":
+      return ov.plan_expected_hit(signals, blk, **bounds)
+    return ov.plan_branches(ov.analyze(signals, self.delta), blk, components=self.components, **bounds)
 
   def observe(self, req, block_size: int, accepted: int, result, row: int) -> None:
     if block_size <= 1:
