@@ -155,7 +155,9 @@ class Engine:
     self.totals = collections.Counter()  # engine-wide counters for /metrics
     self.accepted_per_position = collections.Counter()  # block index -> accepted draft tokens there
     self.block_size_choices = collections.Counter()
-    self.bucketing = True  # False: mixed planned block sizes share one batch padded to the largest
+    # True: one batch per planned block size; False: mixed planned block sizes share one batch padded to the
+    # largest; "auto": per step, whichever grouping the policy's cost model (round_cost) prices cheaper
+    self.bucketing: bool | str = "auto"
     self.forward_log: list[tuple[str, int, int]] | None = None  # set to [] to record every forward
     self.step_count = 0
     self.decoding_count = 0  # requests decoding in the current step (the load the policy sees)
@@ -256,8 +258,8 @@ class Engine:
     for req in decoding:
       plan = self.policy.plan(req, self)
       groups.setdefault((plan.kind, plan.block_size), []).append(req)
-    if not self.bucketing:
-      groups = self._merge_linear_groups(groups)
+    if self.bucketing is not True:
+      groups = self._merge_linear_groups(groups, None if self.bucketing is False else self.policy.round_cost)
     for (kind, blk), reqs in groups.items():
       for i in range(0, len(reqs), self.rc.max_batch):
         chunk = reqs[i:i + self.rc.max_batch]
@@ -280,20 +282,45 @@ class Engine:
     return finished
 
   @staticmethod
-  def _merge_linear_groups(groups: dict) -> dict:
-    """Bucketing off (the paper's "+s_t"/"+z_t" rows): one mixed batch padded to its largest planned B; each
-    request keeps at most its own planned B of the verified tokens."""
-    linear = {k: v for k, v in groups.items() if k[0] == "linear"}
+  def _merge_linear_groups(groups: dict, round_cost: Callable[[int, int], float | None] | None) -> dict:
+    """Merges LinearSS groups of different planned B into batches padded to their largest B; each request keeps
+    at most its own planned B of the verified tokens. `round_cost=None` merges all of them (bucketing off, the
+    paper's "+s_t"/"+z_t" rows). Otherwise every split of the B-sorted groups into consecutive runs is priced
+    with round_cost(batch, B) (one round per run, at the run's largest B) and the cheapest wins, ties to separate
+    buckets; without a known cost the groups stay separate."""
+    linear = sorted((k[1], v) for k, v in groups.items() if k[0] == "linear")
     if len(linear) <= 1:
       return groups
-    blk = max(k[1] for k in linear)
-    merged = []
-    for (_, planned), reqs in linear.items():
-      for r in reqs:
-        r.policy_state["cap"] = planned
-        merged.append(r)
+    n = len(linear)
+    best_runs = [[i] for i in range(n)]
+    if round_cost is None:
+      best_runs = [list(range(n))]
+    else:
+      best = None
+      for cuts in itertools.product((False, True), repeat=n - 1):  # cuts[i - 1]: a new run starts at group i
+        runs = [[0]]
+        for i in range(1, n):
+          if cuts[i - 1]:
+            runs.append([i])
+          else:
+            runs[-1].append(i)
+        costs = [round_cost(sum(len(linear[i][1]) for i in run), linear[run[-1]][0]) for run in runs]
+        if any(c is None for c in costs):
+          return groups
+        total = sum(costs)
+        if best is None or total < best - 1e-12 or (abs(total - best) <= 1e-12 and len(runs) > len(best_runs)):
+          best, best_runs = total, runs
     out = {k: v for k, v in groups.items() if k[0] != "linear"}
-    out[("linear", blk)] = merged
+    for run in best_runs:
+      blk = linear[run[-1]][0]
+      merged = []
+      for i in run:
+        planned, reqs = linear[i]
+        for r in reqs:
+          if planned != blk:
+            r.policy_state["cap"] = planned
+          merged.append(r)
+      out[("linear", blk)] = merged
     return out
 
   def run_until_done(self) -> None:

@@ -41,6 +41,12 @@ class Policy:
   def step_kinds(self) -> tuple[str, ...]:
     return ("prefill", "verify")
 
+  def round_cost(self, batch: int, block_size: int) -> float | None:
+    """Cost of one LinearSS round (draft + verify) of `batch` requests at block `block_size` in the policy's cost
+    model, or None when it has none (the engine then keeps one batch per planned block size)."""
+    del batch, block_size
+    return None
+
 
 class ARPolicy(Policy):
   name = "ar"

@@ -205,3 +205,36 @@ def test_no_compiles_after_warmup(tiny_model):
   llm.generate(prompts, params)
   llm.generate(prompts[:3], params[:3])
   assert llm.runner.compiles_after_warmup == 0
+
+
+class _Req:
+  def __init__(self):
+    self.policy_state = {}
+
+
+def _groups(sizes):
+  return {("linear", b): [_Req() for _ in range(n)] for b, n in sizes.items()} | {("ar", 1): [_Req()]}
+
+
+def test_cost_aware_grouping_of_planned_block_sizes():
+  from recguide_jax.engine import Engine
+  merge = Engine._merge_linear_groups
+  # bucketing off: one batch padded to the largest B; smaller plans keep their own B as a cap
+  g = _groups({8: 3, 16: 2, 32: 1})
+  out = merge(g, None)
+  assert set(out) == {("ar", 1), ("linear", 32)} and len(out[("linear", 32)]) == 6
+  assert [r.policy_state.get("cap") for r in out[("linear", 32)]] == [8, 8, 8, 16, 16, None]
+  # memory-bound costs (a round costs the same at any batch): merging everything is cheapest
+  out = merge(_groups({8: 3, 16: 2, 32: 1}), lambda batch, blk: 1.0 + blk / 64)
+  assert set(out) == {("ar", 1), ("linear", 32)}
+  # compute-bound costs (proportional to batch x B): separate buckets are cheapest
+  g = _groups({8: 3, 16: 2, 32: 1})
+  out = merge(g, lambda batch, blk: float(batch * blk))
+  assert out == g and all(not r.policy_state for v in out.values() for r in v)
+  # in between: a round's fixed cost makes padding the lone B=8 request into the B=16 batch pay off
+  out = merge(_groups({8: 1, 16: 6, 32: 6}), lambda batch, blk: 10.0 + batch * blk / 4)
+  assert sorted(k for k in out if k[0] == "linear") == [("linear", 16), ("linear", 32)]
+  assert len(out[("linear", 16)]) == 7 and len(out[("linear", 32)]) == 6
+  # no cost model: buckets stay as planned
+  g = _groups({8: 2, 16: 2})
+  assert merge(g, lambda batch, blk: None) == g

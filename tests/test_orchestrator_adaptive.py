@@ -491,7 +491,8 @@ def test_bench_recguide_end_to_end(tmp_path):
   assert all(r["lossless"] for r in res["results"])
   assert {"overlap +1st corr", "overlap +2nd corr", "overlap +continuation", "overlap expected-hit planner"} <= {
       p for p, c in rows if c == 1}
-  assert {"adaptive no bucketing", "adaptive + bucketing"} <= {p for p, c in rows if c == 2}
+  assert {"adaptive no bucketing", "adaptive + bucketing", "adaptive + cost-aware grouping"} <= {
+      p for p, c in rows if c == 2}
   for r in res["results"]:
     assert len(r["wall_s_all"]) == 2 and r["vs_best_baseline_wall"] > 0 and r["priced_tokens_per_ms"] > 0
   assert res["meta"]["compiles_after_warmup"] == 0

@@ -88,6 +88,9 @@ class RecGuidePolicy(Policy):
       return 1.0 + blk / 32.0
     return self.profile.cost(concurrency, blk)
 
+  def round_cost(self, batch: int, block_size: int) -> float:
+    return self._cost(batch, block_size)
+
   def _ar_cost(self, concurrency: int) -> float:
     if self.profile is None or getattr(self.profile, "ar_step_ms", None) is None:
       return 0.5 * self._cost(concurrency, 8)
