@@ -50,18 +50,8 @@ def main(argv):
     sys.exit("error: --out_dir is required")
   if not os.path.exists(FLAGS.data):
     sys.exit(f"error: --data {FLAGS.data} does not exist")
-  try:
-    sizes = tuple(int(b) for b in FLAGS.block_sizes)
-    probs = tuple(float(p) for p in FLAGS.block_probs)
-    modes = tuple(float(p) for p in FLAGS.mode_probs)
-  except ValueError:
-    sys.exit("error: --block_sizes must be integers, --block_probs and --mode_probs numbers")
-  if len(sizes) != len(probs) or any(p < 0 for p in probs) or not sum(probs):
-    sys.exit("error: --block_probs must give one non-negative weight per --block_sizes entry")
-  if len(modes) != 3 or any(p < 0 for p in modes) or not sum(modes):
-    sys.exit("error: --mode_probs needs three non-negative weights (seeded, unseeded, partial)")
-  if FLAGS.seq_len % max(sizes):
-    sys.exit("error: --seq_len must be a multiple of every --block_sizes entry")
+  sizes, probs = cli.block_mix_flags()
+  modes = cli.weights_flag("mode_probs", 3)  # seeded, unseeded, partial
   if FLAGS.lora_rank <= 0 or FLAGS.lora_alpha <= 0:
     sys.exit("error: --lora_rank and --lora_alpha must be positive")
   if FLAGS.warmup_steps >= FLAGS.total_steps:

@@ -8,7 +8,6 @@ prints the URL. SIGTERM (or Ctrl-C) stops accepting connections, lets in-flight 
 engine and exits 0. A bad flag value prints one `error: --flag: ...` line and exits with status 1.
 """
 
-import json
 import os
 import signal
 import socket

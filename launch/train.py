@@ -12,6 +12,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from absl import app, flags, logging  # noqa: E402
 
+from recguide_jax import cli  # noqa: E402
+
 FLAGS = flags.FLAGS
 flags.DEFINE_string("out_dir", None, "Run directory: tokenizer, orbax train state, log, loss curves.")
 flags.DEFINE_string("data_dir", os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "..",
@@ -42,21 +44,12 @@ flags.DEFINE_integer("steps", None, "Stop after this many more steps (for runnin
 
 def main(argv):
   del argv
-  if FLAGS['verbosity'].using_default_value:
-    logging.set_verbosity(logging.WARNING)  # orbax logs every checkpoint step at INFO
+  cli.quiet_logging()
   if not FLAGS.out_dir:
     sys.exit("error: --out_dir is required")
   if not os.path.exists(os.path.join(FLAGS.data_dir, "train.jsonl")):
     sys.exit(f"error: --data_dir {FLAGS.data_dir} has no train.jsonl")
-  try:
-    sizes = tuple(int(b) for b in FLAGS.block_sizes)
-    probs = tuple(float(p) for p in FLAGS.block_probs)
-  except ValueError:
-    sys.exit("error: --block_sizes must be integers and --block_probs numbers")
-  if len(sizes) != len(probs) or any(p < 0 for p in probs) or not sum(probs):
-    sys.exit("error: --block_probs must give one non-negative weight per --block_sizes entry")
-  if FLAGS.seq_len % max(sizes):
-    sys.exit("error: --seq_len must be a multiple of every --block_sizes entry")
+  sizes, probs = cli.block_mix_flags()
   if not 0 <= FLAGS.ar_steps < FLAGS.total_steps or FLAGS.warmup_steps >= FLAGS.total_steps:
     sys.exit("error: need 0 <= --ar_steps < --total_steps and --warmup_steps < --total_steps")
   from recguide_jax.train.trainer import TrainConfig, Trainer

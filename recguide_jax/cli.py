@@ -23,3 +23,31 @@ def quiet_logging() -> None:
   """orbax logs every step of a checkpoint read at INFO; keep it quiet unless --verbosity was given."""
   if flags.FLAGS["verbosity"].using_default_value:
     logging.set_verbosity(logging.WARNING)
+
+
+def weights_flag(name: str, count: int) -> tuple[float, ...]:
+  """A list flag of `count` non-negative weights, not all zero; exits with a message naming the flag."""
+  import sys
+  try:
+    weights = tuple(float(p) for p in flags.FLAGS[name].value)
+  except ValueError:
+    sys.exit(f"error: --{name} must be numbers, got {flags.FLAGS[name].value}")
+  if len(weights) != count or any(p < 0 for p in weights) or not sum(weights):
+    sys.exit(f"error: --{name} needs {count} non-negative weights, not all zero, got {list(weights)}")
+  return weights
+
+
+def block_mix_flags() -> tuple[tuple[int, ...], tuple[float, ...]]:
+  """--block_sizes and --block_probs of the training scripts, checked against --seq_len."""
+  import sys
+  f = flags.FLAGS
+  try:
+    sizes = tuple(int(b) for b in f.block_sizes)
+  except ValueError:
+    sys.exit(f"error: --block_sizes must be integers, got {f.block_sizes}")
+  if not sizes or min(sizes) < 1:
+    sys.exit("error: --block_sizes must be positive integers")
+  probs = weights_flag("block_probs", len(sizes))
+  if f.seq_len % max(sizes):
+    sys.exit("error: --seq_len must be a multiple of every --block_sizes entry")
+  return sizes, probs

@@ -414,8 +414,6 @@ class Engine:
     return res
 
   def _round_linear(self, reqs: list[Request], blk: int) -> None:
-    for r in reqs:  # a prefetched overlap branch is only valid for the very next round
-      r.policy_state.pop("prefetched", None)
     self._reserve_block(reqs, blk)
     b, page_table, prefix_len, samp = self._batch_arrays(reqs)
     seed, write = self._seeds(reqs, b)
@@ -450,6 +448,9 @@ class Engine:
       self._after_verify(r, chosen, int(res.accepted[i]), res, i)
 
   def _after_verify(self, r: Request, blk: int, accepted: int, res, i: int) -> None:
+    # a prefetched overlap branch is a draft for the round right after the one that made it: any verification,
+    # of whatever kind, moves the committed state past it (the overlap round stores its new one after this call)
+    r.policy_state.pop("prefetched", None)
     c = self.allocator.length(r.request_id)
     toks = [int(t) for t in res.tokens[i, :accepted]]
     r.stats.rounds += 1
@@ -482,11 +483,9 @@ class Engine:
     b, page_table, prefix_len, samp = self._batch_arrays(reqs)
     drafts = np.zeros((b, blk), np.int32)
     signals = np.zeros((b, 3, blk), np.float32)
-    def prefetched(r):
-      pref = r.policy_state.get("prefetched")
-      return pref if pref is not None and len(pref.tokens) == blk else None
-
-    need = [i for i, r in enumerate(reqs) if prefetched(r) is None]
+    prefs = [r.policy_state.get("prefetched") for r in reqs]
+    prefs = [p if p is not None and len(p.tokens) == blk else None for p in prefs]
+    need = [i for i, p in enumerate(prefs) if p is None]
     if need:
       sub = [reqs[i] for i in need]
       b2, pt2, pl2, samp2 = self._batch_arrays(sub)
@@ -497,11 +496,8 @@ class Engine:
       for j, i in enumerate(need):
         drafts[i], signals[i] = tok[j], sig[j]
         reqs[i].stats.forwards["draft"] += 1
-    for i, r in enumerate(reqs):
-      pref = prefetched(r)
-      r.policy_state.pop("prefetched", None)
+    for i, pref in enumerate(prefs):
       if pref is not None:
-        assert int(pref.tokens[0]) == r.seed_token, "a reused branch must start at the committed next token"
         drafts[i], signals[i] = pref.tokens, pref.signals
         self.totals["overlap_saved_drafts"] += 1
     plans = []
@@ -531,15 +527,14 @@ class Engine:
         r.stats.overlap[outcome.label] = r.stats.overlap.get(outcome.label, 0) + 1
         if hasattr(self.policy, "observe_overlap"):
           self.policy.observe_overlap(r, accepted, outcome.branch is not None)
-        if outcome.branch is not None:
-          tok = br_tok[i, outcome.branch].copy()
-          tok[0] = res.tokens[i, accepted - 1]
-          r.policy_state["prefetched"] = ov.Prefetched(tok, br_sig[i, outcome.branch], plans[i][outcome.branch].kind)
       else:
+        outcome = None
         self.totals["overlap_no_branch"] += 1
       self._after_verify(r, blk, accepted, res, i)
-      if r.finished:
-        r.policy_state.pop("prefetched", None)
+      if outcome is not None and outcome.branch is not None and not r.finished:
+        tok = br_tok[i, outcome.branch].copy()
+        tok[0] = res.tokens[i, accepted - 1]  # the committed next token (== the new seed)
+        r.policy_state["prefetched"] = ov.Prefetched(tok, br_sig[i, outcome.branch], plans[i][outcome.branch].kind)
 
   def _round_diffusion(self, reqs: list[Request], blk: int) -> None:
     self._reserve_block(reqs, blk)

@@ -156,7 +156,7 @@ def _forward(model, tokens, positions, mask, prefix_len, page_table, cache, writ
 def test_fused_forward_is_exact(tiny_model):
   """Verifier logits equal a plain causal verify; branch drafts equal normal draft forwards on the committed
   prefix they assume; the committed cache equals the plain verify's."""
-  from recguide_jax.kv_cache import KVCache, PageAllocator
+  from recguide_jax.kv_cache import PageAllocator
   cfg = tiny_model.cfg
   blk, mask_id = 8, cfg.mask_token_id
   rng = np.random.default_rng(1)

@@ -109,3 +109,33 @@ def test_fitted_tables_drive_the_block_choice(tiny_llm, ar_reference, tmp_path):
   reqs = run_with_concurrency(tiny_llm, ps, 8)
   assert [r.output_ids for r in reqs] == ar
   assert {b for r in reqs for b in r.stats.block_sizes} <= {8, 16, 32}
+
+
+class _AlternatingRegimes(RecGuidePolicy):
+  """Per request: overlap, overlap, AR, overlap, LinearSS, ... A prefetched branch must not outlive the round
+  right after the one that made it."""
+  SCHEDULE = ("overlap", "overlap", "ar", "overlap", "linear")
+
+  def plan(self, req, engine):
+    from recguide_jax.policies import RoundPlan
+    k = req.stats.rounds % len(self.SCHEDULE)
+    if req.stats.rounds and k in (3, 0):  # the previous round of this request was AR / LinearSS
+      self.stale += "prefetched" in req.policy_state
+    kind = self.SCHEDULE[k]
+    self.regime_counts[kind] += 1
+    return RoundPlan(kind, 1 if kind == "ar" else self.block_size)
+
+
+def test_prefetched_branches_do_not_survive_a_regime_switch(tiny_llm):
+  ps = prompts(16, 5)
+  params = SamplingParams(max_tokens=64, temperature=0.0, ignore_eos=True)
+  tiny_llm.set_policy(policies.ARPolicy())
+  ar = [o.token_ids for o in tiny_llm.generate(ps, params)]
+  pol = _AlternatingRegimes(8, delta=1.0, planner="expected_hit")
+  pol.stale = 0
+  tiny_llm.set_policy(pol)
+  saved = tiny_llm.engine.totals["overlap_saved_drafts"]
+  assert [o.token_ids for o in tiny_llm.generate(ps, params)] == ar
+  assert {"overlap", "ar", "linear"} <= set(pol.regime_counts)
+  assert tiny_llm.engine.totals["overlap_saved_drafts"] > saved and pol.stale == 0
+  assert tiny_llm.engine.allocator.num_used == 0

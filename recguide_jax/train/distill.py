@@ -27,13 +27,12 @@ import jax.numpy as jnp
 import numpy as np
 
 import optax
-import orbax.checkpoint as ocp
 from flax import nnx
 
 from recguide_jax import checkpoint as ckpt_lib
 from recguide_jax.model import ForwardInputs, NLDModel
 from recguide_jax.train import data as data_lib
-from recguide_jax.train.trainer import Trainer, make_optimizer
+from recguide_jax.train.trainer import Trainer
 
 SEEDED, UNSEEDED, PARTIAL = 0, 1, 2
 
@@ -203,16 +202,11 @@ class DraftLoraTrainer(Trainer):
     self.batches = data_lib.PackedBatches(docs[:split], dc.seq_len, dc.batch_size, dc.seed, weights=weights[:split])
     self.val_batches = (data_lib.PackedBatches(docs[split:], dc.seq_len, dc.batch_size, 12345,
                                                weights=weights[split:]) if n_val else None)
-    self.tx = make_optimizer(dc)
-    self.opt_state = self.tx.init(self.params)
-    self.step = 0
-    self.manager = ocp.CheckpointManager(self.out.absolute() / "train_state",
-                                         options=ocp.CheckpointManagerOptions(max_to_keep=2, create=True))
-    self._steps = {}
+    self._init_train_state()  # the adapter (self.params) is what trains
     self._proxy = {}
 
-  def model(self, params=None):
-    return nnx.merge(self.graphdef, self.params if params is None else params, self.frozen)
+  def model(self):
+    return nnx.merge(self.graphdef, self.params, self.frozen)
 
   def _train_step_fn(self, block_size: int):
     if block_size in self._steps:

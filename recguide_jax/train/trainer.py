@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import math
 import pathlib
 import time
 
@@ -105,13 +104,17 @@ class Trainer:
     self.cfg = tc.model_config(tokenizer.get_vocab_size())
     model = NLDModel(self.cfg, rngs=nnx.Rngs(tc.seed))
     self.graphdef, self.params = nnx.split(model)
-    self.tx = make_optimizer(tc)
+    self._init_train_state()
+    self._eval_fn = jax.jit(self._eval_loss)
+
+  def _init_train_state(self) -> None:
+    """Optimizer state for `self.params` (what trains), step 0, the orbax manager of <out_dir>/train_state."""
+    self.tx = make_optimizer(self.tc)
     self.opt_state = self.tx.init(self.params)
     self.step = 0
     self.manager = ocp.CheckpointManager(self.out.absolute() / "train_state",
                                          options=ocp.CheckpointManagerOptions(max_to_keep=2, create=True))
     self._steps = {}
-    self._eval_fn = jax.jit(self._eval_loss)
 
   # ---- steps ---------------------------------------------------------------------------------------------------------
   def block_size_at(self, step: int) -> int:
