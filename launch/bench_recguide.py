@@ -115,10 +115,7 @@ def main(argv):
       if name == "ar":
         ar_outputs[c] = outs
       blocks = [b for r in reqs for b in r.stats.block_sizes]
-      overlap = {}
-      for r in reqs:
-        for k, v in r.stats.overlap.items():
-          overlap[k] = overlap.get(k, 0) + v
+      overlap = bench.overlap_counts(reqs)
       per_run_ms = priced_ms(log, price) / FLAGS.repeats
       summary.update(
           policy=name, concurrency=c, lossless=all([r.output_ids for r in rr] == ar_outputs[c] for rr, _ in runs[name]),
@@ -139,9 +136,11 @@ def main(argv):
     r["vs_official_fixed_priced"] = r["priced_tokens_per_ms"] / fixed["priced_tokens_per_ms"] if fixed else None
     r["tpf_vs_linear16"] = r["tpf"] / by[("linear B=16", c)]["tpf"]
   os.makedirs(os.path.dirname(FLAGS.out_json), exist_ok=True)
+  default = recguide()  # the delta and planner the checkpoint's policy resolves to
   meta = {"checkpoint": str(FLAGS.checkpoint or "bundled"), "num_prompts": FLAGS.num_prompts,
           "max_tokens": FLAGS.max_tokens, "repeats": FLAGS.repeats, "price_profile": FLAGS.price_profile,
-          "local_profile": FLAGS.profile, "policy_tables": tables_path, "delta": recguide().delta, "planner": recguide().planner,
+          "local_profile": FLAGS.profile, "policy_tables": tables_path,
+          "delta": default.delta, "planner": default.planner,
           "compiles_after_warmup": llm.runner.compiles_after_warmup}
   with open(FLAGS.out_json, "w") as f:
     json.dump({"meta": meta, "results": results}, f, indent=2)

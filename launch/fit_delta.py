@@ -72,11 +72,9 @@ def main(argv):
     llm.set_policy(RecGuidePolicy(FLAGS.block_size, delta=d, planner=planner, fixed_regime="overlap"))
     reqs, _ = bench.run_concurrent(llm.engine, prompts, params, 1)
     s = bench.summarize(reqs, 0.0)
-    outcomes = {}
-    for r in reqs:
-      for k, v in r.stats.overlap.items():
-        outcomes[k] = outcomes.get(k, 0) + v
-    row = {"planner": planner, "delta": d, "tpf": s["tpf"], "tpf_vs_linear": s["tpf"] / linear["tpf"], "tau": s["mean_accepted_length"],
+    outcomes = bench.overlap_counts(reqs)
+    row = {"planner": planner, "delta": d, "tpf": s["tpf"], "tpf_vs_linear": s["tpf"] / linear["tpf"],
+           "tau": s["mean_accepted_length"],
            "outcomes": outcomes, "lossless": [r.output_ids for r in reqs] == ar}
     rows.append(row)
     label = f"no_p3 delta {d:.2f}" if d is not None else planner

@@ -30,6 +30,7 @@ if __name__ == "profile":
   sys.modules["profile"] = _stdlib
   _spec.loader.exec_module(_stdlib)
 
+import dataclasses  # noqa: E402
 import datetime  # noqa: E402
 import platform  # noqa: E402
 import statistics  # noqa: E402
@@ -122,10 +123,9 @@ def main(argv):
   max_block = max(blocks)
   rc = RunnerConfig(num_pages=1, page_size=FLAGS.page_size, max_model_len=FLAGS.prefix_len + max_block,
                     max_batch=FLAGS.max_batch, block_sizes=tuple(blocks), prefill_chunk=min(blocks))
-  pps = rc.pages_per_seq
-  rc = RunnerConfig(num_pages=FLAGS.max_batch * pps + 1, page_size=rc.page_size, max_model_len=rc.max_model_len,
-                    max_batch=rc.max_batch, block_sizes=rc.block_sizes, prefill_chunk=rc.prefill_chunk,
-                    compile_cache_dir=FLAGS.compile_cache_dir)
+  # every bucket row owns its pages (+ the trash page); pages_per_seq comes from the config itself
+  rc = dataclasses.replace(rc, num_pages=FLAGS.max_batch * rc.pages_per_seq + 1,
+                           compile_cache_dir=FLAGS.compile_cache_dir)
   runner = Runner(model, rc)
   cfg = runner.cfg
   rng = np.random.default_rng(FLAGS.seed)
@@ -138,6 +138,7 @@ def main(argv):
   draft_verify, draft_ms, verify_ms, fused_ms, ar_ms = {}, {}, {}, {}, {}
   for c in batch_buckets(FLAGS.max_batch):
     # a full bucket: every row is a live request with its own pages and the same committed prefix length
+    pps = rc.pages_per_seq
     page_table = (1 + np.arange(c)[:, None] * pps + np.arange(pps)[None, :]).astype(np.int32)
     prefix_len = np.full((c,), FLAGS.prefix_len, np.int32)
     write = np.ones((c,), bool)

@@ -54,6 +54,4 @@ def kv_write(k_pages: jax.Array, v_pages: jax.Array, k_new: jax.Array, v_new: ja
   )(slots, k_new.astype(k_pages.dtype), v_new.astype(v_pages.dtype), k_pages, v_pages)
 
 
-def kv_write_ref(k_pages, v_pages, k_new, v_new, page_table, positions, write):
-  """Pure-jnp twin: the cache's own scatter."""
-  return kv_cache.write_block(k_pages, v_pages, k_new, v_new, page_table, positions, write)
+kv_write_ref = kv_cache.write_block  # the pure-jnp twin is the cache's own scatter

@@ -60,6 +60,15 @@ def summarize(reqs, wall_s: float) -> dict:
   }
 
 
+def overlap_counts(reqs) -> dict[str, int]:
+  """The overlap branch outcome counters (Table 3) summed over requests."""
+  out: dict[str, int] = {}
+  for r in reqs:
+    for k, v in r.stats.overlap.items():
+      out[k] = out.get(k, 0) + v
+  return out
+
+
 def median_runs(fn, repeats: int) -> tuple[list, dict]:
   """Runs fn() -> (reqs, wall) `repeats` times; returns the last requests and the summary of the median-wall run."""
   return median_of([fn() for _ in range(repeats)])

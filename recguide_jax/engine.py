@@ -437,13 +437,13 @@ class Engine:
     counterfactual = [{} for _ in reqs]
     for blk in [x for x in sizes if x != chosen] + [chosen]:
       res = self._draft_verify(blk, seed, write, prefix_len, page_table, samp)
+      self._count_forward("draft", blk, len(reqs))  # every executed forward is in the ledger, not only the chosen
+      self._count_forward("verify", blk, len(reqs))
       for i in range(len(reqs)):
         counterfactual[i][blk] = int(res.accepted[i])
-    self._count_forward("draft", chosen, len(reqs))
-    self._count_forward("verify", chosen, len(reqs))
     for i, r in enumerate(reqs):
-      r.stats.forwards["draft"] += 1
-      r.stats.forwards["verify"] += 1
+      r.stats.forwards["draft"] += len(sizes)
+      r.stats.forwards["verify"] += len(sizes)
       self.policy.record_shadow(r, counterfactual[i])
       self._after_verify(r, chosen, int(res.accepted[i]), res, i)
 

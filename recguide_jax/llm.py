@@ -27,7 +27,8 @@ def default_checkpoint() -> pathlib.Path:
 
 def recguide_defaults(checkpoint_dir: str | os.PathLike) -> dict:
   """RecGuide's data shipped beside a checkpoint: the fitted adaptive-B tables (`recguide_policy.json`, which
-  also carries the overlap margin threshold fitted for the model) and a hardware profile of the machine class it was measured on (`profile.json`), when present."""
+  also carries the overlap planner and margin threshold fitted for the model) and a hardware profile of the machine
+  class it was measured on (`profile.json`), when present."""
   from recguide_jax.orchestrator import adaptive, profile as prof_lib
   path = pathlib.Path(checkpoint_dir)
   out = {}

@@ -270,8 +270,10 @@ class Runner:
       v_logits = logits[:, :blk]
       drafted = tokens[:, :blk]
       p = sampling.processed_probs(v_logits, temperature, top_k, top_p, cfg.mask_token_id)
-      q = jax.nn.one_hot(drafted, cfg.vocab_size, dtype=jnp.float32)  # greedy drafts: a point mass
-      accepted, out = sampling.accept("leviathan", keys, p, q, drafted, temperature <= 0)
+      # the reference rule (accept while an independent verifier sample equals the draft) needs no draft
+      # distribution, so no [b, B, V] point mass is built; for the greedy rows overlap serves it is "accept while
+      # the verifier's argmax equals the draft", the same as every other rule
+      accepted, out = sampling.accept("reference", keys, p, p, drafted, temperature <= 0)
       lp, top_lp, top_ids = sampling.raw_logprobs(v_logits, out, cfg.mask_token_id)
       ent = verifier_entropy(v_logits, cfg)
       if not branches:
@@ -409,7 +411,7 @@ class Runner:
     fn = self.compiled("prefill", chunk, b)
     self.cache, tok, lp, top_lp, top_ids = fn(self.state, self.cache, tokens, valid, prefix_len, page_table,
                                               last_idx, *samp.args())
-    return np.asarray(tok), np.asarray(lp), np.asarray(top_lp), np.asarray(top_ids)
+    return jax.device_get((tok, lp, top_lp, top_ids))  # one device->host transfer for all results
 
   def draft(self, seed, prefix_len, page_table, blk: int, samp: SamplingArrays):
     """Returns device arrays: draft tokens [b, B], their distributions [b, B, V] (for `verify`) and the draft
@@ -426,8 +428,7 @@ class Runner:
     fn = self.compiled("verify", blk, b)
     self.cache, acc, out, lp, top_lp, top_ids, ent = fn(self.state, self.cache, tokens, q, write, prefix_len,
                                                         page_table, *samp.args())
-    return VerifyResult(np.asarray(acc), np.asarray(out), np.asarray(lp), np.asarray(top_lp), np.asarray(top_ids),
-                        np.asarray(ent))
+    return VerifyResult(*jax.device_get((acc, out, lp, top_lp, top_ids, ent)))
 
   def fused(self, tokens, positions, mask, lora, write, prefix_len, page_table, samp: SamplingArrays, blk: int):
     """Greedy verify of tokens[:, :blk] plus the tree's branch drafts. Returns (VerifyResult, branch tokens
@@ -437,10 +438,11 @@ class Runner:
     fn = self.compiled(kind, blk, b)
     outs = fn(self.state, self.cache, tokens, positions, mask, lora, write, prefix_len, page_table, *samp.args())
     self.cache = outs[0]
-    res = VerifyResult(*(np.asarray(x) for x in outs[1:7]))
+    host = jax.device_get(outs[1:])
+    res = VerifyResult(*host[:6])
     if kind == "gverify":
       return res, None, None
-    return res, np.asarray(outs[7]), np.asarray(outs[8])
+    return res, host[6], host[7]
 
   def _dummy_q(self, b: int):
     key = ("dummy_q", b)
@@ -451,4 +453,4 @@ class Runner:
   def denoise(self, seed, prefix_len, page_table, threshold, blk: int, samp: SamplingArrays, active):
     fn = self.compiled("denoise", blk, seed.shape[0])
     tokens, steps = fn(self.state, self.cache, seed, prefix_len, page_table, threshold, *samp.args(), active)
-    return np.asarray(tokens), np.asarray(steps)
+    return jax.device_get((tokens, steps))

@@ -129,7 +129,7 @@ class RecGuidePolicy(Policy):
     return "adaptive"
 
   # ---- per request ---------------------------------------------------------------------------------------------------
-  _eos: frozenset = frozenset()
+  _eos: np.ndarray = np.zeros((0,), np.int64)  # the engine's EOS ids, refreshed with the per-step memo
 
   def on_admit(self, req) -> None:
     req.policy_state["history"] = []
@@ -146,13 +146,13 @@ class RecGuidePolicy(Policy):
     return max(BLOCKS, key=lambda b: (scores[b], -b))
 
   def plan(self, req, engine) -> RoundPlan:
-    self._eos = frozenset(engine.cfg.eos_token_ids)
     concurrency = engine.decoding_count
     # the regime depends only on the load and engine-wide estimates: decide it once per engine step, not per
     # request (per-request Python work showed up as a few % of an AR step at high concurrency)
     key = (engine.step_count, concurrency)
     if self._regime_memo[0] != key:
       self._regime_memo = (key, self.regime(concurrency))
+      self._eos = np.asarray(engine.cfg.eos_token_ids)
     regime = self._regime_memo[1]
     greedy = req.params.temperature <= 0
     if regime == "overlap" and not greedy:
@@ -179,7 +179,7 @@ class RecGuidePolicy(Policy):
     from recguide_jax.orchestrator import value_model as vm
     hist = req.policy_state.setdefault("history", [])
     cap = self.tables.head_cap if self.tables is not None else self.entropy_head_cap
-    eos = any(int(t) in self._eos for t in result.tokens[row, :accepted]) if self._eos else False
+    eos = bool(np.isin(result.tokens[row, :accepted], self._eos).any())
     ent = vm.round_entropy(result.entropy[row], accepted, block_size, eos=eos, head_cap=cap)
     hist.append({"B": block_size, "accepted": accepted, "full": accepted == block_size, "e": ent})
     if len(hist) > 4:

@@ -45,7 +45,7 @@ class ShadowTracePolicy(Policy):
     from recguide_jax.orchestrator import value_model as vm
     hist = req.policy_state["history"]
     self.rows.append({"dataset": self.dataset, "request_id": req.request_id, "round": len(hist),
-                      "s": vm.signal_s(hist), "z": vm.stratum(hist) if hist else None,
+                      "s": vm.signal_s(hist), "z": vm.stratum(hist), "head_cap": self.entropy_head_cap,
                       "A": {str(b): int(a) for b, a in accepted_by_block.items()}})
 
   def observe(self, req, block_size: int, accepted: int, result, row: int) -> None:

@@ -37,7 +37,7 @@ from recguide_jax.train.trainer import Trainer
 SEEDED, UNSEEDED, PARTIAL = 0, 1, 2
 
 
-# ---- targets -----------------------------------------------------------------------------------------------------------
+# ---- targets -------------------------------------------------------------------------------------------------------
 def generate_targets(llm, prompts: list[list[int]], out_path: str | pathlib.Path, *, max_tokens: int,
                      chunk: int = 256, concurrency: int = 64, progress: bool = True) -> list[dict]:
   """Greedy AR continuations of `prompts` by `llm` (its policy is set to AR), appended to a JSONL file chunk by
@@ -80,7 +80,7 @@ def target_documents(rows: list[dict]) -> tuple[list[np.ndarray], list[np.ndarra
   return docs, weights
 
 
-# ---- objective ---------------------------------------------------------------------------------------------------------
+# ---- objective -----------------------------------------------------------------------------------------------------
 def draft_noise(key: jax.Array, x0: jax.Array, block_size: int, mask_token_id: int,
                 mode_probs: tuple[float, float, float]):
   """Masks x0 [b, L] block by block in the engine's draft layouts. Returns (x_t, masked, mode [b, L])."""
@@ -136,7 +136,7 @@ def seeded_accept_proxy(model, x0: jax.Array, weight: jax.Array, block_size: int
   return jnp.sum(jnp.where(full, lead, 0)), jnp.sum(full)
 
 
-# ---- trainer -----------------------------------------------------------------------------------------------------------
+# ---- trainer -------------------------------------------------------------------------------------------------------
 @dataclasses.dataclass(frozen=True)
 class DistillConfig:
   out_dir: str
@@ -186,7 +186,8 @@ class DraftLoraTrainer(Trainer):
   """Trains only the draft LoRA of a frozen base checkpoint on self-distillation targets. Checkpointing, resume and
   the loop are the joint trainer's (the train state holds the adapter and its optimizer state only)."""
 
-  def __init__(self, dc: DistillConfig, rows: list[dict], *, progress: bool = True):  # pylint: disable=super-init-not-called
+  # pylint: disable-next=super-init-not-called
+  def __init__(self, dc: DistillConfig, rows: list[dict], *, progress: bool = True):
     self.tc = dc
     self.out = pathlib.Path(dc.out_dir)
     self.out.mkdir(parents=True, exist_ok=True)
