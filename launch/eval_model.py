@@ -98,12 +98,15 @@ def main(argv):
   ar_out = [r.output_ids for r in ar_reqs]
   result["loop_share_ar"] = bench.loop_share(ar_out)
   result["linear"] = {}
+  per_request = {}
   for blk in (8, 16, 32):
     llm.set_policy(policies.LinearPolicy(blk))
     llm.engine.signal_log = []
     reqs, wall = bench.run_concurrent(llm.engine, prompts, params, FLAGS.concurrency)
     s = bench.summarize(reqs, wall)
     acc = [a for r in reqs for a in r.stats.accepted_lengths]
+    per_request[blk] = [(sum(r.stats.accepted_lengths), len(r.stats.accepted_lengths)) for r in reqs
+                        if r.stats.accepted_lengths]
     s["lossless"] = [r.output_ids for r in reqs] == ar_out
     s["accepted_length_histogram"] = np.bincount(acc, minlength=blk + 1)[1:].tolist()
     s["signals"] = signal_stats(llm.engine.signal_log)
@@ -111,6 +114,12 @@ def main(argv):
     result["linear"][blk] = s
     print(f"B={blk}: tau {s['mean_accepted_length']:.2f}  TPF {s['tpf']:.2f}  lossless {s['lossless']}  "
           f"signals {s['signals']}", flush=True)
+  if all(len(per_request[b]) == len(per_request[8]) for b in (16, 32)):  # the same prompts decoded at each B
+    result["tau_gain"] = {f"{large}_vs_{small}": bench.paired_tau_gain(per_request, small, large)
+                          for small, large in ((8, 16), (8, 32), (16, 32))}
+    for key, g in result["tau_gain"].items():
+      print(f"tau gain B={key.replace('_vs_', ' vs B=')}: {g['diff']:+.3f} (95% CI {g['ci95'][0]:+.3f} .. "
+            f"{g['ci95'][1]:+.3f}, bootstrap over {g['prompts']} prompts)")
   os.makedirs(os.path.dirname(FLAGS.out_json), exist_ok=True)
   with open(FLAGS.out_json, "w") as f:
     json.dump(result, f, indent=2)

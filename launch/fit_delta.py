@@ -1,12 +1,14 @@
 """Fits RecGuide's overlap branch planning for a checkpoint: runs verification-overlapped drafting at
 concurrency 1 (where overlap runs) on GSM8K train prompts with the paper's no-P3 rule for each margin threshold
-delta of a grid, and with our expected-hit planner (`overlap.plan_expected_hit`, no threshold); measures decode
-tokens per forward and the branch outcome counters; stores the best no-P3 delta (`overlap_delta`) and the better
-planner (`overlap_planner`) in the checkpoint's `recguide_policy.json`, which `RecGuidePolicy` uses when they are
-not given. The fused verify+branches forward has the same shape whatever branches it carries, so tokens per
-forward is the objective on any hardware.
+delta of a grid, and with our expected-hit planner (`overlap.plan_expected_hit`, no threshold) for each tree width
+(branch slots of the fused forward) of a grid; measures decode tokens per forward, the branch outcome counters and
+the decode time priced with a hardware profile (the paper's B200 table by default, the one the adaptive tables are
+fitted with); stores the best no-P3 delta (`overlap_delta`), and the planner and tree width with the most tokens
+per priced ms (`overlap_planner`, `overlap_slots`) in the checkpoint's `recguide_policy.json`, which
+`RecGuidePolicy` uses when they are not given. A wider tree hits more often (more tokens per forward) but each
+fused forward carries more query tokens; the price decides.
 
-  python launch/fit_delta.py --num_prompts 32 --deltas 0.05,0.1,0.2,0.3,0.4,0.5,0.6
+  python launch/fit_delta.py --num_prompts 32 --deltas 0.05,0.1,0.2,0.3,0.4,0.5,0.6 --slots 3,4,5,6
 """
 
 import dataclasses
@@ -26,6 +28,8 @@ cli.define_model_and_data_flags("train", num_prompts=32, max_tokens=128)
 flags.DEFINE_integer("offset", 0, "First prompt index in --data.")
 flags.DEFINE_list("deltas", ["0.05", "0.1", "0.2", "0.3", "0.4", "0.5", "0.6"], "Delta grid.")
 flags.DEFINE_list("planners", ["no_p3", "expected_hit"], "Branch planners to compare (no_p3 sweeps --deltas).")
+flags.DEFINE_list("slots", ["3", "4", "5", "6"], "Tree widths (branch slots) tried with the expected-hit planner.")
+flags.DEFINE_string("price_profile", "b200_nld8b", "Profile (shipped name or JSON path) the runs are priced with.")
 flags.DEFINE_integer("block_size", 16, "Overlap block size B.")
 flags.DEFINE_string("policy", None, "Policy JSON to update (default: the checkpoint's recguide_policy.json).")
 flags.DEFINE_string("out_json", os.path.join(ROOT, "docs", "fit_delta.json"), "Sweep results JSON.")
@@ -45,8 +49,19 @@ def main(argv):
   if FLAGS.block_size not in (8, 16, 32):
     sys.exit("error: --block_size must be 8, 16 or 32")
   from recguide_jax import LLM, SamplingParams, bench, llm as llm_lib, policies
-  from recguide_jax.orchestrator import adaptive
+  from recguide_jax.orchestrator import adaptive, overlap as ov, profile as prof_lib
   from recguide_jax.orchestrator.policy import RecGuidePolicy
+  from recguide_jax.runner import fused_kind
+  try:
+    slot_grid = sorted({int(n) for n in FLAGS.slots})
+  except ValueError:
+    sys.exit(f"error: --slots must be integers, got {FLAGS.slots}")
+  if not slot_grid or slot_grid[0] < 1 or slot_grid[-1] > ov.MAX_SLOTS:
+    sys.exit(f"error: --slots must lie in [1, {ov.MAX_SLOTS}]")
+  try:
+    price = prof_lib.load_profile(FLAGS.price_profile)
+  except prof_lib.ProfileError as e:
+    sys.exit(f"error: --price_profile: {e}")
   checkpoint = FLAGS.checkpoint or str(llm_lib.default_checkpoint())
   policy_path = FLAGS.policy or os.path.join(checkpoint, adaptive.POLICY_FILENAME)
   if not os.path.exists(policy_path):
@@ -57,44 +72,59 @@ def main(argv):
     sys.exit(f"error: --policy: {e}")
   llm = LLM(checkpoint, policy="ar", block_sizes=(FLAGS.block_size,), max_batch=1, warmup=False,
             attention=FLAGS.attention)
-  llm.runner.warmup(("prefill", "draft", "verify", "fused"), (FLAGS.block_size,))
+  llm.runner.warmup(("prefill", "draft", "verify", "fused", "gverify") + tuple(fused_kind(n) for n in slot_grid),
+                    (FLAGS.block_size,))
   prompts = bench.gsm8k_prompts(FLAGS.data, FLAGS.num_prompts, llm.tokenizer, offset=FLAGS.offset)
   params = SamplingParams(max_tokens=FLAGS.max_tokens, temperature=0.0)
   llm.set_policy(policies.ARPolicy())
   ar = [r.output_ids for r in bench.run_concurrent(llm.engine, prompts, params, 1)[0]]
-  llm.set_policy(policies.LinearPolicy(FLAGS.block_size))
-  linear = bench.summarize(bench.run_concurrent(llm.engine, prompts, params, 1)[0], 0.0)
-  rows = []
-  configs = [("no_p3", d) for d in deltas] if "no_p3" in FLAGS.planners else []
-  if "expected_hit" in FLAGS.planners:
-    configs.append(("expected_hit", None))
-  for planner, d in configs:
-    llm.set_policy(RecGuidePolicy(FLAGS.block_size, delta=d, planner=planner, fixed_regime="overlap"))
+
+  def priced_run(policy):
+    llm.set_policy(policy)
+    llm.engine.forward_log = []
     reqs, _ = bench.run_concurrent(llm.engine, prompts, params, 1)
+    ms = bench.priced_ms(llm.engine.forward_log, price)
+    llm.engine.forward_log = None
     s = bench.summarize(reqs, 0.0)
+    return reqs, s, s["generated_tokens"] / ms
+
+  _, linear, linear_rate = priced_run(policies.LinearPolicy(FLAGS.block_size))
+  rows = []
+  configs = [("no_p3", d, ov.MAX_BRANCHES) for d in deltas] if "no_p3" in FLAGS.planners else []
+  if "expected_hit" in FLAGS.planners:
+    configs += [("expected_hit", None, n) for n in slot_grid]
+  for planner, d, slots in configs:
+    reqs, s, rate = priced_run(RecGuidePolicy(FLAGS.block_size, delta=d, planner=planner, overlap_slots=slots,
+                                              fixed_regime="overlap", calibrate=False))
     outcomes = bench.overlap_counts(reqs)
-    row = {"planner": planner, "delta": d, "tpf": s["tpf"], "tpf_vs_linear": s["tpf"] / linear["tpf"],
-           "tau": s["mean_accepted_length"],
+    row = {"planner": planner, "delta": d, "slots": slots, "tpf": s["tpf"], "tpf_vs_linear": s["tpf"] / linear["tpf"],
+           "priced_tokens_per_ms": rate, "priced_vs_linear": rate / linear_rate, "tau": s["mean_accepted_length"],
            "outcomes": outcomes, "lossless": [r.output_ids for r in reqs] == ar}
     rows.append(row)
-    label = f"no_p3 delta {d:.2f}" if d is not None else planner
-    print(f"{label:<16}: TPF {row['tpf']:.3f} ({row['tpf_vs_linear']:.2f}x LinearSS B={FLAGS.block_size}) "
-          f"lossless={row['lossless']} {outcomes}", flush=True)
+    label = f"no_p3 delta {d:.2f}" if d is not None else f"{planner} {slots} slots"
+    print(f"{label:<22}: TPF {row['tpf']:.3f} ({row['tpf_vs_linear']:.2f}x LinearSS B={FLAGS.block_size}), "
+          f"{rate:.3f} tok/ms priced ({row['priced_vs_linear']:.2f}x) lossless={row['lossless']} {outcomes}",
+          flush=True)
   if not all(r["lossless"] for r in rows):
     sys.exit("error: an overlap run differed from greedy AR; not updating the policy")
-  key = lambda r: (round(r["tpf"], 6), r["delta"] or 0.0)  # noqa: E731
+  # ties (within 0.1%) go to the narrower tree, then the larger delta
+  key = lambda r: (round(r["priced_tokens_per_ms"], 3), -r["slots"], r["delta"] or 0.0)  # noqa: E731
   best = max(rows, key=key)
   no_p3 = [r for r in rows if r["planner"] == "no_p3"]
   best_delta = max(no_p3, key=key)["delta"] if no_p3 else tables.overlap_delta
-  updated = dataclasses.replace(tables, overlap_delta=best_delta, overlap_planner=best["planner"], version="")
+  best_slots = best["slots"] if best["planner"] == "expected_hit" else None
+  updated = dataclasses.replace(tables, overlap_delta=best_delta, overlap_planner=best["planner"],
+                                overlap_slots=best_slots, version="")
   updated.save(policy_path)
   os.makedirs(os.path.dirname(FLAGS.out_json), exist_ok=True)
   with open(FLAGS.out_json, "w") as f:
     json.dump({"checkpoint": checkpoint, "data": os.path.basename(FLAGS.data), "offset": FLAGS.offset,
                "num_prompts": FLAGS.num_prompts, "max_tokens": FLAGS.max_tokens, "block_size": FLAGS.block_size,
-               "linear_tpf": linear["tpf"], "sweep": rows, "best_planner": best["planner"],
-               "best_delta": best_delta}, f, indent=2)
-  print(f"best: {best['planner']} (TPF {best['tpf']:.3f}, {best['tpf_vs_linear']:.2f}x LinearSS {linear['tpf']:.3f}); "
+               "price_profile": price.name or FLAGS.price_profile, "linear_tpf": linear["tpf"],
+               "linear_priced_tokens_per_ms": linear_rate, "sweep": rows, "best_planner": best["planner"],
+               "best_delta": best_delta, "best_slots": best_slots}, f, indent=2)
+  print(f"best: {best['planner']} {best['slots']} slots ({best['priced_tokens_per_ms']:.3f} tok/ms priced, "
+        f"{best['priced_vs_linear']:.2f}x LinearSS; TPF {best['tpf']:.3f}, {best['tpf_vs_linear']:.2f}x); "
         f"best no_p3 delta {best_delta}; wrote {policy_path} version {updated.version}")
 
 

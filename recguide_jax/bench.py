@@ -93,3 +93,33 @@ def loop_share(outputs: list[list[int]], min_period: int = 1, max_period: int = 
         return True
     return False
   return float(np.mean([looped(o) for o in outputs])) if outputs else 0.0
+
+
+def priced_ms(forward_log, profile) -> float:
+  """Decode-only profiled time of a run from the engine's forward ledger (`Engine.forward_log`): every forward
+  charged by `profile` at its own batch size and kind (prefill excluded)."""
+  from recguide_jax.runner import fused_slots
+  total = 0.0
+  for kind, blk, rows in forward_log:
+    if kind == "draft":
+      total += profile.forward_costs(rows, blk)[0]
+    elif kind in ("verify", "gverify"):
+      total += profile.forward_costs(rows, blk)[1]
+    elif kind.startswith("fused"):
+      total += profile.fused_cost(rows, blk, fused_slots(kind))
+    elif kind == "decode":
+      total += profile.ar_cost(rows)
+  return total
+
+
+def paired_tau_gain(per_request: dict[int, list[tuple[int, int]]], small: int, large: int, resamples: int = 2000,
+                    seed: int = 0) -> dict:
+  """tau(large) - tau(small) on the same prompts, with a 95% bootstrap interval over prompts (rounds of one
+  prompt are not independent, prompts are). per_request[B][i] = (accepted tokens, rounds) of prompt i."""
+  a = np.asarray(per_request[small], float)
+  b = np.asarray(per_request[large], float)
+  idx = np.random.default_rng(seed).integers(0, len(a), (resamples, len(a)))
+  diffs = b[idx, 0].sum(1) / b[idx, 1].sum(1) - a[idx, 0].sum(1) / a[idx, 1].sum(1)
+  lo, hi = np.percentile(diffs, [2.5, 97.5])
+  return {"diff": float(b[:, 0].sum() / b[:, 1].sum() - a[:, 0].sum() / a[:, 1].sum()), "ci95": [float(lo), float(hi)],
+          "prompts": len(a)}

@@ -24,7 +24,7 @@ import numpy as np
 
 from recguide_jax import policies as policies_lib
 from recguide_jax.kv_cache import PageAllocator
-from recguide_jax.runner import Runner, SamplingArrays
+from recguide_jax.runner import Runner, SamplingArrays, fused_kind
 
 MAX_TOP_LOGPROBS = 5
 
@@ -263,18 +263,22 @@ class Engine:
     for (kind, blk), reqs in groups.items():
       for i in range(0, len(reqs), self.rc.max_batch):
         chunk = reqs[i:i + self.rc.max_batch]
+        t0 = time.perf_counter()
         if kind == "ar":
-          self._round_ar(chunk)
+          label = self._round_ar(chunk)
         elif kind == "linear":
-          self._round_linear(chunk, blk)
+          label = self._round_linear(chunk, blk)
         elif kind == "diffusion":
-          self._round_diffusion(chunk, blk)
+          label = self._round_diffusion(chunk, blk)
         elif kind == "overlap":
-          self._round_overlap(chunk, blk)
+          label = self._round_overlap(chunk, blk)
         elif kind == "shadow":
-          self._round_shadow(chunk, blk)
+          label = self._round_shadow(chunk, blk)
         else:
           raise ValueError(f"unknown plan kind {kind!r}")
+        # the whole round on the wall clock (batch assembly, forwards, acceptance, emission): what a policy that
+        # calibrates its cost model online compares regimes by
+        self.policy.observe_round(label or kind, blk, len(chunk), time.perf_counter() - t0)
     for req in list(self.running):
       if req.finished:
         self.running.remove(req)
@@ -475,7 +479,7 @@ class Engine:
                               "alt": res.draft_signals[i, 2].astype(int).tolist()})
     self._emit(r, toks, list(res.logprobs[i, :accepted]), res.top_logprobs[i, :accepted], res.top_ids[i, :accepted])
 
-  def _round_overlap(self, reqs: list[Request], blk: int) -> None:
+  def _round_overlap(self, reqs: list[Request], blk: int) -> str:
     """RecGuide's verification-overlapped drafting for greedy requests: a draft forward only for requests without
     a prefetched block, then one fused forward that verifies and drafts the planned branches."""
     from recguide_jax.orchestrator import overlap as ov
@@ -504,7 +508,8 @@ class Engine:
     for i, r in enumerate(reqs):
       plans.append(self.policy.plan_branches(r, signals[i], blk, self))
     any_branch = any(plans)
-    qn = (1 + ov.MAX_BRANCHES) * blk if any_branch else blk
+    slots = getattr(self.policy, "overlap_slots", ov.MAX_BRANCHES)
+    qn = (1 + slots) * blk if any_branch else blk
     tokens = np.full((b, qn), self.cfg.mask_token_id, np.int32)
     positions = np.zeros((b, qn), np.int32)
     mask = np.zeros((b, qn, qn), bool)
@@ -512,12 +517,13 @@ class Engine:
     lora = np.zeros((b, qn), bool)
     write = np.zeros((b, qn), bool)
     for i, r in enumerate(reqs):
-      t, pos, m, lo, w = ov.tree_layout(blk, drafts[i], plans[i], int(prefix_len[i]), self.cfg.mask_token_id)
+      t, pos, m, lo, w = ov.tree_layout(blk, drafts[i], plans[i], int(prefix_len[i]), self.cfg.mask_token_id,
+                                        slots)
       tokens[i], positions[i], mask[i], lora[i], write[i] = t[:qn], pos[:qn], m[:qn, :qn], lo[:qn], w[:qn]
     res, br_tok, br_sig = self.runner.fused(tokens, positions, mask, lora, write, prefix_len, page_table, samp, blk)
     res.draft_tokens, res.draft_signals = drafts, signals
     res.kind = "overlap"
-    self._count_forward("fused" if any_branch else "verify", blk, len(reqs))
+    self._count_forward(fused_kind(slots) if any_branch else "verify", blk, len(reqs))
     for i, r in enumerate(reqs):
       r.stats.forwards["verify"] += 1
       accepted = int(res.accepted[i])
@@ -535,6 +541,8 @@ class Engine:
         tok = br_tok[i, outcome.branch].copy()
         tok[0] = res.tokens[i, accepted - 1]  # the committed next token (== the new seed)
         r.policy_state["prefetched"] = ov.Prefetched(tok, br_sig[i, outcome.branch], plans[i][outcome.branch].kind)
+    # rounds that also ran a draft forward cost more: the policy times the two kinds apart
+    return "overlap_draft" if need else "overlap"
 
   def _round_diffusion(self, reqs: list[Request], blk: int) -> None:
     self._reserve_block(reqs, blk)

@@ -28,6 +28,10 @@ class Policy:
   def observe(self, req, block_size: int, accepted: int, result, row: int) -> None:
     """Called after each verification of `req` (result: the runner's VerifyResult, row: req's row in it)."""
 
+  def observe_round(self, kind: str, block_size: int, rows: int, seconds: float) -> None:
+    """Called after every decode round the engine runs for this policy: the round's kind ("ar", "linear",
+    "overlap" / "overlap_draft" when it also ran a draft forward, ...), block size, live rows and wall seconds."""
+
   def on_admit(self, req) -> None:
     pass
 

@@ -141,6 +141,18 @@ class VerifyResult:
   kind: str = "linear"  # "linear" | "overlap" (which round produced it)
 
 
+def fused_kind(slots: int) -> str:
+  """The step kind of a fused verify+branches forward with `slots` branch slots ("fused": the paper's 3)."""
+  if slots < 1:
+    raise ValueError(f"a fused forward needs at least one branch slot, got {slots}")
+  return "fused" if slots == 3 else f"fused{slots}"
+
+
+def fused_slots(kind: str) -> int:
+  """Inverse of `fused_kind`."""
+  return 3 if kind == "fused" else int(kind[len("fused"):])
+
+
 def draft_signals(logits: jax.Array, drafted: jax.Array, cfg) -> jax.Array:
   """RecGuide's draft uncertainty per position (recguide.md 4.1), from the raw draft distribution with the mask
   token excluded (EOS stays): confidence p(top1), margin p(top1) - p(top2), and the runner-up ("alternative")
@@ -357,8 +369,8 @@ class Runner:
       q = jax.ShapeDtypeStruct((b, blk, V), jnp.float32)
       return (self._verify_fn(blk, rc.rule), (i32(b, blk), q, np.zeros((b,), bool), i32(b), i32(b, P)) + samp,
               (1,))
-    if kind in ("fused", "gverify"):
-      nb = 3 if kind == "fused" else 0
+    if kind.startswith("fused") or kind == "gverify":
+      nb = fused_slots(kind) if kind != "gverify" else 0
       qn = (1 + nb) * blk
       return (self._fused_fn(blk, nb), (i32(b, qn), i32(b, qn), np.zeros((b, qn, qn), bool),
                                         np.zeros((b, qn), bool), np.zeros((b, qn), bool), i32(b), i32(b, P)) + samp,
@@ -387,7 +399,7 @@ class Runner:
       if "verify" in kinds:
         out.append(("verify", 1, b))
       for blk in sizes:
-        for kind in ("draft", "verify", "denoise", "fused", "gverify"):
+        for kind in ("draft", "verify", "denoise", "gverify") + tuple(k for k in kinds if k.startswith("fused")):
           if kind in kinds:
             out.append((kind, blk, b))
         if "denoise" in kinds:
@@ -431,10 +443,12 @@ class Runner:
     return VerifyResult(*jax.device_get((acc, out, lp, top_lp, top_ids, ent)))
 
   def fused(self, tokens, positions, mask, lora, write, prefix_len, page_table, samp: SamplingArrays, blk: int):
-    """Greedy verify of tokens[:, :blk] plus the tree's branch drafts. Returns (VerifyResult, branch tokens
-    [b, 3, B] or None, branch signals [b, 3, 3, B] or None)."""
+    """Greedy verify of tokens[:, :blk] plus the tree's branch drafts (qn = (1 + slots) B query tokens). Returns
+    (VerifyResult, branch tokens [b, slots, B] or None, branch signals [b, slots, 3, B] or None)."""
     b, qn = tokens.shape
-    kind = "fused" if qn > blk else "gverify"
+    if qn % blk:
+      raise ValueError(f"a fused tree holds whole blocks: {qn} query tokens at block {blk}")
+    kind = fused_kind(qn // blk - 1) if qn > blk else "gverify"
     fn = self.compiled(kind, blk, b)
     outs = fn(self.state, self.cache, tokens, positions, mask, lora, write, prefix_len, page_table, *samp.args())
     self.cache = outs[0]

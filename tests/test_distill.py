@@ -159,3 +159,18 @@ def test_exported_adapter_checkpoint_serves_lossless(tmp_path, base_dir):
   llm.set_policy(policies.ARPolicy())
   ar = [o.token_ids for o in llm.generate(prompts, params)]
   assert spec == ar
+
+  # the adapter is trained on the doubled training sequence and served over the paged KV cache: the engine's draft
+  # of a block must be the training layout's draft of the same block (a seeded block after a clean prefix)
+  prompt = (prompts[0] * 8)[:16]  # a whole number of blocks, so the first drafted block is block-aligned
+  llm.set_policy(policies.LinearPolicy(8))
+  llm.engine.signal_log = []
+  served = llm.generate([prompt], params)[0].token_ids
+  served_conf = np.asarray(llm.engine.signal_log[0]["conf"])
+  llm.engine.signal_log = None
+  model = ckpt_lib.load_model(out)
+  x0 = jnp.asarray([prompt + served[:8]], jnp.int32)
+  xt = jnp.where((jnp.arange(24) % 8 == 0)[None], x0, model.cfg.mask_token_id)
+  logits = distill.draft_logits(model, xt, x0, 8)[0, 16:24].at[:, model.cfg.mask_token_id].set(-jnp.inf)
+  trained_conf = np.asarray(jnp.max(jax.nn.softmax(logits, axis=-1), axis=-1))
+  np.testing.assert_allclose(served_conf[1:], trained_conf[1:], atol=1e-4)

@@ -395,6 +395,30 @@ def test_policy_carries_the_fitted_overlap_delta(model, tmp_path):
   for bad in ("greedy", 3):
     with pytest.raises(ad.PolicyError, match="overlap_planner"):
       ad.AdaptivePolicyTables.from_json(fitted.to_json() | {"overlap_planner": bad})
+  # the fitted tree width: versioned, used by the expected-hit planner only, the paper's 3 slots otherwise
+  assert RecGuidePolicy(16, tables=planned).overlap_slots == 3 and "overlap_slots" not in planned.to_json()
+  wide = ad.load_policy(dataclasses.replace(planned, overlap_slots=5, version="").save(tmp_path / "w"))
+  assert wide.overlap_slots == 5 and wide.version != planned.version
+  assert RecGuidePolicy(16, tables=wide).overlap_slots == 5
+  assert "fused5" in RecGuidePolicy(16, tables=wide).step_kinds()
+  assert RecGuidePolicy(16, tables=wide, planner="no_p3").overlap_slots == 3
+  assert RecGuidePolicy(16, tables=wide, overlap_slots=4).overlap_slots == 4  # an explicit width wins
+  for bad in (0, 9, "4", True, 2.0):
+    with pytest.raises(ad.PolicyError, match="overlap_slots"):
+      ad.AdaptivePolicyTables.from_json(wide.to_json() | {"overlap_slots": bad})
+  with pytest.raises(ValueError, match="no-P3"):
+    RecGuidePolicy(16, planner="no_p3", overlap_slots=2)
+
+
+def test_fused_cost_for_other_tree_widths():
+  split = pf.HardwareProfile({1: {8: 10.0, 16: 12.0, 32: 16.0}}, draft_ms={1: {8: 5.0, 16: 6.0, 32: 8.0}},
+                             verify_ms={1: {8: 5.0, 16: 6.0, 32: 8.0}}, fused_ms={1: {8: 8.0, 16: 12.0, 32: 20.0}})
+  assert split.fused_cost(1, 16) == split.fused_cost(1, 16, 3) == 12.0
+  # linear in the branch slots between the verify forward (0 slots) and the measured 3-slot tree
+  assert split.fused_cost(1, 16, 6) == pytest.approx(6.0 + 6.0 * 6 / 3)
+  assert split.fused_cost(1, 8, 1) == pytest.approx(5.0 + 3.0 / 3)
+  with pytest.raises(pf.ProfileError, match="slot"):
+    split.fused_cost(1, 8, 0)
 
 
 # ---- launch scripts --------------------------------------------------------------------------------------------------
@@ -463,15 +487,17 @@ def test_fit_delta_end_to_end(tmp_path):
       "A pen costs $3. How much do 4 pens cost?")))
   out = tmp_path / "sweep.json"
   stdout = _run(["launch/fit_delta.py", f"--data={data}", "--num_prompts=2", "--max_tokens=24",
-                 "--deltas=0.1,0.4", f"--policy={policy}", f"--out_json={out}"], timeout=300)
+                 "--deltas=0.1,0.4", "--slots=3,5", f"--policy={policy}", f"--out_json={out}"], timeout=300)
   sweep = json.loads(out.read_text())
-  assert [(r["planner"], r["delta"]) for r in sweep["sweep"]] == [("no_p3", 0.1), ("no_p3", 0.4),
-                                                                   ("expected_hit", None)]
-  assert all(r["lossless"] for r in sweep["sweep"])
-  key = lambda r: (round(r["tpf"], 6), r["delta"] or 0.0)  # noqa: E731
+  assert [(r["planner"], r["delta"], r["slots"]) for r in sweep["sweep"]] == [
+      ("no_p3", 0.1, 3), ("no_p3", 0.4, 3), ("expected_hit", None, 3), ("expected_hit", None, 5)]
+  assert all(r["lossless"] and r["priced_tokens_per_ms"] > 0 for r in sweep["sweep"])
+  key = lambda r: (round(r["priced_tokens_per_ms"], 3), -r["slots"], r["delta"] or 0.0)  # noqa: E731
   fitted = ad.load_policy(policy)
+  best = max(sweep["sweep"], key=key)
   assert sweep["best_delta"] == max(sweep["sweep"][:2], key=key)["delta"] == fitted.overlap_delta
-  assert sweep["best_planner"] == max(sweep["sweep"], key=key)["planner"] == fitted.overlap_planner
+  assert sweep["best_planner"] == best["planner"] == fitted.overlap_planner
+  assert fitted.overlap_slots == (best["slots"] if best["planner"] == "expected_hit" else None)
   assert "best:" in stdout
 
 
@@ -493,7 +519,9 @@ def test_bench_recguide_end_to_end(tmp_path):
       p for p, c in rows if c == 1}
   assert {"adaptive no bucketing", "adaptive + bucketing", "adaptive + cost-aware grouping"} <= {
       p for p, c in rows if c == 2}
-  for r in res["results"]:
-    assert len(r["wall_s_all"]) == 2 and r["vs_best_baseline_wall"] > 0 and r["priced_tokens_per_ms"] > 0
+  wall_rows = ("ar", "linear B=8", "linear B=16", "linear B=32", "recguide")
+  for r in res["results"]:  # wall-clock rows repeat; priced rows (deterministic greedy runs) run once
+    assert len(r["wall_s_all"]) == (2 if r["policy"] in wall_rows else 1)
+    assert r["vs_best_baseline_wall"] > 0 and r["priced_tokens_per_ms"] > 0
   assert res["meta"]["compiles_after_warmup"] == 0
   assert res["meta"]["delta"] > 0 and "| recguide |" in out_md.read_text()

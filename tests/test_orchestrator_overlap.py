@@ -57,7 +57,7 @@ def test_margin_equal_to_delta_is_not_risky_and_boundary_filters():
   assert [b.kind for b in plan] == ["continuation"]
 
 
-def _brute_force_expected_hit(signals, block, allowed):
+def _brute_force_expected_hit(signals, block, allowed, slots=ov.MAX_BRANCHES):
   conf, margin, alt = signals
   scores = []
   for p in range(1, block):
@@ -65,7 +65,7 @@ def _brute_force_expected_hit(signals, block, allowed):
       scores.append((np.prod(conf[1:p]) * (conf[p] - margin[p]), p, int(alt[p])))
   if block in allowed:
     scores.append((np.prod(conf[1:block]) * np.mean(conf[1:block]), block, -1))
-  top = sorted(scores, key=lambda s: (-s[0], s[1]))[:ov.MAX_BRANCHES]
+  top = sorted(scores, key=lambda s: (-s[0], s[1]))[:slots]
   return sorted((p, a) for _, p, a in top)
 
 
@@ -86,6 +86,11 @@ def test_expected_hit_planner_matches_brute_force(seed):
   # boundary filters: 5 tokens left drop corrections at p >= 5 and the continuation
   got = ov.plan_expected_hit(signals, block, generated=10, committed=0, max_new=15, max_len=1000)
   assert [(b.pre, b.alt) for b in got] == _brute_force_expected_hit(signals, block, set(range(1, 5)))
+  # a wider tree keeps the same ranking and fills every slot
+  wide = ov.plan_expected_hit(signals, block, generated=0, committed=0, max_new=1000, max_len=1000, max_branches=6)
+  assert len(wide) == 6 and {(b.pre, b.alt) for b in got} <= {(b.pre, b.alt) for b in wide}
+  assert [(b.pre, b.alt if b.kind == ov.CORRECTION else -1) for b in wide] == \
+      _brute_force_expected_hit(signals, block, set(range(1, block + 1)), 6)
 
 
 def test_expected_hit_planner_prefers_the_continuation_for_a_confident_draft():
@@ -126,6 +131,15 @@ def test_tree_layout_mask_positions_lora():
     assert list(np.nonzero(mask[q])[0]) == [0, 1, 2, 3, 8, 9, 10, 11]
   for q in range(12, 16):  # unused slot is inert
     assert list(np.nonzero(mask[q])[0]) == [q]
+  # a wider tree: the same rows, then more inert slots; too many branches for the slots is an error
+  wide = ov.tree_layout(blk, draft, branches, c, mask_token_id=3, slots=5)
+  assert wide[0].shape == (24,) and wide[2].shape == (24, 24)
+  for narrow_part, wide_part in zip((tokens, pos, lora, write), (wide[0], wide[1], wide[3], wide[4])):
+    np.testing.assert_array_equal(wide_part[:16], narrow_part)
+  np.testing.assert_array_equal(wide[2][:16, :16], mask)
+  assert not wide[2][:16, 16:].any() and not wide[3][16:].any()
+  with pytest.raises(ValueError, match="slots"):
+    ov.tree_layout(blk, draft, branches, c, mask_token_id=3, slots=1)
 
 
 def test_reuse_rules():
@@ -197,12 +211,17 @@ def test_overlap_is_lossless_and_hits_save_forwards(tiny_llm):
   ar = [o.token_ids for o in tiny_llm.generate(prompts, params)]
   # delta 1.0: every position is risky, so corrections are planned whenever an alternative exists;
   # delta 0.0: nothing is risky, so every round carries a continuation branch
-  for planner in ("expected_hit", "no_p3"):  # expected_hit: every slot filled, corrections anywhere
-    for delta in ((None,) if planner == "expected_hit" else (0.0, 1.0)):
-      tiny_llm.set_policy(RecGuidePolicy(16, delta=delta, planner=planner, fixed_regime="overlap"))
+  for planner, slots in (("expected_hit", 5), ("expected_hit", 3), ("no_p3", 3)):  # expected_hit: every slot
+    for delta in ((None,) if planner == "expected_hit" else (0.0, 1.0)):             # filled, corrections anywhere
+      tiny_llm.set_policy(RecGuidePolicy(16, delta=delta, planner=planner, fixed_regime="overlap",
+                                         overlap_slots=slots))
+      tiny_llm.engine.forward_log = []
       outs = tiny_llm.generate(prompts, params)
       assert [o.token_ids for o in outs] == ar, (planner, delta)
       assert tiny_llm.engine.allocator.num_used == 0
+      assert {k for k, _, _ in tiny_llm.engine.forward_log} & {"fused", "fused5"} == {"fused5" if slots == 5
+                                                                                          else "fused"}
+      tiny_llm.engine.forward_log = None
   hits = sum(o.stats["overlap"].get("correction_hit", 0) + o.stats["overlap"].get("continuation_hit", 0)
              for o in outs)
   saved = sum(o.stats["rounds"] - o.stats["forwards"]["draft"] for o in outs)

@@ -139,3 +139,87 @@ def test_prefetched_branches_do_not_survive_a_regime_switch(tiny_llm):
   assert {"overlap", "ar", "linear"} <= set(pol.regime_counts)
   assert tiny_llm.engine.totals["overlap_saved_drafts"] > saved and pol.stale == 0
   assert tiny_llm.engine.allocator.num_used == 0
+
+
+def test_round_clock_keeps_a_robust_recent_median():
+  from recguide_jax.orchestrator.calibration import RoundClock
+  clock = RoundClock(window=4, min_samples=3)
+  clock.observe("ar", 1, 2, 0.001)
+  clock.observe("ar", 1, 2, 0.001)
+  assert clock.median("ar", 1, 2) is None  # too few rounds to trust
+  clock.observe("ar", 1, 2, 0.500)  # one stall (a GC pause) does not move the median
+  assert clock.median("ar", 1, 2) == pytest.approx(1.0)
+  for _ in range(3):  # the window forgets old rounds
+    clock.observe("ar", 1, 2, 0.004)
+  assert clock.median("ar", 1, 2) == pytest.approx(4.0)
+  assert clock.median("ar", 1, 4) is None and clock.median("linear", 1, 2) is None
+  with pytest.raises(ValueError):
+    RoundClock(window=2, min_samples=3)
+
+
+def test_calibrated_costs_measure_then_scale_the_profile():
+  from recguide_jax.orchestrator.calibration import CalibratedCosts
+  costs = CalibratedCosts(lambda kind, blk, rows: {"ar": 1.0, "linear": 4.0}[kind] * rows, refresh_every=1)
+  assert costs.cost("linear", 8, 2) == 8.0  # nothing measured: the profile
+  for _ in range(3):
+    costs.clock.observe("linear", 8, 2, 0.024)  # 3x the profile
+  assert costs.cost("linear", 8, 2) == pytest.approx(24.0)  # measured wins
+  assert costs.cost("linear", 8, 4) == pytest.approx(48.0)  # same kind elsewhere: the profile x its ratio
+  assert costs.cost("ar", 1, 4) == pytest.approx(12.0)  # a kind never run: the ratio over all kinds
+  for _ in range(3):
+    costs.clock.observe("ar", 1, 4, 0.006)
+  assert costs.cost("ar", 1, 2) == pytest.approx(3.0)  # its own ratio (1.5x) once measured
+
+
+def test_switch_drops_a_regime_the_profile_flatters_once_measured():
+  pol = RecGuidePolicy(16, profile=flat_profile(ar_ms=9.0))
+  pol.stats.accepted = {8: 4.0, 16: 4.5, 32: 5.0}
+  pol.stats.overlap_accepted, pol.stats.overlap_hit = 4.5, 0.3
+  assert pol.regime(2) != "ar"  # device times alone: speculation looks 3-4x better
+  for _ in range(3):  # on this machine's clock every speculative round is slow and AR steps are fast
+    pol.observe_round("ar", 1, 2, 0.002)
+    for b in (8, 16, 32):
+      pol.observe_round("linear", b, 2, 0.100)
+    pol.observe_round("overlap", 16, 2, 0.120)
+    pol.observe_round("overlap_draft", 16, 2, 0.150)
+  assert pol.regime(2) == "ar"
+  assert pol.regime(4) == "ar"  # other loads: the profile scaled by what each kind measured
+  uncalibrated = RecGuidePolicy(16, profile=flat_profile(ar_ms=9.0), calibrate=False)
+  uncalibrated.stats.accepted = dict(pol.stats.accepted)
+  for _ in range(3):
+    uncalibrated.observe_round("linear", 16, 2, 0.100)
+  assert uncalibrated.regime(2) != "ar"  # priced for a foreign device: this machine's clock is ignored
+
+
+def test_engine_reports_every_round_to_the_policy(tiny_llm, ar_reference):
+  ps, ar = ar_reference
+  pol = RecGuidePolicy(16, delta=0.6, profile=flat_profile())
+  tiny_llm.set_policy(pol)
+  reqs = run_with_concurrency(tiny_llm, ps, 2)
+  assert [r.output_ids for r in reqs] == ar
+  measured = pol.calibrated.clock.measured()
+  assert measured and all(ms > 0 for ms in measured.values())
+  assert {kind for kind, _, _ in measured} <= {"ar", "linear", "overlap", "overlap_draft"}
+  # every round of every request was timed (a round of a batch serves several requests at once)
+  assert pol.calibrated.clock.observations >= max(len(r.stats.accepted_lengths) for r in reqs)
+
+
+def test_tables_priced_for_other_hardware_keep_their_values_but_not_their_prices():
+  from recguide_jax.orchestrator import adaptive, value_model as vm
+  rows = [{"dataset": "syn", "request_id": r, "round": t, "s": -0.5 if t else None, "z": "b16_partial" if t else None,
+           "A": {"8": 6, "16": 10, "32": 14}} for r in range(30) for t in range(4)]
+  model = vm.fit_value_model(rows, bins=2)
+  flat = flat_profile()  # named "flat": B=32 costs barely more than B=8
+  levels = tuple(adaptive.LevelPolicy(c, 0.0, flat.costs(c), 32) for c in (1, 8))  # rho 0: the longest block
+  tables = adaptive.AdaptivePolicyTables(value_model=model, levels=levels, profile="flat")
+
+  class Req:
+    policy_state = {"history": [{"B": 16, "accepted": 5, "full": False, "e": 0.5}]}
+
+  same = RecGuidePolicy(16, fixed_regime="adaptive", tables=tables, profile=flat, calibrate=False)
+  assert same._adaptive_block(Req(), 1) == 32  # priced where they were fitted: the tables' rule
+  steep = HardwareProfile(draft_verify_ms={c: {8: 10.0, 16: 40.0, 32: 160.0} for c in (1, 8)}, name="cpu-here")
+  other = RecGuidePolicy(16, fixed_regime="adaptive", tables=tables, profile=steep, calibrate=False)
+  values = model.values(vm.signal_s(Req.policy_state["history"], model.window), "b16_partial")
+  want = max((8, 16, 32), key=lambda b: (values[b] / steep.cost(1, b), -b))
+  assert other._adaptive_block(Req(), 1) == want == 8  # this machine's costs price the tables' values

@@ -35,7 +35,7 @@ from typing import Any, Mapping, Sequence
 import numpy as np
 
 from recguide_jax.orchestrator import value_model as vm
-from recguide_jax.orchestrator.overlap import PLANNERS
+from recguide_jax.orchestrator.overlap import MAX_SLOTS, PLANNERS
 
 SCHEMA = "recguide-policy/1"
 POLICY_FILENAME = "recguide_policy.json"  # where a checkpoint directory ships its frozen policy
@@ -313,6 +313,7 @@ class AdaptivePolicyTables:
   # the overlap planner's margin threshold fitted for this checkpoint (launch/fit_delta.py); None: the default
   overlap_delta: float | None = None
   overlap_planner: str = ""  # "no_p3" | "expected_hit" (launch/fit_delta.py); empty: the paper's rule
+  overlap_slots: int | None = None  # branch slots of the fused tree (launch/fit_delta.py); None: the paper's 3
 
   def __post_init__(self):
     if not self.levels:
@@ -331,6 +332,10 @@ class AdaptivePolicyTables:
       raise PolicyError(f"overlap_planner must be one of {PLANNERS}, got {self.overlap_planner!r}")
     if self.overlap_delta is not None and not 0.0 <= self.overlap_delta <= 1.0:
       raise PolicyError(f"overlap_delta must lie in [0, 1], got {self.overlap_delta}")
+    if self.overlap_slots is not None and (isinstance(self.overlap_slots, bool) or
+                                           not isinstance(self.overlap_slots, int) or
+                                           not 1 <= self.overlap_slots <= MAX_SLOTS):
+      raise PolicyError(f"overlap_slots must be an integer in [1, {MAX_SLOTS}], got {self.overlap_slots!r}")
     if not self.version:
       object.__setattr__(self, "version", self.content_hash())
 
@@ -374,6 +379,8 @@ class AdaptivePolicyTables:
       out["overlap_delta"] = self.overlap_delta
     if self.overlap_planner:
       out["overlap_planner"] = self.overlap_planner
+    if self.overlap_slots is not None:
+      out["overlap_slots"] = self.overlap_slots
     return out
 
   def content_hash(self) -> str:
@@ -411,8 +418,11 @@ class AdaptivePolicyTables:
       planner = raw.get("overlap_planner", "")
       if not isinstance(planner, str):
         raise PolicyError(f"field 'overlap_planner' must be a string, got {planner!r}")
+      slots = raw.get("overlap_slots")
+      if slots is not None and (isinstance(slots, bool) or not isinstance(slots, int)):
+        raise PolicyError(f"field 'overlap_slots' must be an integer, got {slots!r}")
       return cls(model, tuple(levels), str(raw["profile"]), str(raw.get("version", "")), str(raw.get("notes", "")),
-                 None if delta is None else float(delta), planner)
+                 None if delta is None else float(delta), planner, slots)
     except (PolicyError, vm.TraceError) as e:
       msg = str(e)
       raise PolicyError(msg if msg.startswith(where) else f"{where}: {msg}") from None

@@ -25,7 +25,8 @@ from typing import Sequence
 
 import numpy as np
 
-MAX_BRANCHES = 3
+MAX_BRANCHES = 3  # the paper's tree: up to P1, P2 and the continuation (the default number of branch slots)
+MAX_SLOTS = 8  # the widest fused tree offered: 9B query tokens per request
 PLANNERS = ("no_p3", "expected_hit")  # the paper's final rule (default), our slot-filling alternative
 CORRECTION, CONTINUATION = "correction", "continuation"
 
@@ -88,8 +89,10 @@ def plan_expected_hit(signals: np.ndarray, block: int, *, generated: int, commit
   A correction at p hits when draft positions 1..p-1 are accepted and the verifier picks the runner-up at p:
   P ~ prod_{j<p} C_j * (C_p - M_p) (C_p - M_p is the runner-up's probability). The continuation hits on full
   acceptance with the right bonus: P ~ prod_{j<B} C_j * mean(C) (the bonus is not drafted yet). The fused forward
-  has a fixed shape of (1 + MAX_BRANCHES) * B query tokens, so an empty slot costs as much as a used one; the
-  paper's rule leaves slots empty because its padded dense rows did cost compute (recguide.md 4.7). Same boundary
+  has a fixed shape of (1 + slots) * B query tokens, so an empty slot costs as much as a used one; the paper's
+  rule leaves slots empty because its padded dense rows did cost compute (recguide.md 4.7). How many slots pay
+  off (wider trees hit more often but cost more query tokens) is fitted per model and device
+  (launch/fit_delta.py). Same boundary
   filters as the paper's rule. (Rank-3 alternatives as extra candidates were measured too: no gain on the
   bundled model, they only displaced corrections at other positions.)"""
   conf, margin, alt = signals[0, :block], signals[1, :block], signals[2, :block].astype(np.int64)
@@ -107,12 +110,16 @@ def plan_expected_hit(signals: np.ndarray, block: int, *, generated: int, commit
   return [b for _, b in sorted(chosen, key=lambda sb: sb[1].pre)]
 
 
-def tree_layout(block: int, draft: np.ndarray, branches: Sequence[Branch], committed: int, mask_token_id: int):
-  """One request's flattened tree: Q = 4B query tokens (verifier + up to 3 branch slots; unused slots are inert).
+def tree_layout(block: int, draft: np.ndarray, branches: Sequence[Branch], committed: int, mask_token_id: int,
+                slots: int = MAX_BRANCHES):
+  """One request's flattened tree: Q = (1 + slots) B query tokens (the verifier block, then `slots` branch slots;
+  unused slots are inert).
 
   Returns tokens [Q], positions [Q], mask [Q, Q] (bool, row = query), lora [Q], write [Q].
   """
-  q = (1 + MAX_BRANCHES) * block
+  if len(branches) > slots:
+    raise ValueError(f"{len(branches)} branches do not fit a tree of {slots} slots")
+  q = (1 + slots) * block
   tokens = np.full((q,), mask_token_id, np.int32)
   positions = np.zeros((q,), np.int32)
   mask = np.zeros((q, q), bool)
@@ -122,7 +129,7 @@ def tree_layout(block: int, draft: np.ndarray, branches: Sequence[Branch], commi
   positions[:block] = committed + np.arange(block)
   mask[:block, :block] = np.tril(np.ones((block, block), bool))
   write[:block] = True
-  for k in range(MAX_BRANCHES):
+  for k in range(slots):
     lo = (k + 1) * block
     sl = slice(lo, lo + block)
     if k < len(branches):

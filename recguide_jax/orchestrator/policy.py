@@ -7,7 +7,9 @@ plain AR decoding, whichever gives the most tokens per unit of (profiled) time a
   the accepted length per B and the profile's cost.
 - The switch (section 6, ours): compares the expected rate of each regime, E[tokens]/E[time], using the hardware
   profile (measured here or loaded) and the engine's observed acceptance and overlap hit rates. AR (B = 1) is a
-  candidate too, so speculation never runs where it loses to plain decoding.
+  candidate too, so speculation never runs where it loses to plain decoding. By default the profile's device times
+  are calibrated online with the engine's measured round times (`calibration.py`), so host work the profile does
+  not see cannot make a losing regime look like a winner; pricing for another device turns that off.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ import dataclasses
 
 import numpy as np
 
-from recguide_jax.orchestrator import overlap as ov
+from recguide_jax.orchestrator import calibration, overlap as ov
 from recguide_jax.policies import Policy, RoundPlan
 
 BLOCKS = (8, 16, 32)
@@ -49,7 +51,8 @@ class RecGuidePolicy(Policy):
   def __init__(self, block_size: int = 16, *, delta: float | None = None, planner: str | None = None,
                components=("p1", "p2", "continuation"),
                overlap: bool = True, adaptive: bool = True, switch: bool = True, profile=None, tables=None,
-               fixed_regime: str | None = None, entropy_head_cap: int | None = None):
+               fixed_regime: str | None = None, entropy_head_cap: int | None = None, calibrate: bool = True,
+               overlap_slots: int | None = None):
     if block_size not in BLOCKS:
       raise ValueError(f"recguide block_size must be one of {BLOCKS}, got {block_size}")
     self.block_size = block_size
@@ -61,6 +64,15 @@ class RecGuidePolicy(Policy):
     if planner not in ov.PLANNERS:
       raise ValueError(f"planner must be one of {ov.PLANNERS}, got {planner!r}")
     self.planner = planner
+    if overlap_slots is None:  # the tree width fitted for the expected-hit planner, else the paper's 3 branches
+      fitted = tables.overlap_slots if tables is not None and planner == "expected_hit" else None
+      overlap_slots = fitted or ov.MAX_BRANCHES
+    if not 1 <= overlap_slots <= ov.MAX_SLOTS:
+      raise ValueError(f"overlap_slots must lie in [1, {ov.MAX_SLOTS}], got {overlap_slots}")
+    if planner == "no_p3" and overlap_slots < ov.MAX_BRANCHES:
+      raise ValueError(f"the paper's no-P3 rule plans up to {ov.MAX_BRANCHES} branches; overlap_slots is "
+                       f"{overlap_slots}")
+    self.overlap_slots = overlap_slots  # branch slots of the fused forward (its width: (1 + slots) B tokens)
     self.components = tuple(components)
     self.overlap = overlap
     self.adaptive = adaptive
@@ -70,6 +82,10 @@ class RecGuidePolicy(Policy):
     self.fixed_regime = fixed_regime  # "overlap" | "adaptive" | "linear" | "ar": bypasses the switch (ablations)
     self.entropy_head_cap = entropy_head_cap
     self.stats = OnlineStats()
+    # True: the profile's costs are corrected online by the engine's measured round times (this machine's wall
+    # clock); False: decide by the profile alone (pricing a run for the hardware a foreign profile describes)
+    self.calibrate = calibrate
+    self.calibrated = calibration.CalibratedCosts(self._profiled_round_cost)
     if tables is not None:  # start the online estimates from the fitted model's unconditional values
       self.stats.accepted = {b: tables.value_model.value(b, None) for b in BLOCKS}
       self.stats.overlap_accepted = self.stats.accepted[block_size]
@@ -80,37 +96,50 @@ class RecGuidePolicy(Policy):
     return BLOCKS
 
   def step_kinds(self):
-    return ("prefill", "draft", "verify", "fused", "gverify")
+    from recguide_jax.runner import fused_kind
+    return ("prefill", "draft", "verify", fused_kind(self.overlap_slots), "gverify")
 
   # ---- costs ---------------------------------------------------------------------------------------------------------
-  def _cost(self, concurrency: int, blk: int) -> float:
-    if self.profile is None:  # no profile: relative costs of a compute-bound device (tokens processed)
-      return 1.0 + blk / 32.0
-    return self.profile.cost(concurrency, blk)
+  def _profiled_round_cost(self, kind: str, blk: int, concurrency: int) -> float:
+    """One round of `kind` for `concurrency` requests by the profile alone (device time of its forwards). Without
+    a profile: relative costs of a compute-bound device (tokens processed)."""
+    prof, c = self.profile, concurrency
+    if kind == "ar":
+      return 0.5 * (1.0 + 8 / 32.0) if prof is None else prof.ar_cost(c)
+    if kind == "linear":
+      return 1.0 + blk / 32.0 if prof is None else prof.cost(c, blk)
+    if kind in ("overlap", "overlap_draft"):
+      slots = self.overlap_slots
+      fused = 0.5 * (1.0 + (1 + slots) * blk / 32.0) if prof is None else prof.fused_cost(c, blk, slots)
+      if kind == "overlap":
+        return fused
+      # the fused forward after a draft forward (no prefetched block to reuse)
+      return fused + ((1.0 + blk / 32.0) / 2 if prof is None else prof.forward_costs(c, blk)[0])
+    raise ValueError(f"no cost for round kind {kind!r}")
+
+  def _round_cost(self, kind: str, blk: int, concurrency: int) -> float:
+    if self.calibrate:
+      return self.calibrated.cost(kind, blk, concurrency)
+    return self._profiled_round_cost(kind, blk, concurrency)
 
   def round_cost(self, batch: int, block_size: int) -> float:
-    return self._cost(batch, block_size)
+    return self._round_cost("linear", block_size, batch)
 
-  def _ar_cost(self, concurrency: int) -> float:
-    if self.profile is None or getattr(self.profile, "ar_step_ms", None) is None:
-      return 0.5 * self._cost(concurrency, 8)
-    return self.profile.ar_cost(concurrency)
-
-  def _fused_cost(self, concurrency: int, blk: int) -> float:
-    if self.profile is None:
-      return 0.5 * (1.0 + 4 * blk / 32.0)
-    return self.profile.fused_cost(concurrency, blk)
+  def observe_round(self, kind: str, block_size: int, rows: int, seconds: float) -> None:
+    if self.calibrate:
+      self.calibrated.clock.observe(kind, block_size, rows, seconds)
 
   # ---- regime switch -------------------------------------------------------------------------------------------------
   def expected_rates(self, concurrency: int) -> dict[str, float]:
     """Tokens per unit time per request for each regime at this concurrency."""
     c = max(concurrency, 1)
-    rates = {"ar": 1.0 / self._ar_cost(c)}
+    rates = {"ar": 1.0 / self._round_cost("ar", 1, c)}
     for blk in BLOCKS:
-      rates[f"linear{blk}"] = self.stats.accepted[blk] / self._cost(c, blk)
+      rates[f"linear{blk}"] = self.stats.accepted[blk] / self._round_cost("linear", blk, c)
     blk = self.block_size
-    t_draft = self._cost(c, blk) / 2  # draft and verify cost about the same (recguide.md 7.6)
-    rates["overlap"] = self.stats.overlap_accepted / (self._fused_cost(c, blk) + (1 - self.stats.overlap_hit) * t_draft)
+    fused = self._round_cost("overlap", blk, c)
+    with_draft = max(self._round_cost("overlap_draft", blk, c), fused)
+    rates["overlap"] = self.stats.overlap_accepted / (fused + (1 - self.stats.overlap_hit) * (with_draft - fused))
     return rates
 
   def regime(self, concurrency: int) -> str:
@@ -138,12 +167,25 @@ class RecGuidePolicy(Policy):
     hist = req.policy_state.get("history", [])
     if not self.adaptive:
       return self.block_size
-    if self.tables is not None:  # rho is a price against the costs it was solved with: use the tables' own
-      return self.tables.next_block(max(concurrency, 1), hist)
-    # no fitted tables: the best online estimate of accepted length per cost
     c = max(concurrency, 1)
-    scores = {b: self.stats.accepted[b] / self._cost(c, b) for b in BLOCKS}
+    if self.tables is not None and self._tables_priced_here:
+      # the paper's rule: rho is a price against the costs it was solved with, so the tables' own costs
+      return self.tables.next_block(c, hist)
+    if self.tables is not None:
+      # tables priced for other hardware (the bundled ones: the B200 table): their rho and costs would pick blocks
+      # for that device; keep their per-request value model and price with this policy's own (calibrated) costs
+      from recguide_jax.orchestrator import value_model as vm
+      model = self.tables.value_model
+      values = model.values(vm.signal_s(hist, model.window), vm.stratum(hist)) if hist else model.values(None)
+    else:  # no fitted tables: the engine-wide online estimate of the accepted length per B
+      values = self.stats.accepted
+    scores = {b: values[b] / self._round_cost("linear", b, c) for b in BLOCKS}
     return max(BLOCKS, key=lambda b: (scores[b], -b))
+
+  @property
+  def _tables_priced_here(self) -> bool:
+    """True when the tables' rho was solved against this policy's profile (same profile name)."""
+    return self.profile is not None and bool(self.profile.name) and self.tables.profile == self.profile.name
 
   def plan(self, req, engine) -> RoundPlan:
     concurrency = engine.decoding_count
@@ -170,7 +212,7 @@ class RecGuidePolicy(Policy):
     bounds = dict(generated=len(req.output_ids), committed=engine.allocator.length(req.request_id),
                   max_new=req.params.max_tokens, max_len=engine.rc.max_model_len + engine.rc.max_block)
     if self.planner == "expected_hit":
-      return ov.plan_expected_hit(signals, blk, **bounds)
+      return ov.plan_expected_hit(signals, blk, max_branches=self.overlap_slots, **bounds)
     return ov.plan_branches(ov.analyze(signals, self.delta), blk, components=self.components, **bounds)
 
   def observe(self, req, block_size: int, accepted: int, result, row: int) -> None:

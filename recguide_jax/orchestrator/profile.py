@@ -35,6 +35,7 @@ SCHEMA = "recguide-profile/1"
 PROFILE_DIR = "profiles"
 _GRIDS = ("draft_verify_ms", "fused_ms", "draft_ms", "verify_ms")
 _TEXT = ("name", "source", "backend", "device", "model", "notes")
+FUSED_SLOTS = 3  # branch slots of the fused forward that fused_ms measures (the paper's tree: 4B query tokens)
 
 
 class ProfileError(ValueError):
@@ -183,20 +184,28 @@ class HardwareProfile:
       return _interp(self.ar_step_ms, c)
     return self.forward_costs(c, self.block_sizes[0])[1]
 
-  def fused_cost(self, c: float, b: int) -> float:
-    """One fused verify + prospective-branch forward at block B (~4B query tokens per request, recguide.md 6).
+  def fused_cost(self, c: float, b: int, slots: int = FUSED_SLOTS) -> float:
+    """One fused verify + prospective-branch forward at block B with `slots` branch slots ((1 + slots) B query
+    tokens per request, recguide.md 6); profiles hold the paper's tree of 3 slots (4B query tokens).
 
     When not measured: the verify forward at B scaled by T_C(4·b0)/T_C(b0) for the smallest block b0 whose 4x is
     also measured (T_C(32)/T_C(8) on the 8/16/32 grid), i.e. the cost of 4x query tokens per request at the same C;
-    `fused_estimated` says so."""
+    `fused_estimated` says so. Other slot counts: linear in the branch slots between the verify forward (0 slots)
+    and the 3-slot tree, the cost of a compute-bound device (an upper bound where query tokens are nearly free)."""
+    if slots < 1:
+      raise ProfileError(f"a fused forward has at least one branch slot, got {slots}")
     if self.fused_ms is not None:
-      return self._grid_cost(self.fused_ms, "fused_ms", c, b)
-    base = next((x for x in self.block_sizes if 4 * x in self.block_sizes), None)
-    if base is None:
-      raise ProfileError(f"cannot estimate fused_ms: the profile needs blocks B and 4B (has {list(self.block_sizes)})"
-                         "; measure fused_ms with launch/profile.py")
-    ratio = self.cost(c, 4 * base) / self.cost(c, base)
-    return self.forward_costs(c, b)[1] * ratio
+      tree = self._grid_cost(self.fused_ms, "fused_ms", c, b)
+    else:
+      base = next((x for x in self.block_sizes if 4 * x in self.block_sizes), None)
+      if base is None:
+        raise ProfileError(f"cannot estimate fused_ms: the profile needs blocks B and 4B (has "
+                           f"{list(self.block_sizes)}); measure fused_ms with launch/profile.py")
+      tree = self.forward_costs(c, b)[1] * self.cost(c, 4 * base) / self.cost(c, base)
+    if slots == FUSED_SLOTS:
+      return tree
+    verify = self.forward_costs(c, b)[1]
+    return verify + (tree - verify) * slots / FUSED_SLOTS
 
   # ---- JSON --------------------------------------------------------------------------------------------------------
   def to_json(self) -> dict:

@@ -1,0 +1,96 @@
+"""Online calibration of the switch's cost model with the engine's own wall clock.
+
+A hardware profile (`profile.py`) holds device times of single forwards measured in isolation. What a user feels
+is the whole round: batch assembly, dispatch, the forwards, acceptance and token emission, and on a given machine
+the host part can weigh differently for an AR step than for a draft + verify round. The engine reports every decode
+round it runs (`Policy.observe_round`); `RoundClock` keeps the recent wall times per (round kind, block size, live
+rows), and `CalibratedCosts` answers cost queries with
+
+- the median measured round time where that (kind, B, rows) ran recently (at least `min_samples` rounds);
+- else the profile's cost scaled by how far measurements of the same kind ran from the profile elsewhere (the
+  median measured/profiled ratio), or by the ratio over every kind when that kind has not run yet;
+- else the profile's cost as it is.
+
+So a regime the profile flatters gets tried, measured and dropped if it really loses, and the comparison with
+regimes not run lately stays in one unit. Prices on a foreign profile (what a run would cost on a B200) must not
+be calibrated with this machine's clock: policies that price for another device turn calibration off.
+"""
+
+from __future__ import annotations
+
+import collections
+import statistics
+from typing import Callable
+
+KINDS = ("ar", "linear", "overlap", "overlap_draft")  # the round kinds the regime switch prices
+
+
+class RoundClock:
+  """Recent wall-clock milliseconds of decode rounds, per (kind, block size, live rows)."""
+
+  def __init__(self, window: int = 16, min_samples: int = 3):
+    if window < 1 or not 1 <= min_samples <= window:
+      raise ValueError(f"need window >= 1 and 1 <= min_samples <= window, got {window}, {min_samples}")
+    self.window = window
+    self.min_samples = min_samples
+    self._samples: dict[tuple[str, int, int], collections.deque] = {}
+    self._median: dict[tuple[str, int, int], float] = {}  # only keys with >= min_samples samples
+    self.observations = 0
+
+  def observe(self, kind: str, block_size: int, rows: int, seconds: float) -> None:
+    key = (kind, int(block_size), int(rows))
+    buf = self._samples.get(key)
+    if buf is None:
+      buf = self._samples[key] = collections.deque(maxlen=self.window)
+    buf.append(1e3 * float(seconds))
+    if len(buf) >= self.min_samples:
+      # the median: a GC pause or a neighbour's burst in one round must not flip the switch
+      self._median[key] = statistics.median(buf)
+    self.observations += 1
+
+  def median(self, kind: str, block_size: int, rows: int) -> float | None:
+    return self._median.get((kind, block_size, rows))
+
+  def measured(self) -> dict[tuple[str, int, int], float]:
+    return dict(self._median)
+
+
+class CalibratedCosts:
+  """Round costs in profile units, corrected by a `RoundClock`. `profile_cost(kind, B, rows)` gives the
+  uncalibrated cost of one round of that kind."""
+
+  def __init__(self, profile_cost: Callable[[str, int, int], float], clock: RoundClock | None = None,
+               refresh_every: int = 8):
+    self.profile_cost = profile_cost
+    self.clock = clock if clock is not None else RoundClock()
+    self.refresh_every = refresh_every  # re-derive the ratios every few rounds, not every step (host time)
+    self._profiled: dict[tuple[str, int, int], float] = {}
+    self._ratios: dict[str, float] = {}
+    self._ratios_at = -1
+
+  def _profiled_cost(self, kind: str, blk: int, rows: int) -> float:
+    key = (kind, blk, rows)
+    cost = self._profiled.get(key)
+    if cost is None:
+      cost = self._profiled[key] = float(self.profile_cost(kind, blk, rows))
+    return cost
+
+  def ratios(self) -> dict[str, float]:
+    """Measured / profiled, per kind (median over its measured keys) and over all ("*")."""
+    if self._ratios_at < 0 or self.clock.observations - self._ratios_at >= self.refresh_every:
+      per_kind: dict[str, list[float]] = collections.defaultdict(list)
+      for (kind, blk, rows), ms in self.clock.measured().items():
+        if kind in KINDS:
+          per_kind[kind].append(ms / self._profiled_cost(kind, blk, rows))
+      self._ratios = {k: statistics.median(v) for k, v in per_kind.items()}
+      if per_kind:
+        self._ratios["*"] = statistics.median([r for v in per_kind.values() for r in v])
+      self._ratios_at = self.clock.observations
+    return self._ratios
+
+  def cost(self, kind: str, blk: int, rows: int) -> float:
+    measured = self.clock.median(kind, blk, rows)
+    if measured is not None:
+      return measured
+    ratios = self.ratios()
+    return self._profiled_cost(kind, blk, rows) * ratios.get(kind, ratios.get("*", 1.0))
