@@ -44,14 +44,14 @@ def main(argv):
     sys.exit(f"error: --deltas must be numbers, got {FLAGS.deltas}")
   if not deltas or deltas[0] < 0 or deltas[-1] > 1:
     sys.exit("error: --deltas must lie in [0, 1]")
-  if not FLAGS.planners or any(p not in ("no_p3", "expected_hit") for p in FLAGS.planners):
-    sys.exit(f"error: --planners must name no_p3 and/or expected_hit, got {FLAGS.planners}")
   if FLAGS.block_size not in (8, 16, 32):
     sys.exit("error: --block_size must be 8, 16 or 32")
   from recguide_jax import LLM, SamplingParams, bench, llm as llm_lib, policies
   from recguide_jax.orchestrator import adaptive, overlap as ov, profile as prof_lib
   from recguide_jax.orchestrator.policy import RecGuidePolicy
   from recguide_jax.runner import fused_kind
+  if not FLAGS.planners or any(p not in ov.PLANNERS for p in FLAGS.planners):
+    sys.exit(f"error: --planners must name some of {list(ov.PLANNERS)}, got {FLAGS.planners}")
   try:
     slot_grid = sorted({int(n) for n in FLAGS.slots})
   except ValueError:

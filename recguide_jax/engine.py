@@ -20,6 +20,7 @@ import threading
 import time
 from typing import Callable, Sequence
 
+import jax
 import numpy as np
 
 from recguide_jax import policies as policies_lib
@@ -495,7 +496,7 @@ class Engine:
       b2, pt2, pl2, samp2 = self._batch_arrays(sub)
       seed, _ = self._seeds(sub, b2)
       tok, _, sig = self.runner.draft(seed, pl2, pt2, blk, samp2)
-      tok, sig = np.asarray(tok), np.asarray(sig)
+      tok, sig = jax.device_get((tok, sig))  # one device->host transfer
       self._count_forward("draft", blk, len(sub))
       for j, i in enumerate(need):
         drafts[i], signals[i] = tok[j], sig[j]

@@ -31,6 +31,7 @@ from flax import nnx
 from recguide_jax import sampling
 from recguide_jax.kv_cache import KVCache
 from recguide_jax.model import ForwardInputs, NLDModel
+from recguide_jax.orchestrator.overlap import MAX_BRANCHES
 
 BLOCK_SIZES = (8, 16, 32)
 
@@ -142,15 +143,15 @@ class VerifyResult:
 
 
 def fused_kind(slots: int) -> str:
-  """The step kind of a fused verify+branches forward with `slots` branch slots ("fused": the paper's 3)."""
+  """The step kind of a fused verify+branches forward with `slots` branch slots ("fused": the paper's tree)."""
   if slots < 1:
     raise ValueError(f"a fused forward needs at least one branch slot, got {slots}")
-  return "fused" if slots == 3 else f"fused{slots}"
+  return "fused" if slots == MAX_BRANCHES else f"fused{slots}"
 
 
 def fused_slots(kind: str) -> int:
   """Inverse of `fused_kind`."""
-  return 3 if kind == "fused" else int(kind[len("fused"):])
+  return MAX_BRANCHES if kind == "fused" else int(kind[len("fused"):])
 
 
 def draft_signals(logits: jax.Array, drafted: jax.Array, cfg) -> jax.Array:

@@ -19,7 +19,7 @@ import dataclasses
 
 import numpy as np
 
-from recguide_jax.orchestrator import calibration, overlap as ov
+from recguide_jax.orchestrator import calibration, overlap as ov, value_model as vm
 from recguide_jax.policies import Policy, RoundPlan
 
 BLOCKS = (8, 16, 32)
@@ -102,19 +102,21 @@ class RecGuidePolicy(Policy):
   # ---- costs ---------------------------------------------------------------------------------------------------------
   def _profiled_round_cost(self, kind: str, blk: int, concurrency: int) -> float:
     """One round of `kind` for `concurrency` requests by the profile alone (device time of its forwards). Without
-    a profile: relative costs of a compute-bound device (tokens processed)."""
+    a profile: relative costs of a compute-bound device, a forward of n query tokens per request costing
+    (1 + n/32) / 2."""
     prof, c = self.profile, concurrency
+    forward = lambda n: 0.5 * (1.0 + n / 32.0)  # noqa: E731
     if kind == "ar":
-      return 0.5 * (1.0 + 8 / 32.0) if prof is None else prof.ar_cost(c)
+      return forward(8) if prof is None else prof.ar_cost(c)
     if kind == "linear":
-      return 1.0 + blk / 32.0 if prof is None else prof.cost(c, blk)
+      return 2 * forward(blk) if prof is None else prof.cost(c, blk)
     if kind in ("overlap", "overlap_draft"):
       slots = self.overlap_slots
-      fused = 0.5 * (1.0 + (1 + slots) * blk / 32.0) if prof is None else prof.fused_cost(c, blk, slots)
+      fused = forward((1 + slots) * blk) if prof is None else prof.fused_cost(c, blk, slots)
       if kind == "overlap":
         return fused
       # the fused forward after a draft forward (no prefetched block to reuse)
-      return fused + ((1.0 + blk / 32.0) / 2 if prof is None else prof.forward_costs(c, blk)[0])
+      return fused + (forward(blk) if prof is None else prof.forward_costs(c, blk)[0])
     raise ValueError(f"no cost for round kind {kind!r}")
 
   def _round_cost(self, kind: str, blk: int, concurrency: int) -> float:
@@ -174,7 +176,6 @@ class RecGuidePolicy(Policy):
     if self.tables is not None:
       # tables priced for other hardware (the bundled ones: the B200 table): their rho and costs would pick blocks
       # for that device; keep their per-request value model and price with this policy's own (calibrated) costs
-      from recguide_jax.orchestrator import value_model as vm
       model = self.tables.value_model
       values = model.values(vm.signal_s(hist, model.window), vm.stratum(hist)) if hist else model.values(None)
     else:  # no fitted tables: the engine-wide online estimate of the accepted length per B
@@ -218,7 +219,6 @@ class RecGuidePolicy(Policy):
   def observe(self, req, block_size: int, accepted: int, result, row: int) -> None:
     if block_size <= 1:
       return
-    from recguide_jax.orchestrator import value_model as vm
     hist = req.policy_state.setdefault("history", [])
     cap = self.tables.head_cap if self.tables is not None else self.entropy_head_cap
     eos = bool(np.isin(result.tokens[row, :accepted], self._eos).any())

@@ -31,11 +31,13 @@ from typing import Any, Mapping
 
 import numpy as np
 
+# the fused forward that fused_ms measures: the paper's tree of 3 branch slots (4B query tokens)
+from recguide_jax.orchestrator.overlap import MAX_BRANCHES as FUSED_SLOTS
+
 SCHEMA = "recguide-profile/1"
 PROFILE_DIR = "profiles"
 _GRIDS = ("draft_verify_ms", "fused_ms", "draft_ms", "verify_ms")
 _TEXT = ("name", "source", "backend", "device", "model", "notes")
-FUSED_SLOTS = 3  # branch slots of the fused forward that fused_ms measures (the paper's tree: 4B query tokens)
 
 
 class ProfileError(ValueError):
