@@ -33,7 +33,8 @@ flags.DEFINE_string("out_md", os.path.join(ROOT, "docs", "bench_recguide.md"), "
 # cost model prices cheaper (the engine's default, used by every other row)
 BUCKETING = {"adaptive no bucketing": False, "adaptive + bucketing": True}
 # rows compared on this machine's wall clock (repeated --repeats times); every other row is priced (run once)
-WALL_ROWS = ("ar", "linear B=8", "linear B=16", "linear B=32", "recguide")
+BASELINE_ROWS = ("ar", "linear B=8", "linear B=16", "linear B=32")
+WALL_ROWS = BASELINE_ROWS + ("recguide",)
 OFFICIAL_B = {1: 32, 2: 32, 4: 32, 8: 16, 16: 16, 32: 16, 64: 8, 128: 8}
 
 
@@ -86,11 +87,16 @@ def main(argv):
                   ("overlap +2nd corr", recguide(fixed_regime="overlap", planner="no_p3", components=("p1", "p2"))),
                   ("overlap +continuation", recguide(fixed_regime="overlap", planner="no_p3")),
                   ("overlap expected-hit planner", recguide(fixed_regime="overlap", planner="expected_hit",
-                                                            overlap_slots=3))]
-      if default.overlap_slots != 3:  # the tree width fitted for the checkpoint (launch/fit_delta.py)
-        configs.append((f"overlap expected-hit, {default.overlap_slots} slots",
-                        recguide(fixed_regime="overlap", planner="expected_hit",
-                                 overlap_slots=default.overlap_slots)))
+                                                            overlap_slots=3, prefix_exponent=1.0))]
+      slots, gamma = default.overlap_slots, default.prefix_exponent  # fitted for the checkpoint (fit_delta.py)
+      if slots != 3:
+        configs.append((f"overlap expected-hit, {slots} slots",
+                        recguide(fixed_regime="overlap", planner="expected_hit", overlap_slots=slots,
+                                 prefix_exponent=1.0)))
+      if gamma != 1.0:
+        configs.append((f"overlap expected-hit, {slots} slots, prefix exponent {gamma:g}",
+                        recguide(fixed_regime="overlap", planner="expected_hit", overlap_slots=slots,
+                                 prefix_exponent=gamma)))
     if FLAGS.ablations and c > 1 and tables is not None:  # Table 6 rows (no bucketing = padded mixed batches)
       configs += [("adaptive no bucketing", recguide(profile=price, fixed_regime="adaptive", overlap=False)),
                   ("adaptive + bucketing", recguide(profile=price, fixed_regime="adaptive", overlap=False)),
@@ -132,9 +138,14 @@ def main(argv):
   for r in results:
     c = r["concurrency"]
     fixed = by.get((f"linear B={OFFICIAL_B.get(c, 16)}", c))
-    best = max((by[(p, c)] for p in ["ar", "linear B=8", "linear B=16", "linear B=32"] if (p, c) in by),
+    best = max((by[(p, c)] for p in BASELINE_ROWS if (p, c) in by),
                key=lambda x: x["tokens_per_s"])
     r["vs_best_baseline_wall"] = r["tokens_per_s"] / best["tokens_per_s"]
+    if r["policy"] in WALL_ROWS and FLAGS.repeats > 1:  # the same ratio per interleaved repeat
+      base = {p: by[(p, c)]["wall_s_all"] for p in BASELINE_ROWS if (p, c) in by}
+      paired = bench.paired_wall_ratios(r["wall_s_all"], base)
+      r["vs_best_baseline_wall_paired"] = {"median": float(np.median(paired)), "min": min(paired),
+                                           "max": max(paired), "all": paired}
     r["vs_official_fixed_priced"] = r["priced_tokens_per_ms"] / fixed["priced_tokens_per_ms"] if fixed else None
     r["tpf_vs_linear16"] = r["tpf"] / by[("linear B=16", c)]["tpf"]
   os.makedirs(os.path.dirname(FLAGS.out_json), exist_ok=True)
@@ -142,6 +153,7 @@ def main(argv):
           "max_tokens": FLAGS.max_tokens, "repeats": FLAGS.repeats, "price_profile": FLAGS.price_profile,
           "local_profile": FLAGS.profile, "policy_tables": tables_path,
           "delta": default.delta, "planner": default.planner, "overlap_slots": default.overlap_slots,
+          "prefix_exponent": default.prefix_exponent,
           "compiles_after_warmup": llm.runner.compiles_after_warmup}
   with open(FLAGS.out_json, "w") as f:
     json.dump({"meta": meta, "results": results}, f, indent=2)
@@ -150,9 +162,12 @@ def main(argv):
   for r in results:
     share = "/".join(f"{100 * r['block_size_share'].get(str(b), 0):.0f}" for b in (1, 8, 16, 32))
     vs = f"{r['vs_official_fixed_priced']:.2f}x" if r["vs_official_fixed_priced"] else "-"
+    paired = r.get("vs_best_baseline_wall_paired")
+    wall = f"{r['vs_best_baseline_wall']:.2f}x" + (f" (per repeat {paired['min']:.2f}-{paired['max']:.2f})"
+                                                     if paired else "")
     lines.append(f"| {r['concurrency']} | {r['policy']} | {r['tokens_per_s']:.1f} | "
                  f"{r['per_request_tokens_per_s']:.1f} | {r['tpf']:.2f} | {r['mean_accepted_length']:.2f} | "
-                 f"{r['vs_best_baseline_wall']:.2f}x | {r['priced_tokens_per_ms']:.3f} | {vs} | {share} | "
+                 f"{wall} | {r['priced_tokens_per_ms']:.3f} | {vs} | {share} | "
                  f"{r['lossless']} |")
   with open(FLAGS.out_md, "w") as f:
     f.write(f"GSM8K test, {FLAGS.num_prompts} prompts, greedy, max {FLAGS.max_tokens} new tokens; wall clock on this "

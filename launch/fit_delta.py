@@ -6,7 +6,13 @@ the decode time priced with a hardware profile (the paper's B200 table by defaul
 fitted with); stores the best no-P3 delta (`overlap_delta`), and the planner and tree width with the most tokens
 per priced ms (`overlap_planner`, `overlap_slots`) in the checkpoint's `recguide_policy.json`, which
 `RecGuidePolicy` uses when they are not given. A wider tree hits more often (more tokens per forward) but each
-fused forward carries more query tokens; the price decides.
+fused forward carries more query tokens; the price decides, and tokens per forward break a price tie (within
+0.1%; `overlap.best_sweep_row` says why).
+
+For each width the expected-hit planner's prefix exponent gamma (`overlap.plan_expected_hit`) is fitted too: the
+plain-product run's overlap rounds are logged and replayed with every gamma of --prefix_exponents
+(`overlap.fit_prefix_exponent`); the best one is then run for real, and both runs compete in the sweep
+(`overlap_prefix_exponent`).
 
   python launch/fit_delta.py --num_prompts 32 --deltas 0.05,0.1,0.2,0.3,0.4,0.5,0.6 --slots 3,4,5,6
 """
@@ -29,6 +35,8 @@ flags.DEFINE_integer("offset", 0, "First prompt index in --data.")
 flags.DEFINE_list("deltas", ["0.05", "0.1", "0.2", "0.3", "0.4", "0.5", "0.6"], "Delta grid.")
 flags.DEFINE_list("planners", ["no_p3", "expected_hit"], "Branch planners to compare (no_p3 sweeps --deltas).")
 flags.DEFINE_list("slots", ["3", "4", "5", "6"], "Tree widths (branch slots) tried with the expected-hit planner.")
+flags.DEFINE_list("prefix_exponents", [f"{g / 20:.2f}" for g in range(2, 21)],
+                  "Prefix exponents gamma replayed for the expected-hit planner (1.0 = the plain product).")
 flags.DEFINE_string("price_profile", "b200_nld8b", "Profile (shipped name or JSON path) the runs are priced with.")
 flags.DEFINE_integer("block_size", 16, "Overlap block size B.")
 flags.DEFINE_string("policy", None, "Policy JSON to update (default: the checkpoint's recguide_policy.json).")
@@ -59,6 +67,12 @@ def main(argv):
   if not slot_grid or slot_grid[0] < 1 or slot_grid[-1] > ov.MAX_SLOTS:
     sys.exit(f"error: --slots must lie in [1, {ov.MAX_SLOTS}]")
   try:
+    gamma_grid = sorted({float(g) for g in FLAGS.prefix_exponents} | {1.0})
+  except ValueError:
+    sys.exit(f"error: --prefix_exponents must be numbers, got {FLAGS.prefix_exponents}")
+  if gamma_grid[0] <= 0 or gamma_grid[-1] > 2:
+    sys.exit("error: --prefix_exponents must lie in (0, 2]")
+  try:
     price = prof_lib.load_profile(FLAGS.price_profile)
   except prof_lib.ProfileError as e:
     sys.exit(f"error: --price_profile: {e}")
@@ -81,40 +95,55 @@ def main(argv):
 
   def priced_run(policy):
     llm.set_policy(policy)
-    llm.engine.forward_log = []
+    llm.engine.forward_log, llm.engine.overlap_log = [], []
     reqs, _ = bench.run_concurrent(llm.engine, prompts, params, 1)
     ms = bench.priced_ms(llm.engine.forward_log, price)
-    llm.engine.forward_log = None
+    rounds = llm.engine.overlap_log
+    llm.engine.forward_log = llm.engine.overlap_log = None
     s = bench.summarize(reqs, 0.0)
-    return reqs, s, s["generated_tokens"] / ms
+    return reqs, s, s["generated_tokens"] / ms, rounds
 
-  _, linear, linear_rate = priced_run(policies.LinearPolicy(FLAGS.block_size))
+  _, linear, linear_rate, _ = priced_run(policies.LinearPolicy(FLAGS.block_size))
   rows = []
-  configs = [("no_p3", d, ov.MAX_BRANCHES) for d in deltas] if "no_p3" in FLAGS.planners else []
-  if "expected_hit" in FLAGS.planners:
-    configs += [("expected_hit", None, n) for n in slot_grid]
-  for planner, d, slots in configs:
-    reqs, s, rate = priced_run(RecGuidePolicy(FLAGS.block_size, delta=d, planner=planner, overlap_slots=slots,
-                                              fixed_regime="overlap", calibrate=False))
+
+  def sweep_row(planner, d, slots, gamma=1.0):
+    reqs, s, rate, rounds = priced_run(RecGuidePolicy(FLAGS.block_size, delta=d, planner=planner,
+                                                      overlap_slots=slots, prefix_exponent=gamma,
+                                                      fixed_regime="overlap", calibrate=False))
     outcomes = bench.overlap_counts(reqs)
-    row = {"planner": planner, "delta": d, "slots": slots, "tpf": s["tpf"], "tpf_vs_linear": s["tpf"] / linear["tpf"],
-           "priced_tokens_per_ms": rate, "priced_vs_linear": rate / linear_rate, "tau": s["mean_accepted_length"],
-           "outcomes": outcomes, "lossless": [r.output_ids for r in reqs] == ar}
+    row = {"planner": planner, "delta": d, "slots": slots, "prefix_exponent": gamma if planner == "expected_hit"
+           else None, "tpf": s["tpf"], "tpf_vs_linear": s["tpf"] / linear["tpf"], "priced_tokens_per_ms": rate,
+           "priced_vs_linear": rate / linear_rate, "tau": s["mean_accepted_length"], "outcomes": outcomes,
+           "lossless": [r.output_ids for r in reqs] == ar}
     rows.append(row)
-    label = f"no_p3 delta {d:.2f}" if d is not None else f"{planner} {slots} slots"
-    print(f"{label:<22}: TPF {row['tpf']:.3f} ({row['tpf_vs_linear']:.2f}x LinearSS B={FLAGS.block_size}), "
+    label = (f"no_p3 delta {d:.2f}" if d is not None else f"{planner} {slots} slots gamma {gamma:.2f}")
+    print(f"{label:<32}: TPF {row['tpf']:.3f} ({row['tpf_vs_linear']:.2f}x LinearSS B={FLAGS.block_size}), "
           f"{rate:.3f} tok/ms priced ({row['priced_vs_linear']:.2f}x) lossless={row['lossless']} {outcomes}",
           flush=True)
+    return rounds
+
+  if "no_p3" in FLAGS.planners:
+    for d in deltas:
+      sweep_row("no_p3", d, ov.MAX_BRANCHES)
+  if "expected_hit" in FLAGS.planners:
+    for n in slot_grid:
+      # the plain product's rounds, replayed with every gamma; the best gamma then runs for real
+      rounds = sweep_row("expected_hit", None, n)
+      gamma, replayed = ov.fit_prefix_exponent(rounds, FLAGS.block_size, n, gamma_grid)
+      rows[-1]["replayed_correction_hits"] = replayed
+      print(f"  replayed correction hits, {n} slots: gamma 1.00 {replayed[1.0]:.3f}, best gamma {gamma:.2f} "
+            f"{replayed[gamma]:.3f}", flush=True)
+      if gamma != 1.0:
+        sweep_row("expected_hit", None, n, gamma)
   if not all(r["lossless"] for r in rows):
     sys.exit("error: an overlap run differed from greedy AR; not updating the policy")
-  # ties (within 0.1%) go to the narrower tree, then the larger delta
-  key = lambda r: (round(r["priced_tokens_per_ms"], 3), -r["slots"], r["delta"] or 0.0)  # noqa: E731
-  best = max(rows, key=key)
+  # the most tokens per priced ms; within 0.1% of it, the most tokens per forward (overlap.best_sweep_row)
+  best = ov.best_sweep_row(rows)
   no_p3 = [r for r in rows if r["planner"] == "no_p3"]
-  best_delta = max(no_p3, key=key)["delta"] if no_p3 else tables.overlap_delta
+  best_delta = ov.best_sweep_row(no_p3)["delta"] if no_p3 else tables.overlap_delta
   best_slots = best["slots"] if best["planner"] == "expected_hit" else None
   updated = dataclasses.replace(tables, overlap_delta=best_delta, overlap_planner=best["planner"],
-                                overlap_slots=best_slots, version="")
+                                overlap_slots=best_slots, overlap_prefix_exponent=best["prefix_exponent"], version="")
   updated.save(policy_path)
   os.makedirs(os.path.dirname(FLAGS.out_json), exist_ok=True)
   with open(FLAGS.out_json, "w") as f:
@@ -122,8 +151,10 @@ def main(argv):
                "num_prompts": FLAGS.num_prompts, "max_tokens": FLAGS.max_tokens, "block_size": FLAGS.block_size,
                "price_profile": price.name or FLAGS.price_profile, "linear_tpf": linear["tpf"],
                "linear_priced_tokens_per_ms": linear_rate, "sweep": rows, "best_planner": best["planner"],
-               "best_delta": best_delta, "best_slots": best_slots}, f, indent=2)
-  print(f"best: {best['planner']} {best['slots']} slots ({best['priced_tokens_per_ms']:.3f} tok/ms priced, "
+               "best_delta": best_delta, "best_slots": best_slots,
+               "best_prefix_exponent": best["prefix_exponent"]}, f, indent=2)
+  print(f"best: {best['planner']} {best['slots']} slots, gamma {best['prefix_exponent']} "
+        f"({best['priced_tokens_per_ms']:.3f} tok/ms priced, "
         f"{best['priced_vs_linear']:.2f}x LinearSS; TPF {best['tpf']:.3f}, {best['tpf_vs_linear']:.2f}x); "
         f"best no_p3 delta {best_delta}; wrote {policy_path} version {updated.version}")
 

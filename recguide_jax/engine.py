@@ -160,6 +160,7 @@ class Engine:
     # largest; "auto": per step, whichever grouping the policy's cost model (round_cost) prices cheaper
     self.bucketing: bool | str = "auto"
     self.forward_log: list[tuple[str, int, int]] | None = None  # set to [] to record every forward
+    self.overlap_log: list | None = None  # set to [] to record every overlap round (overlap.OverlapRound)
     self.step_count = 0
     self.decoding_count = 0  # requests decoding in the current step (the load the policy sees)
     self.signal_log: list[dict] | None = None  # set to [] to record per-round draft signals (analysis)
@@ -508,6 +509,7 @@ class Engine:
     plans = []
     for i, r in enumerate(reqs):
       plans.append(self.policy.plan_branches(r, signals[i], blk, self))
+    logged = [self.policy.branch_bounds(r, self) for r in reqs] if self.overlap_log is not None else None
     any_branch = any(plans)
     slots = getattr(self.policy, "overlap_slots", ov.MAX_BRANCHES)
     qn = (1 + slots) * blk if any_branch else blk
@@ -537,6 +539,9 @@ class Engine:
       else:
         outcome = None
         self.totals["overlap_no_branch"] += 1
+      if logged is not None:
+        self.overlap_log.append(ov.OverlapRound(signals[i].copy(), accepted, int(res.tokens[i, accepted - 1]),
+                                                **logged[i]))
       self._after_verify(r, blk, accepted, res, i)
       if outcome is not None and outcome.branch is not None and not r.finished:
         tok = br_tok[i, outcome.branch].copy()

@@ -32,3 +32,12 @@ def test_paired_tau_gain_is_pooled_and_bootstrapped_over_prompts():
   noisy = [(a + int(rng.integers(-3 * r, 3 * r)), r) for a, r in small]  # no real gain: the interval covers 0
   wide = bench.paired_tau_gain({8: small, 32: noisy}, 8, 32)
   assert wide["ci95"][0] < 0 < wide["ci95"][1]
+
+
+def test_paired_wall_ratios_pair_each_repeat_with_its_best_baseline():
+  ratios = bench.paired_wall_ratios([2.0, 4.0, 3.0], {"ar": [2.2, 4.0, 3.3], "linear B=8": [1.9, 5.0, 3.6]})
+  assert ratios == pytest.approx([1.9 / 2.0, 4.0 / 4.0, 3.3 / 3.0])
+  with pytest.raises(ValueError, match="one wall time per repeat"):
+    bench.paired_wall_ratios([2.0, 4.0], {"ar": [2.0]})
+  with pytest.raises(ValueError):
+    bench.paired_wall_ratios([2.0], {})

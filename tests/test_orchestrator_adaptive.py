@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 from recguide_jax.orchestrator import adaptive as ad
+from recguide_jax.orchestrator import overlap as ov
 from recguide_jax.orchestrator import profile as pf
 from recguide_jax.orchestrator import value_model as vm
 
@@ -408,6 +409,18 @@ def test_policy_carries_the_fitted_overlap_delta(model, tmp_path):
       ad.AdaptivePolicyTables.from_json(wide.to_json() | {"overlap_slots": bad})
   with pytest.raises(ValueError, match="no-P3"):
     RecGuidePolicy(16, planner="no_p3", overlap_slots=2)
+  # the fitted prefix exponent: versioned, used by the expected-hit planner only, the plain product otherwise
+  assert RecGuidePolicy(16, tables=wide).prefix_exponent == 1.0 and "overlap_prefix_exponent" not in wide.to_json()
+  flat = ad.load_policy(dataclasses.replace(wide, overlap_prefix_exponent=0.35, version="").save(tmp_path / "g"))
+  assert flat.overlap_prefix_exponent == 0.35 and flat.version != wide.version
+  assert RecGuidePolicy(16, tables=flat).prefix_exponent == 0.35
+  assert RecGuidePolicy(16, tables=flat, planner="no_p3").prefix_exponent == 1.0
+  assert RecGuidePolicy(16, tables=flat, prefix_exponent=0.8).prefix_exponent == 0.8  # an explicit value wins
+  for bad in (0, -0.5, 2.5, "0.3", True):
+    with pytest.raises(ad.PolicyError, match="overlap_prefix_exponent"):
+      ad.AdaptivePolicyTables.from_json(flat.to_json() | {"overlap_prefix_exponent": bad})
+  with pytest.raises(ValueError, match="prefix_exponent"):
+    RecGuidePolicy(16, prefix_exponent=3.0)
 
 
 def test_fused_cost_for_other_tree_widths():
@@ -487,17 +500,29 @@ def test_fit_delta_end_to_end(tmp_path):
       "A pen costs $3. How much do 4 pens cost?")))
   out = tmp_path / "sweep.json"
   stdout = _run(["launch/fit_delta.py", f"--data={data}", "--num_prompts=2", "--max_tokens=24",
-                 "--deltas=0.1,0.4", "--slots=3,5", f"--policy={policy}", f"--out_json={out}"], timeout=300)
+                 "--deltas=0.1,0.4", "--slots=3,5", "--prefix_exponents=0.3", f"--policy={policy}",
+                 f"--out_json={out}"], timeout=300)
   sweep = json.loads(out.read_text())
-  assert [(r["planner"], r["delta"], r["slots"]) for r in sweep["sweep"]] == [
-      ("no_p3", 0.1, 3), ("no_p3", 0.4, 3), ("expected_hit", None, 3), ("expected_hit", None, 5)]
-  assert all(r["lossless"] and r["priced_tokens_per_ms"] > 0 for r in sweep["sweep"])
-  key = lambda r: (round(r["priced_tokens_per_ms"], 3), -r["slots"], r["delta"] or 0.0)  # noqa: E731
+  rows = sweep["sweep"]
+  assert [(r["planner"], r["delta"], r["slots"]) for r in rows[:3]] == [
+      ("no_p3", 0.1, 3), ("no_p3", 0.4, 3), ("expected_hit", None, 3)]
+  # each width runs the plain product, replays gamma in {0.3, 1.0}, and runs the replay's best gamma if not 1
+  plain = [r for r in rows if r["planner"] == "expected_hit" and r["prefix_exponent"] == 1.0]
+  assert [r["slots"] for r in plain] == [3, 5]
+  for r in plain:
+    replayed = r["replayed_correction_hits"]
+    assert set(replayed) == {"0.3", "1.0"}
+    runs_flat = replayed["0.3"] > replayed["1.0"]
+    assert any(x["slots"] == r["slots"] and x["prefix_exponent"] == 0.3 for x in rows) == runs_flat
+  assert len(rows) == 2 + 2 + sum(r["replayed_correction_hits"]["0.3"] > r["replayed_correction_hits"]["1.0"]
+                                  for r in plain)
+  assert all(r["lossless"] and r["priced_tokens_per_ms"] > 0 for r in rows)
   fitted = ad.load_policy(policy)
-  best = max(sweep["sweep"], key=key)
-  assert sweep["best_delta"] == max(sweep["sweep"][:2], key=key)["delta"] == fitted.overlap_delta
+  best = ov.best_sweep_row(rows)
+  assert sweep["best_delta"] == ov.best_sweep_row(rows[:2])["delta"] == fitted.overlap_delta
   assert sweep["best_planner"] == best["planner"] == fitted.overlap_planner
   assert fitted.overlap_slots == (best["slots"] if best["planner"] == "expected_hit" else None)
+  assert fitted.overlap_prefix_exponent == best["prefix_exponent"] == sweep["best_prefix_exponent"]
   assert "best:" in stdout
 
 
@@ -523,5 +548,10 @@ def test_bench_recguide_end_to_end(tmp_path):
   for r in res["results"]:  # wall-clock rows repeat; priced rows (deterministic greedy runs) run once
     assert len(r["wall_s_all"]) == (2 if r["policy"] in wall_rows else 1)
     assert r["vs_best_baseline_wall"] > 0 and r["priced_tokens_per_ms"] > 0
+    paired = r.get("vs_best_baseline_wall_paired")
+    assert (paired is not None) == (r["policy"] in wall_rows)
+    if paired:  # per repeat against that repeat's fastest baseline: a baseline never beats itself
+      assert len(paired["all"]) == 2 and paired["min"] <= paired["median"] <= paired["max"]
+      assert r["policy"] == "recguide" or paired["max"] <= 1.0 + 1e-9
   assert res["meta"]["compiles_after_warmup"] == 0
   assert res["meta"]["delta"] > 0 and "| recguide |" in out_md.read_text()

@@ -57,14 +57,14 @@ def test_margin_equal_to_delta_is_not_risky_and_boundary_filters():
   assert [b.kind for b in plan] == ["continuation"]
 
 
-def _brute_force_expected_hit(signals, block, allowed, slots=ov.MAX_BRANCHES):
+def _brute_force_expected_hit(signals, block, allowed, slots=ov.MAX_BRANCHES, gamma=1.0):
   conf, margin, alt = signals
   scores = []
   for p in range(1, block):
     if alt[p] >= 0 and p in allowed:
-      scores.append((np.prod(conf[1:p]) * (conf[p] - margin[p]), p, int(alt[p])))
+      scores.append((np.prod(conf[1:p]) ** gamma * (conf[p] - margin[p]), p, int(alt[p])))
   if block in allowed:
-    scores.append((np.prod(conf[1:block]) * np.mean(conf[1:block]), block, -1))
+    scores.append((np.prod(conf[1:block]) ** gamma * np.mean(conf[1:block]), block, -1))
   top = sorted(scores, key=lambda s: (-s[0], s[1]))[:slots]
   return sorted((p, a) for _, p, a in top)
 
@@ -91,6 +91,39 @@ def test_expected_hit_planner_matches_brute_force(seed):
   assert len(wide) == 6 and {(b.pre, b.alt) for b in got} <= {(b.pre, b.alt) for b in wide}
   assert [(b.pre, b.alt if b.kind == ov.CORRECTION else -1) for b in wide] == \
       _brute_force_expected_hit(signals, block, set(range(1, block + 1)), 6)
+  # a prefix exponent below 1 flattens the prefix product: the same brute force with (prod C)^gamma
+  for gamma in (0.2, 0.5, 1.5):
+    got = ov.plan_expected_hit(signals, block, generated=0, committed=0, max_new=1000, max_len=1000,
+                               max_branches=4, prefix_exponent=gamma)
+    assert [(b.pre, b.alt if b.kind == ov.CORRECTION else -1) for b in got] == \
+        _brute_force_expected_hit(signals, block, set(range(1, block + 1)), 4, gamma)
+
+
+def test_prefix_exponent_moves_corrections_later_and_is_fitted_by_replay():
+  block = 8
+  # a confident draft whose positions 1..7 all have a plausible runner-up, the late ones a stronger one
+  conf = np.array([1.0, 0.7, 0.7, 0.7, 0.7, 0.8, 0.8, 0.8])
+  runner_up = np.array([0.0, 0.1, 0.1, 0.1, 0.1, 0.3, 0.3, 0.3])
+  signals = np.stack([conf, conf - runner_up, np.arange(100, 100 + block, dtype=float)])
+  bounds = dict(generated=0, committed=0, max_new=block, max_len=100)  # no room for a continuation
+  plain = ov.plan_expected_hit(signals, block, max_branches=2, **bounds)
+  flat = ov.plan_expected_hit(signals, block, max_branches=2, prefix_exponent=0.1, **bounds)
+  assert [b.pre for b in plain] == [1, 5] and [b.pre for b in flat] == [5, 6]
+  # logged rounds whose verifier rejected at 6 and picked the runner-up: only the flat prefix covers them
+  hit6 = ov.OverlapRound(signals, accepted=6, seed=106, **bounds)
+  miss = ov.OverlapRound(signals, accepted=6, seed=7, **bounds)  # rejected at 6, another correction
+  assert ov.replay_correction_hits([hit6, miss], block, 2, 1.0) == 0.0
+  assert ov.replay_correction_hits([hit6, miss], block, 2, 0.1) == 0.5
+  gamma, rates = ov.fit_prefix_exponent([hit6, miss], block, 2, grid=(0.1, 0.3, 0.5, 1.0))
+  assert rates[1.0] == 0.0 and rates[0.1] == 0.5
+  assert gamma == max(g for g, r in rates.items() if r == 0.5)  # ties to the larger exponent
+  # rejected at 1 with the runner-up: the plain product covers it, and a tie keeps gamma = 1
+  hit1 = ov.OverlapRound(signals, accepted=1, seed=101, **bounds)
+  assert ov.fit_prefix_exponent([hit1], block, 3, grid=(0.1, 1.0))[0] == 1.0
+  with pytest.raises(ValueError, match="prefix_exponent"):
+    ov.plan_expected_hit(signals, block, prefix_exponent=0.0, **bounds)
+  with pytest.raises(ValueError, match="no overlap rounds"):
+    ov.replay_correction_hits([], block, 3, 1.0)
 
 
 def test_expected_hit_planner_prefers_the_continuation_for_a_confident_draft():
@@ -222,9 +255,34 @@ def test_overlap_is_lossless_and_hits_save_forwards(tiny_llm):
       assert {k for k, _, _ in tiny_llm.engine.forward_log} & {"fused", "fused5"} == {"fused5" if slots == 5
                                                                                           else "fused"}
       tiny_llm.engine.forward_log = None
+  # the engine's overlap log replays to exactly the correction hits it counted with the same planner
+  tiny_llm.set_policy(RecGuidePolicy(16, planner="expected_hit", fixed_regime="overlap", overlap_slots=4,
+                                     prefix_exponent=0.5))
+  tiny_llm.engine.overlap_log = []
+  logged = tiny_llm.generate(prompts, params)
+  assert [o.token_ids for o in logged] == ar
+  rounds, tiny_llm.engine.overlap_log = tiny_llm.engine.overlap_log, None
+  assert len(rounds) == sum(o.stats["rounds"] for o in logged)
+  counted = sum(o.stats["overlap"].get("correction_hit", 0) for o in logged)
+  assert ov.replay_correction_hits(rounds, 16, 4, 0.5) * len(rounds) == pytest.approx(counted)
   hits = sum(o.stats["overlap"].get("correction_hit", 0) + o.stats["overlap"].get("continuation_hit", 0)
              for o in outs)
   saved = sum(o.stats["rounds"] - o.stats["forwards"]["draft"] for o in outs)
   # each consumed hit skipped exactly one draft forward (a hit in a request's last round is never consumed)
   assert 0 < saved <= hits
   assert all(o.stats["forwards"]["verify"] == o.stats["rounds"] for o in outs)
+
+
+def test_best_sweep_row_prices_first_then_tokens_per_forward():
+  row = lambda rate, tpf, slots, delta=None, gamma=1.0: dict(  # noqa: E731
+      priced_tokens_per_ms=rate, tpf=tpf, slots=slots, delta=delta, prefix_exponent=gamma)
+  cheap, wide, slow = row(0.5159, 2.95, 3, gamma=0.35), row(0.5158, 3.03, 4, gamma=0.45), row(0.505, 3.10, 5)
+  assert ov.best_sweep_row([cheap, wide, slow]) is wide  # within 0.1% of the best price: more tokens per forward
+  assert ov.best_sweep_row([cheap, wide, slow], rel_tol=1e-5) is cheap  # a strict tolerance: the price alone
+  assert ov.best_sweep_row([slow, cheap]) is cheap
+  same = [row(0.5, 3.0, 4), row(0.5, 3.0, 3), row(0.5, 3.0, 3, gamma=0.5)]
+  assert ov.best_sweep_row(same) is same[1]  # a full tie: the narrower tree, then gamma nearer 1
+  deltas = [row(0.48, 2.7, 3, delta=0.3, gamma=None), row(0.48, 2.7, 3, delta=0.5, gamma=None)]
+  assert ov.best_sweep_row(deltas) is deltas[1]
+  with pytest.raises(ValueError):
+    ov.best_sweep_row([])

@@ -314,6 +314,8 @@ class AdaptivePolicyTables:
   overlap_delta: float | None = None
   overlap_planner: str = ""  # "no_p3" | "expected_hit" (launch/fit_delta.py); empty: the paper's rule
   overlap_slots: int | None = None  # branch slots of the fused tree (launch/fit_delta.py); None: the paper's 3
+  # the expected-hit planner's prefix exponent gamma (launch/fit_delta.py); None: the plain product (1.0)
+  overlap_prefix_exponent: float | None = None
 
   def __post_init__(self):
     if not self.levels:
@@ -336,6 +338,8 @@ class AdaptivePolicyTables:
                                            not isinstance(self.overlap_slots, int) or
                                            not 1 <= self.overlap_slots <= MAX_SLOTS):
       raise PolicyError(f"overlap_slots must be an integer in [1, {MAX_SLOTS}], got {self.overlap_slots!r}")
+    if self.overlap_prefix_exponent is not None and not 0.0 < self.overlap_prefix_exponent <= 2.0:
+      raise PolicyError(f"overlap_prefix_exponent must lie in (0, 2], got {self.overlap_prefix_exponent}")
     if not self.version:
       object.__setattr__(self, "version", self.content_hash())
 
@@ -381,6 +385,8 @@ class AdaptivePolicyTables:
       out["overlap_planner"] = self.overlap_planner
     if self.overlap_slots is not None:
       out["overlap_slots"] = self.overlap_slots
+    if self.overlap_prefix_exponent is not None:
+      out["overlap_prefix_exponent"] = self.overlap_prefix_exponent
     return out
 
   def content_hash(self) -> str:
@@ -421,8 +427,11 @@ class AdaptivePolicyTables:
       slots = raw.get("overlap_slots")
       if slots is not None and (isinstance(slots, bool) or not isinstance(slots, int)):
         raise PolicyError(f"field 'overlap_slots' must be an integer, got {slots!r}")
+      gamma = raw.get("overlap_prefix_exponent")
+      if gamma is not None and (isinstance(gamma, bool) or not isinstance(gamma, (int, float))):
+        raise PolicyError(f"field 'overlap_prefix_exponent' must be a number, got {gamma!r}")
       return cls(model, tuple(levels), str(raw["profile"]), str(raw.get("version", "")), str(raw.get("notes", "")),
-                 None if delta is None else float(delta), planner, slots)
+                 None if delta is None else float(delta), planner, slots, None if gamma is None else float(gamma))
     except (PolicyError, vm.TraceError) as e:
       msg = str(e)
       raise PolicyError(msg if msg.startswith(where) else f"{where}: {msg}") from None

@@ -82,7 +82,7 @@ def plan_branches(analysis: DraftAnalysis, block: int, *, generated: int, commit
 
 
 def plan_expected_hit(signals: np.ndarray, block: int, *, generated: int, committed: int, max_new: int,
-                      max_len: int, max_branches: int = MAX_BRANCHES) -> list[Branch]:
+                      max_len: int, max_branches: int = MAX_BRANCHES, prefix_exponent: float = 1.0) -> list[Branch]:
   """Our alternative to the no-P3 rule: fill every branch slot of the fused forward with the branches most likely
   to hit, judged by the draft's own probabilities (signals [3, B]: confidence C, margin M, runner-up id).
 
@@ -94,16 +94,24 @@ def plan_expected_hit(signals: np.ndarray, block: int, *, generated: int, commit
   off (wider trees hit more often but cost more query tokens) is fitted per model and device
   (launch/fit_delta.py). Same boundary
   filters as the paper's rule. (Rank-3 alternatives as extra candidates were measured too: no gain on the
-  bundled model, they only displaced corrections at other positions.)"""
+  bundled model, they only displaced corrections at other positions.)
+
+  `prefix_exponent` gamma scores the prefix as (prod_{j<p} C_j)^gamma. The plain product (gamma = 1) treats the
+  positions' acceptances as independent, but they are positively correlated (a draft that is right at j is
+  likelier right at j + 1), so the product decays too fast and the planner under-covers later positions. gamma is
+  fitted per checkpoint from logged overlap rounds (`fit_prefix_exponent`, launch/fit_delta.py)."""
+  if not 0.0 < prefix_exponent <= 2.0:
+    raise ValueError(f"prefix_exponent must lie in (0, 2], got {prefix_exponent}")
   conf, margin, alt = signals[0, :block], signals[1, :block], signals[2, :block].astype(np.int64)
-  before = np.cumprod(np.concatenate([[1.0], conf[1:block - 1]]))  # before[p-1] = prod_{j=1..p-1} C_j
+  # before[p-1] = (prod_{j=1..p-1} C_j)^gamma
+  before = np.cumprod(np.concatenate([[1.0], conf[1:block - 1]])) ** prefix_exponent
   cands: list[tuple[float, Branch]] = []
   for p in range(1, block):
     if alt[p] < 0 or generated + p >= max_new or committed + p + block > max_len:
       continue
     cands.append((float(before[p - 1] * (conf[p] - margin[p])), Branch(CORRECTION, p, int(alt[p]))))
   if generated + block < max_new and committed + 2 * block <= max_len:
-    full = float(np.prod(conf[1:block]))
+    full = float(np.prod(conf[1:block])) ** prefix_exponent
     cands.append((full * float(np.mean(conf[1:block])), Branch(CONTINUATION, block)))
   # highest score first; ties to the earlier branch point (its prefix is likelier to be accepted)
   chosen = sorted(cands, key=lambda sb: (-sb[0], sb[1].pre))[:max_branches]
@@ -173,3 +181,54 @@ def select_reuse(accepted: int, out_tokens: np.ndarray, branches: Sequence[Branc
     if branches[k].alt == seed:
       return ReuseOutcome("correction_hit", k)
   return ReuseOutcome("correction_miss" if covering else "no_hit", None)
+
+
+@dataclasses.dataclass(frozen=True)
+class OverlapRound:
+  """One request's overlap round as the engine logs it (`Engine.overlap_log`): the draft's signals, the planner's
+  bounds at planning time and what verification then decided. Enough to replay any planner's correction hits."""
+  signals: np.ndarray  # [3, B] confidence, margin, runner-up
+  accepted: int  # 1..B
+  seed: int  # the verifier's token at the first rejected position (the bonus on full acceptance)
+  generated: int
+  committed: int
+  max_new: int
+  max_len: int
+
+
+def replay_correction_hits(rounds: Sequence[OverlapRound], block: int, slots: int, prefix_exponent: float) -> float:
+  """Share of logged rounds in which the expected-hit plan with this exponent would have had a correction hit.
+  Continuation hits are not replayed (whether a continuation guessed the bonus is known only where one ran); they
+  were under 1% of rounds on the bundled model."""
+  if not rounds:
+    raise ValueError("no overlap rounds to replay")
+  hits = 0
+  for r in rounds:
+    plan = plan_expected_hit(r.signals, block, generated=r.generated, committed=r.committed, max_new=r.max_new,
+                             max_len=r.max_len, max_branches=slots, prefix_exponent=prefix_exponent)
+    hits += any(b.kind == CORRECTION and b.pre == r.accepted and b.alt == r.seed for b in plan)
+  return hits / len(rounds)
+
+
+def fit_prefix_exponent(rounds: Sequence[OverlapRound], block: int, slots: int,
+                        grid: Sequence[float] = tuple(np.round(np.arange(0.1, 1.0001, 0.05), 2))
+                        ) -> tuple[float, dict[float, float]]:
+  """The exponent of `grid` with the most replayed correction hits (ties to the larger one, the plain product at
+  1.0 on a tie with it); returns (gamma, {gamma: hit rate})."""
+  rates = {float(g): replay_correction_hits(rounds, block, slots, float(g)) for g in grid}
+  best = max(rates, key=lambda g: (round(rates[g], 6), g))
+  return best, rates
+
+
+def best_sweep_row(rows: Sequence[dict], rel_tol: float = 1e-3) -> dict:
+  """The overlap configuration a fit keeps from sweep rows (each with "priced_tokens_per_ms", "tpf", "slots",
+  "delta", "prefix_exponent"): the most tokens per priced ms; among rows within `rel_tol` of the best price, the
+  most tokens per forward. Why TPF breaks price ties: the price counts device time only, and every forward also
+  costs host time (dispatch, synchronisation, scheduling) that a profile does not see; and a width the profile did
+  not measure is priced linearly in its slots, an upper bound on a memory-bound device. Then the narrower tree,
+  the larger delta, the exponent nearer 1."""
+  if not rows:
+    raise ValueError("no sweep rows to choose from")
+  top = max(r["priced_tokens_per_ms"] for r in rows)
+  near = [r for r in rows if r["priced_tokens_per_ms"] >= top * (1.0 - rel_tol)]
+  return max(near, key=lambda r: (r["tpf"], -r["slots"], r["delta"] or 0.0, r["prefix_exponent"] or 0.0))

@@ -52,7 +52,7 @@ class RecGuidePolicy(Policy):
                components=("p1", "p2", "continuation"),
                overlap: bool = True, adaptive: bool = True, switch: bool = True, profile=None, tables=None,
                fixed_regime: str | None = None, entropy_head_cap: int | None = None, calibrate: bool = True,
-               overlap_slots: int | None = None):
+               overlap_slots: int | None = None, prefix_exponent: float | None = None):
     if block_size not in BLOCKS:
       raise ValueError(f"recguide block_size must be one of {BLOCKS}, got {block_size}")
     self.block_size = block_size
@@ -73,6 +73,12 @@ class RecGuidePolicy(Policy):
       raise ValueError(f"the paper's no-P3 rule plans up to {ov.MAX_BRANCHES} branches; overlap_slots is "
                        f"{overlap_slots}")
     self.overlap_slots = overlap_slots  # branch slots of the fused forward (its width: (1 + slots) B tokens)
+    if prefix_exponent is None:  # the expected-hit planner's fitted prefix exponent, else the plain product
+      fitted = tables.overlap_prefix_exponent if tables is not None and planner == "expected_hit" else None
+      prefix_exponent = fitted or 1.0
+    if not 0.0 < prefix_exponent <= 2.0:
+      raise ValueError(f"prefix_exponent must lie in (0, 2], got {prefix_exponent}")
+    self.prefix_exponent = prefix_exponent
     self.components = tuple(components)
     self.overlap = overlap
     self.adaptive = adaptive
@@ -209,11 +215,17 @@ class RecGuidePolicy(Policy):
       return RoundPlan("linear", self.block_size)
     return RoundPlan("linear", self._adaptive_block(req, concurrency))
 
+  @staticmethod
+  def branch_bounds(req, engine) -> dict:
+    """What limits a request's branches this round (budget and length), as the planners take them."""
+    return dict(generated=len(req.output_ids), committed=engine.allocator.length(req.request_id),
+                max_new=req.params.max_tokens, max_len=engine.rc.max_model_len + engine.rc.max_block)
+
   def plan_branches(self, req, signals: np.ndarray, blk: int, engine) -> list:
-    bounds = dict(generated=len(req.output_ids), committed=engine.allocator.length(req.request_id),
-                  max_new=req.params.max_tokens, max_len=engine.rc.max_model_len + engine.rc.max_block)
+    bounds = self.branch_bounds(req, engine)
     if self.planner == "expected_hit":
-      return ov.plan_expected_hit(signals, blk, max_branches=self.overlap_slots, **bounds)
+      return ov.plan_expected_hit(signals, blk, max_branches=self.overlap_slots,
+                                  prefix_exponent=self.prefix_exponent, **bounds)
     return ov.plan_branches(ov.analyze(signals, self.delta), blk, components=self.components, **bounds)
 
   def observe(self, req, block_size: int, accepted: int, result, row: int) -> None:
