@@ -157,6 +157,67 @@ def test_round_clock_keeps_a_robust_recent_median():
     RoundClock(window=2, min_samples=3)
 
 
+def test_round_clock_starts_a_stale_key_afresh():
+  from recguide_jax.orchestrator.calibration import RoundClock
+  t = [0.0]
+  clock = RoundClock(window=8, min_samples=3, stale_after_s=2.0, now=lambda: t[0])
+  assert clock.age("linear", 8, 1) == float("inf") and not clock.is_fresh("linear", 8, 1)
+  for _ in range(3):
+    clock.observe("linear", 8, 1, 0.009)  # a slow spell
+  assert clock.median("linear", 8, 1) == pytest.approx(9.0) and clock.is_fresh("linear", 8, 1)
+  t[0] = 1.5
+  clock.observe("linear", 8, 1, 0.005)  # within stale_after_s: joins the window
+  assert clock.median("linear", 8, 1) == pytest.approx(9.0) and clock.age("linear", 8, 1) == 0.0
+  t[0] = 4.0
+  assert clock.age("linear", 8, 1) == pytest.approx(2.5) and not clock.is_fresh("linear", 8, 1)
+  assert clock.median("linear", 8, 1) == pytest.approx(9.0)  # kept until the key runs again
+  clock.observe("linear", 8, 1, 0.005)
+  assert clock.median("linear", 8, 1) is None  # the old spell's rounds are gone; too few new ones yet
+  clock.observe("linear", 8, 1, 0.005)
+  clock.observe("linear", 8, 1, 0.005)
+  assert clock.median("linear", 8, 1) == pytest.approx(5.0)
+  with pytest.raises(ValueError):
+    RoundClock(stale_after_s=0.0)
+
+
+def test_switch_re_measures_a_stale_runner_up():
+  """A regime measured in a slow spell of the machine would look slow forever once it stops running; the switch
+  re-runs the runner-up for a few steps when its measurement is stale and the best's is fresh."""
+  t = [0.0]
+  pol = RecGuidePolicy(16, profile=flat_profile(ar_ms=9.0), overlap=False)
+  pol.calibrated.clock.now = lambda: t[0]
+  pol.stats.accepted = {8: 4.0, 16: 4.0, 32: 4.0}
+
+  def measure(kind, blk, ms, n=3):
+    for _ in range(n):
+      pol.observe_round(kind, blk, 1, ms / 1e3)
+  measure("ar", 1, 2.0)  # 0.5 tokens/ms
+  for b in (8, 16, 32):
+    measure("linear", b, 9.0)  # 4 tokens in 9 ms: 0.44 tokens/ms, within the probe margin of AR
+  assert [pol.regime(1) for _ in range(3)] == ["ar"] * 3 and pol.probes == 0  # both fresh: no probe
+  t[0] = 3.0
+  measure("ar", 1, 2.0)  # AR keeps running; the LinearSS rounds of the slow spell are now stale
+  assert [pol.regime(1) for _ in range(3)] == ["adaptive"] * 3 and pol.probes == 1  # min_samples steps
+  measure("linear", 8, 5.0)  # the probe's rounds, in today's state of the machine: 0.8 tokens/ms
+  assert pol.regime(1) == "adaptive" and pol.calibrated.clock.median("linear", 8, 1) == pytest.approx(5.0)
+  assert pol.probes == 1
+  # a runner-up estimated far below the best is not worth a probe
+  slow = RecGuidePolicy(16, profile=flat_profile(ar_ms=9.0), overlap=False)
+  slow.calibrated.clock.now = lambda: t[0]
+  slow.stats.accepted = {8: 4.0, 16: 4.0, 32: 4.0}
+  t[0] = 0.0
+  for b in (8, 16, 32):
+    for _ in range(3):
+      slow.observe_round("linear", b, 1, 0.040)
+  t[0] = 3.0
+  for _ in range(3):
+    slow.observe_round("ar", 1, 1, 0.002)
+  assert slow.regime(1) == "ar" and slow.probes == 0
+  # priced for a foreign device (no calibration): never probes
+  fixed = RecGuidePolicy(16, profile=flat_profile(ar_ms=9.0), overlap=False, calibrate=False)
+  assert len({fixed.regime(1) for _ in range(5)}) == 1 and fixed.probes == 0
+
+
 def test_calibrated_costs_measure_then_scale_the_profile():
   from recguide_jax.orchestrator.calibration import CalibratedCosts
   costs = CalibratedCosts(lambda kind, blk, rows: {"ar": 1.0, "linear": 4.0}[kind] * rows, refresh_every=1)

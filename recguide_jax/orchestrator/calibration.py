@@ -12,14 +12,21 @@ rows), and `CalibratedCosts` answers cost queries with
 - else the profile's cost as it is.
 
 So a regime the profile flatters gets tried, measured and dropped if it really loses, and the comparison with
-regimes not run lately stays in one unit. Prices on a foreign profile (what a run would cost on a B200) must not
+regimes not run lately stays in one unit.
+
+A shared machine drifts (the same round can take 1.3x as long a few seconds later), and a median measured in a
+slow spell would keep a regime that stopped running looking slow forever. So a key whose last round is older than
+`stale_after_s` starts afresh when it runs again, and `age` lets the switch see which comparisons are stale and
+re-measure the runner-up (`RecGuidePolicy.regime`). Prices on a foreign profile (what a run would cost on a B200) must not
 be calibrated with this machine's clock: policies that price for another device turn calibration off.
 """
 
 from __future__ import annotations
 
 import collections
+import math
 import statistics
+import time
 from typing import Callable
 
 KINDS = ("ar", "linear", "overlap", "overlap_draft")  # the round kinds the regime switch prices
@@ -28,20 +35,31 @@ KINDS = ("ar", "linear", "overlap", "overlap_draft")  # the round kinds the regi
 class RoundClock:
   """Recent wall-clock milliseconds of decode rounds, per (kind, block size, live rows)."""
 
-  def __init__(self, window: int = 16, min_samples: int = 3):
+  def __init__(self, window: int = 16, min_samples: int = 3, stale_after_s: float = 2.0,
+               now: Callable[[], float] = time.monotonic):
     if window < 1 or not 1 <= min_samples <= window:
       raise ValueError(f"need window >= 1 and 1 <= min_samples <= window, got {window}, {min_samples}")
+    if stale_after_s <= 0:
+      raise ValueError(f"stale_after_s must be > 0, got {stale_after_s}")
     self.window = window
     self.min_samples = min_samples
+    self.stale_after_s = stale_after_s
+    self.now = now
     self._samples: dict[tuple[str, int, int], collections.deque] = {}
     self._median: dict[tuple[str, int, int], float] = {}  # only keys with >= min_samples samples
+    self._last: dict[tuple[str, int, int], float] = {}  # when each key last ran
     self.observations = 0
 
   def observe(self, kind: str, block_size: int, rows: int, seconds: float) -> None:
     key = (kind, int(block_size), int(rows))
+    t = self.now()
     buf = self._samples.get(key)
     if buf is None:
       buf = self._samples[key] = collections.deque(maxlen=self.window)
+    elif t - self._last[key] > self.stale_after_s:  # measured in another state of the machine: start afresh
+      buf.clear()
+      self._median.pop(key, None)
+    self._last[key] = t
     buf.append(1e3 * float(seconds))
     if len(buf) >= self.min_samples:
       # the median: a GC pause or a neighbour's burst in one round must not flip the switch
@@ -50,6 +68,14 @@ class RoundClock:
 
   def median(self, kind: str, block_size: int, rows: int) -> float | None:
     return self._median.get((kind, block_size, rows))
+
+  def age(self, kind: str, block_size: int, rows: int) -> float:
+    """Seconds since that key's last measured round (inf: never measured to `min_samples`)."""
+    key = (kind, block_size, rows)
+    return self.now() - self._last[key] if key in self._median else math.inf
+
+  def is_fresh(self, kind: str, block_size: int, rows: int) -> bool:
+    return self.age(kind, block_size, rows) <= self.stale_after_s
 
   def measured(self) -> dict[tuple[str, int, int], float]:
     return dict(self._median)

@@ -97,6 +97,11 @@ class RecGuidePolicy(Policy):
       self.stats.overlap_accepted = self.stats.accepted[block_size]
     self.regime_counts = collections.Counter()
     self._regime_memo: tuple = (None, None)
+    # re-measuring a stale runner-up regime (calibrated switch only): how close it must be, probes run, the one
+    # in progress (regime, steps left)
+    self.probe_margin = 0.7
+    self.probes = 0
+    self._probe: tuple[str, int] | None = None
 
   def block_sizes(self):
     return BLOCKS
@@ -158,12 +163,43 @@ class RecGuidePolicy(Policy):
     rates = self.expected_rates(concurrency)
     if not self.overlap:
       rates.pop("overlap")
-    best = max(rates, key=rates.get)
-    if best == "ar":
-      return "ar"
-    if best == "overlap":
-      return "overlap"
-    return "adaptive"
+    # one rate per regime: adaptive B is as good as its best block size
+    basis: dict[str, str] = {}  # regime -> the rate it stands on
+    for key, rate in rates.items():
+      name = "adaptive" if key.startswith("linear") else key
+      if name not in basis or rate > rates[basis[name]]:
+        basis[name] = key
+    ranked = sorted(basis, key=lambda name: -rates[basis[name]])
+    if not self.calibrate or len(ranked) < 2:
+      return ranked[0]
+    return self._probe_or_best(ranked[0], ranked[1], basis, rates, max(concurrency, 1))
+
+  def _clock_key(self, rate_key: str, concurrency: int) -> tuple[str, int, int]:
+    """The measured round a regime's rate rests on."""
+    if rate_key == "ar":
+      return ("ar", 1, concurrency)
+    if rate_key == "overlap":
+      return ("overlap", self.block_size, concurrency)
+    return ("linear", int(rate_key[len("linear"):]), concurrency)
+
+  def _probe_or_best(self, best: str, runner_up: str, basis: dict, rates: dict, c: int) -> str:
+    """Re-measures a stale runner-up: when the best regime's cost was measured just now but the runner-up's is
+    stale (or was never measured) and the runner-up is estimated close enough to matter (>= `probe_margin` of the
+    best's rate), the runner-up runs for `min_samples` steps, so the two are compared in one state of the
+    machine. Without this a regime measured in a slow spell of a shared machine can lose the switch for good."""
+    if self._probe is not None:
+      regime, left = self._probe
+      self._probe = (regime, left - 1) if left > 1 else None
+      return regime
+    clock = self.calibrated.clock
+    if (rates[basis[runner_up]] >= self.probe_margin * rates[basis[best]]
+        and clock.is_fresh(*self._clock_key(basis[best], c))
+        and not clock.is_fresh(*self._clock_key(basis[runner_up], c))):
+      self.probes += 1
+      left = clock.min_samples - 1
+      self._probe = (runner_up, left) if left > 0 else None
+      return runner_up
+    return best
 
   # ---- per request ---------------------------------------------------------------------------------------------------
   _eos: np.ndarray = np.zeros((0,), np.int64)  # the engine's EOS ids, refreshed with the per-step memo
