@@ -128,7 +128,7 @@ def main(argv):
       summary.update(
           policy=name, concurrency=c, lossless=all([r.output_ids for r in rr] == ar_outputs[c] for rr, _ in runs[name]),
           block_size_share={str(b): float(np.mean([x == b for x in blocks])) for b in (1, 8, 16, 32)} if blocks
-          else {}, overlap=overlap, regimes=dict(getattr(policy, "regime_counts", {})),
+          else {}, overlap=overlap, regimes=dict(getattr(policy, "regime_counts", {})), probes=getattr(policy, "probes", 0),
           priced_ms=per_run_ms, priced_tokens_per_ms=summary["generated_tokens"] / per_run_ms if per_run_ms else 0)
       results.append(summary)
       print(f"C={c:<3} {name:<24} {summary['tokens_per_s']:8.1f} tok/s  TPF {summary['tpf']:.2f}  "

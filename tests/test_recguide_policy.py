@@ -201,6 +201,14 @@ def test_switch_re_measures_a_stale_runner_up():
   measure("linear", 8, 5.0)  # the probe's rounds, in today's state of the machine: 0.8 tokens/ms
   assert pol.regime(1) == "adaptive" and pol.calibrated.clock.median("linear", 8, 1) == pytest.approx(5.0)
   assert pol.probes == 1
+  # probes are spaced so they take at most probe_budget of the time: a long runner-up round is probed rarely
+  t[0] = 6.0
+  measure("linear", 8, 6.0)  # LinearSS is now the best (0.67 tokens/ms), AR (0.5) is stale
+  pol.probe_budget = 0.001  # 3 AR rounds of 2 ms: one probe per 6 s at most
+  assert pol.regime(1) == "adaptive" and pol.probes == 1  # 6 s since the last probe: not yet
+  t[0] = 9.5
+  measure("linear", 8, 6.0)
+  assert pol.regime(1) == "ar" and pol.probes == 2
   # a runner-up estimated far below the best is not worth a probe
   slow = RecGuidePolicy(16, profile=flat_profile(ar_ms=9.0), overlap=False)
   slow.calibrated.clock.now = lambda: t[0]

@@ -9,7 +9,8 @@ plain AR decoding, whichever gives the most tokens per unit of (profiled) time a
   profile (measured here or loaded) and the engine's observed acceptance and overlap hit rates. AR (B = 1) is a
   candidate too, so speculation never runs where it loses to plain decoding. By default the profile's device times
   are calibrated online with the engine's measured round times (`calibration.py`), so host work the profile does
-  not see cannot make a losing regime look like a winner; pricing for another device turns that off.
+  not see cannot make a losing regime look like a winner, and a stale runner-up is re-measured now and then so
+  that machine drift cannot freeze a wrong choice; pricing for another device turns both off.
 """
 
 from __future__ import annotations
@@ -100,8 +101,10 @@ class RecGuidePolicy(Policy):
     # re-measuring a stale runner-up regime (calibrated switch only): how close it must be, probes run, the one
     # in progress (regime, steps left)
     self.probe_margin = 0.7
+    self.probe_budget = 0.02  # probes take at most this share of the time
     self.probes = 0
     self._probe: tuple[str, int] | None = None
+    self._last_probe_at = -float("inf")
 
   def block_sizes(self):
     return BLOCKS
@@ -186,23 +189,30 @@ class RecGuidePolicy(Policy):
     """Re-measures a stale runner-up: when the best regime's cost was measured just now but the runner-up's is
     stale (or was never measured) and the runner-up is estimated close enough to matter (>= `probe_margin` of the
     best's rate), the runner-up runs for `min_samples` steps, so the two are compared in one state of the
-    machine. Without this a regime measured in a slow spell of a shared machine can lose the switch for good."""
+    machine. Without this a regime measured in a slow spell of a shared machine can lose the switch for good.
+    Probes are spaced so that they take at most `probe_budget` of the time (under high load a round of the
+    runner-up is long, so it is probed rarely)."""
     if self._probe is not None:
       regime, left = self._probe
       self._probe = (regime, left - 1) if left > 1 else None
       return regime
     clock = self.calibrated.clock
-    if (rates[basis[runner_up]] >= self.probe_margin * rates[basis[best]]
-        and clock.is_fresh(*self._clock_key(basis[best], c))
-        and not clock.is_fresh(*self._clock_key(basis[runner_up], c))):
-      self.probes += 1
-      left = clock.min_samples - 1
-      self._probe = (runner_up, left) if left > 0 else None
-      return runner_up
-    return best
+    runner_key = self._clock_key(basis[runner_up], c)
+    if (rates[basis[runner_up]] < self.probe_margin * rates[basis[best]]
+        or not clock.is_fresh(*self._clock_key(basis[best], c)) or clock.is_fresh(*runner_key)):
+      return best
+    probe_s = clock.min_samples * self._round_cost(runner_key[0], runner_key[1], c) / 1e3
+    now = clock.now()
+    if now - self._last_probe_at < max(clock.stale_after_s, probe_s / self.probe_budget):
+      return best
+    self._last_probe_at = now
+    self.probes += 1
+    left = clock.min_samples - 1
+    self._probe = (runner_up, left) if left > 0 else None
+    return runner_up
 
   # ---- per request ---------------------------------------------------------------------------------------------------
-  _eos: np.ndarray = np.zeros((0,), np.int64)  # the engine's EOS ids, refreshed with the per-step memo
+  _eos: frozenset = frozenset()  # the engine's EOS ids, refreshed with the per-step memo
 
   def on_admit(self, req) -> None:
     req.policy_state["history"] = []
@@ -237,7 +247,7 @@ class RecGuidePolicy(Policy):
     key = (engine.step_count, concurrency)
     if self._regime_memo[0] != key:
       self._regime_memo = (key, self.regime(concurrency))
-      self._eos = np.asarray(engine.cfg.eos_token_ids)
+      self._eos = frozenset(engine.cfg.eos_token_ids)
     regime = self._regime_memo[1]
     greedy = req.params.temperature <= 0
     if regime == "overlap" and not greedy:
@@ -269,7 +279,8 @@ class RecGuidePolicy(Policy):
       return
     hist = req.policy_state.setdefault("history", [])
     cap = self.tables.head_cap if self.tables is not None else self.entropy_head_cap
-    eos = bool(np.isin(result.tokens[row, :accepted], self._eos).any())
+    # a set test on a short list: np.isin took ~0.1 ms per request and round, ~2% of a C = 1 round on a CPU
+    eos = not self._eos.isdisjoint(result.tokens[row, :accepted].tolist())
     ent = vm.round_entropy(result.entropy[row], accepted, block_size, eos=eos, head_cap=cap)
     hist.append({"B": block_size, "accepted": accepted, "full": accepted == block_size, "e": ent})
     if len(hist) > 4:
