@@ -102,14 +102,16 @@ def main(argv):
                   ("adaptive + bucketing", recguide(profile=price, fixed_regime="adaptive", overlap=False)),
                   ("adaptive + cost-aware grouping", recguide(profile=price, fixed_regime="adaptive",
                                                               overlap=False))]
-    # repeats are interleaved across configs (A B C A B C ...) so a slow spell of the machine hits every config alike;
-    # rows judged by their price or tokens per forward only (greedy runs repeat exactly) run once
+    # repeats are interleaved across configs so a slow spell of the machine hits every config alike, and the order
+    # of the wall-clock rows rotates by one each repeat (A B C, B C A, C A B, ...) so that no config always runs
+    # right after the same (heavier or lighter) one; rows judged by their price or tokens per forward only (greedy
+    # runs repeat exactly) run once, in the first repeat
     runs = {name: [] for name, _ in configs}
     logs = {name: [] for name, _ in configs}
+    wall = [(name, policy) for name, policy in configs if name in WALL_ROWS]
     for rep in range(FLAGS.repeats):
-      for name, policy in configs:
-        if rep and name not in WALL_ROWS:
-          continue
+      order = wall[rep % len(wall):] + wall[:rep % len(wall)]
+      for name, policy in order + ([(n, p) for n, p in configs if n not in WALL_ROWS] if rep == 0 else []):
         llm.set_policy(policy)
         llm.engine.bucketing = BUCKETING.get(name, "auto")
         llm.engine.forward_log = []
@@ -128,7 +130,8 @@ def main(argv):
       summary.update(
           policy=name, concurrency=c, lossless=all([r.output_ids for r in rr] == ar_outputs[c] for rr, _ in runs[name]),
           block_size_share={str(b): float(np.mean([x == b for x in blocks])) for b in (1, 8, 16, 32)} if blocks
-          else {}, overlap=overlap, regimes=dict(getattr(policy, "regime_counts", {})), probes=getattr(policy, "probes", 0),
+          else {}, overlap=overlap, regimes=dict(getattr(policy, "regime_counts", {})),
+          probes=getattr(policy, "probes", 0),
           priced_ms=per_run_ms, priced_tokens_per_ms=summary["generated_tokens"] / per_run_ms if per_run_ms else 0)
       results.append(summary)
       print(f"C={c:<3} {name:<24} {summary['tokens_per_s']:8.1f} tok/s  TPF {summary['tpf']:.2f}  "
