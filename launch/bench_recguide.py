@@ -108,9 +108,10 @@ def main(argv):
     # runs repeat exactly) run once, in the first repeat
     runs = {name: [] for name, _ in configs}
     logs = {name: [] for name, _ in configs}
-    wall = [(name, policy) for name, policy in configs if name in WALL_ROWS]
+    wall_configs = [(name, policy) for name, policy in configs if name in WALL_ROWS]
     for rep in range(FLAGS.repeats):
-      order = wall[rep % len(wall):] + wall[:rep % len(wall)]
+      k = rep % len(wall_configs)
+      order = wall_configs[k:] + wall_configs[:k]
       for name, policy in order + ([(n, p) for n, p in configs if n not in WALL_ROWS] if rep == 0 else []):
         llm.set_policy(policy)
         llm.engine.bucketing = BUCKETING.get(name, "auto")

@@ -506,10 +506,8 @@ class Engine:
       if pref is not None:
         drafts[i], signals[i] = pref.tokens, pref.signals
         self.totals["overlap_saved_drafts"] += 1
-    plans = []
-    for i, r in enumerate(reqs):
-      plans.append(self.policy.plan_branches(r, signals[i], blk, self))
-    logged = [self.policy.branch_bounds(r, self) for r in reqs] if self.overlap_log is not None else None
+    bounds = [self._branch_bounds(r) for r in reqs]
+    plans = [self.policy.plan_branches(signals[i], blk, bounds[i]) for i in range(len(reqs))]
     any_branch = any(plans)
     slots = getattr(self.policy, "overlap_slots", ov.MAX_BRANCHES)
     qn = (1 + slots) * blk if any_branch else blk
@@ -539,9 +537,9 @@ class Engine:
       else:
         outcome = None
         self.totals["overlap_no_branch"] += 1
-      if logged is not None:
+      if self.overlap_log is not None:
         self.overlap_log.append(ov.OverlapRound(signals[i].copy(), accepted, int(res.tokens[i, accepted - 1]),
-                                                **logged[i]))
+                                                **bounds[i]))
       self._after_verify(r, blk, accepted, res, i)
       if outcome is not None and outcome.branch is not None and not r.finished:
         tok = br_tok[i, outcome.branch].copy()
@@ -549,6 +547,11 @@ class Engine:
         r.policy_state["prefetched"] = ov.Prefetched(tok, br_sig[i, outcome.branch], plans[i][outcome.branch].kind)
     # rounds that also ran a draft forward cost more: the policy times the two kinds apart
     return "overlap_draft" if need else "overlap"
+
+  def _branch_bounds(self, r: Request) -> dict:
+    """What limits a request's overlap branches this round (token budget, cache length), as the planners take them."""
+    return dict(generated=len(r.output_ids), committed=self.allocator.length(r.request_id),
+                max_new=r.params.max_tokens, max_len=self.rc.max_model_len + self.rc.max_block)
 
   def _round_diffusion(self, reqs: list[Request], blk: int) -> None:
     self._reserve_block(reqs, blk)

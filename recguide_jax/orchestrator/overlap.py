@@ -103,16 +103,15 @@ def plan_expected_hit(signals: np.ndarray, block: int, *, generated: int, commit
   if not 0.0 < prefix_exponent <= 2.0:
     raise ValueError(f"prefix_exponent must lie in (0, 2], got {prefix_exponent}")
   conf, margin, alt = signals[0, :block], signals[1, :block], signals[2, :block].astype(np.int64)
-  # before[p-1] = (prod_{j=1..p-1} C_j)^gamma
-  before = np.cumprod(np.concatenate([[1.0], conf[1:block - 1]])) ** prefix_exponent
+  # before[p-1] = (prod_{j=1..p-1} C_j)^gamma for p = 1..B (before[B-1]: the whole block, the continuation's prefix)
+  before = np.cumprod(np.concatenate([[1.0], conf[1:block]])) ** prefix_exponent
   cands: list[tuple[float, Branch]] = []
   for p in range(1, block):
     if alt[p] < 0 or generated + p >= max_new or committed + p + block > max_len:
       continue
     cands.append((float(before[p - 1] * (conf[p] - margin[p])), Branch(CORRECTION, p, int(alt[p]))))
   if generated + block < max_new and committed + 2 * block <= max_len:
-    full = float(np.prod(conf[1:block])) ** prefix_exponent
-    cands.append((full * float(np.mean(conf[1:block])), Branch(CONTINUATION, block)))
+    cands.append((float(before[block - 1] * np.mean(conf[1:block])), Branch(CONTINUATION, block)))
   # highest score first; ties to the earlier branch point (its prefix is likelier to be accepted)
   chosen = sorted(cands, key=lambda sb: (-sb[0], sb[1].pre))[:max_branches]
   return [b for _, b in sorted(chosen, key=lambda sb: sb[1].pre)]

@@ -261,14 +261,9 @@ class RecGuidePolicy(Policy):
       return RoundPlan("linear", self.block_size)
     return RoundPlan("linear", self._adaptive_block(req, concurrency))
 
-  @staticmethod
-  def branch_bounds(req, engine) -> dict:
-    """What limits a request's branches this round (budget and length), as the planners take them."""
-    return dict(generated=len(req.output_ids), committed=engine.allocator.length(req.request_id),
-                max_new=req.params.max_tokens, max_len=engine.rc.max_model_len + engine.rc.max_block)
-
-  def plan_branches(self, req, signals: np.ndarray, blk: int, engine) -> list:
-    bounds = self.branch_bounds(req, engine)
+  def plan_branches(self, signals: np.ndarray, blk: int, bounds: dict) -> list:
+    """One request's branches from its draft signals [3, B]; `bounds` (generated, committed, max_new, max_len) are
+    what limits them this round (`Engine._branch_bounds`)."""
     if self.planner == "expected_hit":
       return ov.plan_expected_hit(signals, blk, max_branches=self.overlap_slots,
                                   prefix_exponent=self.prefix_exponent, **bounds)
