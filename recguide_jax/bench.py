@@ -133,3 +133,20 @@ def paired_wall_ratios(target_walls: list[float], baseline_walls: dict[str, list
   if not baseline_walls or any(len(w) != n for w in baseline_walls.values()):
     raise ValueError("every baseline needs one wall time per repeat of the target")
   return [min(w[k] for w in baseline_walls.values()) / target_walls[k] for k in range(n)]
+
+
+def paired_ratio_interval(target_walls: list[float], baseline_walls: list[float], resamples: int = 2000,
+                          seed: int = 0) -> dict:
+  """Target vs ONE baseline over interleaved repeats: the geometric mean of the per-repeat ratios baseline wall /
+  target wall (> 1: the target was faster) with a 95% bootstrap interval over repeats, and a verdict: "ahead" or
+  "behind" when the interval excludes 1, else "tie" (the difference is within the machine's run-to-run noise)."""
+  t = np.asarray(target_walls, float)
+  b = np.asarray(baseline_walls, float)
+  if len(t) != len(b) or len(t) == 0:
+    raise ValueError("need one baseline wall time per repeat of the target")
+  logs = np.log(b / t)
+  idx = np.random.default_rng(seed).integers(0, len(logs), (resamples, len(logs)))
+  lo, hi = np.exp(np.percentile(logs[idx].mean(1), [2.5, 97.5]))
+  verdict = "ahead" if lo > 1 else "behind" if hi < 1 else "tie"
+  return {"geomean": float(np.exp(logs.mean())), "ci95": [float(lo), float(hi)], "verdict": verdict,
+          "repeats": len(logs)}

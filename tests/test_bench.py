@@ -34,6 +34,20 @@ def test_paired_tau_gain_is_pooled_and_bootstrapped_over_prompts():
   assert wide["ci95"][0] < 0 < wide["ci95"][1]
 
 
+def test_paired_ratio_interval_separates_a_real_gap_from_noise():
+  rng = np.random.default_rng(1)
+  base = 3.0 * np.exp(rng.normal(0, 0.15, 9))  # a drifting machine: +-15% from repeat to repeat
+  faster = bench.paired_ratio_interval(base / 1.1 * np.exp(rng.normal(0, 0.01, 9)), base)  # 10% faster, paired
+  assert faster["verdict"] == "ahead" and faster["ci95"][0] > 1.05 and faster["repeats"] == 9
+  assert faster["ci95"][0] <= faster["geomean"] <= faster["ci95"][1]
+  slower = bench.paired_ratio_interval(base * 1.1, base)
+  assert slower["verdict"] == "behind" and slower["geomean"] == pytest.approx(1 / 1.1)
+  noise = bench.paired_ratio_interval(3.0 * np.exp(rng.normal(0, 0.15, 9)), base)  # same work, unpaired noise
+  assert noise["verdict"] == "tie" and noise["ci95"][0] < 1 < noise["ci95"][1]
+  with pytest.raises(ValueError, match="one baseline wall time per repeat"):
+    bench.paired_ratio_interval([1.0, 2.0], [1.0])
+
+
 def test_paired_wall_ratios_pair_each_repeat_with_its_best_baseline():
   ratios = bench.paired_wall_ratios([2.0, 4.0, 3.0], {"ar": [2.2, 4.0, 3.3], "linear B=8": [1.9, 5.0, 3.6]})
   assert ratios == pytest.approx([1.9 / 2.0, 4.0 / 4.0, 3.3 / 3.0])

@@ -553,5 +553,10 @@ def test_bench_recguide_end_to_end(tmp_path):
     if paired:  # per repeat against that repeat's fastest baseline: a baseline never beats itself
       assert len(paired["all"]) == 2 and paired["min"] <= paired["median"] <= paired["max"]
       assert r["policy"] == "recguide" or paired["max"] <= 1.0 + 1e-9
+      iv = r["vs_best_baseline_wall_interval"]  # against the fastest baseline by median, with its interval
+      assert iv["baseline"] in wall_rows[:4] and iv["repeats"] == 2 and iv["verdict"] in ("ahead", "tie", "behind")
+      assert iv["ci95"][0] <= iv["geomean"] <= iv["ci95"][1]
+      if iv["baseline"] == r["policy"]:
+        assert iv["geomean"] == pytest.approx(1.0) and iv["verdict"] == "tie"
   assert res["meta"]["compiles_after_warmup"] == 0
   assert res["meta"]["delta"] > 0 and "| recguide |" in out_md.read_text()

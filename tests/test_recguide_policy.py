@@ -226,6 +226,34 @@ def test_switch_re_measures_a_stale_runner_up():
   assert len({fixed.regime(1) for _ in range(5)}) == 1 and fixed.probes == 0
 
 
+def test_switch_judges_a_stale_runner_up_by_fresh_rounds_of_its_kind():
+  """A runner-up whose only measurement at this load is a stale cold start looks hopeless by that median; when
+  rounds of its kind at another load say it is close today, it is re-measured (and not without them)."""
+  def setup(fresh_linear_elsewhere):
+    t = [0.0]
+    pol = RecGuidePolicy(16, profile=flat_profile(ar_ms=9.0), overlap=False)
+    pol.calibrated.clock.now = lambda: t[0]
+    pol.stats.accepted = {8: 4.0, 16: 4.0, 32: 4.0}
+    for _ in range(3):
+      pol.observe_round("linear", 8, 2, 0.040)  # a cold start: 0.1 tokens/ms at 2 rows
+    t[0] = 3.0
+    for _ in range(3):
+      pol.observe_round("ar", 1, 2, 0.002)  # AR: 0.5 tokens/ms, fresh
+      if fresh_linear_elsewhere:  # today's LinearSS rounds at 1 row: half the profile's cost
+        pol.observe_round("linear", 8, 1, 0.0055)
+    return pol
+
+  pol = setup(fresh_linear_elsewhere=True)
+  cal = pol.calibrated
+  assert cal.cost("linear", 8, 2) == pytest.approx(40.0)  # the decision still rests on the measured median
+  assert cal.fresh_cost("linear", 8, 2) == pytest.approx(12.0 * 0.5)  # today's ratio of its kind
+  assert cal.fresh_cost("ar", 1, 2) == pytest.approx(2.0) and cal.fresh_cost("overlap", 16, 2) is None
+  assert pol.regime(2) == "adaptive" and pol.probes == 1
+  stale_only = setup(fresh_linear_elsewhere=False)
+  assert stale_only.calibrated.fresh_cost("linear", 8, 2) is None
+  assert stale_only.regime(2) == "ar" and stale_only.probes == 0
+
+
 def test_calibrated_costs_measure_then_scale_the_profile():
   from recguide_jax.orchestrator.calibration import CalibratedCosts
   costs = CalibratedCosts(lambda kind, blk, rows: {"ar": 1.0, "linear": 4.0}[kind] * rows, refresh_every=1)

@@ -93,8 +93,7 @@ class CalibratedCosts:
     self.clock = clock if clock is not None else RoundClock()
     self.refresh_every = refresh_every  # re-derive the ratios every few rounds, not every step (host time)
     self._profiled: dict[tuple[str, int, int], float] = {}
-    self._ratios: dict[str, float] = {}
-    self._ratios_at = -1
+    self._ratios: dict[bool, tuple[int, dict[str, float]]] = {}  # fresh-only? -> (observations then, ratios)
 
   def _profiled_cost(self, kind: str, blk: int, rows: int) -> float:
     key = (kind, blk, rows)
@@ -103,18 +102,20 @@ class CalibratedCosts:
       cost = self._profiled[key] = float(self.profile_cost(kind, blk, rows))
     return cost
 
-  def ratios(self) -> dict[str, float]:
-    """Measured / profiled, per kind (median over its measured keys) and over all ("*")."""
-    if self._ratios_at < 0 or self.clock.observations - self._ratios_at >= self.refresh_every:
+  def ratios(self, fresh: bool = False) -> dict[str, float]:
+    """Measured / profiled, per kind (median over its measured keys) and over all ("*"); `fresh`: over the keys
+    measured lately (`RoundClock.is_fresh`) only."""
+    at, cached = self._ratios.get(fresh, (-1, {}))
+    if at < 0 or self.clock.observations - at >= self.refresh_every:
       per_kind: dict[str, list[float]] = collections.defaultdict(list)
       for (kind, blk, rows), ms in self.clock.measured().items():
-        if kind in KINDS:
+        if kind in KINDS and (not fresh or self.clock.is_fresh(kind, blk, rows)):
           per_kind[kind].append(ms / self._profiled_cost(kind, blk, rows))
-      self._ratios = {k: statistics.median(v) for k, v in per_kind.items()}
+      cached = {k: statistics.median(v) for k, v in per_kind.items()}
       if per_kind:
-        self._ratios["*"] = statistics.median([r for v in per_kind.values() for r in v])
-      self._ratios_at = self.clock.observations
-    return self._ratios
+        cached["*"] = statistics.median([r for v in per_kind.values() for r in v])
+      self._ratios[fresh] = (self.clock.observations, cached)
+    return cached
 
   def cost(self, kind: str, blk: int, rows: int) -> float:
     measured = self.clock.median(kind, blk, rows)
@@ -122,3 +123,13 @@ class CalibratedCosts:
       return measured
     ratios = self.ratios()
     return self._profiled_cost(kind, blk, rows) * ratios.get(kind, ratios.get("*", 1.0))
+
+  def fresh_cost(self, kind: str, blk: int, rows: int) -> float | None:
+    """The cost from measurements of the machine's current state only: the key's median when fresh, else the
+    profile scaled by the median measured/profiled ratio of the fresh keys of the same kind; None when no key of
+    that kind ran lately. A stale median may come from a slow spell; this is what today's rounds of the same kind
+    at other loads say about it."""
+    if self.clock.is_fresh(kind, blk, rows):
+      return self.clock.median(kind, blk, rows)
+    ratio = self.ratios(fresh=True).get(kind)
+    return None if ratio is None else self._profiled_cost(kind, blk, rows) * ratio

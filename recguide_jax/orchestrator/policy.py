@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+from typing import Callable
 
 import numpy as np
 
@@ -98,6 +99,7 @@ class RecGuidePolicy(Policy):
       self.stats.overlap_accepted = self.stats.accepted[block_size]
     self.regime_counts = collections.Counter()
     self._regime_memo: tuple = (None, None)
+    self._step_costs: dict[int, float] | None = None  # this step's LinearSS round cost per B (all requests)
     # re-measuring a stale runner-up regime (calibrated switch only): how close it must be, probes run, the one
     # in progress (regime, steps left)
     self.probe_margin = 0.7
@@ -149,14 +151,19 @@ class RecGuidePolicy(Policy):
   def expected_rates(self, concurrency: int) -> dict[str, float]:
     """Tokens per unit time per request for each regime at this concurrency."""
     c = max(concurrency, 1)
-    rates = {"ar": 1.0 / self._round_cost("ar", 1, c)}
-    for blk in BLOCKS:
-      rates[f"linear{blk}"] = self.stats.accepted[blk] / self._round_cost("linear", blk, c)
+    return {key: self._rate(key, c, self._round_cost) for key in ("ar", *(f"linear{b}" for b in BLOCKS), "overlap")}
+
+  def _rate(self, rate_key: str, c: int, cost: Callable[[str, int, int], float]) -> float:
+    """One regime's expected tokens per unit time per request, with round costs from `cost(kind, B, rows)`."""
+    if rate_key == "ar":
+      return 1.0 / cost("ar", 1, c)
+    if rate_key.startswith("linear"):
+      blk = int(rate_key[len("linear"):])
+      return self.stats.accepted[blk] / cost("linear", blk, c)
     blk = self.block_size
-    fused = self._round_cost("overlap", blk, c)
-    with_draft = max(self._round_cost("overlap_draft", blk, c), fused)
-    rates["overlap"] = self.stats.overlap_accepted / (fused + (1 - self.stats.overlap_hit) * (with_draft - fused))
-    return rates
+    fused = cost("overlap", blk, c)
+    with_draft = max(cost("overlap_draft", blk, c), fused)
+    return self.stats.overlap_accepted / (fused + (1 - self.stats.overlap_hit) * (with_draft - fused))
 
   def regime(self, concurrency: int) -> str:
     if self.fixed_regime:
@@ -191,15 +198,23 @@ class RecGuidePolicy(Policy):
     best's rate), the runner-up runs for `min_samples` steps, so the two are compared in one state of the
     machine. Without this a regime measured in a slow spell of a shared machine can lose the switch for good.
     Probes are spaced so that they take at most `probe_budget` of the time (under high load a round of the
-    runner-up is long, so it is probed rarely)."""
+    runner-up is long, so it is probed rarely). The margin test prices the runner-up also from fresh rounds only
+    (`CalibratedCosts.fresh_cost`) and takes the more promising price: a stale median from a cold start or a slow
+    spell must not keep a close regime from being re-measured."""
     if self._probe is not None:
       regime, left = self._probe
       self._probe = (regime, left - 1) if left > 1 else None
       return regime
     clock = self.calibrated.clock
     runner_key = self._clock_key(basis[runner_up], c)
-    if (rates[basis[runner_up]] < self.probe_margin * rates[basis[best]]
-        or not clock.is_fresh(*self._clock_key(basis[best], c)) or clock.is_fresh(*runner_key)):
+    if not clock.is_fresh(*self._clock_key(basis[best], c)) or clock.is_fresh(*runner_key):
+      return best
+    # the runner-up's estimate is stale: judge its promise also by what the machine's current state says about its
+    # kind (a median from a cold start or a slow spell must not keep it from being re-measured)
+    def current(kind, blk, rows):
+      cost, now = self._round_cost(kind, blk, rows), self.calibrated.fresh_cost(kind, blk, rows)
+      return cost if now is None else min(cost, now)
+    if self._rate(basis[runner_up], c, current) < self.probe_margin * rates[basis[best]]:
       return best
     probe_s = clock.min_samples * self._round_cost(runner_key[0], runner_key[1], c) / 1e3
     now = clock.now()
@@ -217,7 +232,9 @@ class RecGuidePolicy(Policy):
   def on_admit(self, req) -> None:
     req.policy_state["history"] = []
 
-  def _adaptive_block(self, req, concurrency: int) -> int:
+  def _adaptive_block(self, req, concurrency: int, costs: dict[int, float] | None = None) -> int:
+    """`costs`: the LinearSS round cost per B at this concurrency when the caller has them (one step's
+    requests share them)."""
     hist = req.policy_state.get("history", [])
     if not self.adaptive:
       return self.block_size
@@ -232,7 +249,9 @@ class RecGuidePolicy(Policy):
       values = model.values(vm.signal_s(hist, model.window), vm.stratum(hist)) if hist else model.values(None)
     else:  # no fitted tables: the engine-wide online estimate of the accepted length per B
       values = self.stats.accepted
-    scores = {b: values[b] / self._round_cost("linear", b, c) for b in BLOCKS}
+    if costs is None:
+      costs = {b: self._round_cost("linear", b, c) for b in BLOCKS}
+    scores = {b: values[b] / costs[b] for b in BLOCKS}
     return max(BLOCKS, key=lambda b: (scores[b], -b))
 
   @property
@@ -248,6 +267,7 @@ class RecGuidePolicy(Policy):
     if self._regime_memo[0] != key:
       self._regime_memo = (key, self.regime(concurrency))
       self._eos = frozenset(engine.cfg.eos_token_ids)
+      self._step_costs = None
     regime = self._regime_memo[1]
     greedy = req.params.temperature <= 0
     if regime == "overlap" and not greedy:
@@ -259,7 +279,10 @@ class RecGuidePolicy(Policy):
       return RoundPlan("ar", 1)
     if regime == "linear":
       return RoundPlan("linear", self.block_size)
-    return RoundPlan("linear", self._adaptive_block(req, concurrency))
+    if self._step_costs is None:
+      c = max(concurrency, 1)
+      self._step_costs = {b: self._round_cost("linear", b, c) for b in BLOCKS}
+    return RoundPlan("linear", self._adaptive_block(req, concurrency, self._step_costs))
 
   def plan_branches(self, signals: np.ndarray, blk: int, bounds: dict) -> list:
     """One request's branches from its draft signals [3, B]; `bounds` (generated, committed, max_new, max_len) are
