@@ -28,6 +28,7 @@ fields are kept and ignored.
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
 import json
 import math
@@ -72,12 +73,12 @@ def round_entropy(entropies_row: Sequence[float], accepted: int, block_size: int
     n = accepted
   if head_cap is not None:
     n = min(n, head_cap)
-  row = np.asarray(entropies_row, np.float64)
+  row = entropies_row if isinstance(entropies_row, np.ndarray) else np.asarray(entropies_row, np.float64)
   if row.ndim != 1 or row.shape[0] < n:
     raise ValueError(f"entropies_row must be 1-D with >= {n} positions, got shape {row.shape}")
   if n <= 0:
     return None
-  return float(np.mean(row[:n]))
+  return float(row[:n].mean(dtype=np.float64))  # accumulated in float64 whatever the row's dtype
 
 
 @dataclasses.dataclass(frozen=True)
@@ -294,6 +295,10 @@ class SurvivalTable:
     # V per bin, precomputed once so the runtime lookup and the rho search use the very same floats
     object.__setattr__(self, "_bin_values", {b: _frozen(v.sum(1)) for b, v in self.survival.items()})
     object.__setattr__(self, "_uncond_values", {b: float(v.sum()) for b, v in self.unconditional.items()})
+    # the same numbers as Python floats for the per-request runtime lookup (a bisect over a tuple is several times
+    # cheaper than a numpy call on a few floats, and the lookup runs for every request and round)
+    object.__setattr__(self, "_edge_floats", tuple(float(e) for e in self.edges))
+    object.__setattr__(self, "_bin_value_floats", {b: tuple(float(x) for x in v) for b, v in self._bin_values.items()})
 
   @property
   def num_bins(self) -> int:
@@ -302,11 +307,18 @@ class SurvivalTable:
   def bin_index(self, s: float | None) -> int | None:
     if s is None or not math.isfinite(s):
       return None
-    return int(np.searchsorted(self.edges, s, side="right"))
+    return bisect.bisect_right(self._edge_floats, s)  # == np.searchsorted(edges, s, side="right")
 
   def value(self, b: int, s: float | None) -> float:
     i = self.bin_index(s)
-    return self._uncond_values[b] if i is None else float(self._bin_values[b][i])
+    return self._uncond_values[b] if i is None else self._bin_value_floats[b][i]
+
+  def values(self, s: float | None) -> dict[int, float]:
+    """V_B(s) for every B, with one bin lookup."""
+    i = self.bin_index(s)
+    if i is None:
+      return dict(self._uncond_values)
+    return {b: v[i] for b, v in self._bin_value_floats.items()}
 
 
 def _fit_table(s: np.ndarray, w: np.ndarray, a: Mapping[int, np.ndarray], bins: int) -> SurvivalTable:
@@ -368,8 +380,8 @@ class ValueModel:
     return self.table(z).value(b, s)
 
   def values(self, s: float | None, z: str | None = None) -> dict[int, float]:
-    table = self.table(z)
-    return {b: table.value(b, s) for b in self.block_sizes}
+    values = self.table(z).values(s)
+    return {b: values[b] for b in self.block_sizes}
 
   # ---- JSON --------------------------------------------------------------------------------------------------------
   def to_json(self) -> dict:
