@@ -221,6 +221,16 @@ def test_fit_recovers_monotone_ground_truth(rows, model):
   assert model.value(32, -0.1) > model.value(32, -2.9) + 3
   # undefined s: the unconditional row
   assert model.value(16, None) == pytest.approx(table.unconditional[16].sum())
+  # the runtime lookup (a bisect over Python floats, one per request) is the fitted table's bin, exactly: edges
+  # themselves, either side of them, outside the range, undefined
+  probes = [float(e) + d for e in table.edges for d in (-1e-12, 0.0, 1e-12)] + [-1e9, 1e9, None, math.nan, math.inf]
+  for x in probes:
+    want = None if x is None or not math.isfinite(x) else int(np.searchsorted(table.edges, x, side="right"))
+    assert table.bin_index(x) == want
+    row = table.values(x)
+    for b in (8, 16, 32):
+      expect = table.unconditional[b].sum() if want is None else table.survival[b][want].sum()
+      assert row[b] == table.value(b, x) == pytest.approx(expect, abs=1e-12)
 
 
 def test_isotonic_repair_and_strata_fallback():
