@@ -140,13 +140,24 @@ def paired_ratio_interval(target_walls: list[float], baseline_walls: list[float]
   """Target vs ONE baseline over interleaved repeats: the geometric mean of the per-repeat ratios baseline wall /
   target wall (> 1: the target was faster) with a 95% bootstrap interval over repeats, and a verdict: "ahead" or
   "behind" when the interval excludes 1, else "tie" (the difference is within the machine's run-to-run noise)."""
-  t = np.asarray(target_walls, float)
-  b = np.asarray(baseline_walls, float)
-  if len(t) != len(b) or len(t) == 0:
-    raise ValueError("need one baseline wall time per repeat of the target")
-  logs = np.log(b / t)
-  idx = np.random.default_rng(seed).integers(0, len(logs), (resamples, len(logs)))
-  lo, hi = np.exp(np.percentile(logs[idx].mean(1), [2.5, 97.5]))
+  return pooled_ratio_interval([(target_walls, baseline_walls)], resamples, seed)
+
+
+def pooled_ratio_interval(levels: list[tuple[list[float], list[float]]], resamples: int = 2000, seed: int = 0) -> dict:
+  """`paired_ratio_interval` pooled over several levels [(target walls, baseline walls)], each level with its own
+  baseline: the geometric mean of every per-repeat ratio, each level weighted equally, and a 95% interval from a
+  bootstrap that resamples repeats within each level (levels are fixed, not sampled)."""
+  logs = []
+  for target_walls, baseline_walls in levels:
+    t, b = np.asarray(target_walls, float), np.asarray(baseline_walls, float)
+    if len(t) != len(b) or len(t) == 0:
+      raise ValueError("need one baseline wall time per repeat of the target")
+    logs.append(np.log(b / t))
+  if not logs:
+    raise ValueError("need at least one level")
+  rng = np.random.default_rng(seed)
+  boot = np.mean([l[rng.integers(0, len(l), (resamples, len(l)))].mean(1) for l in logs], axis=0)
+  lo, hi = np.exp(np.percentile(boot, [2.5, 97.5]))
   verdict = "ahead" if lo > 1 else "behind" if hi < 1 else "tie"
-  return {"geomean": float(np.exp(logs.mean())), "ci95": [float(lo), float(hi)], "verdict": verdict,
-          "repeats": len(logs)}
+  return {"geomean": float(np.exp(np.mean([l.mean() for l in logs]))), "ci95": [float(lo), float(hi)],
+          "verdict": verdict, "repeats": sum(len(l) for l in logs)}

@@ -46,6 +46,17 @@ def test_paired_ratio_interval_separates_a_real_gap_from_noise():
   assert noise["verdict"] == "tie" and noise["ci95"][0] < 1 < noise["ci95"][1]
   with pytest.raises(ValueError, match="one baseline wall time per repeat"):
     bench.paired_ratio_interval([1.0, 2.0], [1.0])
+  # pooled over levels: small per-level gaps that no single level resolves add up; each level weighs the same
+  walls = [3.0 * np.exp(rng.normal(0, 0.05, 9)) for _ in range(6)]
+  levels = [(w * 1.03, w * np.exp(rng.normal(0, 0.03, 9))) for w in walls]  # 3% slower everywhere, 3% noise
+  per_level = [bench.paired_ratio_interval(t, b) for t, b in levels]
+  pooled = bench.pooled_ratio_interval(levels)
+  assert pooled["verdict"] == "behind" and pooled["repeats"] == 54
+  assert pooled["geomean"] == pytest.approx(np.exp(np.mean([np.log(p["geomean"]) for p in per_level])))
+  assert pooled["ci95"][1] - pooled["ci95"][0] < min(p["ci95"][1] - p["ci95"][0] for p in per_level)
+  assert bench.pooled_ratio_interval([([2.0, 3.0], [2.0, 3.0])])["verdict"] == "tie"
+  with pytest.raises(ValueError):
+    bench.pooled_ratio_interval([])
 
 
 def test_paired_wall_ratios_pair_each_repeat_with_its_best_baseline():

@@ -568,5 +568,8 @@ def test_bench_recguide_end_to_end(tmp_path):
       assert iv["ci95"][0] <= iv["geomean"] <= iv["ci95"][1]
       if iv["baseline"] == r["policy"]:
         assert iv["geomean"] == pytest.approx(1.0) and iv["verdict"] == "tie"
+  pooled = res["recguide_vs_best_baseline_wall_pooled"]  # over both levels, 2 repeats each
+  assert pooled["repeats"] == 4 and pooled["ci95"][0] <= pooled["geomean"] <= pooled["ci95"][1]
   assert res["meta"]["compiles_after_warmup"] == 0
-  assert res["meta"]["delta"] > 0 and "| recguide |" in out_md.read_text()
+  md = out_md.read_text()
+  assert res["meta"]["delta"] > 0 and "| recguide |" in md and "pooled over 2 levels" in md
