@@ -140,6 +140,9 @@ class RecGuidePolicy(Policy):
       return self.calibrated.cost(kind, blk, concurrency)
     return self._profiled_round_cost(kind, blk, concurrency)
 
+  def _linear_costs(self, concurrency: int) -> dict[int, float]:
+    return {b: self._round_cost("linear", b, concurrency) for b in BLOCKS}
+
   def round_cost(self, batch: int, block_size: int) -> float:
     return self._round_cost("linear", block_size, batch)
 
@@ -209,16 +212,17 @@ class RecGuidePolicy(Policy):
     runner_key = self._clock_key(basis[runner_up], c)
     if not clock.is_fresh(*self._clock_key(basis[best], c)) or clock.is_fresh(*runner_key):
       return best
-    # the runner-up's estimate is stale: judge its promise also by what the machine's current state says about its
-    # kind (a median from a cold start or a slow spell must not keep it from being re-measured)
-    def current(kind, blk, rows):
-      cost, now = self._round_cost(kind, blk, rows), self.calibrated.fresh_cost(kind, blk, rows)
-      return cost if now is None else min(cost, now)
-    if self._rate(basis[runner_up], c, current) < self.probe_margin * rates[basis[best]]:
-      return best
     probe_s = clock.min_samples * self._round_cost(runner_key[0], runner_key[1], c) / 1e3
     now = clock.now()
     if now - self._last_probe_at < max(clock.stale_after_s, probe_s / self.probe_budget):
+      return best  # checked first: it is cheap, and most steps stop here
+
+    # the runner-up's estimate is stale: judge its promise also by what the machine's current state says about its
+    # kind (a median from a cold start or a slow spell must not keep it from being re-measured)
+    def current(kind, blk, rows):
+      cost, fresh = self._round_cost(kind, blk, rows), self.calibrated.fresh_cost(kind, blk, rows)
+      return cost if fresh is None else min(cost, fresh)
+    if self._rate(basis[runner_up], c, current) < self.probe_margin * rates[basis[best]]:
       return best
     self._last_probe_at = now
     self.probes += 1
@@ -250,7 +254,7 @@ class RecGuidePolicy(Policy):
     else:  # no fitted tables: the engine-wide online estimate of the accepted length per B
       values = self.stats.accepted
     if costs is None:
-      costs = {b: self._round_cost("linear", b, c) for b in BLOCKS}
+      costs = self._linear_costs(c)
     scores = {b: values[b] / costs[b] for b in BLOCKS}
     return max(BLOCKS, key=lambda b: (scores[b], -b))
 
@@ -280,8 +284,7 @@ class RecGuidePolicy(Policy):
     if regime == "linear":
       return RoundPlan("linear", self.block_size)
     if self._step_costs is None:
-      c = max(concurrency, 1)
-      self._step_costs = {b: self._round_cost("linear", b, c) for b in BLOCKS}
+      self._step_costs = self._linear_costs(max(concurrency, 1))
     return RoundPlan("linear", self._adaptive_block(req, concurrency, self._step_costs))
 
   def plan_branches(self, signals: np.ndarray, blk: int, bounds: dict) -> list:

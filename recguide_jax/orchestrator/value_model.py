@@ -380,8 +380,7 @@ class ValueModel:
     return self.table(z).value(b, s)
 
   def values(self, s: float | None, z: str | None = None) -> dict[int, float]:
-    values = self.table(z).values(s)
-    return {b: values[b] for b in self.block_sizes}
+    return self.table(z).values(s)  # every table covers exactly block_sizes (checked at construction)
 
   # ---- JSON --------------------------------------------------------------------------------------------------------
   def to_json(self) -> dict:
