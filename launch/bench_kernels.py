@@ -1,6 +1,8 @@
 """Block attention over the paged KV cache: Pallas kernel vs the jnp reference, per shape. Reports the median time,
-achieved bytes/s (prefix K/V read + q/out/block K/V) and FLOP/s (q @ k and p @ v over prefix + block), and the
-kernel's max abs error against the reference (--check).
+achieved bytes/s (prefix K/V read + q/out/block K/V) and FLOP/s (q @ k and p @ v over prefix + block), the kernel's
+max abs error against the reference (--check), and for the GPU kernel its prefix split count (split-K programs per
+request, KV head and row block; docs/kernels.md). `--num_splits auto,1` times the split rule against the
+single-pass kernel.
 
 Default shapes are the 8B model's (32 q heads, 8 KV heads, head_dim 128, bf16) at block sizes 8/16/32, batch
 1..128 and prefixes 512..8192. On a GPU or TPU:
@@ -30,6 +32,7 @@ flags.DEFINE_list("batch", ["1", "8", "32", "128"], "Requests per call.")
 flags.DEFINE_list("prefix", ["512", "2048", "8192"], "Committed prefix length of every request.")
 flags.DEFINE_list("masks", ["causal", "full"], "Intra-block masks: causal (verify), full (draft), tree (random).")
 flags.DEFINE_list("impls", ["pallas", "reference"], "Implementations to time.")
+flags.DEFINE_list("num_splits", ["auto"], "GPU kernel prefix splits to time: 'auto' (the split rule) and/or counts.")
 flags.DEFINE_enum("variant", "auto", ["auto", "gpu", "tpu"], "Kernel variant (auto: the platform's).")
 flags.DEFINE_integer("q_heads", 32, "Query heads.")
 flags.DEFINE_integer("kv_heads", 8, "KV heads.")
@@ -65,19 +68,32 @@ def _median_seconds(fn, args, repeats):
   return statistics.median(times)
 
 
-def _callable(impl, kernel_mod, mask, dense, scale):
+def _callable(impl, kernel_mod, mask, dense, scale, num_splits=None):
   """A jitted f(q, k_block, v_block, k_pages, v_pages, page_table, prefix_len) for one implementation."""
   import jax
-  from recguide_jax.attention import block_attention_ref
   if impl == "pallas":
+    extra = {} if num_splits is None else dict(num_splits=num_splits)  # GPU only
     def fn(q, kb, vb, kp, vp, pt, plen):
       return kernel_mod.block_attention(q, kb, vb, mask, k_pages=kp, v_pages=vp, page_table=pt, prefix_len=plen,
-                                        scale=scale, interpret=FLAGS.interpret)
+                                        scale=scale, interpret=FLAGS.interpret, **extra)
   else:
     def fn(q, kb, vb, kp, vp, pt, plen):
-      return block_attention_ref(q, kb, vb, dense, k_pages=kp, v_pages=vp, page_table=pt, prefix_len=plen,
-                                 scale=scale)
+      return kernel_mod.block_attention_ref(q, kb, vb, dense, k_pages=kp, v_pages=vp, page_table=pt,
+                                            prefix_len=plen, scale=scale)
   return jax.jit(fn)
+
+
+def _split_options():
+  """--num_splits as [None (the rule) | int]."""
+  out = []
+  for v in FLAGS.num_splits:
+    if v == "auto":
+      out.append(None)
+    elif v.isdigit() and int(v) > 0:
+      out.append(int(v))
+    else:
+      sys.exit(f"error: --num_splits entries must be 'auto' or positive integers, got {v!r}")
+  return out
 
 
 def main(argv):
@@ -90,7 +106,7 @@ def main(argv):
 
   platform = jax.default_backend()
   if FLAGS.quick:
-    blocks, batches, prefixes = [8], [1, 2], [0, 40]
+    blocks, batches, prefixes = [8], [1, 2], [0, 300]  # 300 keys: 3 prefix steps, so --num_splits 2 splits
     hq, hkv, d, ps, repeats = 4, 2, 16, 8, 2
   else:
     blocks, batches, prefixes = _ints("block_sizes"), _ints("batch"), _ints("prefix")
@@ -107,6 +123,7 @@ def main(argv):
   if "pallas" in FLAGS.impls and not FLAGS.interpret and (variant == "tpu") != (platform == "tpu"):
     sys.exit(f"error: the {variant} kernel does not compile on {platform}; pass --interpret or another --variant")
   kernel_mod = block_attention_tpu if variant == "tpu" else block_attention_gpu
+  split_options = _split_options() if variant == "gpu" else [None]
   dtype = jnp.dtype(FLAGS.dtype)
   item = dtype.itemsize
   print(f"platform={platform} variant={variant} interpret={FLAGS.interpret} dtype={dtype.name} "
@@ -143,19 +160,26 @@ def main(argv):
           args = (q, kb, vb, k_pages, v_pages, table, plen)
           dense = common.dense_mask(mask, b, blk)
           expected = _callable("reference", kernel_mod, mask, dense, d ** -0.5)(*args) if FLAGS.check else None
-          for impl in FLAGS.impls:
-            call = _callable(impl, kernel_mod, mask, dense, d ** -0.5)
+          runs = [(impl, s) for impl in FLAGS.impls for s in (split_options if impl == "pallas" else [None])]
+          for impl, num_splits in runs:
+            call = _callable(impl, kernel_mod, mask, dense, d ** -0.5, num_splits)
+            splits = 1
+            if impl == "pallas" and variant == "gpu":
+              splits = block_attention_gpu.launch_plan(b, blk, hq, hkv, ps, pages_per_seq,
+                                                       num_splits=num_splits).splits
             err = None
             if expected is not None and impl == "pallas":  # the first compiled run on a device is also a test
               err = float(jnp.max(jnp.abs(call(*args).astype(jnp.float32) - expected.astype(jnp.float32))))
             sec = _median_seconds(call, args, repeats)
             row = dict(impl=impl, variant=variant if impl == "pallas" else "xla", mask=mask_name, block=blk,
-                       batch=b, prefix=prefix, ms=sec * 1e3, gb_per_s=bytes_moved / sec / 1e9,
-                       tflop_per_s=flops / sec / 1e12, max_abs_err=err,
+                       batch=b, prefix=prefix, splits=splits if impl == "pallas" else None,
+                       split_rule=impl == "pallas" and num_splits is None, ms=sec * 1e3,
+                       gb_per_s=bytes_moved / sec / 1e9, tflop_per_s=flops / sec / 1e12, max_abs_err=err,
                        interpret=FLAGS.interpret and impl == "pallas")
             rows.append(row)
-            print(f"{impl:<9} {mask_name:<6} B={blk:<3} batch={b:<4} prefix={prefix:<5} {row['ms']:9.3f} ms "
-                  f"{row['gb_per_s']:9.2f} GB/s {row['tflop_per_s']:8.3f} TFLOP/s"
+            split_txt = f"splits={splits:<3}" if impl == "pallas" else " " * 10
+            print(f"{impl:<9} {mask_name:<6} B={blk:<3} batch={b:<4} prefix={prefix:<5} {split_txt} "
+                  f"{row['ms']:9.3f} ms {row['gb_per_s']:9.2f} GB/s {row['tflop_per_s']:8.3f} TFLOP/s"
                   + ("" if err is None else f"  max|err| {err:.2e}"), flush=True)
   if FLAGS.out_json:
     os.makedirs(os.path.dirname(os.path.abspath(FLAGS.out_json)), exist_ok=True)

@@ -17,6 +17,13 @@ running max, denominator and accumulator per KV head:
 Mosaic wants the last two block dims divisible by (8, 128) or equal to the array's, hence whole pages (all heads)
 and tokens padded to a multiple of 8; page_size should be a multiple of 8 (16 for bf16) so the pages of a step stack
 on sublanes, and head_dim a multiple of 128 keeps the per-head column slices free.
+
+Stacked pages [L, N, ...] with `layer`: the cache is viewed as [L * N, ...] and the prefetched page ids carry the
+layer's offset, so the index maps DMA that layer's pages straight from the stacked array (no per-layer slice).
+
+No split-K here (unlike the GPU kernel): a TensorCore runs the grid sequentially, so extra programs only help on
+chips with two cores per device (megacore), where the "parallel" request axis already feeds both once b >= 2, and
+the prefix walk is a double-buffered DMA stream that is bandwidth-bound on its own.
 """
 
 from __future__ import annotations
@@ -100,12 +107,14 @@ def _kernel(pt_ref, plen_ref, *refs, mask_kind: str, nq: int, qp: int, ppb: int,
 
 
 @functools.partial(jax.jit, static_argnames=("mask_kind", "scale", "interpret", "block_sizes"))
-def _attention(q, k_block, v_block, tree_mask, k_pages, v_pages, page_table, prefix_len, *, mask_kind, scale,
-               interpret, block_sizes):
+def _attention(q, k_block, v_block, tree_mask, k_pages, v_pages, page_table, prefix_len, layer=None, *, mask_kind,
+               scale, interpret, block_sizes):
   b, nq, hq, d = q.shape
   hkv = k_block.shape[2]
   g = hq // hkv
-  page_size = k_pages.shape[1]
+  page_size = common.layer_pages(k_pages, layer)[1]
+  k_pages, offset = common.layer_view(k_pages, layer)
+  v_pages, _ = common.layer_view(v_pages, layer)
   qp = common.round_up(nq, 8)
   if mask_kind == "causal":  # the kernel derives a row's token as row & (qp - 1); blocks are 2^k tokens anyway
     qp = common.next_pow2(qp)
@@ -113,7 +122,7 @@ def _attention(q, k_block, v_block, tree_mask, k_pages, v_pages, page_table, pre
   bs = block_sizes or common.pick_block_sizes(common.TPU_BLOCK_TABLE, rows)
   ppb = max(1, min(bs.block_k // page_size, page_table.shape[1]))  # no more pages per step than a row has
   width = common.round_up(page_table.shape[1], ppb)
-  pt = jnp.pad(page_table.astype(jnp.int32), ((0, 0), (0, width - page_table.shape[1]))).reshape(-1)
+  pt = (jnp.pad(page_table.astype(jnp.int32), ((0, 0), (0, width - page_table.shape[1]))) + offset).reshape(-1)
   precision = jax.lax.Precision.HIGHEST if q.dtype == jnp.float32 else None
 
   qf = common.fold_queries(q, hkv, qp, g, rows)
@@ -156,20 +165,23 @@ def _attention(q, k_block, v_block, tree_mask, k_pages, v_pages, page_table, pre
 def block_attention(q: jax.Array, k_block: jax.Array, v_block: jax.Array, block_mask, *,
                     k_pages: jax.Array | None = None, v_pages: jax.Array | None = None,
                     page_table: jax.Array | None = None, prefix_len: jax.Array | None = None, scale: float,
-                    write_positions: jax.Array | None = None, write: jax.Array | None = None,
-                    interpret=False, block_sizes: common.BlockSizes | None = None):
-  """Same contract as `recguide_jax.attention.block_attention_ref`; `block_mask` may also be "causal" or "full".
+                    layer: int | jax.Array | None = None, write_positions: jax.Array | None = None,
+                    write: jax.Array | None = None, trash_page: int = 0, interpret=False,
+                    block_sizes: common.BlockSizes | None = None):
+  """Same contract as `block_attention_ref`; `block_mask` may also be "causal" or "full". Arguments as the GPU
+  kernel's (`block_attention_gpu.block_attention`, without `num_splits`): k_pages/v_pages [num_pages, page_size, Hkv,
+  D], or stacked [L, num_pages, page_size, Hkv, D] read in place at `layer` (int or int32 scalar).
 
   `interpret`: False on TPU; True (generic interpreter) or a `pltpu.InterpretParams` (TPU-semantics interpreter)
   to run on CPU. Without page_table the prefix is empty. Returns [b, Q, Hq, D] in q's dtype, or with
-  `write_positions` ([b, Q]; `write` [b, Q] bool, default all) also runs the fused write (`kv_write_tpu`, same cache
-  as `kv_cache.write_block`) after the attention and returns (out, k_pages, v_pages); the pages passed in are
-  donated then.
+  `write_positions` ([b, Q]; `write` [b, Q] bool, default all) also runs the fused write (`kv_write_tpu`,
+  write=False tokens to `trash_page`) after the attention and returns (out, k_pages, v_pages); the pages passed in
+  are donated then.
   """
   return common.run_block_attention(
       _attention, kv_write.kv_write, 8, q, k_block, v_block, block_mask, k_pages=k_pages, v_pages=v_pages,
       page_table=page_table, prefix_len=prefix_len, scale=scale, write_positions=write_positions, write=write,
-      interpret=interpret, block_sizes=block_sizes)
+      interpret=interpret, block_sizes=block_sizes, layer=layer, trash_page=trash_page)
 
 
-block_attention_ref = common.block_attention_ref
+block_attention_ref = common.block_attention_ref  # the twin: one pure-jnp reference serves both backends

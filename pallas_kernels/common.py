@@ -1,5 +1,13 @@
 """Layout shared by the block-attention kernels: mask kinds, the GQA-folded query layout, packed tree masks, the
-placeholder prefix for calls without a cache, and the per-backend block-size tables.
+placeholder prefix for calls without a cache, the page layouts, the per-backend block-size tables, and the pure-jnp
+references both backends' `_ref` twins are.
+
+Page layouts. The cache is either one layer's pages [num_pages, page_size, Hkv, D] (`layer=None`) or all layers'
+pages stacked [L, num_pages, page_size, Hkv, D] with `layer` an int or an int32 scalar (traced inside a scan over
+layers). The kernels never slice a layer out (that would copy a whole layer per call): they view the stacked array
+as [L * num_pages, ...] (a free reshape of a contiguous array) and add `layer * num_pages` to the page ids, so the
+page table itself carries the layer (`layer_view`). The trash page (where write=False tokens go) is a parameter,
+an index into one layer's pages: this package knows nothing of the application that allocates them.
 
 Folded layout. A kernel program works on one request and (part of) one KV head. The g = Hq / Hkv query heads that
 share a KV head are stacked along the row axis, group-major: row = j * Qp + t for query head j of the group and
@@ -14,8 +22,6 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 import numpy as np
-
-from recguide_jax.kv_cache import TRASH_PAGE
 
 NEG_INF = -1e30  # the reference's finite "masked" score, so a fully masked row stays NaN-free
 MASK_KINDS = ("causal", "full", "tree")
@@ -141,6 +147,31 @@ TPU_BLOCK_TABLE: tuple[tuple[int, BlockSizes], ...] = (
 )
 
 
+# Split-K (flash-decoding) on GPU. The grid (request, KV head, row block) has b * Hkv * R / block_r programs: 8 for
+# one decode request of the 8B model, on a 132-SM H200. A fourth grid axis splits the prefix walk: each split walks
+# its own range of the page table to a partial (running max, denominator, unnormalised output), and the splits are
+# merged by their log-sum-exp. The split count is static (a shape): it comes from the page-table width P, the widest
+# prefix the call can see, and from the number of programs without splits:
+#   splits = min(ceil(GPU_TARGET_PROGRAMS / programs), max(1, P * page_size // GPU_MIN_KEYS_PER_SPLIT))
+# then rounded so every split covers the same whole number of block_k steps. Enough programs already (large batch,
+# long trees): 1 split, the single-pass kernel with no partials in memory.
+GPU_TARGET_PROGRAMS = 2 * 132  # two thread blocks per SM of an H100/H200 (B200: 148 SMs, close enough)
+GPU_MIN_KEYS_PER_SPLIT = 256  # below this a split's partial (D fp32 per row) and its launch cost rival its reads
+
+
+def gpu_num_splits(programs: int, prefix_steps: int, block_k: int, *, target: int = GPU_TARGET_PROGRAMS,
+                   min_keys: int = GPU_MIN_KEYS_PER_SPLIT) -> tuple[int, int]:
+  """-> (splits, block_k steps per split) for `programs` grid programs without splits and a prefix walk of
+  `prefix_steps` steps of `block_k` keys (the whole page-table width). splits * steps_per_split >= prefix_steps."""
+  if prefix_steps <= 1 or programs >= target:
+    return 1, max(prefix_steps, 1)
+  want = -(-target // programs)
+  most = max(1, prefix_steps * block_k // min_keys)
+  splits = max(1, min(want, most, prefix_steps))
+  steps = -(-prefix_steps // splits)
+  return -(-prefix_steps // steps), steps
+
+
 def pick_block_sizes(table, rows: int) -> BlockSizes:
   for max_rows, bs in table:
     if rows <= max_rows:
@@ -148,18 +179,44 @@ def pick_block_sizes(table, rows: int) -> BlockSizes:
   return table[-1][1]
 
 
-def write_slots(page_table: jax.Array, positions: jax.Array, write: jax.Array, page_size: int):
-  """(page, offset) of every token, int32 [b, T] each, computed exactly as `kv_cache.write_block` does, so the
-  write kernels fill the same slots (write=False tokens go to the trash page)."""
+def check_layer(pages: jax.Array, layer, name: str = "k_pages") -> None:
+  """Shape check of a page array against `layer` (None: [N, ps, H, D]; else stacked [L, N, ps, H, D])."""
+  want = 4 if layer is None else 5
+  if pages.ndim != want:
+    layout = "[num_pages, page_size, kv_heads, head_dim]" if layer is None else (
+        "[layers, num_pages, page_size, kv_heads, head_dim] (stacked, with layer=)")
+    raise ValueError(f"{name} must be {layout}, got shape {tuple(pages.shape)}")
+  if layer is not None and isinstance(layer, (int, np.integer)) and not 0 <= layer < pages.shape[0]:
+    raise ValueError(f"layer={layer} out of range for {pages.shape[0]} stacked layers")
+
+
+def layer_view(pages: jax.Array, layer) -> tuple[jax.Array, jax.Array | int]:
+  """-> (pages as [L * N, ps, H, D], page-id offset of `layer`): a free reshape instead of a per-layer slice.
+  `layer=None` is the single-layer layout, offset 0."""
+  if layer is None:
+    return pages, 0
+  num_layers, n = pages.shape[:2]
+  return pages.reshape(num_layers * n, *pages.shape[2:]), jnp.asarray(layer, jnp.int32) * n
+
+
+def layer_pages(pages: jax.Array, layer) -> tuple[int, ...]:
+  """The per-layer page shape [N, ps, H, D] of either layout."""
+  return tuple(pages.shape if layer is None else pages.shape[1:])
+
+
+def write_slots(page_table: jax.Array, positions: jax.Array, write: jax.Array, page_size: int, trash_page: int):
+  """(page, offset) of every token, int32 [b, T] each: logical page `positions // page_size` through the page table
+  (clamped to its width), write=False tokens to `trash_page`, offset `positions % page_size`. The same slots as
+  `kv_write_ref` (and the application's cache scatter)."""
   logical = jnp.clip(positions // page_size, 0, page_table.shape[1] - 1)
   page = jnp.take_along_axis(page_table, logical, axis=1)
-  page = jnp.where(write, page, TRASH_PAGE)
+  page = jnp.where(write, page, trash_page)
   return page.astype(jnp.int32), (positions % page_size).astype(jnp.int32)
 
 
 def run_block_attention(attention, kv_write_fn, placeholder_page_size: int, q, k_block, v_block, block_mask, *,
                         k_pages, v_pages, page_table, prefix_len, scale, write_positions, write, interpret,
-                        block_sizes):
+                        block_sizes, layer, trash_page, **kernel_kwargs):
   """The shared entry of both backends' `block_attention`: mask-kind dispatch, the empty-prefix placeholder, the
   kernel call, then the optional fused K/V write (after the attention, whose prefix must not see the block's own
   entries). `attention` and `kv_write_fn` are the backend's kernels."""
@@ -170,22 +227,67 @@ def run_block_attention(attention, kv_write_fn, placeholder_page_size: int, q, k
     if write_positions is not None:
       raise ValueError("a fused K/V write needs the page table")
     prefix = placeholder_prefix(b, k_block.shape[2], d, k_block.dtype, placeholder_page_size)
+    layer_arg = None
   else:
+    check_layer(k_pages, layer, "k_pages")
+    check_layer(v_pages, layer, "v_pages")
     prefix = (k_pages, v_pages, page_table, prefix_len)
-  out = attention(q, k_block, v_block, tree, *prefix, mask_kind=kind, scale=float(scale), interpret=interpret,
-                  block_sizes=block_sizes)
+    layer_arg = layer
+  out = attention(q, k_block, v_block, tree, *prefix, layer_arg, mask_kind=kind, scale=float(scale),
+                  interpret=interpret, block_sizes=block_sizes, **kernel_kwargs)
   if write_positions is None:
     return out
   write = jnp.ones(write_positions.shape, bool) if write is None else write
   k_pages, v_pages = kv_write_fn(k_pages, v_pages, k_block, v_block, page_table, write_positions, write,
-                                 interpret=interpret)
+                                 layer=layer, trash_page=trash_page, interpret=interpret)
   return out, k_pages, v_pages
 
 
+# ---- pure-jnp references (the kernels' `_ref` twins) ---------------------------------------------------------------
+
+
+def _gather_prefix(pages: jax.Array, page_table: jax.Array, layer) -> jax.Array:
+  """[(L,) N, ps, H, D] x [b, P] -> [b, P * ps, H, D]: one gather, with the layer as a gather index (no slice)."""
+  g = pages[page_table] if layer is None else pages[layer, page_table]
+  b, p, s, h, d = g.shape
+  return g.reshape(b, p * s, h, d)
+
+
 def block_attention_ref(q, k_block, v_block, block_mask, *, k_pages=None, v_pages=None, page_table=None,
-                        prefix_len=None, scale: float) -> jax.Array:
-  """Pure-jnp twin of both kernels: the project's reference with the same mask-kind shorthand."""
-  from recguide_jax import attention as attn_lib
-  mask = dense_mask(block_mask, q.shape[0], q.shape[1])
-  return attn_lib.block_attention_ref(q, k_block, v_block, mask, k_pages=k_pages, v_pages=v_pages,
-                                      page_table=page_table, prefix_len=prefix_len, scale=scale)
+                        prefix_len=None, scale: float, layer=None) -> jax.Array:
+  """The kernels' contract in plain jnp: softmax (fp32) over the prefix [0, prefix_len[r]) read through the page
+  table plus the block's own keys under `block_mask` ([Q, Q] / [b, Q, Q] bool or "causal" / "full").
+
+  q: [b, Q, Hq, D]; k_block/v_block: [b, Q, Hkv, D]; k_pages/v_pages: [N, ps, Hkv, D], or [L, N, ps, Hkv, D] with
+  `layer`; page_table: [b, P] int32; prefix_len: [b]. Returns [b, Q, Hq, D] in q's dtype."""
+  b, nq, hq, d = q.shape
+  hkv = k_block.shape[2]
+  qf = q.reshape(b, nq, hkv, hq // hkv, d)
+  mask = dense_mask(block_mask, b, nq)
+  s = jnp.einsum("bqhgd,bkhd->bhgqk", qf, k_block.astype(q.dtype), preferred_element_type=jnp.float32) * scale
+  scores, values = [jnp.where(mask[:, None, None], s, NEG_INF)], [v_block]
+  if page_table is not None:
+    check_layer(k_pages, layer, "k_pages")
+    k_pre = _gather_prefix(k_pages, page_table, layer)
+    v_pre = _gather_prefix(v_pages, page_table, layer)
+    s = jnp.einsum("bqhgd,bkhd->bhgqk", qf, k_pre.astype(q.dtype), preferred_element_type=jnp.float32) * scale
+    valid = jnp.arange(k_pre.shape[1])[None, :] < prefix_len[:, None]  # [b, S]
+    scores.insert(0, jnp.where(valid[:, None, None, None, :], s, NEG_INF))
+    values.insert(0, v_pre.astype(v_block.dtype))
+  p = jax.nn.softmax(jnp.concatenate(scores, axis=-1), axis=-1)
+  v = jnp.concatenate(values, axis=1)
+  out = jnp.einsum("bhgqk,bkhd->bqhgd", p.astype(v.dtype), v, preferred_element_type=jnp.float32)
+  return out.reshape(b, nq, hq, d).astype(q.dtype)
+
+
+def kv_write_ref(k_pages, v_pages, k_new, v_new, page_table, positions, write, *, layer=None, trash_page: int = 0,
+                 interpret=None):
+  """The write kernels' contract in plain jnp: token (r, t) of k_new/v_new [b, T, Hkv, D] goes to slot
+  `positions[r, t]` of request r through `page_table` [b, P], write=False tokens to `trash_page`; with `layer`, into
+  that layer of the stacked pages (one scatter, no slice). `interpret` is accepted (and ignored) so the twin is a
+  drop-in for the kernels."""
+  del interpret
+  check_layer(k_pages, layer, "k_pages")
+  page, off = write_slots(page_table, positions, write, k_pages.shape[-3], trash_page)
+  idx = (page, off) if layer is None else (layer, page, off)
+  return (k_pages.at[idx].set(k_new.astype(k_pages.dtype)), v_pages.at[idx].set(v_new.astype(v_pages.dtype)))

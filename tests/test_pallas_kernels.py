@@ -1,13 +1,21 @@
 """The Pallas block-attention kernels (`pallas_kernels`), on CPU only:
-- both variants in interpret mode against their pure-jnp `_ref` twins over ragged paged prefixes, every mask kind,
-  GQA 1/4/8, fp32/bf16, and with small block sizes so the prefix walk and the row split take several steps;
-- the fused K/V write against `kv_cache.write_block`;
-- lowering of every kernel for its real backend (Triton for cuda, Mosaic for tpu), which jax does without a device;
+- both variants in interpret mode against their pure-jnp `_ref` twins over ragged paged prefixes (including 0, page
+  boundaries, lengths that are not page multiples and whole page tables), every mask kind the model uses (causal
+  verify/prefill, bidirectional draft, packed tree), GQA 1/4/8, fp32/bf16, one layer's pages and all layers stacked
+  (`layer=`), small block sizes so the prefix walk takes several steps and GPU rows split, and long prefixes the
+  GPU kernel splits across its grid (split-K, partials merged by log-sum-exp);
+- the GPU split rule at the 8B model's shapes;
+- the K/V write kernels against `kv_write_ref`, standalone, fused after the attention, and per layer of a stacked
+  cache inside a `lax.scan` over layers (how the scanned model calls them);
+- lowering of every kernel for its real backend (Triton for cuda, Mosaic for tpu) at 8B shapes with a stacked
+  34-layer cache and an 8192-token page table, which jax does without a device;
 - the tiny model with the kernels forced on gives the reference path's logits, greedy tokens and cache.
-Interpret mode compiles a grid interpreter per shape, so the cases are few and small.
+Interpret mode compiles a grid interpreter per shape, so the numeric cases are few and tiny; only lowering uses 8B
+shapes.
 """
 
 import dataclasses
+import re
 
 import jax
 import jax.numpy as jnp
@@ -18,7 +26,6 @@ from jax.experimental.pallas import tpu as pltpu
 
 from pallas_kernels import block_attention_gpu, block_attention_tpu, common, kv_write_gpu, kv_write_tpu
 from recguide_jax import attention_dispatch
-from recguide_jax.kv_cache import TRASH_PAGE, write_block
 from recguide_jax.model import ForwardInputs, NLDModel
 from tests.conftest import tiny_config
 
@@ -37,15 +44,25 @@ class Case:
   head_dim: int = 16
   pages_per_seq: int = 4
   small_blocks: bool = False  # several prefix steps per request (and GPU row blocks)
+  layers: int = 0  # 0: one layer's pages [N, ps, H, D]; else stacked [layers, N, ps, H, D], read at the last layer
+  splits: int | None = None  # GPU prefix splits (None: the rule, which gives 1 at these tiny shapes)
 
 
 CASES = [
   Case(8, 4, 1, "causal", 8, (0, 8, 13)),  # GQA 4, empty prefix, exact page boundary, ragged tail
-  Case(8, 8, 1, "full", 16, (16, 0), small_blocks=True),  # GQA 8, diffusion draft, multi-step walk
+  Case(8, 8, 1, "full", 16, (16, 0), small_blocks=True, layers=2),  # GQA 8, diffusion draft, multi-step walk
   Case(12, 4, 4, "tree", 8, (32, 5), small_blocks=True),  # GQA 1, odd tree size, prefix = whole page table
   Case(1, 8, 2, "causal", 8, (7, 24)),  # AR decode
-  Case(16, 8, 2, "tree", 16, (20, 48), dtype="bfloat16", small_blocks=True),
+  Case(16, 8, 2, "tree", 16, (20, 48), dtype="bfloat16", small_blocks=True, layers=3),
   Case(20, 4, 1, "causal", 8, (9, 0), dtype="bfloat16"),  # odd causal chunk: padded rows and keys
+]
+
+# Long prefixes (relative to the tiny blocks: 13-16 prefix steps of 16 keys), ragged per request including 0 and
+# lengths that are not page multiples, split over 3-7 GPU programs; several splits of the short requests are empty.
+LONG_CASES = [
+  Case(8, 4, 2, "causal", 8, (0, 37, 104, 61), pages_per_seq=13, small_blocks=True, layers=3, splits=4),  # verify
+  Case(8, 4, 2, "full", 8, (101, 0, 17), pages_per_seq=13, small_blocks=True, splits=7),  # draft: 1 step per split
+  Case(12, 8, 2, "tree", 16, (250, 9), pages_per_seq=16, small_blocks=True, layers=2, splits=3),  # fused tree
 ]
 
 
@@ -61,33 +78,93 @@ def make_inputs(case: Case, seed: int = 0):
     mask = jnp.asarray(mask)
   else:
     mask = case.mask
-  return dict(q=arr(b, case.nq, case.hq, d), k_block=arr(b, case.nq, case.hkv, d),
-              v_block=arr(b, case.nq, case.hkv, d), block_mask=mask,
-              k_pages=arr(num_pages, case.page_size, case.hkv, d), v_pages=arr(num_pages, case.page_size, case.hkv, d),
-              page_table=jnp.asarray(page_table, jnp.int32), prefix_len=jnp.asarray(case.prefix, jnp.int32),
-              scale=d ** -0.5)
+  lead = (case.layers,) if case.layers else ()
+  inp = dict(q=arr(b, case.nq, case.hq, d), k_block=arr(b, case.nq, case.hkv, d),
+             v_block=arr(b, case.nq, case.hkv, d), block_mask=mask,
+             k_pages=arr(*lead, num_pages, case.page_size, case.hkv, d),
+             v_pages=arr(*lead, num_pages, case.page_size, case.hkv, d),
+             page_table=jnp.asarray(page_table, jnp.int32), prefix_len=jnp.asarray(case.prefix, jnp.int32),
+             scale=d ** -0.5)
+  if case.layers:
+    inp["layer"] = jnp.int32(case.layers - 1)  # an array, as a scan's layer index is
+  return inp
 
 
 def tolerance(dtype: str) -> float:
   return 1e-5 if dtype == "float32" else 3e-2  # bf16: p is rounded before P @ V, in a different order
 
 
-@pytest.mark.parametrize("variant", sorted(VARIANTS))
-@pytest.mark.parametrize("case", CASES, ids=lambda c: f"{c.mask}-q{c.nq}-g{c.hq // c.hkv}-ps{c.page_size}-{c.dtype}")
-def test_kernel_matches_ref(variant, case):
+def case_id(c: Case) -> str:
+  return (f"{c.mask}-q{c.nq}-g{c.hq // c.hkv}-ps{c.page_size}-{c.dtype}" + (f"-L{c.layers}" if c.layers else "")
+          + (f"-split{c.splits}" if c.splits else ""))
+
+
+def run_case(variant: str, case: Case):
   kernel = VARIANTS[variant][0]
   inp = make_inputs(case)
-  sizes = common.BlockSizes(block_r=16, block_k=16) if case.small_blocks else None
-  out = kernel.block_attention(**inp, interpret=True, block_sizes=sizes)
+  kwargs = {}
+  if case.small_blocks:
+    kwargs["block_sizes"] = common.BlockSizes(block_r=16, block_k=16)
+  if variant == "gpu" and case.splits:
+    kwargs["num_splits"] = case.splits
+  out = kernel.block_attention(**inp, interpret=True, **kwargs)
   ref = kernel.block_attention_ref(**inp)
   assert out.shape == ref.shape and out.dtype == ref.dtype
   np.testing.assert_allclose(np.asarray(out, np.float32), np.asarray(ref, np.float32), atol=tolerance(case.dtype),
                              rtol=tolerance(case.dtype))
+  return inp, ref
+
+
+@pytest.mark.parametrize("variant", sorted(VARIANTS))
+@pytest.mark.parametrize("case", CASES, ids=case_id)
+def test_kernel_matches_ref(variant, case):
+  run_case(variant, case)
+
+
+@pytest.mark.parametrize("variant", sorted(VARIANTS))
+@pytest.mark.parametrize("case", LONG_CASES, ids=case_id)
+def test_long_prefix_matches_ref(variant, case):
+  """Long ragged prefixes; on GPU split across the grid (`case.splits` programs per row block, each walking its
+  page range to a partial softmax, merged by log-sum-exp)."""
+  if variant == "gpu":
+    inp = make_inputs(case)
+    plan = block_attention_gpu.launch_plan(len(case.prefix), case.nq, case.hq, case.hkv, case.page_size,
+                                           case.pages_per_seq, common.BlockSizes(16, 16), case.splits)
+    assert plan.splits == case.splits > 1  # the case does exercise the split path
+  inp, ref = run_case(variant, case)
+  if case.layers:  # the stacked twin reads the layer's pages, not another layer's
+    single = {k: v for k, v in inp.items() if k != "layer"}
+    single["k_pages"], single["v_pages"] = inp["k_pages"][-1], inp["v_pages"][-1]
+    np.testing.assert_array_equal(block_attention_gpu.block_attention_ref(**single), ref)
+    single["k_pages"], single["v_pages"] = inp["k_pages"][0], inp["v_pages"][0]
+    assert not np.allclose(block_attention_gpu.block_attention_ref(**single), ref)
+
+
+def test_gpu_split_rule_at_8b_shapes():
+  """The static split count: enough programs for ~2 per SM of an H200 (`common.GPU_TARGET_PROGRAMS`), at least
+  `GPU_MIN_KEYS_PER_SPLIT` keys per split, none when the batch fills the grid; splits cover the whole table."""
+  plan = lambda b, nq, pages, **kw: block_attention_gpu.launch_plan(b, nq, 32, 8, 16, pages, **kw)
+  one = plan(1, 1, 512)  # one decode request, 8192-token table: 8 programs without splits
+  assert (one.splits, one.programs * 8) == (32, 256)
+  assert plan(8, 1, 512).splits == 5  # 64 programs -> 5 splits of 13 steps
+  assert plan(8, 16, 512).splits == 5  # LinearSS verify B = 16
+  assert plan(64, 1, 512).splits == 1  # 512 programs already
+  assert plan(1, 1, 16).splits == 1  # 256 keys: one split's worth
+  assert plan(1, 1, 64).splits == 4  # 1024 keys: 256 per split
+  for b, nq, pages in [(1, 1, 512), (3, 8, 100), (2, 32, 1000), (1, 1, 17)]:
+    p = plan(b, nq, pages)
+    steps = -(-pages // p.ppb)
+    assert p.splits * p.steps_per_split >= steps > (p.splits - 1) * p.steps_per_split  # no empty trailing split
+  assert plan(1, 1, 512, num_splits=1).splits == 1  # the single-pass kernel
+  assert plan(1, 1, 24, num_splits=100).splits == 3  # at most one block_k step per split
+  with pytest.raises(ValueError, match="num_splits"):
+    plan(1, 1, 24, num_splits=0)
 
 
 def test_tpu_kernel_under_tpu_interpreter():
-  """The TPU-semantics interpreter (SMEM scalar prefetch, VMEM blocks, DMA) agrees with the generic one."""
-  inp = make_inputs(CASES[2], seed=1)
+  """The TPU-semantics interpreter (SMEM scalar prefetch, VMEM blocks, DMA) agrees with the generic one, on a
+  stacked cache."""
+  inp = make_inputs(dataclasses.replace(CASES[2], layers=2), seed=1)
   out = block_attention_tpu.block_attention(**inp, interpret=pltpu.InterpretParams(),
                                             block_sizes=common.BlockSizes(block_r=0, block_k=16))
   np.testing.assert_allclose(out, block_attention_tpu.block_attention_ref(**inp), atol=1e-5, rtol=1e-5)
@@ -103,11 +180,24 @@ def test_no_prefix():
     np.testing.assert_allclose(kernel.block_attention(**inp, interpret=True), ref, atol=1e-5, rtol=1e-5)
 
 
-def write_inputs(seed: int, all_write: bool):
+def test_layout_errors():
+  inp = make_inputs(CASES[0])
+  with pytest.raises(ValueError, match=r"k_pages must be \[layers"):
+    block_attention_gpu.block_attention(**inp, layer=0, interpret=True)
+  inp = make_inputs(dataclasses.replace(CASES[0], layers=2))
+  with pytest.raises(ValueError, match="layer=2 out of range"):
+    block_attention_tpu.block_attention(**{**inp, "layer": 2}, interpret=True)
+  inp.pop("layer")
+  with pytest.raises(ValueError, match=r"k_pages must be \[num_pages"):
+    block_attention_gpu.block_attention_ref(**inp)
+
+
+def write_inputs(seed: int, all_write: bool, layers: int = 0):
   rng = np.random.default_rng(seed)
   b, t, hkv, d, ps, pages_per_seq = 3, 6, 2, 16, 8, 3
   num_pages = b * pages_per_seq + 2
-  pages = lambda: jnp.asarray(rng.normal(size=(num_pages, ps, hkv, d)), jnp.float32)
+  lead = (layers,) if layers else ()
+  pages = lambda: jnp.asarray(rng.normal(size=(*lead, num_pages, ps, hkv, d)), jnp.float32)
   page_table = rng.permutation(np.arange(1, num_pages))[:b * pages_per_seq].reshape(b, pages_per_seq)
   start = np.array([0, 5, 16])  # block inside one page, across a page boundary, starting on one
   write = np.ones((b, t), bool) if all_write else rng.random((b, t)) < 0.6
@@ -116,30 +206,45 @@ def write_inputs(seed: int, all_write: bool):
           jnp.asarray(start[:, None] + np.arange(t)[None], jnp.int32), jnp.asarray(write))
 
 
+def assert_same_cache(new, ref, trash_page: int, duplicates: bool):
+  if not duplicates:  # no two tokens share a slot: the whole cache is determined
+    np.testing.assert_array_equal(new, ref)
+  else:  # several write=False tokens hit the same trash slot, in no defined order (nor in the twin's scatter)
+    keep = np.arange(new.shape[-4]) != trash_page
+    np.testing.assert_array_equal(np.asarray(new)[..., keep, :, :, :], np.asarray(ref)[..., keep, :, :, :])
+
+
 @pytest.mark.parametrize("variant", sorted(VARIANTS))
-@pytest.mark.parametrize("all_write", [True, False])
-def test_fused_write_matches_write_block(variant, all_write):
-  args = write_inputs(seed=3, all_write=all_write)
-  ref_k, ref_v = write_block(*args)
+@pytest.mark.parametrize("all_write,layers", [(True, 0), (False, 3)])
+def test_write_matches_ref(variant, all_write, layers):
+  """Standalone write kernel == `kv_write_ref`; with a stacked cache only the given layer changes, and write=False
+  tokens land on the trash page given (here the last page, to show it is a parameter)."""
+  args = write_inputs(seed=3, all_write=all_write, layers=layers)
+  kw = dict(trash_page=args[0].shape[-4] - 1)
+  if layers:
+    kw["layer"] = jnp.int32(1)
+  ref_k, ref_v = kv_write_gpu.kv_write_ref(*args, **kw)
   kv_write = VARIANTS[variant][1]
-  new_k, new_v = kv_write.kv_write(jnp.copy(args[0]), jnp.copy(args[1]), *args[2:], interpret=True)
-  if all_write:  # no two tokens share a slot: the whole cache is determined
-    np.testing.assert_array_equal(new_k, ref_k)
-    np.testing.assert_array_equal(new_v, ref_v)
-  else:  # several write=False tokens hit the same trash slot, in no defined order (nor in write_block's scatter)
-    np.testing.assert_array_equal(new_k[TRASH_PAGE + 1:], ref_k[TRASH_PAGE + 1:])
-    np.testing.assert_array_equal(new_v[TRASH_PAGE + 1:], ref_v[TRASH_PAGE + 1:])
+  new_k, new_v = kv_write.kv_write(jnp.copy(args[0]), jnp.copy(args[1]), *args[2:], interpret=True, **kw)
+  assert_same_cache(new_k, ref_k, kw["trash_page"], duplicates=not all_write)
+  assert_same_cache(new_v, ref_v, kw["trash_page"], duplicates=not all_write)
+  if layers:
+    np.testing.assert_array_equal(np.delete(np.asarray(new_k), 1, axis=0), np.delete(np.asarray(args[0]), 1, axis=0))
+    if not all_write:  # the trash page got the write=False tokens
+      assert not np.array_equal(new_k[1, kw["trash_page"]], args[0][1, kw["trash_page"]])
 
 
 @pytest.mark.parametrize("variant", sorted(VARIANTS))
 def test_attention_with_fused_write(variant):
-  """Verify-style call: attention over the old prefix, then the block's K/V land where write_block puts them."""
+  """Verify-style call on a stacked cache: attention over the layer's old prefix, then the block's K/V land in that
+  layer where `kv_write_ref` puts them."""
   kernel = VARIANTS[variant][0]
-  inp = make_inputs(Case(8, 4, 2, "causal", 8, (5, 16)), seed=2)
+  inp = make_inputs(Case(8, 4, 2, "causal", 8, (5, 16), layers=2), seed=2)
   positions = inp["prefix_len"][:, None] + jnp.arange(8)[None]
   ref_out = kernel.block_attention_ref(**inp)
-  ref_k, ref_v = write_block(inp["k_pages"], inp["v_pages"], inp["k_block"], inp["v_block"], inp["page_table"],
-                             positions, jnp.ones(positions.shape, bool))
+  ref_k, ref_v = kv_write_gpu.kv_write_ref(inp["k_pages"], inp["v_pages"], inp["k_block"], inp["v_block"],
+                                           inp["page_table"], positions, jnp.ones(positions.shape, bool),
+                                           layer=inp["layer"])
   inp["k_pages"], inp["v_pages"] = jnp.copy(inp["k_pages"]), jnp.copy(inp["v_pages"])
   out, new_k, new_v = kernel.block_attention(**inp, write_positions=positions, interpret=True)
   np.testing.assert_allclose(out, ref_out, atol=1e-5, rtol=1e-5)
@@ -147,7 +252,47 @@ def test_attention_with_fused_write(variant):
   np.testing.assert_array_equal(new_v, ref_v)
 
 
+def _scan_layers(attend, write, q, kb, vb, k_pages, v_pages, page_table, prefix_len, positions):
+  """What the scanned model does per layer: attend over layer i's prefix, write the block into layer i, with the
+  stacked cache as the scan carry and i an int32 scalar."""
+  def body(carry, xs):
+    k_pages, v_pages = carry
+    i, q, kb, vb = xs
+    out = attend(q, kb, vb, "causal", k_pages=k_pages, v_pages=v_pages, page_table=page_table,
+                 prefix_len=prefix_len, scale=0.25, layer=i)
+    k_pages, v_pages = write(k_pages, v_pages, kb, vb, page_table, positions, jnp.ones(positions.shape, bool),
+                             layer=i)
+    return (k_pages, v_pages), out
+  layers = jnp.arange(k_pages.shape[0], dtype=jnp.int32)
+  return jax.lax.scan(body, (k_pages, v_pages), (layers, q, kb, vb))
+
+
+def test_kernels_in_scan_over_stacked_layers():
+  """The GPU kernels inside `lax.scan` over a 3-layer stacked cache (interpreted) == the twins, per layer."""
+  rng = np.random.default_rng(5)
+  L, b, nq, hq, hkv, d, ps, pages_per_seq = 3, 2, 8, 4, 2, 16, 8, 5
+  n = b * pages_per_seq + 1
+  f = lambda *s: jnp.asarray(rng.normal(size=s), jnp.float32)
+  page_table = jnp.asarray(rng.permutation(np.arange(1, n)).reshape(b, pages_per_seq), jnp.int32)
+  prefix_len = jnp.asarray([13, 24], jnp.int32)
+  args = (f(L, b, nq, hq, d), f(L, b, nq, hkv, d), f(L, b, nq, hkv, d), f(L, n, ps, hkv, d), f(L, n, ps, hkv, d),
+          page_table, prefix_len, prefix_len[:, None] + jnp.arange(nq)[None])
+  attend = lambda *a, **k: block_attention_gpu.block_attention(*a, **k, interpret=True, num_splits=2,
+                                                               block_sizes=common.BlockSizes(16, 16))
+  write = lambda *a, **k: kv_write_gpu.kv_write(*a, **k, interpret=True)
+  (k_ker, v_ker), out_ker = jax.jit(lambda *a: _scan_layers(attend, write, *a))(*args)
+  (k_ref, v_ref), out_ref = _scan_layers(block_attention_gpu.block_attention_ref, kv_write_gpu.kv_write_ref, *args)
+  np.testing.assert_allclose(out_ker, out_ref, atol=1e-5, rtol=1e-5)
+  np.testing.assert_array_equal(k_ker, k_ref)
+  np.testing.assert_array_equal(v_ker, v_ref)
+
+
 # ---- lowering for the real backends (no device needed) ------------------------------------------------------------
+
+SDS = jax.ShapeDtypeStruct
+BF16 = jnp.bfloat16
+# NLD-8B: 34 layers, 32 query heads, 8 KV heads, head_dim 128, 16-token pages; an 8192-token page table
+L8B, HQ8B, HKV8B, D8B, PS8B, P8B, N8B = 34, 32, 8, 128, 16, 512, 1100
 
 
 def _lower(fn, platform, *args, **static):
@@ -159,24 +304,44 @@ def _lower(fn, platform, *args, **static):
     raise
 
 
+def _lower_attention(variant, platform, mask, nq, b=2, stacked=True):
+  pages = SDS(((L8B,) if stacked else ()) + (N8B, PS8B, HKV8B, D8B), BF16)
+  blk = lambda h: SDS((b, nq, h, D8B), BF16)
+  return _lower(VARIANTS[variant][0]._attention, platform, blk(HQ8B), blk(HKV8B), blk(HKV8B),
+                SDS((b, nq, nq), bool) if mask == "tree" else None, pages, pages, SDS((b, P8B), jnp.int32),
+                SDS((b,), jnp.int32), SDS((), jnp.int32) if stacked else None, mask_kind=mask, scale=D8B ** -0.5,
+                interpret=False, block_sizes=None)
+
+
+def _triton_grid(text: str) -> int:
+  (x, y, z), = re.findall(r"grid_x = (\d+) : i32, grid_y = (\d+) : i32, grid_z = (\d+) : i32", text)
+  return int(x) * int(y) * int(z)
+
+
 @pytest.mark.parametrize("variant,platform,custom_call",
                          [("gpu", "cuda", "__gpu$xla.gpu.triton"), ("tpu", "tpu", "tpu_custom_call")])
 @pytest.mark.parametrize("mask,nq", [("causal", 1), ("full", 32), ("tree", 37)])
 def test_kernels_lower_for_their_backend(variant, platform, custom_call, mask, nq):
-  """8B shapes (32 q heads, 8 KV heads, head_dim 128, bf16, 16-token pages): the Triton / Mosaic lowering rules
-  accept every kernel (compiling the result needs the device, see docs/kernels.md)."""
+  """8B shapes (34 stacked layers, 32 q heads, 8 KV heads, head_dim 128, bf16, 16-token pages, 8192-token page
+  tables): the Triton / Mosaic lowering rules accept every kernel (compiling the result needs the device, see
+  docs/kernels.md), and the stacked cache enters them whole (no per-layer slice)."""
   kernel, kv_write = VARIANTS[variant]
-  sds = jax.ShapeDtypeStruct
-  b, hq, hkv, d, ps, p, n, bf16 = 2, 32, 8, 128, 16, 64, 160, jnp.bfloat16
-  pages = sds((n, ps, hkv, d), bf16)
-  text = _lower(kernel._attention, platform, sds((b, nq, hq, d), bf16), sds((b, nq, hkv, d), bf16),
-                sds((b, nq, hkv, d), bf16), sds((b, nq, nq), bool) if mask == "tree" else None, pages, pages,
-                sds((b, p), jnp.int32), sds((b,), jnp.int32), mask_kind=mask, scale=d ** -0.5, interpret=False,
-                block_sizes=None)
-  assert custom_call in text
-  text = _lower(kv_write.kv_write, platform, pages, pages, sds((b, nq, hkv, d), bf16), sds((b, nq, hkv, d), bf16),
-                sds((b, p), jnp.int32), sds((b, nq), jnp.int32), sds((b, nq), bool))
-  assert custom_call in text
+  text = _lower_attention(variant, platform, mask, nq)
+  assert custom_call in text and "dynamic_slice" not in text
+  pages = SDS((L8B, N8B, PS8B, HKV8B, D8B), BF16)
+  text = _lower(kv_write.kv_write, platform, pages, pages, SDS((2, nq, HKV8B, D8B), BF16),
+                SDS((2, nq, HKV8B, D8B), BF16), SDS((2, P8B), jnp.int32), SDS((2, nq), jnp.int32),
+                SDS((2, nq), bool), layer=SDS((), jnp.int32))
+  assert custom_call in text and "dynamic_slice" not in text
+  assert text.count("tf.aliasing_output") == 2  # the stacked pages are updated in place
+
+
+def test_gpu_kernel_lowers_split_for_one_request():
+  """One decode request at 8B shapes launches 8 KV heads x 32 splits = 256 programs (8 without split-K); 64
+  requests launch 512 programs unsplit; the single-layer layout lowers too."""
+  assert _triton_grid(_lower_attention("gpu", "cuda", "causal", 1, b=1)) == 256
+  assert _triton_grid(_lower_attention("gpu", "cuda", "causal", 1, b=64)) == 512
+  assert "__gpu$xla.gpu.triton" in _lower_attention("gpu", "cuda", "full", 16, stacked=False)
 
 
 # ---- dispatch and the model --------------------------------------------------------------------------------------
@@ -250,9 +415,10 @@ def test_tiny_model_kernels_match_reference(tiny_reference_steps, impl):
   model = NLDModel(tiny_config(), rngs=nnx.Rngs(7))
   ref_logits, ref_cache = tiny_reference_steps
   ker_logits, ker_cache = _model_steps(model, impl)
-  assert all(layer.self_attn.attention_impl == impl for layer in model.layers)
   for ref, ker in zip(ref_logits, ker_logits):
     np.testing.assert_allclose(ker, ref, atol=1e-4, rtol=1e-4)
     np.testing.assert_array_equal(jnp.argmax(ker, -1), jnp.argmax(ref, -1))  # same greedy tokens
-  for ref, ker in zip(ref_cache.k + ref_cache.v, ker_cache.k + ker_cache.v):
+  ref_leaves, ker_leaves = jax.tree.leaves(ref_cache), jax.tree.leaves(ker_cache)  # either cache layout
+  assert len(ref_leaves) == len(ker_leaves)
+  for ref, ker in zip(ref_leaves, ker_leaves):
     np.testing.assert_allclose(ker, ref, atol=1e-5, rtol=1e-5)
