@@ -28,10 +28,12 @@ def full_mask(q: int) -> np.ndarray:
 def block_attention_ref(q: jax.Array, k_block: jax.Array, v_block: jax.Array, block_mask: jax.Array, *,
                         k_pages: jax.Array | None = None, v_pages: jax.Array | None = None,
                         page_table: jax.Array | None = None, prefix_len: jax.Array | None = None,
-                        scale: float) -> jax.Array:
+                        scale: float, layer: jax.Array | int | None = None) -> jax.Array:
   """q: [b, Q, Hq, D]; k_block/v_block: [b, Q, Hkv, D]; block_mask: [b, Q, Q] (or [Q, Q]) bool.
 
-  Prefix (optional): k_pages/v_pages [num_pages, page_size, Hkv, D], page_table [b, P] int32, prefix_len [b].
+  Prefix (optional): k_pages/v_pages [num_pages, page_size, Hkv, D] (or every layer's [L, num_pages, ...] read at
+  `layer`, an int or int32 scalar: one gather of the table's pages, no layer slice), page_table [b, P] int32,
+  prefix_len [b].
   Returns [b, Q, Hq, D] in q's dtype. Softmax in fp32. GQA folds the query groups into the query axis.
   """
   b, nq, hq, d = q.shape
@@ -45,8 +47,8 @@ def block_attention_ref(q: jax.Array, k_block: jax.Array, v_block: jax.Array, bl
   scores = [s_block]
   values = [v_block]
   if page_table is not None:
-    k_pre = gather_prefix(k_pages, page_table)
-    v_pre = gather_prefix(v_pages, page_table)
+    k_pre = gather_prefix(k_pages, page_table, layer)
+    v_pre = gather_prefix(v_pages, page_table, layer)
     s_pre = jnp.einsum("bqhgd,bkhd->bhgqk", qf, k_pre.astype(q.dtype), preferred_element_type=jnp.float32) * scale
     valid = jnp.arange(k_pre.shape[1])[None, :] < prefix_len[:, None]  # [b, S]
     s_pre = jnp.where(valid[:, None, None, None, :], s_pre, NEG_INF)

@@ -60,11 +60,15 @@ def resolve(impl: str, q_shape=(1, 1, 1, 128), page_size: int | None = None,
 
 def block_attention(q: jax.Array, k_block: jax.Array, v_block: jax.Array, block_mask: jax.Array, *,
                     k_pages: jax.Array | None, v_pages: jax.Array | None, page_table: jax.Array | None,
-                    prefix_len: jax.Array | None, scale: float, impl: str = "reference") -> jax.Array:
-  """`attention.block_attention_ref`'s contract, computed by the implementation `impl` resolves to."""
-  page_size = k_pages.shape[1] if (k_pages is not None and page_table is not None) else None
+                    prefix_len: jax.Array | None, scale: float, impl: str = "reference",
+                    layer: jax.Array | int | None = None) -> jax.Array:
+  """`attention.block_attention_ref`'s contract, computed by the implementation `impl` resolves to. With `layer`
+  (an int or the scan's int32 layer index) the pages are every layer's [L, num_pages, page_size, Hkv, D] and both
+  paths read that layer's pages in place (never a per-layer slice, which would copy the layer)."""
+  page_size = k_pages.shape[-3] if (k_pages is not None and page_table is not None) else None
   path, variant, interpret = resolve(impl, q.shape, page_size)
-  kwargs = dict(k_pages=k_pages, v_pages=v_pages, page_table=page_table, prefix_len=prefix_len, scale=scale)
+  kwargs = dict(k_pages=k_pages, v_pages=v_pages, page_table=page_table, prefix_len=prefix_len, scale=scale,
+                layer=layer)
   if path == "reference":
     return attn_lib.block_attention_ref(q, k_block, v_block, block_mask, **kwargs)
   # imported here: Pallas (and its backends) load only when a kernel is wanted
@@ -78,5 +82,5 @@ def block_attention(q: jax.Array, k_block: jax.Array, v_block: jax.Array, block_
 def set_attention_impl(model, impl: str) -> None:
   """Sets `attention_impl` on every attention layer of an `NLDModel` (before `nnx.split` / building a runner)."""
   resolve(impl)  # validate the name early
-  for layer in model.layers:
-    layer.self_attn.attention_impl = impl
+  # one scanned layer module holds every layer (stacked weights): its attribute is the static choice of all layers
+  model.layers.self_attn.attention_impl = impl

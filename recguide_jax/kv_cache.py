@@ -1,7 +1,9 @@
 """Paged KV cache: fixed-size device page arrays (a registered dataclass pytree) and the host-side page allocator.
 
-Device side: per layer, K and V arrays of shape [num_pages, page_size, kv_heads, head_dim]. Page 0 is never handed
-out: it is the trash page that padded batch slots and uncommitted tokens write into, so a step never needs a branch
+Device side: K and V arrays with every layer stacked, [num_layers, num_pages, page_size, kv_heads, head_dim], so the
+scanned layer stack carries the whole cache and each layer writes and reads its own pages in place at its layer
+index (a scatter at [layer, page, offset], a gather at [layer, page_table]): no step ever slices a layer out, which
+would copy it. Page 0 (of every layer) is never handed out: it is the trash page that padded batch slots and uncommitted tokens write into, so a step never needs a branch
 on "is this slot real". A request's page table maps its logical page i (token positions i*page_size ..) to a
 physical page. Host side: `PageAllocator` owns which pages are free; commit, crop and free only change the host's
 tables and per-request lengths (a crop is a length change; pages past the new length are returned).
@@ -22,45 +24,74 @@ TRASH_PAGE = 0
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass
 class KVCache:
-  k: list[jax.Array]  # per layer: [num_pages, page_size, kv_heads, head_dim]
-  v: list[jax.Array]
+  k: jax.Array  # [num_layers, num_pages, page_size, kv_heads, head_dim]
+  v: jax.Array
+
+  @property
+  def num_layers(self) -> int:
+    return self.k.shape[0]
 
   @property
   def num_pages(self) -> int:
-    return self.k[0].shape[0]
+    return self.k.shape[1]
 
   @property
   def page_size(self) -> int:
-    return self.k[0].shape[1]
+    return self.k.shape[2]
+
+  @staticmethod
+  def shape(num_layers: int, num_pages: int, page_size: int, kv_heads: int, head_dim: int) -> tuple[int, ...]:
+    return (num_layers, num_pages, page_size, kv_heads, head_dim)
 
   @classmethod
   def create(cls, num_layers: int, num_pages: int, page_size: int, kv_heads: int, head_dim: int,
-             dtype=jnp.float32) -> "KVCache":
-    shape = (num_pages, page_size, kv_heads, head_dim)
-    return cls(k=[jnp.zeros(shape, dtype) for _ in range(num_layers)],
-               v=[jnp.zeros(shape, dtype) for _ in range(num_layers)])
+             dtype=jnp.float32, sharding: jax.sharding.Sharding | None = None) -> "KVCache":
+    shape = cls.shape(num_layers, num_pages, page_size, kv_heads, head_dim)
+    # zeros made on the target device(s) directly, never on the host and then copied
+    make = jax.jit(lambda: jnp.zeros(shape, dtype), out_shardings=sharding)
+    return cls(k=make(), v=make())
+
+  @classmethod
+  def abstract(cls, num_layers: int, num_pages: int, page_size: int, kv_heads: int, head_dim: int,
+               dtype=jnp.float32, sharding: jax.sharding.Sharding | None = None) -> "KVCache":
+    """The cache's shapes only (`jax.ShapeDtypeStruct`s): for lowering and compiling without allocating it."""
+    sds = jax.ShapeDtypeStruct(cls.shape(num_layers, num_pages, page_size, kv_heads, head_dim), dtype,
+                               sharding=sharding)
+    return cls(k=sds, v=sds)
+
+
+def _slots(page_table: jax.Array, positions: jax.Array, write: jax.Array, page_size: int):
+  logical = jnp.clip(positions // page_size, 0, page_table.shape[1] - 1)
+  page = jnp.take_along_axis(page_table, logical, axis=1)
+  return jnp.where(write, page, TRASH_PAGE), positions % page_size
 
 
 def write_block(k_pages: jax.Array, v_pages: jax.Array, k_new: jax.Array, v_new: jax.Array,
-                page_table: jax.Array, positions: jax.Array, write: jax.Array) -> tuple[jax.Array, jax.Array]:
+                page_table: jax.Array, positions: jax.Array, write: jax.Array,
+                layer: jax.Array | int | None = None) -> tuple[jax.Array, jax.Array]:
   """Scatters per-token K/V into their pages: token (r, t) goes to slot `positions[r, t]` of request r.
 
   k_new/v_new: [b, T, kv_heads, D]; page_table: [b, P]; positions, write: [b, T]. Tokens with write=False land on
-  the trash page, so the scatter has a static shape.
+  the trash page, so the scatter has a static shape. Pages are one layer's [num_pages, page_size, H, D] when
+  `layer` is None, else every layer's [L, num_pages, page_size, H, D] and the tokens go to layer `layer` (an int or
+  an int32 scalar, e.g. a scan's layer index): one scatter into the stacked array, updated in place when it is
+  donated or loop-carried.
   """
-  page_size = k_pages.shape[1]
-  logical = jnp.clip(positions // page_size, 0, page_table.shape[1] - 1)
-  page = jnp.take_along_axis(page_table, logical, axis=1)
-  page = jnp.where(write, page, TRASH_PAGE)
-  offset = positions % page_size
-  k_pages = k_pages.at[page, offset].set(k_new.astype(k_pages.dtype))
-  v_pages = v_pages.at[page, offset].set(v_new.astype(v_pages.dtype))
+  page_size = k_pages.shape[-3]
+  page, offset = _slots(page_table, positions, write, page_size)
+  if layer is None:
+    idx = (page, offset)
+  else:
+    idx = (jnp.asarray(layer, jnp.int32), page, offset)
+  k_pages = k_pages.at[idx].set(k_new.astype(k_pages.dtype))
+  v_pages = v_pages.at[idx].set(v_new.astype(v_pages.dtype))
   return k_pages, v_pages
 
 
-def gather_prefix(pages: jax.Array, page_table: jax.Array) -> jax.Array:
-  """[num_pages, page_size, H, D] x [b, P] -> [b, P*page_size, H, D] (the request's logical KV in order)."""
-  g = pages[page_table]
+def gather_prefix(pages: jax.Array, page_table: jax.Array, layer: jax.Array | int | None = None) -> jax.Array:
+  """[num_pages, page_size, H, D] (or stacked [L, ...] read at `layer`) x [b, P] -> [b, P*page_size, H, D]: the
+  request's logical KV in order. With `layer` this is one gather of the table's pages from the stacked array."""
+  g = pages[page_table] if layer is None else pages[jnp.asarray(layer, jnp.int32), page_table]
   b, p, s, h, d = g.shape
   return g.reshape(b, p * s, h, d)
 

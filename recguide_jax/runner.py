@@ -10,17 +10,24 @@ Kinds:
              valid tokens and samples the next token at each row's last valid index.
 - `draft`    bidirectional block [seed, MASK...] over the cached prefix, draft LoRA on, cache untouched; samples
              the draft tokens and keeps their distributions on the device.
-- `verify`   causal block (B = 1 is plain AR decode); writes all B K/V entries and runs speculative acceptance
-             against the draft distributions.
+- `verify`   causal block; writes all B K/V entries and runs speculative acceptance against the draft
+             distributions (which stay on the device between the draft and the verify).
+- `decode`   plain AR decode: a verify of a block of 1 with no draft, so it takes no draft distribution (nothing
+             of vocabulary size crosses to the device per step, only the small per-request arrays).
 - `denoise`  NLD's block-diffusion loop (confidence threshold) as one on-device while loop of draft forwards.
+
+The model's layers are one scanned module, so a variant's compile time does not grow with depth, and `warmup`
+compiles the variants concurrently (XLA compiles outside the GIL).
 """
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import math
 import os
 import threading
+import time
 from typing import Any, Callable
 
 import jax
@@ -34,6 +41,7 @@ from recguide_jax.model import ForwardInputs, NLDModel
 from recguide_jax.orchestrator.overlap import MAX_BRANCHES
 
 BLOCK_SIZES = (8, 16, 32)
+MAX_COMPILE_WORKERS = 8  # default bound on concurrent variant compiles in `Runner.warmup`
 
 
 class CompileCounter:
@@ -176,7 +184,11 @@ def verifier_entropy(logits: jax.Array, cfg) -> jax.Array:
 
 
 class Runner:
-  """Owns the params, the device KV cache and the compiled step variants."""
+  """Owns the params, the device KV cache and the compiled step variants.
+
+  With an abstract model (from `nnx.eval_shape`, weights as `jax.ShapeDtypeStruct`s; see `Runner.abstract`) the
+  cache is abstract too: such a runner lowers and compiles every variant at real shapes without allocating the
+  weights or the cache, and cannot run them (compile benchmarks, memory planning)."""
 
   def __init__(self, model: NLDModel, config: RunnerConfig = RunnerConfig()):
     CompileCounter.install()
@@ -184,13 +196,26 @@ class Runner:
     self.cfg = model.cfg
     self.config = config
     self.graphdef, self.state = nnx.split(model)
-    dtype = model.embed_tokens.embedding[...].dtype
-    self.cache = KVCache.create(self.cfg.num_hidden_layers, config.num_pages, config.page_size,
-                                self.cfg.num_key_value_heads, self.cfg.head_dim, dtype)
+    embedding = jax.tree.leaves(nnx.state(model.embed_tokens, nnx.Param))[0]
+    cache_args = (self.cfg.num_hidden_layers, config.num_pages, config.page_size, self.cfg.num_key_value_heads,
+                  self.cfg.head_dim, embedding.dtype)
+    if isinstance(embedding, jax.ShapeDtypeStruct):
+      self.cache = KVCache.abstract(*cache_args, sharding=embedding.sharding)
+    else:
+      # the cache lives with the weights (the devices the checkpoint was restored onto)
+      placed = isinstance(embedding, jax.Array) and not isinstance(embedding, jax.core.Tracer)
+      self.cache = KVCache.create(*cache_args, sharding=embedding.sharding if placed else None)
     self.buckets = batch_buckets(config.max_batch)
     self._compiled: dict[tuple, Any] = {}
+    self._compiled_lock = threading.Lock()
     self._compiles_at_warmup: int | None = None
     self.lock = threading.Lock()
+
+  @classmethod
+  def abstract(cls, cfg, config: RunnerConfig = RunnerConfig(), dtype=jnp.bfloat16) -> "Runner":
+    """A runner over abstract weights and an abstract cache of `cfg` in `dtype` (nothing is allocated)."""
+    model = nnx.eval_shape(lambda: NLDModel(cfg, dtype=dtype, param_dtype=dtype))
+    return cls(model, config)
 
   # ---- bookkeeping ---------------------------------------------------------------------------------------------
   def bucket_for(self, n: int) -> int:
@@ -262,9 +287,20 @@ class Runner:
                           page_table=page_table, kv_write=jnp.broadcast_to(write[:, None], tokens.shape))
       logits, cache = self._model(state)(inp, cache)
       p = sampling.processed_probs(logits, temperature, top_k, top_p, cfg.mask_token_id)
-      accepted, out = sampling.accept(rule, keys, p, q, tokens, temperature <= 0)
+      # AR decode (q None): a block of 1 has no draft token, so acceptance only draws the bonus token from p and
+      # never reads q; p stands in for it (the same draw as with any q, and nothing is uploaded for it)
+      accepted, out = sampling.accept(rule, keys, p, p if q is None else q, tokens, temperature <= 0)
       lp, top_lp, top_ids = sampling.raw_logprobs(logits, out, cfg.mask_token_id)
       return cache, accepted, out, lp, top_lp, top_ids, verifier_entropy(logits, cfg)
+
+    return fn
+
+  def _decode_fn(self, rule: str):
+    """Plain AR decode: `_verify_fn` at a block of 1 without the draft distribution argument."""
+    verify = self._verify_fn(1, rule)
+
+    def fn(state, cache, tokens, write, prefix_len, page_table, temperature, top_k, top_p, keys):
+      return verify(state, cache, tokens, None, write, prefix_len, page_table, temperature, top_k, top_p, keys)
 
     return fn
 
@@ -366,6 +402,10 @@ class Runner:
               (1,))
     if kind == "draft":
       return self._draft_fn(blk, lora=True), (i32(b), i32(b), i32(b, P)) + samp, ()
+    if kind == "decode":
+      if blk != 1:
+        raise ValueError(f"decode is a block of 1, got {blk}")
+      return self._decode_fn(rc.rule), (i32(b, 1), np.zeros((b,), bool), i32(b), i32(b, P)) + samp, (1,)
     if kind == "verify":
       q = jax.ShapeDtypeStruct((b, blk, V), jnp.float32)
       return (self._verify_fn(blk, rc.rule), (i32(b, blk), q, np.zeros((b,), bool), i32(b), i32(b, P)) + samp,
@@ -381,13 +421,18 @@ class Runner:
               (np.zeros(b, bool),), ())
     raise ValueError(kind)
 
+  def lower(self, kind: str, blk: int, b: int):
+    """The lowered (not yet compiled) variant: its HLO and, once compiled, its memory analysis."""
+    f, args, donate = self._spec(kind, blk, b)
+    return jax.jit(f, donate_argnums=donate).lower(self.state, self.cache, *args)
+
   def compiled(self, kind: str, blk: int, b: int):
     key = (kind, blk, b)
     fn = self._compiled.get(key)
     if fn is None:
-      f, args, donate = self._spec(kind, blk, b)
-      fn = jax.jit(f, donate_argnums=donate).lower(self.state, self.cache, *args).compile()
-      self._compiled[key] = fn
+      fn = self.lower(kind, blk, b).compile()
+      with self._compiled_lock:
+        fn = self._compiled.setdefault(key, fn)
     return fn
 
   def variants(self, kinds: tuple[str, ...], block_sizes: tuple[int, ...] | None = None) -> list[tuple[str, int, int]]:
@@ -398,7 +443,7 @@ class Runner:
       if "prefill" in kinds:
         out.append(("prefill", self.config.prefill_chunk, b))
       if "verify" in kinds:
-        out.append(("verify", 1, b))
+        out.append(("decode", 1, b))  # AR decode, and the regime every speculative policy may fall back to
       for blk in sizes:
         for kind in ("draft", "verify", "denoise", "gverify") + tuple(k for k in kinds if k.startswith("fused")):
           if kind in kinds:
@@ -408,15 +453,37 @@ class Runner:
     return list(dict.fromkeys(out))
 
   def warmup(self, kinds=("prefill", "draft", "verify"), block_sizes: tuple[int, ...] | None = None,
-             progress: bool = True) -> None:
+             progress: bool = True, workers: int | None = None) -> dict[tuple[str, int, int], float]:
+    """Compiles every variant `kinds` x `block_sizes` needs, `workers` at a time (default: one per CPU core, at most
+    `MAX_COMPILE_WORKERS`, which bounds the host memory of concurrent compiles on large VMs): the
+    Python tracing of one variant overlaps the XLA compilation of others, which runs outside the GIL. Returns the
+    seconds each compiled variant took from its start (what was already compiled is skipped). Everything compiled
+    after this counts in `compiles_after_warmup`."""
     todo = [v for v in self.variants(kinds, block_sizes) if v not in self._compiled]
-    it = todo
+    seconds: dict[tuple[str, int, int], float] = {}
+    bar = None
     if progress and todo:
       from tqdm import tqdm
-      it = tqdm(todo, desc="compiling step variants", unit="variant")
-    for v in it:
+      bar = tqdm(total=len(todo), desc="compiling step variants", unit="variant")
+
+    def compile_one(v):
+      t0 = time.perf_counter()
       self.compiled(*v)
+      return v, time.perf_counter() - t0
+
+    workers = max(1, min(len(todo), workers or min(os.cpu_count() or 1, MAX_COMPILE_WORKERS)))
+    try:
+      with concurrent.futures.ThreadPoolExecutor(workers, thread_name_prefix="compile") as pool:
+        for fut in concurrent.futures.as_completed([pool.submit(compile_one, v) for v in todo]):
+          v, dt = fut.result()  # re-raises a failed compile here
+          seconds[v] = dt
+          if bar is not None:
+            bar.update()
+    finally:
+      if bar is not None:
+        bar.close()
     self.mark_warm()
+    return seconds
 
   # ---- calls (host arrays in, host arrays out) ---------------------------------------------------------------------
   def prefill(self, tokens, valid, prefix_len, page_table, last_idx, samp: SamplingArrays):
@@ -434,13 +501,16 @@ class Runner:
 
   def verify(self, tokens, q, write, prefix_len, page_table, samp: SamplingArrays) -> VerifyResult:
     b, blk = tokens.shape
-    if q is None:  # AR decode: nothing to accept, the draft distribution is unused
+    if q is None:  # AR decode: nothing to accept; its variant takes no draft distribution at all
       if blk != 1:
         raise ValueError("verify without draft distributions is only AR decode (block of 1)")
-      q = self._dummy_q(b)
-    fn = self.compiled("verify", blk, b)
-    self.cache, acc, out, lp, top_lp, top_ids, ent = fn(self.state, self.cache, tokens, q, write, prefix_len,
-                                                        page_table, *samp.args())
+      fn = self.compiled("decode", 1, b)
+      self.cache, acc, out, lp, top_lp, top_ids, ent = fn(self.state, self.cache, tokens, write, prefix_len,
+                                                          page_table, *samp.args())
+    else:
+      fn = self.compiled("verify", blk, b)
+      self.cache, acc, out, lp, top_lp, top_ids, ent = fn(self.state, self.cache, tokens, q, write, prefix_len,
+                                                          page_table, *samp.args())
     return VerifyResult(*jax.device_get((acc, out, lp, top_lp, top_ids, ent)))
 
   def fused(self, tokens, positions, mask, lora, write, prefix_len, page_table, samp: SamplingArrays, blk: int):
@@ -458,12 +528,6 @@ class Runner:
     if kind == "gverify":
       return res, None, None
     return res, host[6], host[7]
-
-  def _dummy_q(self, b: int):
-    key = ("dummy_q", b)
-    if key not in self._compiled:
-      self._compiled[key] = np.zeros((b, 1, self.cfg.vocab_size), np.float32)
-    return self._compiled[key]
 
   def denoise(self, seed, prefix_len, page_table, threshold, blk: int, samp: SamplingArrays, active):
     fn = self.compiled("denoise", blk, seed.shape[0])

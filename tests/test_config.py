@@ -45,7 +45,7 @@ def test_preset_sizes(name, billions, tensors, lora_millions):
   # one-layer model (abstract, no allocation) is checked and scaled: eval_shape of all layers takes seconds.
   one = param_shapes(cfg.replace(num_hidden_layers=1, lora_rank=128, lora_alpha=512.0))
   base = {n: math.prod(s.shape) for n, s in one.items() if ".lora_" not in n}
-  per_layer = sum(v for n, v in base.items() if n.startswith("layers.0."))
+  per_layer = sum(v for n, v in base.items() if n.startswith("layers."))  # stacked [1, ...]: one layer's count
   assert per_layer * cfg.num_hidden_layers + sum(base.values()) - per_layer == cfg.num_params()
   assert len(base) - 9 + 9 * cfg.num_hidden_layers == tensors
   lora = sum(math.prod(s.shape) for n, s in one.items() if ".lora_" in n) * cfg.num_hidden_layers

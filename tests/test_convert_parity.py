@@ -191,13 +191,15 @@ def test_rope_ramp_bounds_match_spec(name, low, high):
 
 def test_converted_params_equal_hf_weights(case):
   flat = checkpoint.flatten_params(nnx.state(case.model, nnx.Param).to_pure_dict())
-  assert len(flat) == 9 * case.nld["num_hidden_layers"] + 3
+  # per-layer tensors are stacked: one [L, ...] tensor per layer parameter
+  assert len(flat) == 9 + 3
+  assert all(v.shape[0] == case.nld["num_hidden_layers"] for n, v in flat.items() if n.startswith("layers."))
   t = case.tensors
   np.testing.assert_array_equal(flat["embed_tokens.embedding"], t["encoder.embed_tokens.weight"].numpy())
   np.testing.assert_array_equal(flat["diffusion_head.kernel"], t["diffusion_head.weight"].numpy().T)
-  np.testing.assert_array_equal(flat["layers.1.self_attn.k_proj.kernel"],
+  np.testing.assert_array_equal(flat["layers.self_attn.k_proj.kernel"][1],
                                 t["encoder.layers.1.self_attn.k_proj.weight"].numpy().T)
-  np.testing.assert_array_equal(flat["layers.0.post_attention_layernorm.weight"],
+  np.testing.assert_array_equal(flat["layers.post_attention_layernorm.weight"][0],
                                 t["encoder.layers.0.post_attention_layernorm.weight"].numpy())
   for name in ref.TOKENIZER_STUBS:
     assert (case.out_dir / name).read_text() == ref.TOKENIZER_STUBS[name]
@@ -225,18 +227,18 @@ def test_draft_sees_prefix_and_block_and_leaves_cache(case):
     got = paged.forward(case.tokens[start:start + BLOCK], causal_mask(BLOCK), write=True)
     _close(got, want_causal[start:start + BLOCK], "verify")
   assert paged.length == c
-  before = [np.asarray(x) for x in paged.cache.k + paged.cache.v]
+  before = [np.asarray(paged.cache.k), np.asarray(paged.cache.v)]
   block = case.tokens[c:]
   want = ref.torch_logits(case.torch_model, case.tokens, ref.draft_mask(SEQ, c))[c:]
   # kv_write all False routes the block's K/V to the trash page only.
   _close(paged.forward(block, full_mask(BLOCK), write=False, kv_write=np.zeros(BLOCK, bool)), want, "draft")
-  after = [np.asarray(x) for x in paged.cache.k + paged.cache.v]
-  for a, b in zip(before, after):
-    keep = np.arange(a.shape[0]) != TRASH_PAGE
-    assert np.array_equal(a[keep], b[keep]), "kv_write=False wrote outside the trash page"
+  after = [np.asarray(paged.cache.k), np.asarray(paged.cache.v)]
+  for a, b in zip(before, after):  # [L, num_pages, ...]: every layer's trash page
+    keep = np.arange(a.shape[1]) != TRASH_PAGE
+    assert np.array_equal(a[:, keep], b[:, keep]), "kv_write=False wrote outside the trash page"
   if case.name == "gqa2":  # kv_write=None (no scatter at all) costs one more compile, so one case is enough
     _close(paged.forward(block, full_mask(BLOCK), write=False), want, "draft")
-    assert all(np.array_equal(a, b) for a, b in zip(after, [np.asarray(x) for x in paged.cache.k + paged.cache.v]))
+    assert all(np.array_equal(a, b) for a, b in zip(after, [np.asarray(paged.cache.k), np.asarray(paged.cache.v)]))
   assert paged.length == c
   # The check is only meaningful if bidirectional attention inside the block changes the logits.
   assert np.abs(want_causal[c:] - want).max() > 1e-2
@@ -334,7 +336,7 @@ def test_bf16_output(tmp_path):
   hf_dir = ref.write_hf_dir(tmp_path / "hf", nld, tensors)
   convert_hf_checkpoint(hf_dir, tmp_path / "ours", dtype="bfloat16", progress=False)
   ours = checkpoint.load_model(tmp_path / "ours")
-  kernel = ours.layers[1].mlp.down_proj.kernel[...]
+  kernel = ours.layers.mlp.down_proj.kernel[1]  # row 1 of the stacked layers
   assert kernel.dtype == jnp.bfloat16
   np.testing.assert_array_equal(
       np.asarray(kernel), tensors["encoder.layers.1.mlp.down_proj.weight"].numpy().T.astype(ml_dtypes.bfloat16))

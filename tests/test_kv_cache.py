@@ -76,3 +76,24 @@ def test_write_block_and_gather_roundtrip():
   np.testing.assert_array_equal(logical[0, 3:8], k_new[0])
   np.testing.assert_array_equal(logical[1, 0:3], k_new[1, :3])
   np.testing.assert_array_equal(logical[1, 3:5], 0)  # unwritten tokens went to the trash page
+
+
+def test_stacked_write_and_gather_touch_only_their_layer():
+  """The scanned model's layout: every layer's pages in one [L, N, S, H, D] array, written and read at a layer."""
+  rng = np.random.default_rng(1)
+  pages = jnp.asarray(rng.normal(size=(3, 6, 4, 2, 3)).astype(np.float32))
+  table = np.array([[2, 5, 1], [3, 4, 0]], np.int32)
+  k_new = rng.normal(size=(2, 5, 2, 3)).astype(np.float32)
+  positions = np.array([[3, 4, 5, 6, 7], [0, 1, 2, 3, 4]], np.int32)
+  write = np.array([[True] * 5, [True, True, True, False, False]])
+  k_pages, _ = write_block(pages, pages, k_new, k_new, table, positions, write, layer=jnp.int32(1))
+  # layer 1 equals a single-layer write of its own pages; the other layers are untouched
+  want_1, _ = write_block(pages[1], pages[1], k_new, k_new, table, positions, write)
+  np.testing.assert_array_equal(np.asarray(k_pages[1]), np.asarray(want_1))
+  np.testing.assert_array_equal(np.asarray(k_pages[0]), np.asarray(pages[0]))
+  np.testing.assert_array_equal(np.asarray(k_pages[2]), np.asarray(pages[2]))
+  for layer in range(3):
+    np.testing.assert_array_equal(np.asarray(gather_prefix(k_pages, table, layer)),
+                                  np.asarray(gather_prefix(k_pages[layer], table)))
+  logical = np.asarray(gather_prefix(k_pages, table, 1))
+  np.testing.assert_array_equal(logical[0, 3:8], k_new[0])

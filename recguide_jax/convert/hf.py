@@ -3,7 +3,9 @@
 Input: an HF directory with `config.json` and `model.safetensors` (or `model.safetensors.index.json` + shards),
 optionally a PEFT draft LoRA directory (`linear_spec_lora/`: `adapter_config.json` + `adapter_model.safetensors`).
 Names and layouts follow nld.md sections 3.2 and 3.3: torch Linear weights [out, in] become Flax kernels [in, out],
-the embedding stays [V, H], LoRA A [r, in] / B [out, r] become `lora_a` [in, r] / `lora_b` [r, out].
+the embedding stays [V, H], LoRA A [r, in] / B [out, r] become `lora_a` [in, r] / `lora_b` [r, out]. Per-layer
+tensors are written stacked, as the scanned model holds them: HF's `encoder.layers.N.<name>` is row N of our
+`layers.<name>` [num_layers, ...].
 
 Everything is validated from the safetensors headers before any tensor is read, so a missing, unexpected or
 mis-shaped tensor stops the conversion at once with its HF name in the message, and nothing is written.
@@ -39,7 +41,7 @@ OUT_DTYPES = {"float32": np.dtype(np.float32), "bfloat16": np.dtype(ml_dtypes.bf
 _ST_DTYPES = {"F64": np.dtype("<f8"), "F32": np.dtype("<f4"), "F16": np.dtype("<f2"),
               "BF16": np.dtype(ml_dtypes.bfloat16)}
 
-# HF name -> (our name, transpose). Per-layer entries are suffixes of `encoder.layers.N.` / `layers.N.`.
+# HF name -> (our name, transpose). Per-layer entries are suffixes of `encoder.layers.N.` / our stacked `layers.`.
 _LAYER_TENSORS = {
     "input_layernorm.weight": ("input_layernorm.weight", False),
     "post_attention_layernorm.weight": ("post_attention_layernorm.weight", False),
@@ -75,6 +77,7 @@ class _Item:
   ref: _TensorRef
   ours: str
   transpose: bool
+  layer: int | None = None  # row of the stacked `ours` (None: a global tensor)
 
 
 def _read_header(path: pathlib.Path) -> dict[str, _TensorRef]:
@@ -155,20 +158,21 @@ def _index_tensors(hf_dir: pathlib.Path) -> dict[str, _TensorRef]:
   return refs
 
 
-def _base_names(cfg: NLDConfig) -> dict[str, tuple[str, bool]]:
-  names = dict(_GLOBAL_TENSORS)
+def _base_names(cfg: NLDConfig) -> dict[str, tuple[str, bool, int | None]]:
+  """HF name -> (our stacked name, transpose, layer row or None)."""
+  names = {hf: (ours, transpose, None) for hf, (ours, transpose) in _GLOBAL_TENSORS.items()}
   for i in range(cfg.num_hidden_layers):
     for hf, (ours, transpose) in _LAYER_TENSORS.items():
-      names[f"encoder.layers.{i}.{hf}"] = (f"layers.{i}.{ours}", transpose)
+      names[f"encoder.layers.{i}.{hf}"] = (f"layers.{ours}", transpose, i)
   return names
 
 
-def _lora_names(cfg: NLDConfig) -> dict[str, tuple[str, bool]]:
-  return {f"{_LORA_PREFIX}.{i}.self_attn.o_proj.{hf}.weight": (f"layers.{i}.self_attn.{ours}", True)
+def _lora_names(cfg: NLDConfig) -> dict[str, tuple[str, bool, int | None]]:
+  return {f"{_LORA_PREFIX}.{i}.self_attn.o_proj.{hf}.weight": (f"layers.self_attn.{ours}", True, i)
           for i in range(cfg.num_hidden_layers) for hf, ours in _LORA_TENSORS.items()}
 
 
-def _plan(names: dict[str, tuple[str, bool]], refs: dict[str, _TensorRef], where: pathlib.Path,
+def _plan(names: dict[str, tuple[str, bool, int | None]], refs: dict[str, _TensorRef], where: pathlib.Path,
           cfg: NLDConfig) -> list[_Item]:
   """Matches the tensors a checkpoint holds against the ones `cfg` needs; names the first offender."""
   missing = [n for n in names if n not in refs]
@@ -179,7 +183,7 @@ def _plan(names: dict[str, tuple[str, bool]], refs: dict[str, _TensorRef], where
   if unexpected:
     raise ConversionError(f"unexpected tensor '{unexpected[0]}' in {refs[unexpected[0]].path} (not part of an NLD "
                           f"checkpoint with {cfg.num_hidden_layers} layers)")
-  return [_Item(refs[hf], ours, transpose) for hf, (ours, transpose) in names.items()]
+  return [_Item(refs[hf], ours, transpose, layer) for hf, (ours, transpose, layer) in names.items()]
 
 
 def _read_lora_config(lora_dir: pathlib.Path) -> tuple[int, float]:
@@ -212,6 +216,7 @@ def _check_shapes(cfg: NLDConfig, plan: list[_Item]) -> None:
     raise ConversionError(f"converter and model disagree on parameters: {sorted(set(expected) ^ mapped)[:3]}")
   for item in plan:
     want = tuple(expected[item.ours].shape)
+    want = want[1:] if item.layer is not None else want  # one row of the stack
     want_hf = want[::-1] if item.transpose else want
     if item.ref.shape != want_hf:
       raise ConversionError(f"tensor '{item.ref.name}' in {item.ref.path} has shape {list(item.ref.shape)}, "
@@ -251,10 +256,12 @@ def convert_hf_checkpoint(hf_dir: str | os.PathLike, out_dir: str | os.PathLike,
 
   # One dtype for every tensor (the fp32 LoRA included): load_model restores all params in a single dtype.
   out_dtype = OUT_DTYPES[dtype]
-  flat = {}
+  # each stacked tensor is allocated once and filled a layer at a time: still one copy of the params in memory
+  flat = {name: np.empty(sds.shape, out_dtype) for name, sds in param_shapes(cfg).items()}
   for item in tqdm(plan, desc="converting", unit="tensor", disable=not progress):
     src = _read_tensor(item.ref)
-    flat[item.ours] = np.array(src.T if item.transpose else src, dtype=out_dtype, order="C")
+    dst = flat[item.ours] if item.layer is None else flat[item.ours][item.layer]
+    dst[...] = src.T if item.transpose else src  # the cast to out_dtype happens in this copy
     del src  # keep a single source tensor alive
 
   out_dir.mkdir(parents=True, exist_ok=True)

@@ -4,6 +4,11 @@ with an untied `diffusion_head` and an optional draft LoRA on `o_proj` that is s
 One forward serves every decoding mode. Draft, verify, prefill, AR decode and RecGuide's fused tree forward differ
 only in their inputs: the query tokens and positions per request, the intra-block mask, the per-token LoRA switch
 and whether the block's K/V are written into the paged cache.
+
+The decoder layers are ONE module with every weight stacked on a leading layer axis ([L, ...], as MaxText's
+`scan_layers`), run by `jax.lax.scan`: a layer is traced and compiled once, so start-up time does not grow with
+depth. The KV cache is stacked the same way and rides in the scan carry whole; each layer writes and reads its own
+pages in place at its layer index (see kv_cache.py), so no step copies the cache.
 """
 
 from __future__ import annotations
@@ -69,7 +74,8 @@ class Attention(nnx.Module):
       self.lora_a = nnx.Param(nnx.initializers.normal(0.02)(rngs.params(), (nq * d, cfg.lora_rank), param_dtype))
       self.lora_b = nnx.Param(jnp.zeros((cfg.lora_rank, h), param_dtype))
 
-  def __call__(self, x, inp: ForwardInputs, k_pages, v_pages):
+  def __call__(self, x, inp: ForwardInputs, cache: KVCache | None, layer: jax.Array | int):
+    """x: [b, Q, H]; cache: every layer's pages (or None); layer: this layer's index into them."""
     cfg = self.cfg
     b, nq_tok, _ = x.shape
     q = self.q_proj(x).reshape(b, nq_tok, cfg.num_attention_heads, cfg.head_dim)
@@ -83,22 +89,24 @@ class Attention(nnx.Module):
       q = q * rope.llama4_query_scale(sp, cfg).astype(q.dtype)[..., None, None]
     if inp.kv_write is not None:
       # Commit first, then attend: the new entries sit at positions >= prefix_len, which the prefix read masks,
-      # so the result is the same, and writing before reading lets XLA update the donated pages in place (a
-      # read-then-write order made it copy the whole cache every layer).
-      k_pages, v_pages = write_block(k_pages, v_pages, k, v, inp.page_table, inp.positions, inp.kv_write)
+      # so the result is the same, and writing before reading lets XLA update the carried pages in place (a
+      # read-then-write order made it copy the cache).
+      cache = KVCache(*write_block(cache.k, cache.v, k, v, inp.page_table, inp.positions, inp.kv_write, layer))
     if inp.train_block_size:
       out = attn_lib.sbd_training_attention(q, k, v, inp.train_block_size, cfg.head_dim ** -0.5)
     else:
       out = attention_dispatch.block_attention(
-        q, k, v, inp.block_mask, k_pages=k_pages, v_pages=v_pages,
+        q, k, v, inp.block_mask, k_pages=cache.k if cache is not None else None,
+        v_pages=cache.v if cache is not None else None,
         page_table=inp.page_table if inp.prefix_len is not None else None, prefix_len=inp.prefix_len,
-        scale=cfg.head_dim ** -0.5, impl=getattr(self, "attention_impl", "reference"))
+        scale=cfg.head_dim ** -0.5, impl=getattr(self, "attention_impl", "reference"),
+        layer=layer if cache is not None else None)
     out = out.reshape(b, nq_tok, cfg.num_attention_heads * cfg.head_dim)
     y = self.o_proj(out)
     if cfg.lora_rank and inp.lora_mask is not None:
       delta = (out @ self.lora_a[...].astype(out.dtype)) @ self.lora_b[...].astype(out.dtype)
       y = y + cfg.lora_scale * delta * inp.lora_mask[..., None].astype(y.dtype)
-    return y, k_pages, v_pages
+    return y, cache
 
 
 class MLP(nnx.Module):
@@ -120,11 +128,23 @@ class DecoderLayer(nnx.Module):
     self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, param_dtype=param_dtype)
     self.mlp = MLP(cfg, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
 
-  def __call__(self, h, inp: ForwardInputs, k_pages, v_pages):
-    a, k_pages, v_pages = self.self_attn(self.input_layernorm(h), inp, k_pages, v_pages)
+  def __call__(self, h, inp: ForwardInputs, cache: KVCache | None, layer: jax.Array | int):
+    a, cache = self.self_attn(self.input_layernorm(h), inp, cache, layer)
     h = h + a
     h = h + self.mlp(self.post_attention_layernorm(h))
-    return h, k_pages, v_pages
+    return h, cache
+
+
+def stacked_layers(cfg: NLDConfig, *, dtype, param_dtype, rngs: nnx.Rngs) -> DecoderLayer:
+  """`cfg.num_hidden_layers` decoder layers as one module whose weights carry a leading layer axis [L, ...] (each
+  layer initialised from its own split of `rngs`). Call it through `NLDModel.hidden`'s scan, not directly."""
+
+  @nnx.split_rngs(splits=cfg.num_hidden_layers)
+  @nnx.vmap(in_axes=(0,), out_axes=0)
+  def make(layer_rngs: nnx.Rngs) -> DecoderLayer:
+    return DecoderLayer(cfg, dtype=dtype, param_dtype=param_dtype, rngs=layer_rngs)
+
+  return make(rngs)
 
 
 class NLDModel(nnx.Module):
@@ -135,23 +155,25 @@ class NLDModel(nnx.Module):
     self.cfg = cfg
     self.embed_tokens = nnx.Embed(cfg.vocab_size, cfg.hidden_size, dtype=dtype, param_dtype=param_dtype,
                                   embedding_init=nnx.initializers.normal(0.02), rngs=rngs)
-    self.layers = nnx.List([DecoderLayer(cfg, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
-                            for _ in range(cfg.num_hidden_layers)])
+    self.layers = stacked_layers(cfg, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
     self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, param_dtype=param_dtype)
     self.diffusion_head = _dense(rngs, cfg.hidden_size, cfg.vocab_size, dtype, param_dtype)
 
   def hidden(self, inp: ForwardInputs, cache: KVCache | None = None) -> tuple[jax.Array, KVCache | None]:
     """Final-norm hidden states [b, Q, H] and the (possibly updated) cache."""
     h = self.embed_tokens(inp.tokens)
-    new_k, new_v = [], []
-    for i, layer in enumerate(self.layers):
-      kp = cache.k[i] if cache is not None else None
-      vp = cache.v[i] if cache is not None else None
-      h, kp, vp = layer(h, inp, kp, vp)
-      new_k.append(kp)
-      new_v.append(vp)
-    h = self.norm(h)
-    return h, (KVCache(k=new_k, v=new_v) if cache is not None else None)
+    graphdef, stacked = nnx.split(self.layers)
+
+    def one_layer(carry, xs):
+      h, cache = carry
+      weights, layer = xs
+      h, cache = nnx.merge(graphdef, weights)(h, inp, cache, layer)
+      return (h, cache), None
+
+    # the whole cache is carried (not scanned over): each layer scatters into / gathers from its slice in place
+    layer_ids = jnp.arange(self.cfg.num_hidden_layers, dtype=jnp.int32)
+    (h, cache), _ = jax.lax.scan(one_layer, (h, cache), (stacked, layer_ids))
+    return self.norm(h), cache
 
   def logits(self, h: jax.Array) -> jax.Array:
     return self.diffusion_head(h).astype(jnp.float32)

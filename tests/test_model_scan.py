@@ -1,0 +1,100 @@
+"""The scanned layer stack and its runner: every cache-writing step updates the stacked KV cache in place (no copy
+of the cache, whatever its size), AR decode takes no draft distribution, and warm-up compiles variants
+concurrently without changing what counts as compiled."""
+
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from conftest import tiny_config
+from recguide_jax.runner import Runner, RunnerConfig, SamplingArrays
+
+CFG = tiny_config(lora_rank=4, lora_alpha=8.0)
+
+
+def _runner_config(num_pages: int, **kw) -> RunnerConfig:
+  return RunnerConfig(num_pages=num_pages, page_size=8, max_model_len=64, max_batch=2, block_sizes=(8,),
+                      prefill_chunk=16, compile_cache_dir=None, **kw)
+
+
+# prefill and RecGuide's fused forward write through the same layer code as verify
+@pytest.mark.parametrize("variant", [("verify", 8, 2), ("decode", 1, 1), ("draft", 8, 1)])
+def test_steps_never_copy_the_cache(variant):
+  """Compiled at two cache sizes, a step's temporaries are the same: nothing cache-sized is materialised (a copy
+  of the cache, or of one layer's pages, would grow with num_pages). Writers alias the donated cache to their
+  output and touch it only through scatters. fp32: XLA's CPU backend widens a bf16 scatter to f32 (copying the
+  operand); accelerators scatter bf16 natively."""
+  temps = []
+  for pages in (40, 120):
+    runner = Runner.abstract(CFG, _runner_config(pages), jnp.float32)
+    compiled = runner.lower(*variant).compile()
+    stats = compiled.memory_analysis()
+    temps.append(stats.temp_size_in_bytes)
+    cache_bytes = 2 * CFG.num_hidden_layers * pages * 8 * CFG.num_key_value_heads * CFG.head_dim * 4
+    cache_shape = f"f32[{CFG.num_hidden_layers},{pages},8,{CFG.num_key_value_heads},{CFG.head_dim}]"
+    hlo = compiled.as_text()
+    producers = re.findall(r"= " + re.escape(cache_shape) + r"\{[^}]*\} ([\w-]+)\(", hlo)
+    assert "copy" not in producers and "copy-start" not in producers, producers
+    if variant[0] == "draft":  # reads only: the cache is an input and nothing cache-shaped is computed
+      assert stats.alias_size_in_bytes == 0
+      assert set(producers) <= {"parameter", "get-tuple-element", "tuple", "while", "bitcast"}, producers
+    else:
+      assert stats.alias_size_in_bytes == cache_bytes  # both page arrays updated in place
+      assert set(producers) <= {"fusion", "scatter", "dynamic-update-slice", "parameter", "get-tuple-element", "tuple",
+                                "while", "bitcast"}
+  assert temps[0] == temps[1], f"temporaries grow with the cache: {temps}"
+
+
+def test_layer_weights_are_stacked_once():
+  runner = Runner.abstract(CFG, _runner_config(40), jnp.float32)
+  q = runner.state["layers"]["self_attn"]["q_proj"]["kernel"]
+  assert q.shape == (CFG.num_hidden_layers, CFG.hidden_size, CFG.num_attention_heads * CFG.head_dim)
+  assert runner.cache.k.shape == (CFG.num_hidden_layers, 40, 8, CFG.num_key_value_heads, CFG.head_dim)
+  # one layer body in the program: a while loop over the layers, not num_hidden_layers copies of it
+  hlo = runner.lower("verify", 8, 1).as_text()
+  assert len(re.findall(r"dot_general", hlo)) < 20
+
+
+@pytest.fixture(scope="module")
+def runner(tiny_model):
+  return Runner(tiny_model, _runner_config(24))
+
+
+def test_decode_takes_no_draft_distribution_and_equals_verify(runner):
+  cfg = runner.cfg
+  lowered = runner.lower("decode", 1, 2)
+  per_call = lowered.args_info[0][2:]  # after (weights, cache): what is uploaded per step
+  shapes = [tuple(x.shape) for x in jax.tree.leaves(per_call)]
+  assert len(shapes) == 8 and max(int(np.prod(s)) for s in shapes) <= 2 * runner.config.pages_per_seq, shapes
+  tokens = np.array([[5], [9]], np.int32)
+  write = np.array([True, True])
+  prefix_len = np.array([0, 0], np.int32)
+  page_table = np.array([[1, 2, 3, 4, 5, 6, 7, 8, 9, 10], [11, 12, 13, 14, 15, 16, 17, 18, 19, 20]], np.int32)
+  page_table = np.pad(page_table, ((0, 0), (0, runner.config.pages_per_seq - page_table.shape[1])))
+  samp = SamplingArrays(np.array([0.0, 1.3], np.float32), np.zeros(2, np.int32), np.ones(2, np.float32),
+                        np.array([[0, 11], [0, 12]], np.uint32))
+  cache0 = jax.tree.map(jnp.copy, runner.cache)  # the step donates the cache it is given
+  got = runner.verify(tokens, None, write, prefix_len, page_table, samp)
+  k_after = np.asarray(runner.cache.k)
+  # the old AR path: a verify of one token against an all-zero draft distribution, from the same cache
+  runner.cache = cache0
+  want = runner.verify(tokens, jnp.zeros((2, 1, cfg.vocab_size), jnp.float32), write, prefix_len, page_table, samp)
+  np.testing.assert_array_equal(got.tokens, want.tokens)
+  np.testing.assert_array_equal(got.accepted, [1, 1])
+  np.testing.assert_allclose(got.logprobs, want.logprobs, rtol=0, atol=0)
+  np.testing.assert_array_equal(np.asarray(runner.cache.k), k_after)
+
+
+def test_parallel_warmup_compiles_every_variant_once(tiny_model):
+  runner = Runner(tiny_model, RunnerConfig(num_pages=24, page_size=8, max_model_len=64, max_batch=1, block_sizes=(8,),
+                                           prefill_chunk=16, compile_cache_dir=None))
+  seconds = runner.warmup(("verify",), (8,), progress=False, workers=2)
+  want = runner.variants(("verify",), (8,))
+  assert sorted(seconds) == sorted(want) == [("decode", 1, 1), ("verify", 8, 1)]
+  assert all(v in runner._compiled for v in want)
+  assert runner.warmup(("verify",), (8,), progress=False) == {}  # nothing left to compile
+  runner.compiled("decode", 1, 1)
+  assert runner.compiles_after_warmup == 0
