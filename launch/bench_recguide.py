@@ -52,7 +52,7 @@ def main(argv):
   price = prof_lib.load_profile(FLAGS.price_profile)
   local = prof_lib.load_profile(FLAGS.profile) if FLAGS.profile else None
   llm = LLM(FLAGS.checkpoint, policy="ar", block_sizes=(8, 16, 32), max_batch=max(levels), max_model_len=1024,
-            warmup=False, attention=FLAGS.attention)
+            warmup=False, attention=FLAGS.attention, dtype=FLAGS.dtype)
   tables = None
   tables_path = FLAGS.policy_tables
   if tables_path is None:  # the tables shipped beside the checkpoint (the bundled one by default)

@@ -38,7 +38,7 @@ def main(argv):
     sys.exit("error: --repeats, --num_prompts and --max_tokens must be positive")
   from recguide_jax import LLM, SamplingParams, bench, policies
   llm = LLM(FLAGS.checkpoint, policy="ar", block_sizes=tuple(blocks), max_batch=max(batch_sizes),
-            max_model_len=1024, warmup=False, attention=FLAGS.attention)
+            max_model_len=1024, warmup=False, attention=FLAGS.attention, dtype=FLAGS.dtype)
   llm.runner.warmup(("prefill", "draft", "verify"), tuple(blocks))
   prompts = bench.gsm8k_prompts(FLAGS.data, FLAGS.num_prompts, llm.tokenizer)
   params = SamplingParams(max_tokens=FLAGS.max_tokens, temperature=0.0)

@@ -24,6 +24,7 @@ flags.DEFINE_string("data", os.path.join(cli.GSM8K_DIR, "train.jsonl"), "GSM8K t
 flags.DEFINE_integer("num_prompts", None, "Prompts from the start of --data (default: all).")
 flags.DEFINE_integer("max_tokens", 160, "Greedy tokens per target continuation.")
 flags.DEFINE_integer("concurrency", 64, "Requests in flight while generating targets.")
+cli.define_dtype_flag()  # of the model that generates the targets (serve in the dtype you distil for)
 flags.DEFINE_string("out_dir", None, "Run directory: targets.jsonl, orbax train state, log, curves.")
 flags.DEFINE_string("export_dir", None, "If set, write the serving checkpoint (base + adapter) here at the end.")
 flags.DEFINE_integer("lora_rank", 128, "Adapter rank (NLD: 128).")
@@ -60,7 +61,7 @@ def main(argv):
   from recguide_jax.train import distill
   base = FLAGS.base_checkpoint or str(llm_lib.default_checkpoint())
   os.makedirs(FLAGS.out_dir, exist_ok=True)
-  llm = LLM(base, policy="ar", max_batch=FLAGS.concurrency)
+  llm = LLM(base, policy="ar", max_batch=FLAGS.concurrency, dtype=FLAGS.dtype)
   prompts = bench.gsm8k_prompts(FLAGS.data, FLAGS.num_prompts or 1 << 30, llm.tokenizer)
   rows = distill.generate_targets(llm, prompts, os.path.join(FLAGS.out_dir, "targets.jsonl"),
                                   max_tokens=FLAGS.max_tokens, concurrency=FLAGS.concurrency)

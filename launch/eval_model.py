@@ -84,7 +84,7 @@ def main(argv):
   from recguide_jax import LLM, SamplingParams, bench, policies
   from recguide_jax.train import data as data_lib
   llm = LLM(FLAGS.checkpoint, policy="ar", block_sizes=(8, 16, 32), max_batch=FLAGS.concurrency, warmup=False,
-            attention=FLAGS.attention)
+            attention=FLAGS.attention, dtype=FLAGS.dtype)
   llm.runner.warmup(("prefill", "draft", "verify"), (8, 16, 32))
   rows = data_lib.load_gsm8k(FLAGS.data)
   result = {"checkpoint": str(FLAGS.checkpoint or "bundled"), "num_prompts": FLAGS.num_prompts,

@@ -85,7 +85,7 @@ def main(argv):
   except adaptive.PolicyError as e:
     sys.exit(f"error: --policy: {e}")
   llm = LLM(checkpoint, policy="ar", block_sizes=(FLAGS.block_size,), max_batch=1, warmup=False,
-            attention=FLAGS.attention)
+            attention=FLAGS.attention, dtype=FLAGS.dtype)
   llm.runner.warmup(("prefill", "draft", "verify", "fused", "gverify") + tuple(fused_kind(n) for n in slot_grid),
                     (FLAGS.block_size,))
   prompts = bench.gsm8k_prompts(FLAGS.data, FLAGS.num_prompts, llm.tokenizer, offset=FLAGS.offset)

@@ -48,7 +48,8 @@ def _define_flags():
   # only when run as a script: imported as the stdlib stand-in, this file must not register flags in its host
   flags.DEFINE_string("checkpoint", None, "Checkpoint dir (default: llm.default_checkpoint()).")
   flags.DEFINE_bool("random_tiny", False, "Profile a tiny randomly initialised model instead (tests, smoke runs).")
-  flags.DEFINE_string("dtype", None, "Override the checkpoint dtype (float32, bfloat16, float16).")
+  flags.DEFINE_enum("dtype", "auto", ["auto", "float32", "bfloat16", "float16"],
+                    "Weights, activations and KV cache dtype; auto: the checkpoint's (--random_tiny: float32).")
   flags.DEFINE_integer("max_batch", 128, "Largest batch bucket C; every power-of-two bucket below it is measured.")
   flags.DEFINE_list("block_sizes", ["8", "16", "32"], "Block sizes B.")
   flags.DEFINE_integer("prefix_len", 256, "Committed tokens per request (the attention context of each forward).")
@@ -62,14 +63,14 @@ def _define_flags():
   flags.DEFINE_integer("seed", 0, "Seed of the random tokens (and of the tiny model).")
 
 
-def _tiny_model(seed: int):
+def _tiny_model(seed: int, dtype: str = "float32"):
   from flax import nnx
   from recguide_jax.config import NLDConfig
   from recguide_jax.model import NLDModel
   cfg = NLDConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
                   num_key_value_heads=2, head_dim=16, mask_token_id=3, bos_token_id=1, eos_token_ids=(2,),
                   original_max_position_embeddings=64, rope_factor=4.0, block_size=8)
-  return NLDModel(cfg, rngs=nnx.Rngs(seed))
+  return NLDModel(cfg, dtype=dtype, param_dtype=dtype, rngs=nnx.Rngs(seed))
 
 
 def _median_ms(fn, repeats: int, warmup: int) -> tuple[float, ...]:
@@ -113,13 +114,14 @@ def main(argv):
     sys.exit("error: --block_sizes must be >= 2")
 
   if FLAGS.random_tiny:
-    model, model_name = _tiny_model(FLAGS.seed), "random tiny NLD (2 layers, hidden 64, vocab 128, float32)"
+    dtype = "float32" if FLAGS.dtype == "auto" else FLAGS.dtype
+    model, model_name = _tiny_model(FLAGS.seed, dtype), f"random tiny NLD (2 layers, hidden 64, vocab 128, {dtype})"
   else:
     from recguide_jax import checkpoint as ckpt_lib
     path = FLAGS.checkpoint or llm_lib.default_checkpoint()
     if not os.path.isdir(path):
       sys.exit(f"error: --checkpoint {path} is not a directory (pass --checkpoint or --random_tiny)")
-    model, model_name = ckpt_lib.load_model(path, dtype=FLAGS.dtype), str(path)
+    model, model_name = ckpt_lib.load_model(path, dtype=None if FLAGS.dtype == "auto" else FLAGS.dtype), str(path)
   max_block = max(blocks)
   rc = RunnerConfig(num_pages=1, page_size=FLAGS.page_size, max_model_len=FLAGS.prefix_len + max_block,
                     max_batch=FLAGS.max_batch, block_sizes=tuple(blocks), prefill_chunk=min(blocks))

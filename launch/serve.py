@@ -2,6 +2,13 @@
 /metrics over one engine thread.
 
   python launch/serve.py --checkpoint=/ckpt/nld-8b --policy=linear --block_size=16 --port=8000
+  python launch/serve.py /ckpt/nld-8b --api_key=secret     # the checkpoint may be given positionally (vllm serve)
+
+Before it loads anything it makes the memory plan (recguide_jax/memory_plan.py) and logs it: weights, measured
+activation peak and KV cache (GB, pages, tokens, sequences of --max_model_len); on a GPU or TPU the cache gets
+what --kv_cache_memory_fraction (0.9) of the device's memory leaves, and a plan that does not fit is refused with
+one `error:` line naming the figures and the flag to change. vLLM's names work: --max_num_seqs,
+--gpu_memory_utilization, --dtype.
 
 It compiles every step variant the policy needs before it listens (a progress bar shows the compilation), then
 prints the URL. SIGTERM (or Ctrl-C) stops accepting connections, lets in-flight requests finish, drains the
@@ -27,9 +34,22 @@ _POLICY = flags.DEFINE_string("policy", "linear", "Decoding policy: ar, diffusio
                               "policy factory knows it).")
 _BLOCK_SIZE = flags.DEFINE_integer("block_size", 16, "Draft / diffusion block size (>= 2).")
 _THRESHOLD = flags.DEFINE_float("threshold", 0.9, "Confidence threshold of the diffusion policy, in (0, 1].")
-_MAX_BATCH = flags.DEFINE_integer("max_batch", 8, "Most requests decoded together (batch buckets 1, 2, 4, ...).")
-_NUM_PAGES = flags.DEFINE_integer("num_pages", 0, "KV cache pages; 0 sizes the cache for max_batch full-length "
-                                  "sequences.")
+_MAX_BATCH = flags.DEFINE_integer("max_batch", 8, "Most requests decoded together (batch buckets 1, 2, 4, ...); "
+                                   "alias --max_num_seqs (vLLM's name).")
+flags.DEFINE_alias("max_num_seqs", "max_batch")
+_NUM_PAGES = flags.DEFINE_integer("num_pages", 0, "KV cache pages; 0: planned from device memory (see "
+                                  "--kv_cache_memory_fraction), or on CPU room for max_batch full-length sequences.")
+_KV_FRACTION = flags.DEFINE_float(
+    "kv_cache_memory_fraction", None, "Fraction of the device's memory the server may use (vLLM's "
+    "--gpu-memory-utilization, alias --gpu_memory_utilization); what the weights and the measured activation peak "
+    "leave of it becomes KV pages. Default 0.9 where the device reports its memory (GPU, TPU) or "
+    "--device_memory_gb states it; on CPU the cache is sized from the flags. On a GPU, jax's allocator may take "
+    "XLA_PYTHON_CLIENT_MEM_FRACTION of the card (this server sets 0.95 unless it is set).")
+flags.DEFINE_alias("gpu_memory_utilization", "kv_cache_memory_fraction")
+_DEVICE_MEMORY_GB = flags.DEFINE_float("device_memory_gb", None, "Device memory in GB (10^9 bytes) for the memory "
+                                       "plan, where the device does not report it (or to plan for less).")
+_DTYPE = flags.DEFINE_enum("dtype", "auto", ["auto", "float32", "bfloat16", "float16"],
+                           "Weights, activations and KV cache dtype; auto: the checkpoint's.")
 _PAGE_SIZE = flags.DEFINE_integer("page_size", 16, "Tokens per KV cache page.")
 _MAX_MODEL_LEN = flags.DEFINE_integer("max_model_len", 1024, "Longest prompt + output, in tokens.")
 _MAX_QUEUE = flags.DEFINE_integer("max_queue", 256, "Most requests waiting for a batch slot; more get HTTP 429.")
@@ -46,6 +66,16 @@ _SERVED_MODEL_NAME = flags.DEFINE_string("served_model_name", None, "Model name 
                                          "the checkpoint directory's name.")
 _RULE = flags.DEFINE_enum("rule", "leviathan", ["leviathan", "reference"], "Speculative acceptance rule.")
 _ACCESS_LOG = flags.DEFINE_boolean("access_log", False, "Log every HTTP request.")
+_API_KEY = flags.DEFINE_string("api_key", None, "Require 'Authorization: Bearer <key>' on /v1/* (401 otherwise); "
+                               "/health, /metrics, /version, /tokenize, /detokenize stay open. Default: "
+                               "$RECGUIDE_API_KEY if set, else no authentication.")
+_ALLOWED_ORIGINS = flags.DEFINE_list("allowed_origins", [], "CORS: comma-separated origins allowed to call the API "
+                                     "from a browser ('*' for any). Default: none (no CORS headers).")
+_STRICT_REQUEST_FIELDS = flags.DEFINE_boolean("strict_request_fields", False, "Answer unknown request fields with "
+                                              "400 (default: ignore them with a logged warning, as vLLM does).")
+_LOG_STATS_INTERVAL = flags.DEFINE_float("log_stats_interval", 10.0, "Seconds between the engine stats lines "
+                                         "(throughput, running/waiting, KV cache usage, acceptance) in the log while "
+                                         "there is activity, as vLLM logs them; 0 disables.")
 
 
 def _fail(message: str) -> None:
@@ -54,6 +84,8 @@ def _fail(message: str) -> None:
 
 
 def _parse_flags(argv):
+  if any(a in ("-h", "-help", "--help", "--helpshort") for a in argv[1:]):
+    app.usage(shorthelp=True, writeto_stdout=True, exitcode=0)  # absl's own --help exits with status 1
   try:
     return flags.FLAGS(argv)
   except flags.Error as e:
@@ -74,9 +106,15 @@ def _check_flags() -> None:
   _check(_MAX_BATCH.value >= 1, "max_batch", f"must be >= 1, got {_MAX_BATCH.value}")
   _check(_NUM_PAGES.value == 0 or _NUM_PAGES.value >= 2, "num_pages",
          f"must be 0 (auto) or >= 2, got {_NUM_PAGES.value}")
+  fraction = _KV_FRACTION.value
+  _check(fraction is None or 0 < fraction <= 1, "kv_cache_memory_fraction", f"must be in (0, 1], got {fraction}")
+  memory = _DEVICE_MEMORY_GB.value
+  _check(memory is None or memory > 0, "device_memory_gb", f"must be > 0, got {memory}")
   _check(_PAGE_SIZE.value >= 1, "page_size", f"must be >= 1, got {_PAGE_SIZE.value}")
   _check(_MAX_MODEL_LEN.value >= 2, "max_model_len", f"must be >= 2, got {_MAX_MODEL_LEN.value}")
   _check(_MAX_QUEUE.value >= 1, "max_queue", f"must be >= 1, got {_MAX_QUEUE.value}")
+  _check(_API_KEY.value is None or bool(_API_KEY.value.strip()), "api_key", "must not be empty")
+  _check(_LOG_STATS_INTERVAL.value >= 0, "log_stats_interval", f"must be >= 0, got {_LOG_STATS_INTERVAL.value}")
   _check(_SERVED_MODEL_NAME.value is None or bool(_SERVED_MODEL_NAME.value.strip()), "served_model_name",
          "must not be empty")
   cache = _COMPILE_CACHE_DIR.value
@@ -151,14 +189,40 @@ def _exit_after_shutdown(signum, frame):
   raise SystemExit(0 if signum == signal.SIGTERM else 128 + signum)
 
 
+def _positional_checkpoint(argv) -> None:
+  """`serve.py CHECKPOINT` as `vllm serve MODEL`: one positional argument is the checkpoint directory."""
+  if len(argv) > 2:
+    _fail(f"unexpected arguments {argv[2:]} (only one positional argument, the checkpoint directory, is accepted)")
+  if len(argv) == 2:
+    given = _CHECKPOINT.value
+    if given is not None and os.path.normpath(given) != os.path.normpath(argv[1]):
+      _fail(f"--checkpoint: {given} and the positional checkpoint {argv[1]} disagree; pass one")
+    flags.FLAGS.checkpoint = argv[1]
+
+
+def curl_example(host: str, port: int, model: str, api_key: bool) -> str:
+  """A ready-to-run request against this server (printed once it listens)."""
+  if host in ("0.0.0.0", "::", ""):
+    host = "127.0.0.1"
+  elif ":" in host:
+    host = f"[{host}]"
+  auth = ' -H "Authorization: Bearer $RECGUIDE_API_KEY"' if api_key else ""
+  body = ('{"model": "%s", "messages": [{"role": "user", "content": "What is 2 + 2?"}], "max_tokens": 32}'
+          % model.replace('"', '\\"'))
+  return (f"curl http://{host}:{port}/v1/chat/completions -H 'Content-Type: application/json'{auth} "
+          f"-d '{body}'")
+
+
 def main(argv):
-  if len(argv) > 1:
-    _fail(f"unexpected arguments {argv[1:]}")
+  _positional_checkpoint(argv)
   _check_flags()
   host, port = _HOST.value, _PORT.value
   _check_port(host, port)
   signal.signal(signal.SIGTERM, _exit_after_shutdown)
   signal.signal(signal.SIGINT, _exit_after_shutdown)
+  # jax's GPU allocator takes 75 % of the card by default; let it take 95 % so that --kv_cache_memory_fraction
+  # (of what the allocator may hand out) means about what vLLM's --gpu-memory-utilization means. Before jax loads.
+  os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.95")
 
   # Imported only now so that bad flags are reported at once, before jax loads.
   import uvicorn
@@ -178,25 +242,29 @@ def main(argv):
   cache = llm_lib.DEFAULT_COMPILE_CACHE if cache is None else (cache or None)
   name = _SERVED_MODEL_NAME.value or os.path.basename(os.path.normpath(os.path.abspath(checkpoint)))
 
-  logging.info("loading %s (policy %s, block size %d, max_batch %d, max_model_len %d)", checkpoint, _POLICY.value,
-               _BLOCK_SIZE.value, _MAX_BATCH.value, _MAX_MODEL_LEN.value)
+  logging.info("loading %s (policy %s, block size %d, max_num_seqs %d, max_model_len %d, dtype %s)", checkpoint,
+               _POLICY.value, _BLOCK_SIZE.value, _MAX_BATCH.value, _MAX_MODEL_LEN.value, _DTYPE.value)
   t0 = time.perf_counter()
   try:
     llm = llm_lib.LLM(checkpoint, policy, _BLOCK_SIZE.value, threshold=_THRESHOLD.value, max_batch=_MAX_BATCH.value,
                       max_model_len=_MAX_MODEL_LEN.value, num_pages=_NUM_PAGES.value or None,
                       page_size=_PAGE_SIZE.value, rule=_RULE.value, compile_cache_dir=cache, warmup=True,
-                      max_queue=_MAX_QUEUE.value, attention=_ATTENTION.value)
+                      max_queue=_MAX_QUEUE.value, attention=_ATTENTION.value, dtype=_DTYPE.value,
+                      kv_cache_memory_fraction=_KV_FRACTION.value, device_memory_gb=_DEVICE_MEMORY_GB.value)
   except (CheckpointError, ConfigError, TokenizerError, OSError) as e:
     _fail(f"--checkpoint: {e}")
   except ValueError as e:
     _fail(e)
-  rc = llm.runner_config
-  logging.info("model loaded and step variants compiled in %.1f s; KV cache: %d pages of %d tokens",
-               time.perf_counter() - t0, rc.num_pages, rc.page_size)
+  logging.info("model loaded and step variants compiled in %.1f s", time.perf_counter() - t0)
+  print(llm.memory_plan.summary(), flush=True)  # also logged before the weights loaded
 
   engine_thread = EngineThread(llm.engine).start()
   try:
-    fastapi_app = create_app(engine_thread, llm.tokenizer, name, profile=_PROFILE.value)
+    api_key = _API_KEY.value or os.environ.get("RECGUIDE_API_KEY") or None
+    fastapi_app = create_app(engine_thread, llm.tokenizer, name, profile=_PROFILE.value,
+                             log_stats_interval_s=_LOG_STATS_INTERVAL.value,
+                             strict_request_fields=_STRICT_REQUEST_FIELDS.value, api_key=api_key,
+                             allowed_origins=_ALLOWED_ORIGINS.value)
     url = f"http://{host}:{port}/v1"
 
     class Server(uvicorn.Server):
@@ -205,6 +273,7 @@ def main(argv):
         await super().startup(sockets)
         if self.started:
           print(f"serving {name} at {url}", flush=True)
+          print("try it: " + curl_example(host, port, name, api_key is not None), flush=True)
 
     config = uvicorn.Config(fastapi_app, host=host, port=port, log_level="info", access_log=_ACCESS_LOG.value,
                             timeout_graceful_shutdown=None, lifespan="on")

@@ -14,9 +14,16 @@ GSM8K_DIR = os.path.join(REPO_ROOT, "..", "shared", "data", "gsm8k")
 def define_model_and_data_flags(split: str = "test", num_prompts: int = 32, max_tokens: int = 128) -> None:
   flags.DEFINE_string("checkpoint", None, "Checkpoint dir (default: the bundled model).")
   flags.DEFINE_enum("attention", "auto", ["auto", "reference", "pallas"], "Attention implementation.")
+  define_dtype_flag()
   flags.DEFINE_string("data", os.path.join(GSM8K_DIR, f"{split}.jsonl"), f"GSM8K {split} jsonl (prompts).")
   flags.DEFINE_integer("num_prompts", num_prompts, "Prompts from the start of the data file.")
   flags.DEFINE_integer("max_tokens", max_tokens, "New tokens per request (greedy, stops at EOS).")
+
+
+def define_dtype_flag() -> None:
+  """--dtype of every script that builds a model (serve.py has the same flag)."""
+  flags.DEFINE_enum("dtype", "auto", ["auto", "float32", "bfloat16", "float16"],
+                    "Weights, activations and KV cache dtype; auto: the checkpoint's.")
 
 
 def quiet_logging() -> None:

@@ -39,8 +39,47 @@ def recguide_defaults(checkpoint_dir: str | os.PathLike) -> dict:
   return out
 
 
+def checkpoint_dtype(checkpoint_dir: str | os.PathLike) -> str:
+  """The dtype the checkpoint's params are stored in (what `dtype="auto"` serves), read from the orbax metadata
+  without loading anything."""
+  import jax
+  import numpy as np
+  import orbax.checkpoint as ocp
+
+  from recguide_jax.checkpoint import PARAMS_DIR, CheckpointError
+  params = pathlib.Path(checkpoint_dir).absolute() / PARAMS_DIR
+  if not params.exists():
+    raise CheckpointError(f"{checkpoint_dir} has no {PARAMS_DIR}/ (run launch/convert_checkpoint.py first)")
+  with ocp.StandardCheckpointer() as ckptr:
+    meta = ckptr.metadata(params)
+  stored = meta.item_metadata if hasattr(meta, "item_metadata") else meta
+  leaves = [x for x in jax.tree.leaves(stored) if hasattr(x, "dtype")]
+  if not leaves:
+    raise CheckpointError(f"{params} holds no arrays")
+  return np.dtype(leaves[0].dtype).name
+
+
+def _same_option(name, value, alias, alias_value, default):
+  """One option under two names (vLLM's and ours): either, or both if they agree."""
+  if value is not None and alias_value is not None and value != alias_value:
+    raise ValueError(f"{name}={value} and {alias}={alias_value} name the same option; pass one")
+  return value if value is not None else alias_value if alias_value is not None else default
+
+
+@dataclasses.dataclass
+class CompletionOutput:
+  """One generated sequence of a request (vLLM's `RequestOutput.outputs[i]`)."""
+  index: int
+  text: str
+  token_ids: list[int]
+  logprobs: list[dict] | None
+  finish_reason: str | None
+
+
 @dataclasses.dataclass
 class RequestOutput:
+  """A finished request. vLLM code reads `out.outputs[0].text`; the flat fields (`text`, `token_ids`, `logprobs`,
+  `finish_reason`) are kept as aliases of `outputs[0]`'s for code written against the earlier, flat shape."""
   request_id: str
   prompt: str | None
   prompt_token_ids: list[int]
@@ -49,6 +88,15 @@ class RequestOutput:
   finish_reason: str | None
   logprobs: list[dict] | None
   stats: dict
+  outputs: list[CompletionOutput] = dataclasses.field(default_factory=list)
+
+  def __post_init__(self):
+    if not self.outputs:  # built from the flat fields: they are the one sequence
+      self.outputs = [CompletionOutput(0, self.text, self.token_ids, self.logprobs, self.finish_reason)]
+
+  @property
+  def finished(self) -> bool:
+    return True  # outputs are returned only once their request has finished
 
   @classmethod
   def from_request(cls, req: Request, prompt: str | None) -> "RequestOutput":
@@ -60,44 +108,80 @@ class LLM:
   """Loads a checkpoint, compiles the step variants its policy needs, and generates."""
 
   def __init__(self, checkpoint: str | os.PathLike | None = None, policy: str | policies_lib.Policy = "linear",
-               block_size: int = 16, *, threshold: float = 0.9, max_batch: int = 8, max_model_len: int = 1024,
-               num_pages: int | None = None, page_size: int = 16, prefill_chunk: int = 64,
+               block_size: int = 16, *, threshold: float = 0.9, max_batch: int | None = None,
+               max_model_len: int = 1024, num_pages: int | None = None, page_size: int = 16, prefill_chunk: int = 64,
                block_sizes: Sequence[int] | None = None, dtype: str | None = None, rule: str = "leviathan",
                compile_cache_dir: str | os.PathLike | None = DEFAULT_COMPILE_CACHE, warmup: bool = True,
                model: NLDModel | None = None, tokenizer: Tokenizer | None = None, max_queue: int = 1 << 16,
-               attention: str = "auto", policy_kwargs: dict | None = None):
+               attention: str = "auto", policy_kwargs: dict | None = None, max_num_seqs: int | None = None,
+               kv_cache_memory_fraction: float | None = None, gpu_memory_utilization: float | None = None,
+               device_memory_gb: float | None = None):
+    """vLLM's names where they exist: `max_num_seqs` (= `max_batch`, the most requests decoded together),
+    `gpu_memory_utilization` (= `kv_cache_memory_fraction`), `dtype` ("auto": the checkpoint's).
+
+    KV cache size: `num_pages` if given; else, where the device's memory is known (GPU/TPU, or stated by
+    `device_memory_gb`), what `kv_cache_memory_fraction` (default 0.9) of it leaves after the weights and the
+    measured activation peak (see memory_plan.py); else (CPU) room for `max_batch` sequences of `max_model_len`.
+    The plan is made, logged and checked before the weights are loaded; one that does not fit raises
+    `MemoryPlanError` (a ValueError) naming the figures and the option to change. It is kept as `memory_plan`."""
+    from absl import logging
+
+    from recguide_jax import attention_dispatch, memory_plan
     from recguide_jax import checkpoint as ckpt_lib
+    from recguide_jax.config import NLDConfig
+    max_batch = _same_option("max_num_seqs", max_num_seqs, "max_batch", max_batch, default=8)
+    fraction = _same_option("kv_cache_memory_fraction", kv_cache_memory_fraction, "gpu_memory_utilization",
+                            gpu_memory_utilization, default=None)
+    if dtype is not None and dtype not in memory_plan.DTYPE_NAMES:
+      raise ValueError(f"dtype must be one of {', '.join(memory_plan.DTYPE_NAMES)}, got {dtype!r}")
     checkpoint_dir = None
     if model is None:
       path = pathlib.Path(checkpoint) if checkpoint is not None else default_checkpoint()
       checkpoint_dir = path
       if not path.exists():
         raise FileNotFoundError(f"checkpoint directory {path} does not exist")
-      model = ckpt_lib.load_model(path, dtype=dtype)
-      if tokenizer is None and (path / "tokenizer.json").exists():
-        tokenizer = Tokenizer.from_dir(path)
-    from recguide_jax import attention_dispatch
-    attention_dispatch.set_attention_impl(model, attention)  # before the runner splits the model
-    self.model = model
-    self.cfg = model.cfg
-    self.tokenizer = tokenizer
+      if not (path / ckpt_lib.CONFIG_FILE).exists():
+        raise ckpt_lib.CheckpointError(f"{path} has no {ckpt_lib.CONFIG_FILE}")
+      cfg = NLDConfig.from_json_file(path / ckpt_lib.CONFIG_FILE)
+      dtype = checkpoint_dtype(path) if dtype in (None, "auto") else dtype
+    else:
+      import jax
+      from flax import nnx
+      cfg = model.cfg
+      dtype = jax.tree.leaves(nnx.state(model, nnx.Param))[0].dtype.name
+    self.cfg = cfg
     if policy == "recguide" and checkpoint_dir is not None:
       policy_kwargs = {**recguide_defaults(checkpoint_dir), **(policy_kwargs or {})}
     self.policy = policy if isinstance(policy, policies_lib.Policy) else policies_lib.make_policy(
         policy, block_size, threshold, **(policy_kwargs or {}))
     sizes = tuple(sorted(set(block_sizes or ()) | set(self.policy.block_sizes()))) or (block_size,)
-    pages_per_seq = -(-(max_model_len + max(sizes + (prefill_chunk,))) // page_size)
-    self.runner_config = RunnerConfig(
-        num_pages=num_pages or max_batch * pages_per_seq + 1, page_size=page_size, max_model_len=max_model_len,
-        max_batch=max_batch, block_sizes=sizes, prefill_chunk=prefill_chunk, rule=rule,
-        compile_cache_dir=str(compile_cache_dir) if compile_cache_dir else None)
+    # what warmup compiles (and what the memory probe measures the largest of)
+    if block_sizes:  # several policies will share this LLM: every kind for the requested sizes
+      self._kinds, self._kind_sizes = ("prefill", "draft", "verify", "denoise"), tuple(block_sizes)
+    else:
+      self._kinds, self._kind_sizes = self.policy.step_kinds(), self.policy.block_sizes()
+    config = RunnerConfig(
+        num_pages=2, page_size=page_size, max_model_len=max_model_len, max_batch=max_batch, block_sizes=sizes,
+        prefill_chunk=prefill_chunk, rule=rule, compile_cache_dir=str(compile_cache_dir) if compile_cache_dir else None)
+    if compile_cache_dir:  # the memory probe's compiles are cached too
+      from recguide_jax.runner import enable_compile_cache
+      enable_compile_cache(config.compile_cache_dir)
+    self.memory_plan = memory_plan.plan_for_device(
+        cfg, dtype=dtype, runner_config=config, kinds=self._kinds, block_sizes=self._kind_sizes, fraction=fraction,
+        device_memory_gb=device_memory_gb, num_pages=num_pages or None, attention=attention)
+    logging.info("%s", self.memory_plan.summary())
+    if model is None:  # only now, with a plan that fits
+      model = ckpt_lib.load_model(checkpoint_dir, dtype=dtype)
+      if tokenizer is None and (checkpoint_dir / "tokenizer.json").exists():
+        tokenizer = Tokenizer.from_dir(checkpoint_dir)
+    attention_dispatch.set_attention_impl(model, attention)  # before the runner splits the model
+    self.model = model
+    self.tokenizer = tokenizer
+    self.runner_config = dataclasses.replace(config, num_pages=self.memory_plan.num_pages)
     self.runner = Runner(model, self.runner_config)
     self.engine = Engine(self.runner, self.policy, tokenizer=tokenizer, max_queue=max_queue)
     if warmup:
-      if block_sizes:  # several policies will share this LLM: compile every kind for the requested sizes
-        self.runner.warmup(("prefill", "draft", "verify", "denoise"), tuple(block_sizes))
-      else:
-        self.runner.warmup(self.policy.step_kinds(), self.policy.block_sizes())
+      self.runner.warmup(self._kinds, self._kind_sizes)
 
   def set_policy(self, policy: str | policies_lib.Policy, block_size: int = 16, threshold: float = 0.9) -> None:
     """Switches the decoding policy for later requests (compiled variants are kept)."""
@@ -119,8 +203,9 @@ class LLM:
                                         all(isinstance(t, int) for t in prompts))
 
   def generate(self, prompts, params: SamplingParams | Sequence[SamplingParams] | None = None,
-               use_tqdm: bool = False) -> list[RequestOutput]:
-    """prompts: a string, a list of token ids, or a list of either. Returns one output per prompt, in order."""
+               use_tqdm: bool = True) -> list[RequestOutput]:
+    """prompts: a string, a list of token ids, or a list of either. Returns one output per prompt, in order.
+    use_tqdm: a progress bar over finished requests (as vLLM's)."""
     if self._is_single(prompts):
       prompts = [prompts]
     prompts = list(prompts)
@@ -141,21 +226,25 @@ class LLM:
     bar = None
     if use_tqdm:
       from tqdm import tqdm
-      bar = tqdm(total=len(reqs), desc="generating", unit="req")
+      bar = tqdm(total=len(reqs), desc="Processed prompts", unit="req")
+    ours = {id(r) for r in reqs}
     while any(not r.finished for r in reqs):
       done = self.engine.step()
       if bar is not None:
-        bar.update(sum(1 for r in done if r in reqs))
+        bar.update(sum(1 for r in done if id(r) in ours))
     if bar is not None:
       bar.close()
     return [RequestOutput.from_request(r, text) for r, (_, text) in zip(reqs, encoded)]
 
   def chat(self, conversations, params: SamplingParams | Sequence[SamplingParams] | None = None,
-           add_generation_prompt: bool = True) -> list[RequestOutput]:
-    """conversations: a list of {role, content} messages, or a list of such lists."""
+           add_generation_prompt: bool = True, use_tqdm: bool = True,
+           chat_template_kwargs: dict | None = None) -> list[RequestOutput]:
+    """conversations: a list of {role, content} messages, or a list of such lists. chat_template_kwargs: extra
+    variables for the chat template (as vLLM's)."""
     if self.tokenizer is None:
       raise RequestError("this checkpoint has no tokenizer", "messages")
     single = isinstance(conversations, (list, tuple)) and conversations and isinstance(conversations[0], dict)
     convs = [conversations] if single else list(conversations)
-    prompts = [self.tokenizer.apply_chat_template(list(c), add_generation_prompt) for c in convs]
-    return self.generate(prompts, params)
+    prompts = [self.tokenizer.apply_chat_template(list(c), add_generation_prompt, **(chat_template_kwargs or {}))
+               for c in convs]
+    return self.generate(prompts, params, use_tqdm=use_tqdm)
