@@ -6,6 +6,6 @@ __all__ = ["ConfigError", "NLDConfig"]
 __version__ = "0.1.0"
 
 from recguide_jax.engine import RequestError, SamplingParams  # noqa: E402
-from recguide_jax.llm import LLM, RequestOutput  # noqa: E402
+from recguide_jax.llm import LLM, CompletionOutput, RequestOutput  # noqa: E402
 
-__all__ += ["LLM", "RequestError", "RequestOutput", "SamplingParams"]
+__all__ += ["CompletionOutput", "LLM", "RequestError", "RequestOutput", "SamplingParams"]

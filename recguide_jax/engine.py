@@ -16,6 +16,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import itertools
+import logging
 import threading
 import time
 from typing import Callable, Sequence
@@ -28,6 +29,72 @@ from recguide_jax.kv_cache import PageAllocator
 from recguide_jax.runner import Runner, SamplingArrays, fused_kind
 
 MAX_TOP_LOGPROBS = 5
+# Bounds of the request fields that are not bounded by the model (vocabulary, max_model_len). Each one keeps a value
+# inside the host array type it is written to, or a per-token cost (stop strings are searched in the decoded text of
+# every step) small.
+SEED_RANGE = (-2**63, 2**63 - 1)  # vLLM's: a signed 64-bit integer; folded to the 32-bit key word (`fold_seed`)
+MAX_TEMPERATURE = 100.0
+# vLLM's clamp: 0 < temperature < 0.01 samples at 0.01, so logits / temperature cannot overflow float32 (a denormal
+# temperature would turn the softmax into NaN)
+MIN_TEMPERATURE = 1e-2
+MAX_STOP_STRINGS = 16
+MAX_STOP_CHARS = 256  # per stop string: held-back stream tails are checked against every prefix of every stop
+MAX_STOP_TOKEN_IDS = 256
+
+log = logging.getLogger("recguide_jax.engine")
+
+
+def describe(value, limit: int = 40) -> str:
+  """A short, always-encodable rendering of a client-supplied value for an error message: ASCII escapes instead of
+  lone surrogates or other odd characters, no int-to-str conversion of huge integers, capped length."""
+  if isinstance(value, int) and not isinstance(value, bool) and value.bit_length() > 128:
+    return f"an integer of {value.bit_length()} bits"
+  if isinstance(value, (str, int, float, bool)) or value is None:
+    text = ascii(value)
+  else:
+    text = f"a value of type {type(value).__name__}"
+  return text if len(text) <= limit else text[:limit - 3] + "..."
+
+
+def fold_seed(seed: int) -> int:
+  """A request seed (any integer in SEED_RANGE) -> the 32-bit word of its sampling keys. Seeds in [0, 2^32) are
+  used as they are (their sampled streams do not change); a larger or negative seed goes through the splitmix64
+  finaliser of its 64-bit two's complement, so every one of its bits counts and neighbours do not collide in a
+  pattern (a plain xor of the halves maps -1 and 2^32 + 1 onto 0)."""
+  s = int(seed)
+  if 0 <= s < 2**32:
+    return s
+  mask = 0xFFFFFFFFFFFFFFFF
+  u = s & mask
+  u = ((u ^ (u >> 30)) * 0xBF58476D1CE4E5B9) & mask
+  u = ((u ^ (u >> 27)) * 0x94D049BB133111EB) & mask
+  return (u ^ (u >> 31)) & 0xFFFFFFFF
+
+
+@dataclasses.dataclass(frozen=True)
+class SamplingRow:
+  """One request's row of the batch's sampling arrays, converted to their dtypes once, when the request is added,
+  so a value that does not fit fails that request alone instead of the batch it would join."""
+  temperature: np.float32
+  top_k: np.int32
+  top_p: np.float32
+  seed: np.uint32
+
+
+def sampling_row(params: "SamplingParams", rng_seed: int) -> SamplingRow:
+  """Raises RequestError (naming the field) if a value does not fit its array type; silent float overflow counts."""
+  temperature = float(params.temperature)
+  if 0 < temperature < MIN_TEMPERATURE:
+    temperature = MIN_TEMPERATURE
+  fields = {"temperature": (temperature, np.float32), "top_k": (max(int(params.top_k), 0), np.int32),
+            "top_p": (float(params.top_p), np.float32), "seed": (int(rng_seed), np.uint32)}
+  out = {}
+  for name, (value, dtype) in fields.items():
+    info = np.finfo(dtype) if np.issubdtype(dtype, np.floating) else np.iinfo(dtype)
+    if not (info.min <= value <= info.max) or (isinstance(value, float) and not np.isfinite(value)):
+      raise RequestError(f"{name} {describe(value)} does not fit the engine's {np.dtype(dtype).name} array", name)
+    out[name] = dtype(value)
+  return SamplingRow(**out)
 
 
 class RequestError(ValueError):
@@ -59,28 +126,52 @@ class SamplingParams:
   ignore_eos: bool = False
 
   def validate(self, vocab_size: int | None = None) -> "SamplingParams":
+    """Checks every field's type and range (the ranges its host array type and the model allow); raises
+    RequestError naming the field. Booleans are not integers here (`True` is no max_tokens)."""
     def bad(field, msg):
       raise RequestError(f"{field} {msg}", field)
 
-    if isinstance(self.max_tokens, bool) or not isinstance(self.max_tokens, int) or self.max_tokens <= 0:
-      bad("max_tokens", f"must be a positive integer, got {self.max_tokens!r}")
-    if not isinstance(self.temperature, (int, float)) or isinstance(self.temperature, bool) or not (
-        0 <= self.temperature < float("inf")):
-      bad("temperature", f"must be a finite number >= 0, got {self.temperature!r}")
-    if not isinstance(self.top_p, (int, float)) or not 0 < self.top_p <= 1:
-      bad("top_p", f"must be in (0, 1], got {self.top_p!r}")
-    if not isinstance(self.top_k, int) or self.top_k < -1:
-      bad("top_k", f"must be -1, 0 (off) or a positive integer, got {self.top_k!r}")
-    if self.seed is not None and (not isinstance(self.seed, int) or isinstance(self.seed, bool)):
-      bad("seed", f"must be an integer, got {self.seed!r}")
-    if self.logprobs is not None and (not isinstance(self.logprobs, int) or not 0 <= self.logprobs <= MAX_TOP_LOGPROBS):
-      bad("logprobs", f"must be an integer in [0, {MAX_TOP_LOGPROBS}], got {self.logprobs!r}")
+    def is_int(v):
+      return isinstance(v, (int, np.integer)) and not isinstance(v, (bool, np.bool_))
+
+    def is_number(v):
+      return is_int(v) or (isinstance(v, (float, np.floating)) and not isinstance(v, bool))
+
+    if not is_int(self.max_tokens) or self.max_tokens <= 0:
+      bad("max_tokens", f"must be a positive integer, got {describe(self.max_tokens)}")
+    if not is_number(self.temperature) or not 0 <= self.temperature <= MAX_TEMPERATURE:  # NaN fails too
+      bad("temperature", f"must be a finite number in [0, {MAX_TEMPERATURE:g}], got {describe(self.temperature)}")
+    if not is_number(self.top_p) or not 0 < self.top_p <= 1:
+      bad("top_p", f"must be in (0, 1], got {describe(self.top_p)}")
+    top_k_max = vocab_size if vocab_size is not None else np.iinfo(np.int32).max
+    if not is_int(self.top_k) or not -1 <= self.top_k <= top_k_max:
+      bad("top_k", f"must be -1 or 0 (off) or an integer in [1, {top_k_max}] (the vocabulary size), got "
+          f"{describe(self.top_k)}")
+    if self.seed is not None and (not is_int(self.seed) or not SEED_RANGE[0] <= self.seed <= SEED_RANGE[1]):
+      bad("seed", f"must be an integer in [-2^63, 2^63 - 1], got {describe(self.seed)}")
+    if self.logprobs is not None and (not is_int(self.logprobs) or not 0 <= self.logprobs <= MAX_TOP_LOGPROBS):
+      bad("logprobs", f"must be an integer in [0, {MAX_TOP_LOGPROBS}], got {describe(self.logprobs)}")
+    if not isinstance(self.ignore_eos, (bool, np.bool_)):
+      bad("ignore_eos", f"must be a boolean, got {describe(self.ignore_eos)}")
+    if self.stop is not None and not isinstance(self.stop, (str, list, tuple)):
+      bad("stop", f"must be a string or a list of strings, got {describe(self.stop)}")
     stops = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
-    if any(not isinstance(s, str) or not s for s in stops):
-      bad("stop", "must be a non-empty string or a list of non-empty strings")
-    for t in self.stop_token_ids or []:
-      if not isinstance(t, int) or t < 0 or (vocab_size is not None and t >= vocab_size):
-        bad("stop_token_ids", f"holds an invalid token id {t!r}")
+    if len(stops) > MAX_STOP_STRINGS:
+      bad("stop", f"holds {len(stops)} stop strings, at most {MAX_STOP_STRINGS} are allowed")
+    for s in stops:
+      if not isinstance(s, str) or not s:
+        bad("stop", f"must be a non-empty string or a list of non-empty strings, got {describe(s)}")
+      if len(s) > MAX_STOP_CHARS:
+        bad("stop", f"strings must be at most {MAX_STOP_CHARS} characters, got one of {len(s)}")
+    if self.stop_token_ids is not None and not isinstance(self.stop_token_ids, (list, tuple)):
+      bad("stop_token_ids", f"must be a list of token ids, got {describe(self.stop_token_ids)}")
+    ids = list(self.stop_token_ids or [])
+    if len(ids) > MAX_STOP_TOKEN_IDS:
+      bad("stop_token_ids", f"holds {len(ids)} ids, at most {MAX_STOP_TOKEN_IDS} are allowed")
+    for t in ids:
+      if not is_int(t) or t < 0 or (vocab_size is not None and t >= vocab_size):
+        bad("stop_token_ids", f"holds an invalid token id {describe(t)}"
+            + (f" (the vocabulary is [0, {vocab_size}))" if vocab_size is not None else ""))
     return self
 
   @property
@@ -100,6 +191,7 @@ class RequestStats:
   accepted_draft_tokens: int = 0
   ttft_s: float | None = None
   latency_s: float | None = None
+  queue_s: float | None = None  # arrival -> admitted to the running batch (vLLM's queue time)
 
   @property
   def decode_forwards(self) -> int:
@@ -127,8 +219,9 @@ class Request:
   # engine state
   prefilled: int = 0  # prompt tokens whose K/V are in the cache
   seed_token: int | None = None  # emitted, not yet cached
-  rng_seed: int = 0
+  rng_seed: int = 0  # the 32-bit key word (fold_seed of the request's seed)
   round_counter: int = 0
+  sampling: SamplingRow | None = None  # this request's sampling-array row, converted when it was added
   text: str | None = None  # set when finished (cut before a stop string if one matched)
   error_code: int | None = None
   policy_state: dict = dataclasses.field(default_factory=dict)
@@ -172,18 +265,20 @@ class Engine:
   def validate_request(self, prompt_ids: Sequence[int], params: SamplingParams) -> list[int]:
     """Checks a request without touching engine state (safe from any thread); returns the prompt as ints."""
     params.validate(self.cfg.vocab_size)
+    sampling_row(params, 0)  # the values fit their array types (validate's ranges imply it; checked here anyway)
     if params.logprobs is not None and not self.policy.supports_logprobs:
       raise RequestError(f"logprobs are not available with the {self.policy.name} policy (denoised tokens have "
                          "no AR distribution)", "logprobs")
-    try:
-      prompt_ids = [int(t) for t in prompt_ids]
-    except (TypeError, ValueError):
-      raise RequestError("prompt must be a string or a list of token ids", "prompt") from None
+    if isinstance(prompt_ids, (str, bytes)) or any(
+        isinstance(t, (bool, np.bool_)) or not isinstance(t, (int, np.integer)) for t in prompt_ids):
+      raise RequestError("prompt must be a list of token ids (integers)", "prompt")
+    prompt_ids = [int(t) for t in prompt_ids]
     if not prompt_ids:
       raise RequestError("prompt must not be empty", "prompt")
     bad = [t for t in prompt_ids if not 0 <= t < self.cfg.vocab_size]
     if bad:
-      raise RequestError(f"prompt holds token id {bad[0]} outside the vocabulary [0, {self.cfg.vocab_size})", "prompt")
+      raise RequestError(f"prompt holds token id {describe(bad[0])} outside the vocabulary "
+                         f"[0, {self.cfg.vocab_size})", "prompt")
     if len(prompt_ids) >= self.rc.max_model_len:
       raise RequestError(f"prompt has {len(prompt_ids)} tokens, max_model_len is {self.rc.max_model_len}", "prompt",
                          413)
@@ -203,7 +298,8 @@ class Engine:
       raise QueueFull(f"the request queue is full ({self.max_queue} waiting)")
     rid = request_id or f"req-{next(self._ids)}"
     seed = params.seed if params.seed is not None else int(np.random.randint(0, 2**31 - 1))
-    req = Request(rid, list(prompt_ids), params, on_update=on_update, rng_seed=seed & 0xFFFFFFFF)
+    req = Request(rid, list(prompt_ids), params, on_update=on_update, rng_seed=fold_seed(seed))
+    req.sampling = sampling_row(params, req.rng_seed)  # before it can join a batch: a bad value fails it alone
     if arrival is not None:
       req.arrival = arrival
     self.waiting.append(req)
@@ -241,9 +337,13 @@ class Engine:
       self.waiting.popleft()
       free_budget -= need
       self._pledged[req.request_id] = need
-      self.allocator.add(req.request_id)
       self.running.append(req)
-      self.policy.on_admit(req)
+      req.stats.queue_s = time.perf_counter() - req.arrival
+      try:
+        self.allocator.add(req.request_id)
+        self.policy.on_admit(req)
+      except Exception as e:  # this request only: its pages are freed, the others are admitted as usual
+        self._fail_request(req, "admitting it", e)
 
   # ---- one engine iteration ------------------------------------------------------------------------------------------
   def step(self) -> list[Request]:
@@ -251,41 +351,102 @@ class Engine:
     self.step_count += 1
     self._admit()
     finished: list[Request] = []
-    prefilling = [r for r in self.running if r.prefilled < len(r.prompt_ids)]
+    prefilling = [r for r in self.running
+                  if r.prefilled < len(r.prompt_ids) and not r.finished and self._sampling_ready(r)]
     if prefilling:
-      self._prefill(prefilling[:self.rc.max_batch])
-    decoding = [r for r in self.running if r.seed_token is not None and not r.finished]
+      batch = prefilling[:self.rc.max_batch]
+      self._isolated(batch, "prefill", self._prefill, batch)
+    decoding = [r for r in self.running if r.seed_token is not None and not r.finished and self._sampling_ready(r)]
     self.decoding_count = len(decoding)
     groups: dict[tuple, list[Request]] = {}
     for req in decoding:
-      plan = self.policy.plan(req, self)
+      try:
+        plan = self.policy.plan(req, self)
+      except Exception as e:
+        self._fail_request(req, "planning its round", e)
+        continue
       groups.setdefault((plan.kind, plan.block_size), []).append(req)
     if self.bucketing is not True:
-      groups = self._merge_linear_groups(groups, None if self.bucketing is False else self.policy.round_cost)
+      try:
+        groups = self._merge_linear_groups(groups, None if self.bucketing is False else self.policy.round_cost)
+      except Exception:  # a cost-model bug: run the planned groups as they are
+        log.exception("merging the planned LinearSS groups failed; running them unmerged")
     for (kind, blk), reqs in groups.items():
       for i in range(0, len(reqs), self.rc.max_batch):
-        chunk = reqs[i:i + self.rc.max_batch]
+        chunk = [r for r in reqs[i:i + self.rc.max_batch] if not r.finished]
+        if not chunk:
+          continue
         t0 = time.perf_counter()
-        if kind == "ar":
-          label = self._round_ar(chunk)
-        elif kind == "linear":
-          label = self._round_linear(chunk, blk)
-        elif kind == "diffusion":
-          label = self._round_diffusion(chunk, blk)
-        elif kind == "overlap":
-          label = self._round_overlap(chunk, blk)
-        elif kind == "shadow":
-          label = self._round_shadow(chunk, blk)
-        else:
-          raise ValueError(f"unknown plan kind {kind!r}")
+        ok, label = self._isolated(chunk, f"{kind} round (block {blk})", self._round, kind, blk, chunk)
+        if not ok:
+          continue
         # the whole round on the wall clock (batch assembly, forwards, acceptance, emission): what a policy that
         # calibrates its cost model online compares regimes by
-        self.policy.observe_round(label or kind, blk, len(chunk), time.perf_counter() - t0)
+        try:
+          self.policy.observe_round(label or kind, blk, len(chunk), time.perf_counter() - t0)
+        except Exception:
+          log.exception("the policy's observe_round failed")
     for req in list(self.running):
       if req.finished:
         self.running.remove(req)
         finished.append(req)
     return finished
+
+  def _round(self, kind: str, blk: int, chunk: list[Request]):
+    if kind == "ar":
+      return self._round_ar(chunk)
+    if kind == "linear":
+      return self._round_linear(chunk, blk)
+    if kind == "diffusion":
+      return self._round_diffusion(chunk, blk)
+    if kind == "overlap":
+      return self._round_overlap(chunk, blk)
+    if kind == "shadow":
+      return self._round_shadow(chunk, blk)
+    raise ValueError(f"unknown plan kind {kind!r}")
+
+  # ---- request isolation -----------------------------------------------------------------------------------------
+  # Per-request values are converted to their host array types when a request is added (`sampling_row`), so a bad
+  # value fails only its own request. What can still raise inside a batched step is attributed as narrowly as the
+  # step allows: an error while emitting one request's tokens fails that request; an error anywhere else in a
+  # prefill or a round fails the requests of that batch (their pages are freed) and the engine goes on with the
+  # others. Only a device failure (a runtime error from XLA, or a KV cache that a failed call left deleted) is
+  # raised to the caller, which fails everything with `fail_all`.
+  def _isolated(self, reqs: list[Request], what: str, fn, *args):
+    """(True, fn's result), or (False, None) after failing `reqs` because fn raised."""
+    try:
+      return True, fn(*args)
+    except Exception as e:
+      if self._device_failed(e):
+        raise
+      log.exception("%s of %d request(s) [%s] failed; failing those requests only", what, len(reqs),
+                    ", ".join(r.request_id for r in reqs[:8]))
+      for r in reqs:
+        self._finish(r, "error", f"engine error: {type(e).__name__}: {e}")
+      return False, None
+
+  def _device_failed(self, e: Exception) -> bool:
+    if isinstance(e, jax.errors.JaxRuntimeError):
+      return True
+    try:  # a donated cache consumed by a call that then failed: nobody's K/V is left
+      return any(getattr(x, "is_deleted", lambda: False)() for x in jax.tree.leaves(self.runner.cache))
+    except Exception:
+      return False
+
+  def _sampling_ready(self, r: Request) -> bool:
+    """Converts a request's sampling row before it joins a batch (add_request already did, unless the request was
+    built or changed elsewhere); a value that does not fit fails this request alone."""
+    if r.sampling is None:
+      try:
+        r.sampling = sampling_row(r.params, fold_seed(r.rng_seed))
+      except Exception as e:
+        self._fail_request(r, "converting its sampling parameters", e)
+        return False
+    return True
+
+  def _fail_request(self, r: Request, what: str, e: Exception) -> None:
+    log.error("request %s failed while %s; failing it alone", r.request_id, what, exc_info=e)
+    self._finish(r, "error", f"engine error: {type(e).__name__}: {e}")
 
   @staticmethod
   def _merge_linear_groups(groups: dict, round_cost: Callable[[int, int], float | None] | None) -> dict:
@@ -351,11 +512,13 @@ class Engine:
       prefix_len[i] = self.allocator.length(r.request_id)
     samp = SamplingArrays.greedy(b)
     for i, r in enumerate(reqs):
-      p = r.params
-      samp.temperature[i] = p.temperature
-      samp.top_k[i] = max(p.top_k, 0)
-      samp.top_p[i] = p.top_p
-      samp.keys[i] = (r.rng_seed, r.round_counter)
+      if r.sampling is None:  # a Request built outside add_request (step converts it before batching)
+        r.sampling = sampling_row(r.params, fold_seed(r.rng_seed))
+      row = r.sampling
+      samp.temperature[i] = row.temperature
+      samp.top_k[i] = row.top_k
+      samp.top_p[i] = row.top_p
+      samp.keys[i] = (row.seed, r.round_counter & 0xFFFFFFFF)
       r.round_counter += 1
     return b, page_table, prefix_len, samp
 
@@ -379,6 +542,7 @@ class Engine:
     for i, r in enumerate(reqs):
       n = int(valid[i].sum())
       r.prefilled += n
+      self.totals["prompt_tokens"] += n  # live, for /metrics and the periodic stats line
       self.allocator.commit(r.request_id, r.prefilled)
       r.stats.forwards["prefill"] += 1
       if r.prefilled == len(r.prompt_ids):
@@ -464,6 +628,7 @@ class Engine:
     r.stats.block_sizes.append(blk)
     self.block_size_choices[blk] += 1
     if blk > 1:
+      self.totals["drafts"] += 1  # one verified draft (vLLM's spec_decode_num_drafts)
       r.stats.draft_tokens += blk - 1
       r.stats.accepted_draft_tokens += accepted - 1
       self.totals["draft_tokens"] += blk - 1
@@ -602,6 +767,14 @@ class Engine:
 
   # ---- emission and stop conditions -------------------------------------------------------------------------------
   def _emit(self, r: Request, toks: list[int], lps, top_lp, top_ids) -> None:
+    """Appends a round's tokens to one request (stop conditions, logprobs, its update callback); an error here
+    fails this request alone."""
+    try:
+      self._emit_tokens(r, toks, lps, top_lp, top_ids)
+    except Exception as e:
+      self._fail_request(r, "emitting its tokens", e)
+
+  def _emit_tokens(self, r: Request, toks: list[int], lps, top_lp, top_ids) -> None:
     if r.finished:
       return
     eos = set() if r.params.ignore_eos else set(self.cfg.eos_token_ids)
@@ -641,30 +814,58 @@ class Engine:
     if r.seed_token is None or new:
       r.seed_token = r.output_ids[-1] if r.output_ids else None
     self.totals["generated_tokens"] += len(new)
-    if r.on_update is not None:
-      r.on_update(r, new)
+    if not self._notify(r, new):
+      self._finish(r, "error", "engine error: the request's update callback failed")
+      return
     if reason is not None:
       self._finish(r, reason)
 
+  @staticmethod
+  def _notify(r: Request, new: list[int]) -> bool:
+    """Calls the request's update callback; False (logged) if it raised."""
+    if r.on_update is None:
+      return True
+    try:
+      r.on_update(r, new)
+      return True
+    except Exception:
+      log.exception("the update callback of request %s failed", r.request_id)
+      return False
+
   def _finish(self, r: Request, reason: str, error: str | None = None) -> None:
+    """Ends a request once (later calls are no-ops): frees its KV pages and tells its caller. Never raises: it
+    is how a failing request is taken out, so each part that could fail is logged and the rest still runs."""
     if r.finished:
       return
     r.finish_reason = reason
     r.error = error
     r.stats.latency_s = time.perf_counter() - r.arrival
     if r.text is None:
-      r.text = self.tokenizer.decode(r.output_ids) if self.tokenizer is not None else ""
+      try:
+        r.text = self.tokenizer.decode(r.output_ids) if self.tokenizer is not None else ""
+      except Exception:
+        log.exception("decoding the output of request %s failed", r.request_id)
+        r.text = ""
     if r.request_id in self._pledged:
       del self._pledged[r.request_id]
-      self.allocator.free(r.request_id)
-    self.policy.on_finish(r)
+      try:
+        self.allocator.free(r.request_id)
+      except Exception:
+        log.exception("freeing the KV pages of request %s failed", r.request_id)
+    try:
+      self.policy.on_finish(r)
+    except Exception:
+      log.exception("the policy's on_finish failed for request %s", r.request_id)
     self.totals[f"requests_{reason}"] += 1
-    if r.on_update is not None:
-      r.on_update(r, [])
+    self._notify(r, [])
 
   def fail_all(self, message: str) -> None:
     """Finishes every request with an error (after a device failure) so no caller waits forever."""
-    for r in list(self.waiting) + list(self.running):
+    victims = list(self.waiting) + list(self.running)
+    if victims:
+      log.error("failing all %d requests (%d running, %d waiting): %s", len(victims), len(self.running),
+                len(self.waiting), message)
+    for r in victims:
       self._finish(r, "error", message)
     self.waiting.clear()
     self.running.clear()
@@ -720,13 +921,19 @@ class EngineThread:
         _, prompt_ids, params, rid, on_update, arrival = item
         try:
           self.engine.add_request(prompt_ids, params, rid, on_update, validated=True, arrival=arrival)
-        except RequestError as e:
+        except Exception as e:  # this request only (a RequestError keeps its HTTP status)
+          if not isinstance(e, RequestError):
+            log.exception("adding request %s failed", rid)
           req = Request(rid, prompt_ids, params, on_update=on_update)
-          req.error_code = e.code
-          self.engine._finish(req, "error", str(e))
+          req.error_code = e.code if isinstance(e, RequestError) else 500
+          self.engine._finish(req, "error", str(e) if isinstance(e, RequestError)
+                              else f"engine error: {type(e).__name__}: {e}")
       else:
         # an abort may arrive before its add was moved in: handled because adds come first in FIFO order
-        self.engine.abort(item[1])
+        try:
+          self.engine.abort(item[1])
+        except Exception:
+          log.exception("aborting request %s failed", item[1])
 
   def _loop(self) -> None:
     while True:
@@ -741,8 +948,9 @@ class EngineThread:
       try:
         self.engine.step()
         self.steps += 1
-      except Exception as e:  # keep serving: fail the in-flight requests, not the process
+      except Exception as e:  # a device failure (step isolates everything else): fail all, keep the process
         self.error = e
+        log.exception("engine step failed on the device")
         self.engine.fail_all(f"engine error: {type(e).__name__}: {e}")
 
   def shutdown(self, drain: bool = True, timeout: float | None = None) -> None:

@@ -70,7 +70,8 @@ class Tokenizer:
   def id_to_token(self, token_id: int) -> str | None:
     return self._tok.id_to_token(token_id)
 
-  def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
+  def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True, **template_kwargs) -> str:
+    """`template_kwargs`: extra template variables (vLLM's `chat_template_kwargs`, e.g. `enable_thinking`)."""
     if self._template is None:
       raise TokenizerError("this checkpoint has no chat template")
     if not isinstance(messages, list) or not messages:
@@ -79,7 +80,7 @@ class Tokenizer:
       if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
         raise TokenizerError("each message needs a string 'role' and a string 'content'")
     try:
-      return self._template.render(messages=messages, add_generation_prompt=add_generation_prompt,
+      return self._template.render(**template_kwargs, messages=messages, add_generation_prompt=add_generation_prompt,
                                    bos_token=self.bos_token, eos_token=self.eos_token)
     except jinja2.exceptions.TemplateError as e:
       raise TokenizerError(f"chat template error: {e}") from e

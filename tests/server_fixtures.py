@@ -121,3 +121,29 @@ class ServerProcess:
 def run_cli(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
   return subprocess.run([sys.executable, str(SERVE), *args], cwd=REPO, capture_output=True, text=True,
                         timeout=timeout)
+
+
+class InProcessServer:
+  """An app served by uvicorn on a free loopback port from a thread of this process: real HTTP (raw bytes, any
+  header, chunked bodies, concurrent streams) with the engine in this process."""
+
+  def __init__(self, app, timeout: float = 60):
+    import threading
+
+    import uvicorn
+    self.port = free_port()
+    self.base = f"http://127.0.0.1:{self.port}"
+    config = uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="warning", lifespan="on",
+                            access_log=False)
+    self.server = uvicorn.Server(config)
+    self.thread = threading.Thread(target=self.server.run, name="uvicorn", daemon=True)
+    self.thread.start()
+    deadline = time.monotonic() + timeout
+    while not self.server.started:
+      if not self.thread.is_alive() or time.monotonic() > deadline:
+        raise RuntimeError("the in-process server did not start")
+      time.sleep(0.05)
+
+  def stop(self, timeout: float = 60) -> None:
+    self.server.should_exit = True
+    self.thread.join(timeout)

@@ -1,6 +1,7 @@
 """Engine: losslessness of every decoding path against greedy AR, batch invariance, continuous batching, stop
 conditions, no KV page leaks, and no compilation after warm-up."""
 
+import jax
 import numpy as np
 import pytest
 
@@ -145,12 +146,12 @@ def test_abort_and_errors_leak_no_pages(tiny_llm):
   # a device step that raises: the engine fails the in-flight requests and frees their pages
   real = eng.runner.verify
 
-  def boom(*a, **k):
-    raise RuntimeError("injected device failure")
+  def boom(*a, **k):  # a runtime error from XLA: a device failure, raised to the caller (EngineThread: fail_all)
+    raise jax.errors.JaxRuntimeError("INTERNAL: injected device failure")
 
   eng.runner.verify = boom
   try:
-    with pytest.raises(RuntimeError):
+    with pytest.raises(jax.errors.JaxRuntimeError):
       eng.step()
   finally:
     eng.runner.verify = real

@@ -327,11 +327,11 @@ COMPLETION_ERRORS = [
     ({"prompt": "hi", "stop": [""]}, 400, "stop"),
     ({"prompt": "hi", "stop": 5}, 400, "stop"),
     ({"prompt": "hi", "stop_token_ids": [10**6]}, 400, "stop_token_ids"),
-    ({"prompt": "hi", "n": 2}, 400, "n"),
+    ({"prompt": "hi", "n": 0}, 400, "n"),
+    ({"prompt": "hi", "n": 2, "stream": True}, 400, "n"),
     ({"prompt": "hi", "echo": True}, 400, "echo"),
     ({"prompt": "hi", "stream": "yes"}, 400, "stream"),
     ({"prompt": "hi", "stream_options": {"include_usage": True}}, 400, "stream_options"),
-    ({"prompt": "hi", "max_token": 5}, 400, "max_token"),
     ({"prompt": "hi", "model": "gpt-4"}, 404, "model"),
     ({}, 400, "prompt"),
     ({"prompt": None}, 400, "prompt"),
@@ -354,7 +354,7 @@ CHAT_ERRORS = [
     ({"messages": CHATS[0], "top_logprobs": 2}, 400, "top_logprobs"),
     ({"messages": CHATS[0], "logprobs": True, "top_logprobs": 50}, 400, "top_logprobs"),
     ({"messages": CHATS[0], "logprobs": 1}, 400, "logprobs"),
-    ({"messages": CHATS[0], "n": 3}, 400, "n"),
+    ({"messages": CHATS[0], "n": 3, "stream": True}, 400, "n"),
     ({"messages": CHATS[0], "temperature": -1}, 400, "temperature"),
     ({"messages": CHATS[0], "model": "nope"}, 404, "model"),
     ({"messages": [{"role": "user", "content": "x " * 400}]}, 413, "messages"),
@@ -385,7 +385,7 @@ def test_bad_requests_get_openai_errors_and_server_keeps_serving(server, client)
     _assert_error(h.get("/v1/nope"), 404, None)
     _assert_error(h.get("/v1/completions"), 405, None)
   with pytest.raises(openai.BadRequestError):
-    client.completions.create(model=MODEL, prompt="hi", n=2)
+    client.completions.create(model=MODEL, prompt="hi", n=0)
   with pytest.raises(openai.NotFoundError):
     client.completions.create(model="gpt-4", prompt="hi")
   with pytest.raises(openai.BadRequestError, match="temperature"):

@@ -46,8 +46,24 @@ def completion_logprobs(tokenizer: Tokenizer, entries: Sequence[dict], offset: i
     offsets.append(offset)
     offset += len(tok)
     top = e.get("top_logprobs")
-    tops.append({_token(tokenizer, t): _lp(v) for t, v in top.items()} if top else None)
+    tops.append(_top_by_text(tokenizer, top) if top else None)
   return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops, "text_offset": offsets}, offset
+
+
+def _top_by_text(tokenizer: Tokenizer, top: dict) -> dict:
+  """The legacy format keys the top logprobs by token text, but two ids can decode to the same text (byte tokens
+  of an incomplete UTF-8 character both decode to U+FFFD): a later one is keyed by its vocabulary piece, else by
+  `token_id:<id>` (vLLM's spelling), so no entry is lost. Entries come in rank order, so the top one keeps its
+  text."""
+  out = {}
+  for t, v in top.items():
+    key = _token(tokenizer, t)
+    if key in out:
+      key = tokenizer.id_to_token(t) or ""
+      if not key or key in out:
+        key = f"token_id:{t}"
+    out[key] = _lp(v)
+  return out
 
 
 def chat_logprobs(tokenizer: Tokenizer, entries: Sequence[dict]) -> dict:
@@ -80,9 +96,11 @@ def chat(rid: str, created: int, model: str, text: str, finish_reason: str, logp
 
 
 def chunk(chat_kind: bool, rid: str, created: int, model: str, text: str | None, *, role: bool = False,
-          finish_reason: str | None = None, logprobs=None, include_usage: bool = False) -> dict:
+          finish_reason: str | None = None, logprobs=None, include_usage: bool = False,
+          usage_so_far: dict | None = None) -> dict:
   """One stream chunk. `role` marks the first chat chunk; with include_usage every chunk has `usage: null`,
-  as OpenAI does, and a last chunk with empty choices carries the usage."""
+  as OpenAI does, and a last chunk with empty choices carries the usage. `usage_so_far` (vLLM's
+  stream_options.continuous_usage_stats) puts the usage up to this chunk in it instead."""
   if chat_kind:
     delta = {"role": "assistant"} if role else {}
     if text is not None:
@@ -93,7 +111,9 @@ def chunk(chat_kind: bool, rid: str, created: int, model: str, text: str | None,
     choice = {"index": 0, "text": text or "", "logprobs": logprobs, "finish_reason": finish_reason}
     obj = "text_completion"
   out = {"id": rid, "object": obj, "created": created, "model": model, "choices": [choice]}
-  if include_usage:
+  if usage_so_far is not None:
+    out["usage"] = usage_so_far
+  elif include_usage:
     out["usage"] = None
   return out
 

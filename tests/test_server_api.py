@@ -1,0 +1,331 @@
+"""vLLM-compatible request handling (issue #19): the real app served in-process over a tiny checkpoint with a real
+BPE tokenizer, with an API key and CORS on.
+
+Covers: the official `openai` client with the right key (works), a wrong or missing key (401 in OpenAI's error
+shape, `openai.AuthenticationError`) while /health, /metrics, /version and /tokenize stay open; CORS preflight and
+a disallowed origin; X-Request-Id honoured as the response id and echoed (a non-sane one replaced); unknown fields
+ignored with a logged warning (strict mode: 400 naming the field); min_p, response_format, chat_template_kwargs and
+stream_options.continuous_usage_stats; /tokenize and /detokenize round trips and their validation; /v1/models'
+max_model_len; the offline API's `outputs[0]` (CompletionOutput) and its flat aliases; `serve.py` positional
+checkpoint errors.
+"""
+
+import contextlib
+import io
+import json
+import logging
+import os
+import sys
+
+import httpx
+import openai
+import pytest
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # server_fixtures lives next to this file
+
+import server_fixtures as sf  # noqa: E402
+
+from recguide_jax import LLM, CompletionOutput, SamplingParams  # noqa: E402
+from recguide_jax.engine import EngineThread  # noqa: E402
+from recguide_jax.server import create_app, protocol  # noqa: E402
+from recguide_jax.tokenizer import Tokenizer  # noqa: E402
+
+MODEL = "nld-api"
+MAX_MODEL_LEN = 128
+API_KEY = "test-key-123"
+ORIGIN = "https://ui.example.com"
+CHAT = [{"role": "user", "content": "What is 2 + 2?"}]
+
+
+@pytest.fixture(scope="module")
+def llm(tmp_path_factory):
+  ckpt = sf.build_checkpoint(tmp_path_factory.mktemp("api") / MODEL)
+  return LLM(ckpt, "linear", 8, max_batch=2, max_model_len=MAX_MODEL_LEN, page_size=8, prefill_chunk=16,
+             warmup=False, compile_cache_dir=None)
+
+
+@pytest.fixture(scope="module")
+def offline(llm):
+  """The offline API's results, computed before the server's engine thread takes the engine over."""
+  params = SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True, logprobs=1)
+  bar = io.StringIO()
+  with contextlib.redirect_stderr(bar):  # use_tqdm defaults to True
+    default_bar = llm.generate(["Hello"], SamplingParams(max_tokens=2, temperature=0.0))
+  return {
+      "generate": llm.generate(["Hello world", [5, 6, 7]], params, use_tqdm=False),
+      "chat": llm.chat(CHAT, SamplingParams(max_tokens=3, temperature=0.0), use_tqdm=False,
+                       chat_template_kwargs={"unused": 1}),
+      "hello": llm.generate(["Hello world"], SamplingParams(max_tokens=4, temperature=0.0), use_tqdm=False)[0],
+      "bar": bar.getvalue(), "default_bar": default_bar}
+
+
+@pytest.fixture(scope="module")
+def server(llm, offline):
+  thread = EngineThread(llm.engine).start()
+  app = create_app(thread, llm.tokenizer, MODEL, api_key=API_KEY, allowed_origins=[ORIGIN],
+                   log_stats_interval_s=0)
+  srv = sf.InProcessServer(app)
+  yield srv
+  srv.stop()
+  assert llm.engine.allocator.num_used == 0
+
+
+def client(server, key=API_KEY) -> openai.OpenAI:
+  return openai.OpenAI(base_url=server.base + "/v1", api_key=key, max_retries=0, timeout=120)
+
+
+def post(server, path, body, key=API_KEY, headers=None) -> httpx.Response:
+  auth = {"Authorization": f"Bearer {key}"} if key else {}
+  return httpx.post(server.base + path, json=body, headers={**auth, **(headers or {})}, timeout=120)
+
+
+def assert_error(r: httpx.Response, status: int, param=None, code=None) -> dict:
+  assert r.status_code == status, (r.status_code, r.text[:400])
+  err = r.json()["error"]
+  assert set(err) == {"message", "type", "param", "code"} and err["message"], err
+  assert err["type"] == "invalid_request_error", err
+  if param is not None:
+    assert err["param"] == param, err
+  if code is not None:
+    assert err["code"] == code, err
+  return err
+
+
+# ---- auth -------------------------------------------------------------------------------------------------------
+def test_openai_client_with_the_right_key(server, offline):
+  c = client(server)
+  out = c.completions.create(model=MODEL, prompt="Hello world", max_tokens=4, temperature=0)
+  assert out.choices[0].text == offline["hello"].text
+  chat = c.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=3, temperature=0)
+  assert chat.choices[0].finish_reason in ("length", "stop") and chat.usage.completion_tokens <= 3
+  assert [m.id for m in c.models.list().data] == [MODEL]
+
+
+@pytest.mark.parametrize("key", ["wrong-key", API_KEY + "x"])
+def test_openai_client_with_a_wrong_key_is_401(server, key):
+  with pytest.raises(openai.AuthenticationError) as e:
+    client(server, key).completions.create(model=MODEL, prompt="Hello", max_tokens=2)
+  assert e.value.status_code == 401
+
+
+def test_missing_key_is_401_in_openai_shape_and_open_routes_stay_open(server):
+  for path in ("/v1/completions", "/v1/chat/completions"):
+    r = post(server, path, {"prompt": "hi", "messages": CHAT}, key=None)
+    err = assert_error(r, 401, code="invalid_api_key")
+    assert "Bearer" in err["message"] and r.headers["www-authenticate"] == "Bearer"
+  assert_error(httpx.get(server.base + "/v1/models", headers={"Authorization": "Basic abc"}), 401)
+  assert httpx.get(server.base + "/health").status_code == 200
+  assert httpx.get(server.base + "/metrics").status_code == 200
+  assert httpx.get(server.base + "/version").json()["version"]
+  assert post(server, "/tokenize", {"prompt": "hi"}, key=None).status_code == 200
+
+
+# ---- CORS and request ids -----------------------------------------------------------------------------------------
+def test_cors_preflight_and_headers(server):
+  pre = {"Origin": ORIGIN, "Access-Control-Request-Method": "POST",
+         "Access-Control-Request-Headers": "authorization,content-type"}
+  r = httpx.options(server.base + "/v1/chat/completions", headers=pre)  # no key: a browser sends none here
+  assert r.status_code == 200, r.text
+  assert r.headers["access-control-allow-origin"] == ORIGIN
+  assert "POST" in r.headers["access-control-allow-methods"]
+  assert "authorization" in r.headers["access-control-allow-headers"].lower()
+  r = httpx.options(server.base + "/v1/chat/completions", headers={**pre, "Origin": "https://evil.example"})
+  assert r.status_code == 400 and "access-control-allow-origin" not in r.headers
+  # a real request from the allowed origin gets the headers too, and may read X-Request-Id
+  r = httpx.get(server.base + "/v1/models", headers={"Origin": ORIGIN, "Authorization": f"Bearer {API_KEY}"})
+  assert r.status_code == 200 and r.headers["access-control-allow-origin"] == ORIGIN
+  assert "x-request-id" in r.headers["access-control-expose-headers"].lower()
+
+
+def test_x_request_id_honoured_and_echoed(server):
+  body = {"prompt": "Hello", "max_tokens": 2, "temperature": 0}
+  r = post(server, "/v1/completions", body, headers={"X-Request-Id": "trace-42.a"})
+  assert r.status_code == 200 and r.headers["x-request-id"] == "trace-42.a"
+  assert r.json()["id"] == "cmpl-trace-42.a"
+  r = post(server, "/v1/chat/completions", {"messages": CHAT, "max_tokens": 2, "stream": True},
+           headers={"X-Request-Id": "trace-43"})
+  assert r.status_code == 200 and r.headers["x-request-id"] == "trace-43"
+  first = json.loads(r.text.split("\n\n")[0][len("data: "):])
+  assert first["id"] == "chatcmpl-trace-43"
+  # not a sane id (spaces, too long): replaced by a fresh one, which is still echoed
+  for bad in ("has space", "x" * 300):
+    r = post(server, "/v1/completions", body, headers={"X-Request-Id": bad})
+    rid = r.headers["x-request-id"]
+    assert r.status_code == 200 and rid != bad and r.json()["id"] == f"cmpl-{rid}"
+  # errors and open routes carry it too
+  assert httpx.get(server.base + "/health", headers={"X-Request-Id": "h1"}).headers["x-request-id"] == "h1"
+  assert post(server, "/v1/completions", body, key=None, headers={"X-Request-Id": "h2"}).headers["x-request-id"] \
+      == "h2"
+
+
+# ---- request fields --------------------------------------------------------------------------------------------
+def test_unknown_fields_are_ignored_with_a_warning(server, caplog):
+  body = {"prompt": "Hello", "max_tokens": 2, "temperature": 0, "max_token": 5, "vendor_thing": {"a": 1}}
+  with caplog.at_level(logging.WARNING, logger="recguide_jax.server"):
+    r = post(server, "/v1/completions", body)
+  assert r.status_code == 200, r.text
+  assert r.json()["usage"]["completion_tokens"] <= 2
+  warned = [rec.getMessage() for rec in caplog.records if "ignored" in rec.getMessage()]
+  assert warned and "max_token" in warned[0] and "vendor_thing" in warned[0]
+  # the openai client's extra_body is how vLLM users send such fields
+  out = client(server).chat.completions.create(model=MODEL, messages=CHAT, max_tokens=2,
+                                               extra_body={"top_k": 1, "some_vllm_field": True})
+  assert out.choices[0].message.content is not None
+
+
+def test_strict_request_fields_refuses_unknown_fields(llm):
+  tok = llm.tokenizer
+  body = {"prompt": "Hello", "max_token": 5}
+  with pytest.raises(protocol.APIError) as e:
+    protocol.parse_completion(body, tok, MODEL, llm.cfg.vocab_size, strict=True)
+  assert e.value.status == 400 and e.value.param == "max_token" and e.value.code == "unknown_parameter"
+  with pytest.raises(protocol.APIError) as e:
+    protocol.parse_chat({"messages": CHAT, "junk": 1}, tok, MODEL, llm.cfg.vocab_size, MAX_MODEL_LEN, strict=True)
+  assert e.value.param == "junk"
+  gen = protocol.parse_completion(body, tok, MODEL, llm.cfg.vocab_size)
+  assert gen.ignored_fields == ("max_token",)
+  # known but unsupported values are refused in both modes
+  for strict in (False, True):
+    with pytest.raises(protocol.APIError) as e:
+      protocol.parse_completion({"prompt": "hi", "echo": True}, tok, MODEL, llm.cfg.vocab_size, strict=strict)
+    assert e.value.param == "echo"
+
+
+def test_min_p_and_response_format(server):
+  ok = {"prompt": "Hello", "max_tokens": 2, "temperature": 0}
+  for extra in ({"min_p": 0}, {"min_p": 0.0}, {"response_format": {"type": "text"}}):
+    assert post(server, "/v1/completions", {**ok, **extra}).status_code == 200
+  err = assert_error(post(server, "/v1/completions", {**ok, "min_p": 0.1}), 400, "min_p", "unsupported_parameter")
+  assert "min_p" in err["message"]
+  for fmt in ({"type": "json_object"}, {"type": "json_schema", "json_schema": {"name": "x", "schema": {}}}):
+    err = assert_error(post(server, "/v1/chat/completions", {"messages": CHAT, "max_tokens": 2,
+                                                             "response_format": fmt}), 400, "response_format")
+    assert "not supported" in err["message"]
+
+
+def test_chat_template_kwargs(llm, server):
+  template = ("{% if enable_thinking %}<think>{% endif %}{% for m in messages %}{{ m['content'] }}{% endfor %}"
+              "{{ suffix | default('') }}")
+  tok = Tokenizer(llm.tokenizer._tok, template, "<s>", "</s>")
+  plain = protocol.render_chat({"messages": CHAT}, tok)
+  thinking = protocol.render_chat({"messages": CHAT, "chat_template_kwargs": {"enable_thinking": True}}, tok)
+  assert tok.decode(plain) == "What is 2 + 2?" and tok.decode(thinking) == "<think>What is 2 + 2?"
+  with pytest.raises(protocol.APIError) as e:
+    protocol.render_chat({"messages": CHAT, "chat_template_kwargs": {"messages": []}}, tok)
+  assert e.value.param == "chat_template_kwargs.messages"
+  with pytest.raises(protocol.APIError) as e:
+    protocol.render_chat({"messages": CHAT, "chat_template_kwargs": [1]}, tok)
+  assert e.value.param == "chat_template_kwargs"
+  # over HTTP: accepted (the served template ignores unknown variables)
+  r = post(server, "/v1/chat/completions", {"messages": CHAT, "max_tokens": 2,
+                                            "chat_template_kwargs": {"enable_thinking": False}})
+  assert r.status_code == 200, r.text
+
+
+def test_continuous_usage_stats(server):
+  body = {"prompt": "The quick brown fox", "max_tokens": 12, "temperature": 0, "ignore_eos": True, "stream": True,
+          "stream_options": {"include_usage": True, "continuous_usage_stats": True}}
+  r = post(server, "/v1/completions", body)
+  assert r.status_code == 200
+  events = [json.loads(e[len("data: "):]) for e in r.text.split("\n\n") if e.startswith("data: {")]
+  text_chunks = [e for e in events if e["choices"]]
+  assert text_chunks and all(e["usage"] is not None for e in text_chunks)
+  counts = [e["usage"]["completion_tokens"] for e in text_chunks]
+  assert counts == sorted(counts) and counts[-1] == 12
+  assert all(e["usage"]["prompt_tokens"] == text_chunks[0]["usage"]["prompt_tokens"] for e in text_chunks)
+  assert events[-1]["choices"] == [] and events[-1]["usage"]["completion_tokens"] == 12  # the include_usage chunk
+  assert_error(post(server, "/v1/completions", {**body, "stream_options": {"continuous_usage_stats": "yes"}}), 400,
+               "stream_options.continuous_usage_stats")
+
+
+def test_n_independent_samples(server, offline):
+  c = client(server)
+  # greedy: every sample is the greedy answer
+  out = c.completions.create(model=MODEL, prompt="Hello world", max_tokens=4, temperature=0, n=2)
+  assert [ch.index for ch in out.choices] == [0, 1]
+  assert all(ch.text == offline["hello"].text for ch in out.choices)
+  assert out.usage.completion_tokens == sum(len(offline["hello"].token_ids) for _ in range(2))
+  assert out.usage.prompt_tokens == len(offline["hello"].prompt_token_ids)
+  # sampled with a seed: reproducible, choice 0 equals the n=1 answer with that seed, choices differ
+  kw = dict(model=MODEL, prompt="The quick brown fox", max_tokens=12, temperature=1.0, seed=7,
+            extra_body={"ignore_eos": True})
+  a = c.completions.create(n=3, **kw)
+  b = c.completions.create(n=3, **kw)
+  one = c.completions.create(n=1, **kw)
+  texts = [ch.text for ch in a.choices]
+  assert texts == [ch.text for ch in b.choices] and texts[0] == one.choices[0].text
+  assert len(set(texts)) > 1, texts  # 12 tokens at temperature 1 from a random model: equal only by accident
+  assert all(ch.model_extra["speculation"] for ch in a.choices)
+  chat = c.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=3, temperature=0, n=2)
+  assert len(chat.choices) == 2 and chat.choices[0].message.content == chat.choices[1].message.content
+  assert_error(post(server, "/v1/completions", {"prompt": "hi", "n": 2, "stream": True}), 400, "n")
+  assert_error(post(server, "/v1/completions", {"prompt": "hi", "n": 17}), 400, "n")
+
+
+# ---- tokenize / detokenize / models ---------------------------------------------------------------------------
+def test_tokenize_detokenize_round_trip(server, llm):
+  text = "Natalia sold clips to 48 of her friends"
+  r = post(server, "/tokenize", {"model": MODEL, "prompt": text})
+  assert r.status_code == 200, r.text
+  out = r.json()
+  assert out["tokens"] == llm.tokenizer.encode(text) and out["count"] == len(out["tokens"])
+  assert out["max_model_len"] == MAX_MODEL_LEN
+  back = post(server, "/detokenize", {"model": MODEL, "tokens": out["tokens"]})
+  assert back.status_code == 200 and back.json() == {"prompt": text}
+  # messages are rendered by the chat template: the same count a chat completion reports as prompt_tokens
+  msgs = post(server, "/tokenize", {"messages": CHAT}).json()
+  chat = post(server, "/v1/chat/completions", {"messages": CHAT, "max_tokens": 1}).json()
+  assert msgs["count"] == chat["usage"]["prompt_tokens"]
+
+
+@pytest.mark.parametrize("path,body,param", [
+    ("/detokenize", {"tokens": [5, 10**6]}, "tokens"),
+    ("/detokenize", {"tokens": [-1]}, "tokens"),
+    ("/detokenize", {"tokens": [5, True]}, "tokens"),
+    ("/detokenize", {"tokens": "abc"}, "tokens"),
+    ("/detokenize", {}, "tokens"),
+    ("/tokenize", {}, "prompt"),
+    ("/tokenize", {"prompt": "a", "messages": CHAT}, None),
+    ("/tokenize", {"prompt": 5}, "prompt"),
+    ("/tokenize", {"prompt": "a", "model": "other"}, "model"),
+])
+def test_tokenize_detokenize_validation(server, path, body, param):
+  r = post(server, path, body)
+  assert_error(r, 404 if param == "model" else 400, param)
+
+
+def test_models_have_max_model_len(server):
+  r = httpx.get(server.base + "/v1/models", headers={"Authorization": f"Bearer {API_KEY}"})
+  (entry,) = r.json()["data"]
+  assert entry["id"] == MODEL and entry["max_model_len"] == MAX_MODEL_LEN
+
+
+# ---- offline API -------------------------------------------------------------------------------------------------
+def test_completion_output_and_aliases(llm, offline):
+  for out in offline["generate"]:
+    (seq,) = out.outputs
+    assert isinstance(seq, CompletionOutput) and seq.index == 0
+    assert (seq.text, seq.token_ids, seq.logprobs, seq.finish_reason) == \
+        (out.text, out.token_ids, out.logprobs, out.finish_reason)
+    assert len(seq.token_ids) == 5 and seq.finish_reason == "length" and len(seq.logprobs) == 5
+    assert out.finished
+  (chat,) = offline["chat"]
+  prompt_ids = llm.tokenizer.encode(llm.tokenizer.apply_chat_template(CHAT))
+  assert chat.prompt_token_ids == prompt_ids and chat.outputs[0].text == chat.text
+
+
+def test_generate_progress_bar(offline):
+  assert "Processed prompts" in offline["bar"] and "1/1" in offline["bar"]
+  assert offline["default_bar"][0].outputs[0].finish_reason in ("length", "stop")
+
+
+# ---- serve.py ----------------------------------------------------------------------------------------------------
+def test_serve_positional_checkpoint_errors(tmp_path):
+  r = sf.run_cli(str(tmp_path / "a"), str(tmp_path / "b"))
+  assert r.returncode == 1 and "only one positional argument" in r.stderr
+  r = sf.run_cli(str(tmp_path / "missing"))
+  assert r.returncode == 1 and "--checkpoint" in r.stderr and "missing is not a directory" in r.stderr
+  r = sf.run_cli(str(tmp_path), f"--checkpoint={tmp_path / 'other'}")
+  assert r.returncode == 1 and "disagree" in r.stderr
+  r = sf.run_cli("-h")
+  assert r.returncode == 0 and "--api_key" in r.stdout and "--allowed_origins" in r.stdout
