@@ -34,6 +34,7 @@ processes on a small machine make every figure noisier (torch's thread pool suff
 from __future__ import annotations
 
 import copy
+import importlib
 import dataclasses
 import json
 import os
@@ -145,6 +146,16 @@ class PeerConfig:
 
 # ---- the transformers twin ---------------------------------------------------------------------------------------
 
+def peer_module(name: str):
+  """The peer (torch, transformers) comes with the test extra, not with `pip install -e .`: imported on use, with a
+  message that says how to get it."""
+  try:
+    return importlib.import_module(name)
+  except ImportError as e:
+    sys.exit(f"error: bench_peer measures against Hugging Face transformers; install it with "
+             f"`pip install -e \".[test]\"` ({e})")
+
+
 def nld_config_dict(spec: RandomModelSpec) -> dict:
   """An HF NLD config.json for the random model: YaRN (factor 1, as the bundled model) + the Llama-4 query scale."""
   rope = {"rope_type": "yarn", "rope_theta": 1.0e4, "factor": 1.0, "original_max_position_embeddings": 4096,
@@ -163,8 +174,8 @@ def nld_config_dict(spec: RandomModelSpec) -> dict:
 
 def ministral3_model(nld: dict):
   """An (uninitialised) transformers Ministral3ForCausalLM for an NLD config dict, fp32, eval mode."""
-  from transformers.models.ministral3.configuration_ministral3 import Ministral3Config
-  from transformers.models.ministral3.modeling_ministral3 import Ministral3ForCausalLM
+  Ministral3Config = peer_module("transformers.models.ministral3.configuration_ministral3").Ministral3Config
+  Ministral3ForCausalLM = peer_module("transformers.models.ministral3.modeling_ministral3").Ministral3ForCausalLM
   keys = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
           "num_key_value_heads", "head_dim", "rms_norm_eps", "max_position_embeddings", "bos_token_id")
   rope = {k: v for k, v in nld["rope_parameters"].items() if k != "type"}
@@ -179,7 +190,7 @@ def random_twin(spec: RandomModelSpec, workdir: pathlib.Path):
   """Builds the random transformers model, writes it as an HF NLD checkpoint and converts it into ours (fp32).
   Returns (torch model, our checkpoint dir)."""
   import safetensors.torch
-  import torch
+  torch = peer_module("torch")
 
   from recguide_jax.convert import convert_hf_checkpoint
   nld = nld_config_dict(spec)
@@ -253,7 +264,7 @@ def export_state_dict(flat: dict, num_layers: int) -> dict:
 
 def checkpoint_twin(checkpoint_dir: str | os.PathLike):
   """A transformers twin of one of our checkpoints: its config and its AR weights (the draft LoRA stays ours)."""
-  import torch
+  torch = peer_module("torch")
   from flax import nnx
 
   from recguide_jax import checkpoint as ckpt_lib
@@ -333,8 +344,9 @@ class _FirstCall:
 
 def theirs_run(model, prompts: list, new_tokens: int) -> dict:
   """One greedy batch through transformers' generate: exactly new_tokens per row (eos_token_id=None)."""
-  import torch
-  from transformers import GenerationConfig, LogitsProcessorList
+  torch = peer_module("torch")
+  GenerationConfig = peer_module("transformers").GenerationConfig
+  LogitsProcessorList = peer_module("transformers").LogitsProcessorList
   ids = torch.tensor(prompts, dtype=torch.long)
   # transformers fills a passed config's unset (None) fields from the model's own generation_config, so EOS must be
   # switched off there too: else a row that emits EOS stops and is padded, while ours (ignore_eos) keeps decoding
@@ -390,7 +402,7 @@ def _label(name: str, cfg: PeerConfig) -> str:
 def run_peer(cfg: PeerConfig, log=print) -> dict:
   """Runs the whole grid; returns the JSON-ready result {"meta", "cells"}."""
   cfg.validate()
-  import torch
+  torch = peer_module("torch")
   torch.set_num_threads(cfg.threads)
   import jax
 

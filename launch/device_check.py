@@ -1,0 +1,226 @@
+"""One-shot check of an accelerator (or, as a smoke run, the CPU): kernels against their reference, an NLD-shaped
+model end to end, compile seconds, decode throughput and the memory-bandwidth roofline. JSON + markdown out.
+
+  python launch/device_check.py                        # GPU/TPU: NLD-8B shapes, bf16, random weights
+  python launch/device_check.py --checkpoint DIR        # a real checkpoint instead of random weights
+  python launch/device_check.py --shape tiny            # the CPU default: a tiny model (what the suite runs)
+
+What it runs, in order (each part is timed and recorded; a failed check makes the exit status 1):
+1. kernels: the platform's Pallas block attention (interpret mode off its platform) against `block_attention_ref`
+   on causal, full and tree-shaped masks over a long ragged paged prefix;
+2. lossless end to end: greedy AR == LinearSS B=16 == RecGuide token for token on a few random prompts;
+3. compile seconds of each policy's warm-up (all its step variants);
+4. AR decode tokens/s at each `--concurrency`, and the fraction of the memory-bandwidth roofline: the bytes one decode
+   step must read (weights + the live KV) over the measured step time, against the measured device copy bandwidth.
+"""
+
+from __future__ import annotations
+
+import json
+import pathlib
+import sys
+import time
+
+from absl import app, flags
+
+_CHECKPOINT = flags.DEFINE_string("checkpoint", None, "Checkpoint directory (default: random weights of --shape).")
+_SHAPE = flags.DEFINE_enum("shape", None, ["tiny", "nld-3b", "nld-8b", "nld-14b"],
+                           "Model shape for random weights. Default: nld-8b on GPU/TPU, tiny on CPU.")
+_DTYPE = flags.DEFINE_enum("dtype", "auto", ["auto", "float32", "bfloat16"],
+                           "Weights/KV dtype; auto: bfloat16 on GPU/TPU, float32 on CPU (or the checkpoint's).")
+_CONCURRENCY = flags.DEFINE_list("concurrency", None, "Decode batch sizes to time. Default: 1,8,32 (CPU: 1,4).")
+_NEW_TOKENS = flags.DEFINE_integer("new_tokens", None, "Tokens generated per request in the timed decode runs "
+                                   "(default 64; CPU 16).")
+_PROMPT_LEN = flags.DEFINE_integer("prompt_len", 128, "Prompt tokens of the random prompts.")
+_NUM_PROMPTS = flags.DEFINE_integer("num_prompts", 3, "Prompts of the lossless check.")
+_ATTENTION = flags.DEFINE_enum("attention", "auto", ["auto", "reference", "pallas"], "Attention implementation.")
+_OUTPUT_DIR = flags.DEFINE_string("output_dir", "runs/device_check", "Where device_check.{json,md} go.")
+_SEED = flags.DEFINE_integer("seed", 0, "Seed of the weights and prompts.")
+
+
+def _tiny_config():
+  from recguide_jax.config import NLDConfig
+  return NLDConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                   num_key_value_heads=2, head_dim=16, mask_token_id=3, bos_token_id=1, eos_token_ids=(2,),
+                   original_max_position_embeddings=256, rope_factor=4.0, block_size=16)
+
+
+def _model(on_accel: bool):
+  import jax.numpy as jnp
+  from flax import nnx
+
+  from recguide_jax import checkpoint as ckpt_lib
+  from recguide_jax.config import PRESETS
+  from recguide_jax.model import NLDModel
+  dtype = _DTYPE.value
+  if _CHECKPOINT.value:
+    model = ckpt_lib.load_model(_CHECKPOINT.value, dtype=None if dtype == "auto" else dtype)
+    return model, f"checkpoint {_CHECKPOINT.value}"
+  shape = _SHAPE.value or ("nld-8b" if on_accel else "tiny")
+  dtype = dtype if dtype != "auto" else ("bfloat16" if on_accel else "float32")
+  cfg = _tiny_config() if shape == "tiny" else PRESETS[shape]
+  jdt = jnp.dtype(dtype)
+  model = NLDModel(cfg, dtype=jdt, param_dtype=jdt, rngs=nnx.Rngs(_SEED.value))
+  return model, f"random {shape} ({dtype})"
+
+
+def check_kernels(on_accel: bool) -> dict:
+  """The platform's kernel (compiled on GPU/TPU, interpreted on CPU) against the jnp reference."""
+  import jax
+  import jax.numpy as jnp
+  import numpy as np
+
+  from recguide_jax import attention_dispatch
+  path, variant, interpret = attention_dispatch.resolve("pallas")
+  if variant == "tpu":
+    from pallas_kernels import block_attention_tpu as kernel
+  else:
+    from pallas_kernels import block_attention_gpu as kernel
+  if on_accel:
+    b, q_len, hq, hkv, d, page, pages_per_seq = 4, 16, 32, 8, 128, 16, 128
+  else:
+    b, q_len, hq, hkv, d, page, pages_per_seq = 2, 8, 4, 2, 16, 8, 6
+  rng = np.random.default_rng(0)
+  num_pages = b * pages_per_seq + 1
+  dt = jnp.bfloat16 if on_accel else jnp.float32
+  f = lambda *s: jnp.asarray(rng.standard_normal(s), dt)
+  q, kb, vb = f(b, q_len, hq, d), f(b, q_len, hkv, d), f(b, q_len, hkv, d)
+  kp, vp = f(num_pages, page, hkv, d), f(num_pages, page, hkv, d)
+  table = jnp.asarray(1 + rng.permutation(b * pages_per_seq).reshape(b, pages_per_seq), jnp.int32)
+  cap = pages_per_seq * page
+  prefix = jnp.asarray([cap - 3, 0] + [int(rng.integers(1, cap)) for _ in range(b - 2)], jnp.int32)
+  tree = np.tril(np.ones((q_len, q_len), bool))
+  tree[q_len // 2:, : q_len // 2] = False  # a second block that sees only itself (a branch of the tree)
+  masks = {"causal": jnp.tril(jnp.ones((q_len, q_len), bool)), "full": jnp.ones((q_len, q_len), bool),
+           "tree": jnp.asarray(tree)}
+  out = {"variant": variant, "interpret": interpret, "shape": dict(b=b, q=q_len, hq=hq, hkv=hkv, d=d, page=page,
+                                                                    prefix_tokens=cap)}
+  tol = 3e-2 if dt == jnp.bfloat16 else 2e-5
+  errors = {}
+  for name, mask in masks.items():
+    kw = dict(k_pages=kp, v_pages=vp, page_table=table, prefix_len=prefix, scale=d ** -0.5)
+    got = kernel.block_attention(q, kb, vb, mask, interpret=interpret, **kw)
+    want = kernel.block_attention_ref(q, kb, vb, mask, **kw)
+    errors[name] = float(jnp.max(jnp.abs(got.astype(jnp.float32) - want.astype(jnp.float32))))
+  out["max_abs_err"] = errors
+  out["tolerance"] = tol
+  out["ok"] = all(e <= tol for e in errors.values())
+  return out
+
+
+def copy_bandwidth(on_accel: bool) -> float:
+  """Bytes/s of an on-device elementwise pass (read + write) over a large array: the roofline's bandwidth."""
+  import jax
+  import jax.numpy as jnp
+  n = (1 << 28) if on_accel else (1 << 23)  # 1 GiB / 32 MiB of float32
+  x = jnp.ones((n,), jnp.float32)
+  fn = jax.jit(lambda a: a * 1.0001)
+  fn(x).block_until_ready()
+  times = []
+  for _ in range(5):
+    t = time.perf_counter()
+    fn(x).block_until_ready()
+    times.append(time.perf_counter() - t)
+  return 2 * n * 4 / sorted(times)[len(times) // 2]
+
+
+def main(argv):
+  del argv
+  import jax
+  import numpy as np
+
+  from recguide_jax import LLM, SamplingParams
+  platform = jax.default_backend()
+  on_accel = platform in ("gpu", "cuda", "rocm", "tpu")
+  report: dict = {"platform": platform, "devices": [str(d) for d in jax.devices()],
+                  "device_kind": jax.devices()[0].device_kind, "jax": jax.__version__}
+  failures = []
+
+  t = time.perf_counter()
+  report["kernels"] = check_kernels(on_accel)
+  report["kernels"]["seconds"] = time.perf_counter() - t
+  if not report["kernels"]["ok"]:
+    failures.append(f"kernel vs reference: {report['kernels']['max_abs_err']}")
+
+  model, model_name = _model(on_accel)
+  cfg = model.cfg
+  report["model"] = model_name
+  leaves = jax.tree.leaves(__import__("flax").nnx.state(model, __import__("flax").nnx.Param))
+  weight_bytes = sum(x.size * x.dtype.itemsize for x in leaves)
+  kv_itemsize = leaves[0].dtype.itemsize
+  report["weights_gb"] = weight_bytes / 1e9
+  conc = [int(c) for c in (_CONCURRENCY.value or (["1", "8", "32"] if on_accel else ["1", "4"]))]
+  new_tokens = _NEW_TOKENS.value or (64 if on_accel else 16)
+  max_len = _PROMPT_LEN.value + max(new_tokens, 48) + 64
+  rng = np.random.default_rng(_SEED.value)
+  special = {cfg.mask_token_id, cfg.bos_token_id, *cfg.eos_token_ids}
+  ok_ids = np.array([i for i in range(min(cfg.vocab_size, 32000)) if i not in special])
+  prompts = [[int(t) for t in rng.choice(ok_ids, _PROMPT_LEN.value)] for _ in range(max(conc + [_NUM_PROMPTS.value]))]
+
+  # 2 + 3: lossless end to end, with each policy's compile seconds
+  greedy = SamplingParams(max_tokens=48, temperature=0.0, ignore_eos=True)
+  common = dict(model=model, max_model_len=max_len, max_batch=max(conc), attention=_ATTENTION.value,
+                compile_cache_dir=None, num_pages=None if on_accel else max(conc) * (max_len // 16 + 4) + 2)
+  outputs, compile_s, llms = {}, {}, {}
+  for policy in ("ar", "linear", "recguide"):
+    t = time.perf_counter()
+    llm = LLM(policy=policy, block_size=16, **common)
+    compile_s[policy] = time.perf_counter() - t
+    outs = llm.generate(prompts[:_NUM_PROMPTS.value], greedy, use_tqdm=False)
+    outputs[policy] = [o.outputs[0].token_ids for o in outs]
+    llms[policy] = llm
+  report["compile_seconds"] = compile_s
+  report["lossless"] = {p: outputs[p] == outputs["ar"] for p in ("linear", "recguide")}
+  for p, same in report["lossless"].items():
+    if not same:
+      failures.append(f"greedy {p} != greedy ar")
+  del llms["linear"], llms["recguide"]
+
+  # 4: AR decode throughput and the roofline
+  bw = copy_bandwidth(on_accel)
+  report["copy_bandwidth_gb_s"] = bw / 1e9
+  from recguide_jax.runner import CompileCounter
+  llm = llms["ar"]
+  rows, timed_compiles = [], 0
+  for c in conc:
+    params = SamplingParams(max_tokens=new_tokens, temperature=0.0, ignore_eos=True)
+    llm.generate(prompts[:c], SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True), use_tqdm=False)
+    before = CompileCounter.total()
+    t = time.perf_counter()
+    llm.generate(prompts[:c], params, use_tqdm=False)
+    wall = time.perf_counter() - t
+    timed_compiles += CompileCounter.total() - before  # the counter is process-wide: count the timed runs only
+    steps = new_tokens  # one decode step per token (the prefill's first token is inside the wall time too)
+    step_s = wall / steps
+    ctx = _PROMPT_LEN.value + new_tokens / 2
+    kv_bytes = 2 * cfg.num_hidden_layers * ctx * cfg.num_key_value_heads * cfg.head_dim * kv_itemsize * c
+    step_bytes = weight_bytes + kv_bytes
+    rows.append({"concurrency": c, "tokens_per_s": c * new_tokens / wall, "step_ms": 1e3 * step_s,
+                 "bytes_per_step_gb": step_bytes / 1e9, "roofline_fraction": step_bytes / step_s / bw})
+  report["decode"] = rows
+  report["compiles_during_timed_decode"] = timed_compiles
+  if timed_compiles:
+    failures.append(f"{timed_compiles} compiles during the timed decode runs (a variant missing from warm-up)")
+  report["ok"] = not failures
+  report["failures"] = failures
+
+  out_dir = pathlib.Path(_OUTPUT_DIR.value)
+  out_dir.mkdir(parents=True, exist_ok=True)
+  (out_dir / "device_check.json").write_text(json.dumps(report, indent=2))
+  md = [f"# device_check: {report['device_kind']} ({platform}), {model_name}", "",
+        f"- kernels ({report['kernels']['variant']}, interpret={report['kernels']['interpret']}): max abs err "
+        f"{report['kernels']['max_abs_err']} (tolerance {report['kernels']['tolerance']})",
+        f"- greedy AR == LinearSS 16: {report['lossless']['linear']}; == RecGuide: {report['lossless']['recguide']}",
+        "- compile seconds (warm-up of every variant): " + ", ".join(f"{k} {v:.1f}" for k, v in compile_s.items()),
+        f"- copy bandwidth: {bw / 1e9:.1f} GB/s; weights {weight_bytes / 1e9:.3f} GB", "",
+        "| C | decode tok/s | step ms | bytes/step GB | roofline fraction |", "|---|---|---|---|---|"]
+  md += [f"| {r['concurrency']} | {r['tokens_per_s']:.1f} | {r['step_ms']:.2f} | {r['bytes_per_step_gb']:.4f} | "
+         f"{r['roofline_fraction']:.3f} |" for r in rows]
+  md += ["", f"Result: {'OK' if report['ok'] else 'FAILED: ' + '; '.join(failures)}", ""]
+  (out_dir / "device_check.md").write_text("\n".join(md))
+  print("\n".join(md))
+  return 0 if report["ok"] else 1
+
+
+if __name__ == "__main__":
+  app.run(lambda argv: sys.exit(main(argv)))
