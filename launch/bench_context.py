@@ -18,7 +18,6 @@ row of the table; one that reads every page of `max_model_len` grows with it.
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
 import pathlib
 import statistics
@@ -197,12 +196,8 @@ def markdown(result: dict) -> str:
 
 
 def write_outputs(result: dict, output_dir: str | os.PathLike, name: str = "bench_context") -> tuple[str, str]:
-  out = pathlib.Path(output_dir)
-  out.mkdir(parents=True, exist_ok=True)
-  js, md = out / f"{name}.json", out / f"{name}.md"
-  js.write_text(json.dumps(result, indent=2) + "\n")
-  md.write_text(markdown(result))
-  return str(js), str(md)
+  from recguide_jax import bench
+  return bench.write_report(result, markdown(result), output_dir, name)
 
 
 def _define_flags():

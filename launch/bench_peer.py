@@ -590,12 +590,8 @@ def markdown(result: dict) -> str:
 
 
 def write_outputs(result: dict, output_dir: str | os.PathLike, name: str = "bench_peer") -> tuple[str, str]:
-  out = pathlib.Path(output_dir)
-  out.mkdir(parents=True, exist_ok=True)
-  js, md = out / f"{name}.json", out / f"{name}.md"
-  js.write_text(json.dumps(result, indent=2) + "\n")
-  md.write_text(markdown(result))
-  return str(js), str(md)
+  from recguide_jax import bench
+  return bench.write_report(result, markdown(result), output_dir, name)
 
 
 def fp32_mismatches(result: dict) -> list[str]:

@@ -16,8 +16,6 @@ What it runs, in order (each part is timed and recorded; a failed check makes th
 
 from __future__ import annotations
 
-import json
-import pathlib
 import sys
 import time
 
@@ -66,7 +64,6 @@ def _model(on_accel: bool):
 
 def check_kernels(on_accel: bool) -> dict:
   """The platform's kernel (compiled on GPU/TPU, interpreted on CPU) against the jnp reference."""
-  import jax
   import jax.numpy as jnp
   import numpy as np
 
@@ -128,8 +125,9 @@ def main(argv):
   del argv
   import jax
   import numpy as np
+  from flax import nnx
 
-  from recguide_jax import LLM, SamplingParams
+  from recguide_jax import LLM, SamplingParams, bench
   platform = jax.default_backend()
   on_accel = platform in ("gpu", "cuda", "rocm", "tpu")
   report: dict = {"platform": platform, "devices": [str(d) for d in jax.devices()],
@@ -145,7 +143,7 @@ def main(argv):
   model, model_name = _model(on_accel)
   cfg = model.cfg
   report["model"] = model_name
-  leaves = jax.tree.leaves(__import__("flax").nnx.state(model, __import__("flax").nnx.Param))
+  leaves = jax.tree.leaves(nnx.state(model, nnx.Param))
   weight_bytes = sum(x.size * x.dtype.itemsize for x in leaves)
   kv_itemsize = leaves[0].dtype.itemsize
   report["weights_gb"] = weight_bytes / 1e9
@@ -204,9 +202,6 @@ def main(argv):
   report["ok"] = not failures
   report["failures"] = failures
 
-  out_dir = pathlib.Path(_OUTPUT_DIR.value)
-  out_dir.mkdir(parents=True, exist_ok=True)
-  (out_dir / "device_check.json").write_text(json.dumps(report, indent=2))
   md = [f"# device_check: {report['device_kind']} ({platform}), {model_name}", "",
         f"- kernels ({report['kernels']['variant']}, interpret={report['kernels']['interpret']}): max abs err "
         f"{report['kernels']['max_abs_err']} (tolerance {report['kernels']['tolerance']})",
@@ -217,7 +212,7 @@ def main(argv):
   md += [f"| {r['concurrency']} | {r['tokens_per_s']:.1f} | {r['step_ms']:.2f} | {r['bytes_per_step_gb']:.4f} | "
          f"{r['roofline_fraction']:.3f} |" for r in rows]
   md += ["", f"Result: {'OK' if report['ok'] else 'FAILED: ' + '; '.join(failures)}", ""]
-  (out_dir / "device_check.md").write_text("\n".join(md))
+  bench.write_report(report, "\n".join(md), _OUTPUT_DIR.value, "device_check")
   print("\n".join(md))
   return 0 if report["ok"] else 1
 

@@ -4,6 +4,7 @@ the metrics (decode-only tokens per forward, mean accepted length, aggregate and
 from __future__ import annotations
 
 import json
+import os
 import pathlib
 import statistics
 import time
@@ -161,3 +162,13 @@ def pooled_ratio_interval(levels: list[tuple[list[float], list[float]]], resampl
   verdict = "ahead" if lo > 1 else "behind" if hi < 1 else "tie"
   return {"geomean": float(np.exp(np.mean([l.mean() for l in logs]))), "ci95": [float(lo), float(hi)],
           "verdict": verdict, "repeats": sum(len(l) for l in logs)}
+
+
+def write_report(result: dict, markdown: str, output_dir: str | os.PathLike, name: str) -> tuple[str, str]:
+  """Writes a benchmark's `name`.json (the result) and `name`.md (its table) into `output_dir`; returns both paths."""
+  out = pathlib.Path(output_dir)
+  out.mkdir(parents=True, exist_ok=True)
+  js, md = out / f"{name}.json", out / f"{name}.md"
+  js.write_text(json.dumps(result, indent=2) + "\n")
+  md.write_text(markdown)
+  return str(js), str(md)

@@ -265,7 +265,6 @@ class Engine:
   def validate_request(self, prompt_ids: Sequence[int], params: SamplingParams) -> list[int]:
     """Checks a request without touching engine state (safe from any thread); returns the prompt as ints."""
     params.validate(self.cfg.vocab_size)
-    sampling_row(params, 0)  # the values fit their array types (validate's ranges imply it; checked here anyway)
     if params.logprobs is not None and not self.policy.supports_logprobs:
       raise RequestError(f"logprobs are not available with the {self.policy.name} policy (denoised tokens have "
                          "no AR distribution)", "logprobs")
@@ -512,9 +511,7 @@ class Engine:
       prefix_len[i] = self.allocator.length(r.request_id)
     samp = SamplingArrays.greedy(b)
     for i, r in enumerate(reqs):
-      if r.sampling is None:  # a Request built outside add_request (step converts it before batching)
-        r.sampling = sampling_row(r.params, fold_seed(r.rng_seed))
-      row = r.sampling
+      row = r.sampling  # converted when the request was added (or by step, before it joined a batch)
       samp.temperature[i] = row.temperature
       samp.top_k[i] = row.top_k
       samp.top_p[i] = row.top_p
