@@ -196,12 +196,14 @@ def markdown(result: dict) -> str:
 
 
 def write_outputs(result: dict, output_dir: str | os.PathLike, name: str = "bench_context") -> tuple[str, str]:
-  from recguide_jax import bench
+  from recguide_jax import benchmarks as bench
   return bench.write_report(result, markdown(result), output_dir, name)
 
 
 def _define_flags():
   from absl import flags
+
+  from recguide_jax.benchmarks import cli
   d = ContextConfig()
   flags.DEFINE_string("checkpoint", None, "Checkpoint dir (default: the bundled model).")
   flags.DEFINE_list("max_model_lens", [str(m) for m in d.max_model_lens], "Engine max_model_len values.")
@@ -213,10 +215,9 @@ def _define_flags():
   flags.DEFINE_integer("repeats", d.repeats, "Timed generations per point.")
   flags.DEFINE_integer("page_size", d.page_size, "KV page size.")
   flags.DEFINE_enum("prompt_source", "auto", ["auto", "random", "gsm8k"], "Prompt tokens.")
-  flags.DEFINE_string("data", None, "GSM8K jsonl (default: the shared test split).")
+  cli.define_data_flag("test", what="--prompt_source gsm8k")
   flags.DEFINE_enum("attention", "auto", ["auto", "reference", "pallas"], "Attention implementation.")
-  flags.DEFINE_string("output_dir", os.path.join(ROOT, "runs"), "Where bench_context.{json,md} go (docs: the "
-                      "published figures).")
+  cli.define_output_flags("bench_context")
 
 
 def main(argv):
@@ -225,9 +226,11 @@ def main(argv):
 
   from bench_peer import quiet_logging
 
-  from recguide_jax import cli
+  from recguide_jax.benchmarks import cli
   f = flags.FLAGS
   quiet_logging()
+  cli.warn_deprecated()
+  data = cli.data_path() if f.prompt_source == "gsm8k" else f.data or os.path.join(f.gsm8k_dir, "test.jsonl")
 
   def ints(name):
     try:
@@ -238,19 +241,18 @@ def main(argv):
   cfg = ContextConfig(checkpoint=f.checkpoint, max_model_lens=ints("max_model_lens"), concurrency=ints("concurrency"),
                       context=f.context, policies=tuple(f.policies), block_size=f.block_size, rounds=f.rounds,
                       repeats=f.repeats, page_size=f.page_size, prompt_source=f.prompt_source,
-                      data=f.data or os.path.join(cli.GSM8K_DIR, "test.jsonl"), attention=f.attention)
+                      data=data, attention=f.attention)
   try:
     cfg.validate()
   except ValueError as e:
     sys.exit(f"error: {e}")
   result = run_context(cfg)
-  out = os.path.join(ROOT, "docs") if f.output_dir == "docs" else f.output_dir
-  js, md = write_outputs(result, out)
+  js, md = write_outputs(result, cli.output_dir())
   print(markdown(result))
   print(f"wrote {js} and {md}")
 
 
 if __name__ == "__main__":
-  from absl import app
   _define_flags()
-  app.run(main)
+  from recguide_jax.benchmarks import cli
+  cli.run(main)  # absl's app.run; --help / -h exit 0

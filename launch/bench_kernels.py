@@ -7,7 +7,7 @@ single-pass kernel.
 Default shapes are the 8B model's (32 q heads, 8 KV heads, head_dim 128, bf16) at block sizes 8/16/32, batch
 1..128 and prefixes 512..8192. On a GPU or TPU:
 
-  python launch/bench_kernels.py --out_json docs/bench_kernels.json
+  python launch/bench_kernels.py --output_dir docs      # docs/bench_kernels.json (default: runs/bench_kernels/)
 
 On CPU the kernels only run interpreted (minutes per shape, and the timing says nothing about a device), so the
 pallas path is refused unless --interpret; --quick shrinks everything to shapes the interpreter gets through:
@@ -24,7 +24,9 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-from absl import app, flags  # noqa: E402
+from absl import flags  # noqa: E402
+
+from recguide_jax.benchmarks import cli  # noqa: E402
 
 FLAGS = flags.FLAGS
 flags.DEFINE_list("block_sizes", ["8", "16", "32"], "Query tokens per request (the draft/verify block size).")
@@ -44,7 +46,7 @@ flags.DEFINE_float("max_cache_gib", 24.0, "Skip shapes whose K+V prefix pages ex
 flags.DEFINE_bool("interpret", False, "Run the kernels in interpret mode (the only way on CPU).")
 flags.DEFINE_bool("quick", False, "Tiny shapes for a CPU/interpret smoke run.")
 flags.DEFINE_bool("check", True, "Also compare each kernel output with the reference (max abs error).")
-flags.DEFINE_string("out_json", None, "Write the rows as JSON here.")
+cli.define_output_flags("bench_kernels", {"out_json": "bench_kernels.json"})
 
 
 def _ints(name):
@@ -98,6 +100,7 @@ def _split_options():
 
 def main(argv):
   del argv
+  cli.warn_deprecated()
   import jax
   import jax.numpy as jnp
   import numpy as np
@@ -181,12 +184,11 @@ def main(argv):
             print(f"{impl:<9} {mask_name:<6} B={blk:<3} batch={b:<4} prefix={prefix:<5} {split_txt} "
                   f"{row['ms']:9.3f} ms {row['gb_per_s']:9.2f} GB/s {row['tflop_per_s']:8.3f} TFLOP/s"
                   + ("" if err is None else f"  max|err| {err:.2e}"), flush=True)
-  if FLAGS.out_json:
-    os.makedirs(os.path.dirname(os.path.abspath(FLAGS.out_json)), exist_ok=True)
-    with open(FLAGS.out_json, "w") as f:
-      json.dump(dict(platform=platform, device=str(jax.devices()[0].device_kind), rows=rows), f, indent=1)
-    print(f"wrote {FLAGS.out_json}")
+  out_json = cli.report_path("bench_kernels.json", "out_json")
+  with open(out_json, "w") as f:
+    json.dump(dict(platform=platform, device=str(jax.devices()[0].device_kind), rows=rows), f, indent=1)
+  print(f"wrote {out_json}")
 
 
 if __name__ == "__main__":
-  app.run(main)
+  cli.run(main)

@@ -15,7 +15,7 @@ get the same converted weights:
 Per cell (dtype x batch x prompt length) every config runs `--repeats` times, interleaved (ours AR, ours LinearSS,
 [ours RecGuide], theirs; the order rotates every repeat so that neither side always runs first after a pause),
 after one untimed warm-up run per config (our compiles happen there; their first-call costs too; both reported).
-Every request generates exactly `--new_tokens` tokens: EOS is ignored on both sides (`ignore_eos` here,
+Every request generates exactly `--max_tokens` tokens: EOS is ignored on both sides (`ignore_eos` here,
 `eos_token_id=None` there). Reported per config: end-to-end tokens/s (prefill included) and decode tokens/s
 (everything after the first generated token: (tokens - 1 per row) / (wall - time to the first token)), medians of
 the repeats, and the ratio ours / theirs. Greedy tokens are compared row by row: ours AR vs theirs (fp32 must be
@@ -28,7 +28,7 @@ processes on a small machine make every figure noisier (torch's thread pool suff
   python launch/bench_peer.py                                       # default grid, writes runs/bench_peer.{json,md}
   python launch/bench_peer.py --output_dir docs                     # docs/bench_peer.{json,md}
   python launch/bench_peer.py --checkpoint checkpoints/nld-tiny-gsm8k --policies ar,linear,recguide
-  python launch/bench_peer.py --batch_sizes 1,8,32 --prompt_lens 64,512 --max_cell_tokens 0   # the full grid
+  python launch/bench_peer.py --concurrency 1,8,32 --prompt_lens 64,512 --max_cell_tokens 0   # the full grid
 """
 
 from __future__ import annotations
@@ -108,21 +108,21 @@ class PeerConfig:
     bad = [p for p in self.policies if p not in POLICIES]
     if not self.policies or bad or "ar" not in self.policies:
       raise ValueError(f"--policies must include ar and be a subset of {list(POLICIES)}, got {list(self.policies)}")
-    for name in ("batch_sizes", "prompt_lens"):
+    for name, flag in (("batch_sizes", "concurrency"), ("prompt_lens", "prompt_lens")):
       vals = getattr(self, name)
       if not vals or any(v <= 0 for v in vals):
-        raise ValueError(f"--{name} must be positive integers, got {list(vals)}")
-    for name in ("new_tokens", "repeats", "threads"):
+        raise ValueError(f"--{flag} must be positive integers, got {list(vals)}")
+    for name, flag in (("new_tokens", "max_tokens"), ("repeats", "repeats"), ("threads", "threads")):
       if getattr(self, name) <= 0:
-        raise ValueError(f"--{name} must be positive, got {getattr(self, name)}")
+        raise ValueError(f"--{flag} must be positive, got {getattr(self, name)}")
     if self.new_tokens < 2:
-      raise ValueError("--new_tokens must be at least 2 (decode throughput needs a token after the first)")
+      raise ValueError("--max_tokens must be at least 2 (decode throughput needs a token after the first)")
     if self.block_size not in (8, 16, 32):
       raise ValueError(f"--block_size must be 8, 16 or 32, got {self.block_size}")
     if self.max_model_len < 0 or self.max_cell_tokens < 0:
       raise ValueError("--max_model_len and --max_cell_tokens must be >= 0")
     if self.max_model_len and self.max_model_len < max(self.prompt_lens) + self.new_tokens:
-      raise ValueError(f"--max_model_len {self.max_model_len} < longest prompt + --new_tokens "
+      raise ValueError(f"--max_model_len {self.max_model_len} < longest prompt + --max_tokens "
                        f"({max(self.prompt_lens) + self.new_tokens})")
     if self.prompt_source not in ("auto", "random", "gsm8k"):
       raise ValueError(f"--prompt_source must be auto, random or gsm8k, got {self.prompt_source!r}")
@@ -305,8 +305,8 @@ def make_prompts(n: int, length: int, vocab: int, seed: int, tokenizer=None, dat
   if tokenizer is None:
     rng = np.random.default_rng(seed)
     return [rng.integers(4, vocab, size=length).tolist() for _ in range(n)]
-  from recguide_jax import bench, cli
-  data = data or os.path.join(cli.GSM8K_DIR, "test.jsonl")
+  from recguide_jax import benchmarks as bench
+  data = data or bench.gsm8k_file("test")
   stream = [t for p in bench.gsm8k_prompts(data, max(n, 64), tokenizer) for t in p]
   if len(stream) < length:
     raise ValueError(f"the GSM8K prompts hold {len(stream)} tokens, fewer than one prompt of {length}")
@@ -590,7 +590,7 @@ def markdown(result: dict) -> str:
 
 
 def write_outputs(result: dict, output_dir: str | os.PathLike, name: str = "bench_peer") -> tuple[str, str]:
-  from recguide_jax import bench
+  from recguide_jax import benchmarks as bench
   return bench.write_report(result, markdown(result), output_dir, name)
 
 
@@ -604,6 +604,8 @@ def fp32_mismatches(result: dict) -> list[str]:
 
 def _define_flags():
   from absl import flags
+
+  from recguide_jax.benchmarks import cli
   d = RandomModelSpec()
   flags.DEFINE_string("checkpoint", None, "One of our checkpoints (its transformers twin is exported); default: a "
                       "random NLD-shaped model of the size below.")
@@ -617,9 +619,12 @@ def _define_flags():
   flags.DEFINE_float("init_scale", d.init_scale, "Random model: weight std * sqrt(fan_in).")
   flags.DEFINE_integer("seed", 0, "Seed of the random model and prompts.")
   flags.DEFINE_list("dtypes", list(DTYPES), "Dtypes (float32, bfloat16).")
-  flags.DEFINE_list("batch_sizes", ["1", "8", "32"], "Batch sizes (requests decoded together).")
+  flags.DEFINE_alias("dtype", "dtypes")  # one dtype is a list of one
+  flags.DEFINE_list("concurrency", ["1", "8", "32"], "Batch sizes: requests decoded together, all admitted at once.")
+  cli.deprecated_alias("batch_sizes", "concurrency")
   flags.DEFINE_list("prompt_lens", ["64", "512"], "Prompt lengths in tokens.")
-  flags.DEFINE_integer("new_tokens", 128, "New tokens per request (EOS ignored on both sides).")
+  flags.DEFINE_integer("max_tokens", 128, "New tokens per request (EOS ignored on both sides).")
+  cli.deprecated_alias("new_tokens", "max_tokens")
   flags.DEFINE_integer("repeats", 3, "Timed repeats per config (medians reported).")
   flags.DEFINE_list("policies", ["ar", "linear"], "Our configs: ar, linear (LinearSS at --block_size), recguide "
                     "(needs --checkpoint with recguide_policy.json).")
@@ -629,10 +634,9 @@ def _define_flags():
   flags.DEFINE_integer("max_cell_tokens", 4096, "Skip cells with batch * prompt above this (0: run all).")
   flags.DEFINE_enum("prompt_source", "auto", ["auto", "random", "gsm8k"], "Prompt tokens (auto: GSM8K text for "
                     "a checkpoint with a tokenizer, else random ids).")
-  flags.DEFINE_string("data", None, "GSM8K jsonl for --prompt_source gsm8k (default: the shared test split).")
+  cli.define_data_flag("test", what="--prompt_source gsm8k")
   flags.DEFINE_enum("attention", "auto", ["auto", "reference", "pallas"], "Our attention implementation.")
-  flags.DEFINE_string("output_dir", os.path.join(ROOT, "runs"), "Where bench_peer.{json,md} go (docs: the "
-                      "published figures).")
+  cli.define_output_flags("bench_peer")
 
 
 def _ints(name: str) -> tuple[int, ...]:
@@ -655,20 +659,20 @@ def main(argv):
   del argv
   from absl import flags
 
-  from recguide_jax import cli
+  from recguide_jax.benchmarks import cli
   f = flags.FLAGS
   quiet_logging()
+  cli.warn_deprecated()
   spec = RandomModelSpec(layers=f.layers, hidden=f.hidden, intermediate=f.intermediate, heads=f.heads,
                          kv_heads=f.kv_heads, head_dim=f.head_dim, vocab=f.vocab, init_scale=f.init_scale,
                          seed=f.seed)
-  output_dir = f.output_dir
-  if output_dir == "docs":
-    output_dir = os.path.join(ROOT, "docs")
-  cfg = PeerConfig(checkpoint=f.checkpoint, model=spec, dtypes=tuple(f.dtypes), batch_sizes=_ints("batch_sizes"),
-                   prompt_lens=_ints("prompt_lens"), new_tokens=f.new_tokens, repeats=f.repeats,
+  output_dir = cli.output_dir()
+  data = cli.data_path() if f.prompt_source == "gsm8k" else f.data or os.path.join(f.gsm8k_dir, "test.jsonl")
+  cfg = PeerConfig(checkpoint=f.checkpoint, model=spec, dtypes=tuple(f.dtypes), batch_sizes=_ints("concurrency"),
+                   prompt_lens=_ints("prompt_lens"), new_tokens=f.max_tokens, repeats=f.repeats,
                    policies=tuple(f.policies), block_size=f.block_size, threads=f.threads,
                    max_model_len=f.max_model_len, max_cell_tokens=f.max_cell_tokens, prompt_source=f.prompt_source,
-                   data=f.data or os.path.join(cli.GSM8K_DIR, "test.jsonl"), attention=f.attention, seed=f.seed)
+                   data=data, attention=f.attention, seed=f.seed)
   try:
     cfg.validate()
   except ValueError as e:
@@ -683,6 +687,6 @@ def main(argv):
 
 
 if __name__ == "__main__":
-  from absl import app
   _define_flags()
-  app.run(main)
+  from recguide_jax.benchmarks import cli
+  cli.run(main)  # absl's app.run; --help / -h exit 0

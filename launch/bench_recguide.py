@@ -3,6 +3,19 @@ levels; every run is also priced with a hardware profile measured elsewhere (def
 report tokens per unit of profiled time, the paper's own objective. Greedy outputs are checked against AR.
 
   python launch/bench_recguide.py --concurrency 1,2,4,8,16,32 --num_prompts 32 --max_tokens 128
+
+--mode=set (the default) pushes the --num_prompts prompts through a closed loop of C requests and times it to the
+last token, so the drain (fewer than C requests left at the end) is part of every level. --mode=steady holds the
+load instead: each level runs max(--num_prompts, --steady_requests_per_slot * C) requests through a closed loop of C
+(a finished request is replaced before the next engine step) and times only the window in which C requests are in
+flight, from the first step after the first cohort (the C requests that start together) has finished to the last
+step that starts with C in flight (recguide_jax/benchmarks/driver.py, `run_steady`). RecGuide, AR and fixed-B
+LinearSS 8/16/32 (one of which is the official fixed-B recipe at each C) run side by side, repeats interleaved, with
+the medians and a paired bootstrap interval of RecGuide vs the fastest baseline per level and pooled over levels:
+
+  python launch/bench_recguide.py --mode=steady --concurrency 1,2,4,8,16,32 --repeats 5 --profile docs/profile_cpu.json
+
+Reports go to --output_dir (default runs/bench_recguide): bench_recguide.{json,md}, or bench_recguide_steady.{json,md}.
 """
 
 import json
@@ -12,9 +25,12 @@ import sys
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-from absl import app, flags  # noqa: E402
+from absl import flags  # noqa: E402
 
-from recguide_jax import cli  # noqa: E402
+from recguide_jax.benchmarks import cli  # noqa: E402
+from recguide_jax import distributed  # noqa: E402
+
+distributed.define_mesh_flags()  # --tp/--dp/--mesh (one host; on simulated CPU devices set XLA_FLAGS first)
 
 FLAGS = flags.FLAGS
 cli.define_model_and_data_flags("test", num_prompts=32, max_tokens=128)
@@ -26,8 +42,12 @@ flags.DEFINE_string("price_profile", "b200_nld8b", "Profile used to price the ru
 flags.DEFINE_float("delta", None, "Margin threshold of risky draft positions (default: the policy's fitted "
                    "overlap_delta, else 0.5).")
 flags.DEFINE_bool("ablations", True, "Also run the Table 5 (overlap) and Table 6 (adaptive) ablation rows.")
-flags.DEFINE_string("out_json", os.path.join(ROOT, "docs", "bench_recguide.json"), "Output JSON.")
-flags.DEFINE_string("out_md", os.path.join(ROOT, "docs", "bench_recguide.md"), "Output markdown.")
+flags.DEFINE_enum("mode", "set", ["set", "steady"], "set: the prompt set through a closed loop of C, timed to the "
+                  "last token; steady: a held load of C requests, timed over the window with C in flight (see above).")
+flags.DEFINE_integer("steady_requests_per_slot", 8, "--mode=steady: requests per level = max(--num_prompts, this * C) "
+                     "(GSM8K questions, reused in turn if the file has fewer).")
+cli.define_output_flags("bench_recguide", {"out_json": "bench_recguide[_steady].json",
+                                           "out_md": "bench_recguide[_steady].md"})
 
 # Table 6 rows: one mixed batch padded to the largest planned B, one batch per B, or per step whichever the policy's
 # cost model prices cheaper (the engine's default, used by every other row)
@@ -42,17 +62,18 @@ def main(argv):
   del argv
   cli.quiet_logging()
   import numpy as np
-  from recguide_jax import LLM, SamplingParams, bench, policies
+  from recguide_jax import LLM, SamplingParams, benchmarks as bench, policies
   from recguide_jax.orchestrator import profile as prof_lib
   from recguide_jax.orchestrator.policy import RecGuidePolicy
-  try:
-    levels = [int(c) for c in FLAGS.concurrency]
-  except ValueError:
-    sys.exit("error: --concurrency must be integers")
+  levels = cli.int_list("concurrency")
+  if FLAGS.repeats < 1 or FLAGS.num_prompts < 1 or FLAGS.max_tokens < 1 or FLAGS.steady_requests_per_slot < 1:
+    sys.exit("error: --repeats, --num_prompts, --max_tokens and --steady_requests_per_slot must be >= 1")
+  data = cli.data_path()
   price = prof_lib.load_profile(FLAGS.price_profile)
   local = prof_lib.load_profile(FLAGS.profile) if FLAGS.profile else None
-  llm = LLM(FLAGS.checkpoint, policy="ar", block_sizes=(8, 16, 32), max_batch=max(levels), max_model_len=1024,
-            warmup=False, attention=FLAGS.attention, dtype=FLAGS.dtype)
+  llm = LLM(FLAGS.checkpoint, policy="ar", block_sizes=(8, 16, 32), max_batch=max(levels),
+            max_model_len=FLAGS.max_model_len, warmup=False, attention=FLAGS.attention, dtype=FLAGS.dtype,
+            mesh=distributed.mesh_from_flags())
   tables = None
   tables_path = FLAGS.policy_tables
   if tables_path is None:  # the tables shipped beside the checkpoint (the bundled one by default)
@@ -62,7 +83,6 @@ def main(argv):
   if tables_path:
     from recguide_jax.orchestrator.adaptive import AdaptivePolicyTables
     tables = AdaptivePolicyTables.load(tables_path)
-  prompts = bench.gsm8k_prompts(FLAGS.data, FLAGS.num_prompts, llm.tokenizer)
   params = SamplingParams(max_tokens=FLAGS.max_tokens, temperature=0.0)
 
   def recguide(profile=None, **kw):
@@ -73,6 +93,9 @@ def main(argv):
   default = recguide()  # the delta, planner and tree width the checkpoint's policy resolves to
   # the checkpoint's kinds plus the paper's 3-slot tree (the Table 5 rows)
   llm.runner.warmup(default.step_kinds() + ("fused",), (8, 16, 32))
+  if FLAGS.mode == "steady":
+    return held_load(llm, recguide, default, levels, params, data, tables_path)
+  prompts = bench.gsm8k_prompts(data, FLAGS.num_prompts, llm.tokenizer)
 
   results = []
   ar_outputs = {}
@@ -163,14 +186,14 @@ def main(argv):
                for r in results if r["policy"] == "recguide" and "vs_best_baseline_wall_interval" in r]
   if levels_iv:
     pooled = bench.pooled_ratio_interval(levels_iv)
-  os.makedirs(os.path.dirname(FLAGS.out_json), exist_ok=True)
   meta = {"checkpoint": str(FLAGS.checkpoint or "bundled"), "num_prompts": FLAGS.num_prompts,
           "max_tokens": FLAGS.max_tokens, "repeats": FLAGS.repeats, "price_profile": FLAGS.price_profile,
           "local_profile": FLAGS.profile, "policy_tables": tables_path,
           "delta": default.delta, "planner": default.planner, "overlap_slots": default.overlap_slots,
           "prefix_exponent": default.prefix_exponent,
           "compiles_after_warmup": llm.runner.compiles_after_warmup}
-  with open(FLAGS.out_json, "w") as f:
+  out_json, out_md = cli.report_path("bench_recguide.json", "out_json"), cli.report_path("bench_recguide.md", "out_md")
+  with open(out_json, "w") as f:
     json.dump({"meta": meta, "results": results, "recguide_vs_best_baseline_wall_pooled": pooled}, f, indent=2)
   lines = ["| C | policy | tok/s | per-req tok/s | TPF | tau | vs best baseline (wall) | paired vs that baseline: "
            "geomean (95% CI) | priced tok/ms | vs official fixed B (priced) | B share 1/8/16/32 | lossless |",
@@ -192,11 +215,54 @@ def main(argv):
     lines.append(f"\nRecGuide vs the fastest baseline of each level, pooled over {len(levels_iv)} levels "
                  f"({pooled['repeats']} paired repeats): {pooled['geomean']:.3f}x (95% CI {pooled['ci95'][0]:.3f}-"
                  f"{pooled['ci95'][1]:.3f}), {pooled['verdict']}.")
-  with open(FLAGS.out_md, "w") as f:
+  with open(out_md, "w") as f:
     f.write(f"GSM8K test, {FLAGS.num_prompts} prompts, greedy, max {FLAGS.max_tokens} new tokens; wall clock on this "
             f"machine, priced with `{FLAGS.price_profile}`.\n\n" + "\n".join(lines) + "\n")
   print("\n".join(lines))
+  print(f"wrote {out_json} and {out_md}")
+
+
+def held_load(llm, recguide, default, levels, params, data, tables_path):
+  """--mode=steady: RecGuide vs AR and fixed-B LinearSS under a held load of C requests per level."""
+  from recguide_jax import benchmarks as bench, policies
+  from recguide_jax.benchmarks import steady
+  need = max(max(FLAGS.num_prompts, FLAGS.steady_requests_per_slot * c) for c in levels)
+  questions = bench.gsm8k_prompts(data, need, llm.tokenizer)
+  prompts = [questions[i % len(questions)] for i in range(need)]  # the same prompts in the same order everywhere
+
+  def configs(c):  # fresh policies per level: RecGuide's online calibration starts over at each load
+    return ([("ar", policies.ARPolicy())] + [(f"linear B={b}", policies.LinearPolicy(b)) for b in (8, 16, 32)]
+            + [("recguide", recguide())])
+
+  def before_run(name):
+    llm.engine.bucketing = "auto"
+
+  result = steady.held_load_comparison(
+      llm, lambda c: prompts[:max(FLAGS.num_prompts, FLAGS.steady_requests_per_slot * c)], params, levels, configs,
+      FLAGS.repeats, baselines=BASELINE_ROWS, target="recguide",
+      official={c: f"linear B={OFFICIAL_B.get(c, 16)}" for c in levels}, before_run=before_run,
+      log=lambda line: print(line, flush=True))
+  result["meta"] = {"mode": "steady", "checkpoint": str(FLAGS.checkpoint or "bundled"), "data": data,
+                    "num_prompts": FLAGS.num_prompts, "steady_requests_per_slot": FLAGS.steady_requests_per_slot,
+                    "max_tokens": FLAGS.max_tokens, "repeats": FLAGS.repeats, "local_profile": FLAGS.profile,
+                    "policy_tables": tables_path, "delta": default.delta, "planner": default.planner,
+                    "compiles_after_warmup": llm.runner.compiles_after_warmup,
+                    "window": "from the first engine step after the first cohort of C requests has finished to the "
+                              "last step that starts with C requests in flight"}
+  table = steady.markdown(result, "recguide")
+  out_json = cli.report_path("bench_recguide_steady.json", "out_json")
+  out_md = cli.report_path("bench_recguide_steady.md", "out_md")
+  with open(out_json, "w") as f:
+    json.dump(result, f, indent=2)
+  with open(out_md, "w") as f:
+    f.write(f"Held load (`--mode=steady`): GSM8K test, max(--num_prompts={FLAGS.num_prompts}, "
+            f"{FLAGS.steady_requests_per_slot} x C) requests per level through a closed loop of C, greedy, max "
+            f"{FLAGS.max_tokens} new tokens, {FLAGS.repeats} interleaved repeats; throughput = tokens emitted in the "
+            "window with C requests in flight (after the first cohort, before the drain) / its wall time, on this "
+            "machine.\n\n" + table)
+  print(table)
+  print(f"wrote {out_json} and {out_md}")
 
 
 if __name__ == "__main__":
-  app.run(main)
+  cli.run(main)

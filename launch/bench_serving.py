@@ -51,10 +51,13 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
   sys.path.insert(0, ROOT)
 
-from absl import app, flags  # noqa: E402
+from absl import flags  # noqa: E402
 
 FLAGS = flags.FLAGS
-GSM8K_TEST = os.path.normpath(os.path.join(ROOT, "..", "shared", "data", "gsm8k", "test.jsonl"))
+# GSM8K's test split in $RECGUIDE_GSM8K_DIR, else beside the repository (recguide_jax/benchmarks/gsm8k.py; not
+# imported here, so that this HTTP client loads no jax)
+GSM8K_TEST = os.path.join(os.environ.get("RECGUIDE_GSM8K_DIR") or os.path.normpath(
+    os.path.join(ROOT, "..", "shared", "data", "gsm8k")), "test.jsonl")
 SERVE = os.path.join(ROOT, "launch", "serve.py")
 SWEEP_KINDS = ("concurrency", "request_rate")
 PERCENTILES = (50, 90, 99)
@@ -78,7 +81,7 @@ if __name__ == "__main__":
   flags.DEFINE_enum("endpoint", "chat", ["chat", "completions"], "/v1/chat/completions (prompt as one user message) "
                     "or /v1/completions (raw prompt).")
   flags.DEFINE_string("dataset_path", GSM8K_TEST, "jsonl of prompts: GSM8K's {\"question\": ...} or any "
-                      "{\"prompt\": ...}.")
+                      "{\"prompt\": ...} (default: $RECGUIDE_GSM8K_DIR/test.jsonl, else ../shared/data/gsm8k).")
   flags.DEFINE_integer("num_prompts", 24, "Requests per load level (the dataset's first ones).")
   flags.DEFINE_integer("max_tokens", 128, "max_tokens of every request.")
   flags.DEFINE_float("temperature", 0.0, "Sampling temperature of every request (0: greedy).")
@@ -113,7 +116,9 @@ def load_prompts(path: str, num: int) -> list[str]:
   if num < 1:
     raise BenchError(f"--num_prompts must be >= 1, got {num}")
   if not os.path.isfile(path):
-    raise BenchError(f"--dataset_path: {path} is not a file")
+    hint = (" (GSM8K is not in the repository: set RECGUIDE_GSM8K_DIR or pass --dataset_path)"
+            if path == GSM8K_TEST else "")
+    raise BenchError(f"--dataset_path: {path} is not a file{hint}")
   prompts = []
   with open(path, encoding="utf-8") as f:
     for lineno, line in enumerate(f, 1):
@@ -757,4 +762,5 @@ def argv_for_record() -> list[str]:
 
 
 if __name__ == "__main__":
-  app.run(main)
+  from recguide_jax.benchmarks import cli
+  cli.run(main)  # absl's app.run; --help / -h exit 0

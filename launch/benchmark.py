@@ -1,7 +1,8 @@
 """AR vs fixed-B LinearSS, side by side in one run: decode-only tokens per forward (TPF), mean accepted length per
 round (tau), aggregate and per-request tokens/s at each concurrency, medians of repeats. Writes JSON + markdown.
 
-  python launch/benchmark.py --batch_sizes 1,8 --num_prompts 32 --max_tokens 128
+  python launch/benchmark.py --concurrency 1,8 --num_prompts 32 --max_tokens 128   # -> runs/benchmark/
+  python launch/benchmark.py --concurrency 1,8 --output_dir docs                   # the published docs/bench_linear.*
 """
 
 import json
@@ -11,36 +12,38 @@ import sys
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-from absl import app, flags  # noqa: E402
+from absl import flags  # noqa: E402
 
-from recguide_jax import cli  # noqa: E402
+from recguide_jax.benchmarks import cli  # noqa: E402
+from recguide_jax import distributed  # noqa: E402
+
+distributed.define_mesh_flags()  # --tp/--dp/--mesh (one host; on simulated CPU devices set XLA_FLAGS first)
 
 FLAGS = flags.FLAGS
 cli.define_model_and_data_flags("test", num_prompts=32, max_tokens=128)
-flags.DEFINE_list("batch_sizes", ["1", "8"], "Concurrency levels.")
+flags.DEFINE_list("concurrency", ["1", "8"], "Concurrency levels (requests in flight).")
+cli.deprecated_alias("batch_sizes", "concurrency")
 flags.DEFINE_list("block_sizes", ["8", "16", "32"], "LinearSS block sizes.")
 flags.DEFINE_integer("repeats", 3, "Repeats per point (the median wall time is reported).")
-flags.DEFINE_string("out_json", os.path.join(ROOT, "docs", "bench_linear.json"), "Output JSON.")
-flags.DEFINE_string("out_md", os.path.join(ROOT, "docs", "bench_linear.md"), "Output markdown table.")
+cli.define_output_flags("benchmark", {"out_json": "bench_linear.json", "out_md": "bench_linear.md"})
 
 
 def main(argv):
   del argv
   cli.quiet_logging()
-  try:
-    batch_sizes = [int(b) for b in FLAGS.batch_sizes]
-    blocks = [int(b) for b in FLAGS.block_sizes]
-  except ValueError:
-    sys.exit("error: --batch_sizes and --block_sizes must be integers")
-  if any(b <= 0 for b in batch_sizes) or any(b not in (8, 16, 32) for b in blocks):
-    sys.exit("error: --batch_sizes must be positive and --block_sizes in {8, 16, 32}")
+  batch_sizes = cli.int_list("concurrency")
+  blocks = cli.int_list("block_sizes")
+  if any(b not in (8, 16, 32) for b in blocks):
+    sys.exit("error: --block_sizes must be in {8, 16, 32}")
   if FLAGS.repeats <= 0 or FLAGS.num_prompts <= 0 or FLAGS.max_tokens <= 0:
     sys.exit("error: --repeats, --num_prompts and --max_tokens must be positive")
-  from recguide_jax import LLM, SamplingParams, bench, policies
+  data = cli.data_path()
+  from recguide_jax import LLM, SamplingParams, benchmarks as bench, policies
   llm = LLM(FLAGS.checkpoint, policy="ar", block_sizes=tuple(blocks), max_batch=max(batch_sizes),
-            max_model_len=1024, warmup=False, attention=FLAGS.attention, dtype=FLAGS.dtype)
+            max_model_len=FLAGS.max_model_len, warmup=False, attention=FLAGS.attention, dtype=FLAGS.dtype,
+            mesh=distributed.mesh_from_flags())
   llm.runner.warmup(("prefill", "draft", "verify"), tuple(blocks))
-  prompts = bench.gsm8k_prompts(FLAGS.data, FLAGS.num_prompts, llm.tokenizer)
+  prompts = bench.gsm8k_prompts(data, FLAGS.num_prompts, llm.tokenizer)
   params = SamplingParams(max_tokens=FLAGS.max_tokens, temperature=0.0)
   configs = [("ar", policies.ARPolicy())] + [(f"linear B={b}", policies.LinearPolicy(b)) for b in blocks]
   results, outputs = [], {}
@@ -62,8 +65,8 @@ def main(argv):
   meta = {"checkpoint": str(FLAGS.checkpoint or "bundled"), "num_prompts": FLAGS.num_prompts,
           "max_tokens": FLAGS.max_tokens, "repeats": FLAGS.repeats, "compiles_after_warmup":
               llm.runner.compiles_after_warmup}
-  os.makedirs(os.path.dirname(FLAGS.out_json), exist_ok=True)
-  with open(FLAGS.out_json, "w") as f:
+  out_json, out_md = cli.report_path("bench_linear.json", "out_json"), cli.report_path("bench_linear.md", "out_md")
+  with open(out_json, "w") as f:
     json.dump({"meta": meta, "results": results}, f, indent=2)
   lines = ["| C | policy | TPF | tau | tok/s | per-request tok/s | speedup vs AR | lossless |",
            "|---|---|---|---|---|---|---|---|"]
@@ -71,11 +74,12 @@ def main(argv):
     lines.append(f"| {r['concurrency']} | {r['policy']} | {r['tpf']:.2f} | {r['mean_accepted_length']:.2f} | "
                  f"{r['tokens_per_s']:.1f} | {r['per_request_tokens_per_s']:.1f} | {r['speedup_vs_ar']:.2f}x | "
                  f"{r['lossless']} |")
-  with open(FLAGS.out_md, "w") as f:
+  with open(out_md, "w") as f:
     f.write(f"GSM8K test, {FLAGS.num_prompts} prompts, greedy, max {FLAGS.max_tokens} new tokens, median of "
             f"{FLAGS.repeats} repeats.\n\n" + "\n".join(lines) + "\n")
   print("\n".join(lines))
+  print(f"wrote {out_json} and {out_md}")
 
 
 if __name__ == "__main__":
-  app.run(main)
+  cli.run(main)

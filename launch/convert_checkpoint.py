@@ -12,7 +12,7 @@ import sys
 # Runnable as a script from a checkout without installing the package.
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from absl import app, flags, logging  # noqa: E402
+from absl import flags, logging  # noqa: E402
 
 _HF_DIR = flags.DEFINE_string("hf_dir", None,
                               "HF checkpoint directory (config.json + model.safetensors[.index.json]).")
@@ -59,4 +59,5 @@ def main(argv):
 
 
 if __name__ == "__main__":
-  app.run(main)
+  from recguide_jax.benchmarks import cli
+  cli.run(main)  # absl's app.run; --help / -h exit 0

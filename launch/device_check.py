@@ -19,7 +19,7 @@ from __future__ import annotations
 import sys
 import time
 
-from absl import app, flags
+from absl import flags
 
 _CHECKPOINT = flags.DEFINE_string("checkpoint", None, "Checkpoint directory (default: random weights of --shape).")
 _SHAPE = flags.DEFINE_enum("shape", None, ["tiny", "nld-3b", "nld-8b", "nld-14b"],
@@ -27,8 +27,9 @@ _SHAPE = flags.DEFINE_enum("shape", None, ["tiny", "nld-3b", "nld-8b", "nld-14b"
 _DTYPE = flags.DEFINE_enum("dtype", "auto", ["auto", "float32", "bfloat16"],
                            "Weights/KV dtype; auto: bfloat16 on GPU/TPU, float32 on CPU (or the checkpoint's).")
 _CONCURRENCY = flags.DEFINE_list("concurrency", None, "Decode batch sizes to time. Default: 1,8,32 (CPU: 1,4).")
-_NEW_TOKENS = flags.DEFINE_integer("new_tokens", None, "Tokens generated per request in the timed decode runs "
+_NEW_TOKENS = flags.DEFINE_integer("max_tokens", None, "Tokens generated per request in the timed decode runs "
                                    "(default 64; CPU 16).")
+flags.DEFINE_alias("new_tokens", "max_tokens")  # the old name
 _PROMPT_LEN = flags.DEFINE_integer("prompt_len", 128, "Prompt tokens of the random prompts.")
 _NUM_PROMPTS = flags.DEFINE_integer("num_prompts", 3, "Prompts of the lossless check.")
 _ATTENTION = flags.DEFINE_enum("attention", "auto", ["auto", "reference", "pallas"], "Attention implementation.")
@@ -127,7 +128,7 @@ def main(argv):
   import numpy as np
   from flax import nnx
 
-  from recguide_jax import LLM, SamplingParams, bench
+  from recguide_jax import LLM, SamplingParams, benchmarks as bench, distributed
   platform = jax.default_backend()
   on_accel = platform in ("gpu", "cuda", "rocm", "tpu")
   report: dict = {"platform": platform, "devices": [str(d) for d in jax.devices()],
@@ -158,7 +159,8 @@ def main(argv):
   # 2 + 3: lossless end to end, with each policy's compile seconds
   greedy = SamplingParams(max_tokens=48, temperature=0.0, ignore_eos=True)
   common = dict(model=model, max_model_len=max_len, max_batch=max(conc), attention=_ATTENTION.value,
-                compile_cache_dir=None, num_pages=None if on_accel else max(conc) * (max_len // 16 + 4) + 2)
+                compile_cache_dir=None, num_pages=None if on_accel else max(conc) * (max_len // 16 + 4) + 2,
+                mesh=distributed.mesh_from_flags())
   outputs, compile_s, llms = {}, {}, {}
   for policy in ("ar", "linear", "recguide"):
     t = time.perf_counter()
@@ -218,4 +220,9 @@ def main(argv):
 
 
 if __name__ == "__main__":
-  app.run(lambda argv: sys.exit(main(argv)))
+  import os
+  sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repository
+  from recguide_jax import distributed
+  from recguide_jax.benchmarks import cli
+  distributed.define_mesh_flags()  # --tp/--dp/--mesh: the end-to-end checks run on that mesh
+  cli.run(lambda argv: sys.exit(main(argv)))  # absl's app.run; --help / -h exit 0

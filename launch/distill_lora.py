@@ -14,17 +14,19 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from absl import app, flags  # noqa: E402
+from absl import flags  # noqa: E402
 
-from recguide_jax import cli  # noqa: E402
+from recguide_jax.benchmarks import cli  # noqa: E402
 
 FLAGS = flags.FLAGS
-flags.DEFINE_string("base_checkpoint", None, "Base checkpoint dir (default: the bundled model).")
-flags.DEFINE_string("data", os.path.join(cli.GSM8K_DIR, "train.jsonl"), "GSM8K train jsonl (prompts).")
+cli.define_checkpoint_flag("Base checkpoint dir, distilled for its own draft LoRA (default: the bundled model).")
+cli.deprecated_alias("base_checkpoint", "checkpoint")
+cli.define_data_flag("train")
 flags.DEFINE_integer("num_prompts", None, "Prompts from the start of --data (default: all).")
 flags.DEFINE_integer("max_tokens", 160, "Greedy tokens per target continuation.")
 flags.DEFINE_integer("concurrency", 64, "Requests in flight while generating targets.")
 cli.define_dtype_flag()  # of the model that generates the targets (serve in the dtype you distil for)
+flags.DEFINE_integer("max_model_len", 1024, "Longest prompt + target of the engine that generates the targets.")
 flags.DEFINE_string("out_dir", None, "Run directory: targets.jsonl, orbax train state, log, curves.")
 flags.DEFINE_string("export_dir", None, "If set, write the serving checkpoint (base + adapter) here at the end.")
 flags.DEFINE_integer("lora_rank", 128, "Adapter rank (NLD: 128).")
@@ -49,20 +51,19 @@ def main(argv):
   cli.quiet_logging()
   if not FLAGS.out_dir:
     sys.exit("error: --out_dir is required")
-  if not os.path.exists(FLAGS.data):
-    sys.exit(f"error: --data {FLAGS.data} does not exist")
+  data = cli.data_path()
   sizes, probs = cli.block_mix_flags()
   modes = cli.weights_flag("mode_probs", 3)  # seeded, unseeded, partial
   if FLAGS.lora_rank <= 0 or FLAGS.lora_alpha <= 0:
     sys.exit("error: --lora_rank and --lora_alpha must be positive")
   if FLAGS.warmup_steps >= FLAGS.total_steps:
     sys.exit("error: need --warmup_steps < --total_steps")
-  from recguide_jax import LLM, bench, llm as llm_lib
+  from recguide_jax import LLM, benchmarks as bench, llm as llm_lib
   from recguide_jax.train import distill
-  base = FLAGS.base_checkpoint or str(llm_lib.default_checkpoint())
+  base = FLAGS.checkpoint or str(llm_lib.default_checkpoint())
   os.makedirs(FLAGS.out_dir, exist_ok=True)
-  llm = LLM(base, policy="ar", max_batch=FLAGS.concurrency, dtype=FLAGS.dtype)
-  prompts = bench.gsm8k_prompts(FLAGS.data, FLAGS.num_prompts or 1 << 30, llm.tokenizer)
+  llm = LLM(base, policy="ar", max_batch=FLAGS.concurrency, dtype=FLAGS.dtype, max_model_len=FLAGS.max_model_len)
+  prompts = bench.gsm8k_prompts(data, FLAGS.num_prompts or 1 << 30, llm.tokenizer)
   rows = distill.generate_targets(llm, prompts, os.path.join(FLAGS.out_dir, "targets.jsonl"),
                                   max_tokens=FLAGS.max_tokens, concurrency=FLAGS.concurrency)
   del llm
@@ -84,4 +85,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-  app.run(main)
+  cli.run(main)

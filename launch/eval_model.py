@@ -4,7 +4,7 @@ the share of outputs ending in a repetition loop, and the draft signals RecGuide
 top-1/top-2 margin of accepted vs first-rejected positions; how often the verifier's correction is the draft's
 runner-up). Writes JSON (and prints markdown).
 
-  python launch/eval_model.py --num_prompts 200 --out_json docs/model_eval.json
+  python launch/eval_model.py --num_prompts 200 --output_dir docs   # docs/model_eval.json (default: runs/eval_model/)
 """
 
 import json
@@ -14,14 +14,14 @@ import sys
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-from absl import app, flags  # noqa: E402
+from absl import flags  # noqa: E402
 
-from recguide_jax import cli  # noqa: E402
+from recguide_jax.benchmarks import cli  # noqa: E402
 
 FLAGS = flags.FLAGS
 cli.define_model_and_data_flags("test", num_prompts=200, max_tokens=128)
 flags.DEFINE_integer("concurrency", 8, "Requests in flight (does not change greedy outputs).")
-flags.DEFINE_string("out_json", os.path.join(ROOT, "docs", "model_eval.json"), "Output JSON.")
+cli.define_output_flags("eval_model", {"out_json": "model_eval.json"})
 
 
 def heldout_ar_loss(model, tokenizer, rows, batch=16, seq_len=512):
@@ -81,17 +81,18 @@ def main(argv):
   del argv
   cli.quiet_logging()
   import numpy as np
-  from recguide_jax import LLM, SamplingParams, bench, policies
+  data = cli.data_path()
+  from recguide_jax import LLM, SamplingParams, benchmarks as bench, policies
   from recguide_jax.train import data as data_lib
   llm = LLM(FLAGS.checkpoint, policy="ar", block_sizes=(8, 16, 32), max_batch=FLAGS.concurrency, warmup=False,
-            attention=FLAGS.attention, dtype=FLAGS.dtype)
+            attention=FLAGS.attention, dtype=FLAGS.dtype, max_model_len=FLAGS.max_model_len)
   llm.runner.warmup(("prefill", "draft", "verify"), (8, 16, 32))
-  rows = data_lib.load_gsm8k(FLAGS.data)
+  rows = data_lib.load_gsm8k(data)
   result = {"checkpoint": str(FLAGS.checkpoint or "bundled"), "num_prompts": FLAGS.num_prompts,
             "max_tokens": FLAGS.max_tokens}
   result["heldout_ar_ce"] = heldout_ar_loss(llm.model, llm.tokenizer, rows)
   print(f"held-out AR CE on GSM8K test ({len(rows)} problems): {result['heldout_ar_ce']:.4f} nats/token")
-  prompts = bench.gsm8k_prompts(FLAGS.data, FLAGS.num_prompts, llm.tokenizer)
+  prompts = bench.gsm8k_prompts(data, FLAGS.num_prompts, llm.tokenizer)
   params = SamplingParams(max_tokens=FLAGS.max_tokens, temperature=0.0)
   llm.set_policy(policies.ARPolicy())
   ar_reqs, _ = bench.run_concurrent(llm.engine, prompts, params, FLAGS.concurrency)
@@ -120,12 +121,13 @@ def main(argv):
     for key, g in result["tau_gain"].items():
       print(f"tau gain B={key.replace('_vs_', ' vs B=')}: {g['diff']:+.3f} (95% CI {g['ci95'][0]:+.3f} .. "
             f"{g['ci95'][1]:+.3f}, bootstrap over {g['prompts']} prompts)")
-  os.makedirs(os.path.dirname(FLAGS.out_json), exist_ok=True)
-  with open(FLAGS.out_json, "w") as f:
+  out_json = cli.report_path("model_eval.json", "out_json")
+  with open(out_json, "w") as f:
     json.dump(result, f, indent=2)
+  print(f"wrote {out_json}")
   print(f"loops (AR greedy): {100 * result['loop_share_ar']:.1f}% of outputs")
   print("histogram B=16 (accepted length 1..16):", result["linear"][16]["accepted_length_histogram"])
 
 
 if __name__ == "__main__":
-  app.run(main)
+  cli.run(main)

@@ -25,9 +25,9 @@ import sys
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-from absl import app, flags  # noqa: E402
+from absl import flags  # noqa: E402
 
-from recguide_jax import cli  # noqa: E402
+from recguide_jax.benchmarks import cli  # noqa: E402
 
 FLAGS = flags.FLAGS
 cli.define_model_and_data_flags("train", num_prompts=32, max_tokens=128)
@@ -40,7 +40,7 @@ flags.DEFINE_list("prefix_exponents", [f"{g / 20:.2f}" for g in range(2, 21)],
 flags.DEFINE_string("price_profile", "b200_nld8b", "Profile (shipped name or JSON path) the runs are priced with.")
 flags.DEFINE_integer("block_size", 16, "Overlap block size B.")
 flags.DEFINE_string("policy", None, "Policy JSON to update (default: the checkpoint's recguide_policy.json).")
-flags.DEFINE_string("out_json", os.path.join(ROOT, "docs", "fit_delta.json"), "Sweep results JSON.")
+cli.define_output_flags("fit_delta", {"out_json": "fit_delta.json"})  # the sweep; the fit goes into --policy
 
 
 def main(argv):
@@ -54,8 +54,9 @@ def main(argv):
     sys.exit("error: --deltas must lie in [0, 1]")
   if FLAGS.block_size not in (8, 16, 32):
     sys.exit("error: --block_size must be 8, 16 or 32")
-  from recguide_jax import LLM, SamplingParams, bench, llm as llm_lib, policies
-  from recguide_jax.orchestrator import adaptive, overlap as ov, profile as prof_lib
+  data = cli.data_path()
+  from recguide_jax import LLM, SamplingParams, benchmarks as bench, llm as llm_lib, policies
+  from recguide_jax.orchestrator import adaptive, overlap as ov, overlap_fit, profile as prof_lib
   from recguide_jax.orchestrator.policy import RecGuidePolicy
   from recguide_jax.runner import fused_kind
   if not FLAGS.planners or any(p not in ov.PLANNERS for p in FLAGS.planners):
@@ -85,21 +86,22 @@ def main(argv):
   except adaptive.PolicyError as e:
     sys.exit(f"error: --policy: {e}")
   llm = LLM(checkpoint, policy="ar", block_sizes=(FLAGS.block_size,), max_batch=1, warmup=False,
-            attention=FLAGS.attention, dtype=FLAGS.dtype)
+            attention=FLAGS.attention, dtype=FLAGS.dtype, max_model_len=FLAGS.max_model_len)
   llm.runner.warmup(("prefill", "draft", "verify", "fused", "gverify") + tuple(fused_kind(n) for n in slot_grid),
                     (FLAGS.block_size,))
-  prompts = bench.gsm8k_prompts(FLAGS.data, FLAGS.num_prompts, llm.tokenizer, offset=FLAGS.offset)
+  prompts = bench.gsm8k_prompts(data, FLAGS.num_prompts, llm.tokenizer, offset=FLAGS.offset)
   params = SamplingParams(max_tokens=FLAGS.max_tokens, temperature=0.0)
   llm.set_policy(policies.ARPolicy())
   ar = [r.output_ids for r in bench.run_concurrent(llm.engine, prompts, params, 1)[0]]
 
   def priced_run(policy):
     llm.set_policy(policy)
-    llm.engine.forward_log, llm.engine.overlap_log = [], []
+    llm.engine.forward_log = []
+    policy.overlap_log = [] if hasattr(policy, "overlap_log") else None  # RecGuide's own log
     reqs, _ = bench.run_concurrent(llm.engine, prompts, params, 1)
     ms = bench.priced_ms(llm.engine.forward_log, price)
-    rounds = llm.engine.overlap_log
-    llm.engine.forward_log = llm.engine.overlap_log = None
+    rounds = policy.overlap_log
+    llm.engine.forward_log = None
     s = bench.summarize(reqs, 0.0)
     return reqs, s, s["generated_tokens"] / ms, rounds
 
@@ -129,7 +131,7 @@ def main(argv):
     for n in slot_grid:
       # the plain product's rounds, replayed with every gamma; the best gamma then runs for real
       rounds = sweep_row("expected_hit", None, n)
-      gamma, replayed = ov.fit_prefix_exponent(rounds, FLAGS.block_size, n, gamma_grid)
+      gamma, replayed = overlap_fit.fit_prefix_exponent(rounds, FLAGS.block_size, n, gamma_grid)
       rows[-1]["replayed_correction_hits"] = replayed
       print(f"  replayed correction hits, {n} slots: gamma 1.00 {replayed[1.0]:.3f}, best gamma {gamma:.2f} "
             f"{replayed[gamma]:.3f}", flush=True)
@@ -138,16 +140,16 @@ def main(argv):
   if not all(r["lossless"] for r in rows):
     sys.exit("error: an overlap run differed from greedy AR; not updating the policy")
   # the most tokens per priced ms; within 0.1% of it, the most tokens per forward (overlap.best_sweep_row)
-  best = ov.best_sweep_row(rows)
+  best = overlap_fit.best_sweep_row(rows)
   no_p3 = [r for r in rows if r["planner"] == "no_p3"]
-  best_delta = ov.best_sweep_row(no_p3)["delta"] if no_p3 else tables.overlap_delta
+  best_delta = overlap_fit.best_sweep_row(no_p3)["delta"] if no_p3 else tables.overlap_delta
   best_slots = best["slots"] if best["planner"] == "expected_hit" else None
   updated = dataclasses.replace(tables, overlap_delta=best_delta, overlap_planner=best["planner"],
                                 overlap_slots=best_slots, overlap_prefix_exponent=best["prefix_exponent"], version="")
   updated.save(policy_path)
-  os.makedirs(os.path.dirname(FLAGS.out_json), exist_ok=True)
-  with open(FLAGS.out_json, "w") as f:
-    json.dump({"checkpoint": checkpoint, "data": os.path.basename(FLAGS.data), "offset": FLAGS.offset,
+  out_json = cli.report_path("fit_delta.json", "out_json")
+  with open(out_json, "w") as f:
+    json.dump({"checkpoint": checkpoint, "data": os.path.basename(data), "offset": FLAGS.offset,
                "num_prompts": FLAGS.num_prompts, "max_tokens": FLAGS.max_tokens, "block_size": FLAGS.block_size,
                "price_profile": price.name or FLAGS.price_profile, "linear_tpf": linear["tpf"],
                "linear_priced_tokens_per_ms": linear_rate, "sweep": rows, "best_planner": best["planner"],
@@ -156,8 +158,8 @@ def main(argv):
   print(f"best: {best['planner']} {best['slots']} slots, gamma {best['prefix_exponent']} "
         f"({best['priced_tokens_per_ms']:.3f} tok/ms priced, "
         f"{best['priced_vs_linear']:.2f}x LinearSS; TPF {best['tpf']:.3f}, {best['tpf_vs_linear']:.2f}x); "
-        f"best no_p3 delta {best_delta}; wrote {policy_path} version {updated.version}")
+        f"best no_p3 delta {best_delta}; wrote {policy_path} version {updated.version} and {out_json}")
 
 
 if __name__ == "__main__":
-  app.run(main)
+  cli.run(main)

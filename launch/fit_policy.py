@@ -1,7 +1,7 @@
-"""Fits RecGuide's adaptive-B policy from shadow traces: the value model V_B(s, z) (recguide.md 5.2), then rho_C per
-concurrency level by the exact 1-D search (5.4) against a hardware profile's T_C(B). Writes the versioned policy
-JSON ("recguide-policy/1") that the engine loads, and prints per level the chosen-B shares and the objective
-(macro tokens/ms/request on a replay of the traces) against every fixed B.
+"""Fits RecGuide's adaptive-B policy from shadow traces: the value model V_B(s, z) (docs/spec/recguide.md §5.2),
+then rho_C per concurrency level by the exact 1-D search (§5.4) against a hardware profile's T_C(B). Writes the
+versioned policy JSON ("recguide-policy/1") that the engine loads, and prints per level the chosen-B shares and the
+objective (macro tokens/ms/request on a replay of the traces) against every fixed B.
 
   python launch/fit_policy.py --traces traces/*.jsonl --profile b200_nld8b --out checkpoints/x/recguide_policy.json
 
@@ -15,12 +15,15 @@ import sys
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-from absl import app, flags  # noqa: E402
+from absl import flags  # noqa: E402
+
+from recguide_jax.benchmarks import cli  # noqa: E402
 
 FLAGS = flags.FLAGS
 flags.DEFINE_list("traces", None, "Shadow-trace JSONL files (globs allowed).")
 flags.DEFINE_string("profile", "b200_nld8b", "Hardware profile: a shipped name or a profile JSON path.")
-flags.DEFINE_list("concurrency_levels", ["1", "2", "4", "8", "16", "32"], "Load levels C to solve rho for.")
+flags.DEFINE_list("concurrency", ["1", "2", "4", "8", "16", "32"], "Load levels C to solve rho for.")
+cli.deprecated_alias("concurrency_levels", "concurrency")
 flags.DEFINE_integer("bins", 24, "Signal bins of the value model.")
 flags.DEFINE_bool("strata", True, "Fit per-z strata (previous B, full) where they have enough rows.")
 flags.DEFINE_string("out", None, "Output policy JSON (a checkpoint directory gets recguide_policy.json).")
@@ -40,24 +43,21 @@ def _expand(patterns):
 
 def main(argv):
   del argv
-  from recguide_jax.orchestrator import adaptive, profile as profile_lib, value_model as vm
+  cli.warn_deprecated()
+  from recguide_jax.orchestrator import adaptive, profile as profile_lib, rho_search, traces, value_fit
+  from recguide_jax.orchestrator import value_model as vm
   if not FLAGS.traces:
     sys.exit("error: --traces is required")
   if not FLAGS.out:
     sys.exit("error: --out is required")
-  try:
-    levels = sorted({int(c) for c in FLAGS.concurrency_levels})
-  except ValueError:
-    sys.exit(f"error: --concurrency_levels must be integers, got {FLAGS.concurrency_levels}")
-  if not levels or levels[0] < 1:
-    sys.exit("error: --concurrency_levels must be positive")
+  levels = sorted(set(cli.int_list("concurrency")))
   if FLAGS.bins < 1:
     sys.exit("error: --bins must be >= 1")
   try:
     prof = profile_lib.load_profile(FLAGS.profile)
-    rows = vm.load_trace_rows(_expand(FLAGS.traces))
-    model = vm.fit_value_model(rows, bins=FLAGS.bins, strata=FLAGS.strata)
-    groups = adaptive.group_rows(rows)
+    rows = traces.load_trace_rows(_expand(FLAGS.traces))
+    model = value_fit.fit_value_model(rows, bins=FLAGS.bins, strata=FLAGS.strata)
+    groups = rho_search.group_rows(rows)
   except (profile_lib.ProfileError, vm.TraceError) as e:
     sys.exit(f"error: {e}")
   blocks = tuple(b for b in prof.block_sizes if b in model.block_sizes)
@@ -73,7 +73,7 @@ def main(argv):
     cold = adaptive.cold_start_block(c)
     if cold not in costs:
       cold = min(costs)
-    sol = adaptive.solve_rho(groups, model, costs, cold_start=cold)
+    sol = rho_search.solve_rho(groups, model, costs, cold_start=cold)
     out_levels.append(adaptive.LevelPolicy(c, sol.rho, costs, cold, sol.objective, dict(sol.fixed_objectives),
                                            dict(sol.shares)))
     best_b = sol.best_fixed_block
@@ -89,4 +89,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-  app.run(main)
+  cli.run(main)

@@ -652,4 +652,6 @@ def main(argv):
 
 
 if __name__ == "__main__":
-  app.run(main)
+  sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repository
+  from recguide_jax.benchmarks import cli
+  cli.run(main)  # absl's app.run; --help / -h exit 0

@@ -1,5 +1,5 @@
-"""Measures the hardware profile T_C(B) (recguide.md 5.3) on the current JAX backend with our Runner and writes a
-"recguide-profile/1" JSON for launch/fit_policy.py and the regime switch.
+"""Measures the hardware profile T_C(B) (docs/spec/recguide.md §5.3) on the current JAX backend with our Runner and
+writes a "recguide-profile/1" JSON for launch/fit_policy.py and the regime switch.
 
 For every batch bucket C up to --max_batch and every B: the median over --repeats (after warm-up, which also
 compiles) of one draft + one verify forward for a full bucket of C requests at --prefix_len committed tokens, timed
@@ -12,8 +12,10 @@ The KV contents are whatever the cache holds (zeros): attention reads every page
 values, so the cost depends on the prefix length (through max_model_len, set to --prefix_len + the largest block),
 not on the tokens.
 
-  python launch/profile.py --max_batch 128 --out docs/profile_h200_nld8b.json     # a real checkpoint
+  python launch/profile.py --max_batch 128 --name h200_nld8b --output_dir docs   # docs/profile_h200_nld8b.json
   python launch/profile.py --random_tiny --max_batch 8                            # CPU smoke run (~1-2 min)
+
+The profile goes to --output_dir/profile_<--name, else the backend>.json (default --output_dir: runs/profile).
 """
 
 import os
@@ -39,7 +41,7 @@ import time  # noqa: E402
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-from absl import app, flags  # noqa: E402
+from absl import flags  # noqa: E402
 
 FLAGS = flags.FLAGS
 
@@ -57,10 +59,13 @@ def _define_flags():
   flags.DEFINE_integer("repeats", 5, "Timed repeats per point (the median is kept).")
   flags.DEFINE_integer("warmup", 1, "Untimed runs per point before timing (the first one compiles).")
   flags.DEFINE_string("name", "", "Profile name stored in the JSON (e.g. h200_nld8b).")
-  flags.DEFINE_string("out", None, "Output JSON (default: docs/profile_<backend>.json).")
+  from recguide_jax.benchmarks import cli
+  cli.define_output_flags("profile", {"out": "profile_<name or backend>.json"})
   flags.DEFINE_string("compile_cache_dir", None, "Persistent XLA compilation cache (speeds up repeated runs).")
   flags.DEFINE_bool("fused", True, "Time the fused verify+branches step when the runner has one.")
   flags.DEFINE_integer("seed", 0, "Seed of the random tokens (and of the tiny model).")
+  from recguide_jax import distributed
+  distributed.define_mesh_flags()  # --tp/--mesh: times one group's steps on its tp devices
 
 
 def _tiny_model(seed: int, dtype: str = "float32"):
@@ -99,7 +104,7 @@ def main(argv):
   import numpy as np
   from recguide_jax import llm as llm_lib
   from recguide_jax.orchestrator.profile import HardwareProfile
-  from recguide_jax.runner import Runner, RunnerConfig, SamplingArrays, batch_buckets
+  from recguide_jax.runner import RunnerConfig, SamplingArrays, batch_buckets
 
   try:
     blocks = sorted({int(b) for b in FLAGS.block_sizes})
@@ -128,7 +133,8 @@ def main(argv):
   # every bucket row owns its pages (+ the trash page); pages_per_seq comes from the config itself
   rc = dataclasses.replace(rc, num_pages=FLAGS.max_batch * rc.pages_per_seq + 1,
                            compile_cache_dir=FLAGS.compile_cache_dir)
-  runner = Runner(model, rc)
+  from recguide_jax import data_parallel, distributed
+  runner = data_parallel.build_runners(model, rc, distributed.mesh_from_flags())[0]  # no mesh: Runner(model, rc)
   cfg = runner.cfg
   rng = np.random.default_rng(FLAGS.seed)
   has_fused = FLAGS.fused and hasattr(runner, "fused")
@@ -196,11 +202,13 @@ def main(argv):
       f"{datetime.datetime.now(datetime.timezone.utc).strftime('%Y-%m-%dT%H:%M:%SZ')}", backend=backend,
       device=device, model=model_name, notes=notes, name=FLAGS.name, ar_step_ms=ar_ms,
       fused_ms=fused_ms if has_fused else None, draft_ms=draft_ms, verify_ms=verify_ms)
-  out = FLAGS.out or os.path.join(ROOT, "docs", f"profile_{backend}.json")
+  from recguide_jax.benchmarks import cli
+  out = cli.report_path(f"profile_{FLAGS.name or backend}.json", "out")
   prof.save(out)
   print(f"wrote {out}")
 
 
 if __name__ == "__main__":
   _define_flags()
-  app.run(main)
+  from recguide_jax.benchmarks import cli
+  cli.run(main)  # absl's app.run; --help / -h exit 0

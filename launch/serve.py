@@ -60,6 +60,10 @@ _POLICY_TABLES = flags.DEFINE_string("policy_tables", None, "RecGuide adaptive-B
                                      "defaults to <checkpoint>/profile.json).")
 _ATTENTION = flags.DEFINE_enum("attention", "auto", ["auto", "reference", "pallas"],
                                "Attention implementation: Pallas kernels on GPU/TPU, the jnp reference on CPU.")
+_BACKGROUND_COMPILE = flags.DEFINE_boolean(
+    "background_compile", True, "Compile only the largest batch bucket of each step variant before serving and the "
+    "smaller buckets on a background thread (their batches run padded in the largest until then; no request waits "
+    "on a compile). --nobackground_compile compiles everything first.")
 _COMPILE_CACHE_DIR = flags.DEFINE_string("compile_cache_dir", None, "Persistent XLA compilation cache. Default: "
                                          "$RECGUIDE_COMPILE_CACHE or ~/.cache/recguide_jax/xla; '' disables it.")
 _SERVED_MODEL_NAME = flags.DEFINE_string("served_model_name", None, "Model name clients pass as `model`. Default: "
@@ -73,6 +77,9 @@ _ALLOWED_ORIGINS = flags.DEFINE_list("allowed_origins", [], "CORS: comma-separat
                                      "from a browser ('*' for any). Default: none (no CORS headers).")
 _STRICT_REQUEST_FIELDS = flags.DEFINE_boolean("strict_request_fields", False, "Answer unknown request fields with "
                                               "400 (default: ignore them with a logged warning, as vLLM does).")
+from recguide_jax import distributed  # noqa: E402
+
+distributed.define_mesh_flags()  # --tp/--dp/--mesh and the multi-host flags (docs: README "Scale-out")
 _LOG_STATS_INTERVAL = flags.DEFINE_float("log_stats_interval", 10.0, "Seconds between the engine stats lines "
                                          "(throughput, running/waiting, KV cache usage, acceptance) in the log while "
                                          "there is activity, as vLLM logs them; 0 disables.")
@@ -235,6 +242,11 @@ def main(argv):
   from recguide_jax.server import create_app
   from recguide_jax.tokenizer import TokenizerError
 
+  try:  # before anything touches a device: a multi-host run joins its processes first
+    distributed.initialize_from_flags()
+    mesh = distributed.mesh_from_flags()
+  except ValueError as e:
+    _fail(e)
   checkpoint = _CHECKPOINT.value or str(llm_lib.default_checkpoint())
   _check_checkpoint(checkpoint)
   policy = _make_policy(policies, checkpoint)
@@ -250,7 +262,8 @@ def main(argv):
                       max_model_len=_MAX_MODEL_LEN.value, num_pages=_NUM_PAGES.value or None,
                       page_size=_PAGE_SIZE.value, rule=_RULE.value, compile_cache_dir=cache, warmup=True,
                       max_queue=_MAX_QUEUE.value, attention=_ATTENTION.value, dtype=_DTYPE.value,
-                      kv_cache_memory_fraction=_KV_FRACTION.value, device_memory_gb=_DEVICE_MEMORY_GB.value)
+                      kv_cache_memory_fraction=_KV_FRACTION.value, device_memory_gb=_DEVICE_MEMORY_GB.value,
+                      background_compile=_BACKGROUND_COMPILE.value, mesh=mesh)
   except (CheckpointError, ConfigError, TokenizerError, OSError) as e:
     _fail(f"--checkpoint: {e}")
   except ValueError as e:
@@ -258,6 +271,10 @@ def main(argv):
   logging.info("model loaded and step variants compiled in %.1f s", time.perf_counter() - t0)
   print(llm.memory_plan.summary(), flush=True)  # also logged before the weights loaded
 
+  if not distributed.is_leader():  # a multi-host follower: run the leader's steps until it stops
+    distributed.follow(llm.runner)
+    return
+  leader = distributed.lead(llm.runner) if distributed.process_count() > 1 else None
   engine_thread = EngineThread(llm.engine).start()
   try:
     api_key = _API_KEY.value or os.environ.get("RECGUIDE_API_KEY") or None
@@ -280,6 +297,8 @@ def main(argv):
     Server(config).run()
   finally:
     engine_thread.shutdown(drain=True)  # already done by the app on a graceful exit; a no-op then
+    if leader is not None:
+      leader.stop()
 
 
 if __name__ == "__main__":

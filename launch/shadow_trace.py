@@ -11,9 +11,9 @@ import sys
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-from absl import app, flags  # noqa: E402
+from absl import flags  # noqa: E402
 
-from recguide_jax import cli  # noqa: E402
+from recguide_jax.benchmarks import cli  # noqa: E402
 
 FLAGS = flags.FLAGS
 cli.define_model_and_data_flags("train", num_prompts=200, max_tokens=128)
@@ -29,12 +29,13 @@ def main(argv):
   cli.quiet_logging()
   if not FLAGS.out:
     sys.exit("error: --out is required")
-  from recguide_jax import LLM, SamplingParams, bench
+  data = cli.data_path()
+  from recguide_jax import LLM, SamplingParams, benchmarks as bench
   from recguide_jax.orchestrator.shadow import ShadowTracePolicy
   policy = ShadowTracePolicy(FLAGS.dataset, FLAGS.seed)
-  llm = LLM(FLAGS.checkpoint, policy=policy, max_batch=FLAGS.concurrency, max_model_len=1024,
+  llm = LLM(FLAGS.checkpoint, policy=policy, max_batch=FLAGS.concurrency, max_model_len=FLAGS.max_model_len,
             attention=FLAGS.attention, dtype=FLAGS.dtype)
-  prompts = bench.gsm8k_prompts(FLAGS.data, FLAGS.num_prompts, llm.tokenizer, offset=FLAGS.offset)
+  prompts = bench.gsm8k_prompts(data, FLAGS.num_prompts, llm.tokenizer, offset=FLAGS.offset)
   bench.run_concurrent(llm.engine, prompts, SamplingParams(max_tokens=FLAGS.max_tokens, temperature=0.0),
                        FLAGS.concurrency)
   os.makedirs(os.path.dirname(os.path.abspath(FLAGS.out)), exist_ok=True)
@@ -43,4 +44,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-  app.run(main)
+  cli.run(main)

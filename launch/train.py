@@ -10,14 +10,14 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from absl import app, flags, logging  # noqa: E402
+from absl import flags, logging  # noqa: E402
 
-from recguide_jax import cli  # noqa: E402
+from recguide_jax.benchmarks import cli  # noqa: E402
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string("out_dir", None, "Run directory: tokenizer, orbax train state, log, loss curves.")
-flags.DEFINE_string("data_dir", os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "..",
-                                             "shared", "data", "gsm8k"), "Folder with GSM8K train.jsonl/test.jsonl.")
+cli.define_gsm8k_dir_flag()
+cli.deprecated_alias("data_dir", "gsm8k_dir")
 flags.DEFINE_string("export_dir", None, "If set, write the serving checkpoint here when training ends.")
 flags.DEFINE_integer("vocab_size", 2048, "BPE vocabulary size (incl. special tokens).")
 flags.DEFINE_integer("hidden_size", 256, "Model width.")
@@ -47,14 +47,15 @@ def main(argv):
   cli.quiet_logging()
   if not FLAGS.out_dir:
     sys.exit("error: --out_dir is required")
-  if not os.path.exists(os.path.join(FLAGS.data_dir, "train.jsonl")):
-    sys.exit(f"error: --data_dir {FLAGS.data_dir} has no train.jsonl")
+  if not os.path.exists(os.path.join(FLAGS.gsm8k_dir, "train.jsonl")):
+    sys.exit(f"error: --gsm8k_dir {FLAGS.gsm8k_dir} has no train.jsonl (pass --gsm8k_dir=DIR or set "
+             "$RECGUIDE_GSM8K_DIR; GSM8K is not part of the repository)")
   sizes, probs = cli.block_mix_flags()
   if not 0 <= FLAGS.ar_steps < FLAGS.total_steps or FLAGS.warmup_steps >= FLAGS.total_steps:
     sys.exit("error: need 0 <= --ar_steps < --total_steps and --warmup_steps < --total_steps")
   from recguide_jax.train.trainer import TrainConfig, Trainer
   tc = TrainConfig(
-      out_dir=FLAGS.out_dir, data_dir=FLAGS.data_dir, vocab_size=FLAGS.vocab_size, hidden_size=FLAGS.hidden_size,
+      out_dir=FLAGS.out_dir, data_dir=FLAGS.gsm8k_dir, vocab_size=FLAGS.vocab_size, hidden_size=FLAGS.hidden_size,
       num_layers=FLAGS.num_layers, num_heads=FLAGS.num_heads, num_kv_heads=FLAGS.num_kv_heads,
       head_dim=FLAGS.head_dim, intermediate_size=FLAGS.intermediate_size, seq_len=FLAGS.seq_len,
       batch_size=FLAGS.batch_size, total_steps=FLAGS.total_steps, ar_steps=FLAGS.ar_steps,
@@ -70,4 +71,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-  app.run(main)
+  cli.run(main)

@@ -34,7 +34,6 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels import common
-from pallas_kernels import kv_write_gpu as kv_write
 from pallas_kernels.common import NEG_INF
 
 
@@ -215,8 +214,7 @@ def _attention(q, k_block, v_block, tree_mask, k_pages, v_pages, page_table, pre
 def block_attention(q: jax.Array, k_block: jax.Array, v_block: jax.Array, block_mask, *,
                     k_pages: jax.Array | None = None, v_pages: jax.Array | None = None,
                     page_table: jax.Array | None = None, prefix_len: jax.Array | None = None, scale: float,
-                    layer: int | jax.Array | None = None, write_positions: jax.Array | None = None,
-                    write: jax.Array | None = None, trash_page: int = 0, interpret: bool = False,
+                    layer: int | jax.Array | None = None, interpret: bool = False,
                     block_sizes: common.BlockSizes | None = None, num_splits: int | None = None):
   """Same contract as `block_attention_ref`; `block_mask` may also be "causal" or "full".
 
@@ -224,15 +222,13 @@ def block_attention(q: jax.Array, k_block: jax.Array, v_block: jax.Array, block_
   [b, Q, Q] / [Q, Q] bool or a kind; k_pages/v_pages: [num_pages, page_size, Hkv, D], or with `layer` (an int or
   an int32 scalar, e.g. a scan's layer index) all layers stacked [L, num_pages, page_size, Hkv, D], read in place;
   page_table: [b, P] (ids into one layer's pages); prefix_len: [b]. Without page_table the prefix is empty.
-  Returns [b, Q, Hq, D] in q's dtype, or with `write_positions` ([b, Q]; `write` [b, Q] bool, default all) also
-  runs the fused write (`kv_write_gpu`, write=False tokens to `trash_page`) after the attention and returns
-  (out, k_pages, v_pages); the pages passed in are donated then. `num_splits` overrides the prefix split count
+  Returns [b, Q, Hq, D] in q's dtype. `num_splits` overrides the prefix split count
   (default: `common.gpu_num_splits`; see `launch_plan`).
   """
   return common.run_block_attention(
-      _attention, kv_write.kv_write, 16, q, k_block, v_block, block_mask, k_pages=k_pages, v_pages=v_pages,
-      page_table=page_table, prefix_len=prefix_len, scale=scale, write_positions=write_positions, write=write,
-      interpret=interpret, block_sizes=block_sizes, layer=layer, trash_page=trash_page, num_splits=num_splits)
+      _attention, 16, q, k_block, v_block, block_mask, k_pages=k_pages, v_pages=v_pages,
+      page_table=page_table, prefix_len=prefix_len, scale=scale, interpret=interpret,
+      block_sizes=block_sizes, layer=layer, num_splits=num_splits)
 
 
 block_attention_ref = common.block_attention_ref  # the twin: one pure-jnp reference serves both backends

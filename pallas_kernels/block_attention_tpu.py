@@ -36,7 +36,6 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from pallas_kernels import common
-from pallas_kernels import kv_write_tpu as kv_write
 from pallas_kernels.common import NEG_INF
 
 
@@ -165,23 +164,19 @@ def _attention(q, k_block, v_block, tree_mask, k_pages, v_pages, page_table, pre
 def block_attention(q: jax.Array, k_block: jax.Array, v_block: jax.Array, block_mask, *,
                     k_pages: jax.Array | None = None, v_pages: jax.Array | None = None,
                     page_table: jax.Array | None = None, prefix_len: jax.Array | None = None, scale: float,
-                    layer: int | jax.Array | None = None, write_positions: jax.Array | None = None,
-                    write: jax.Array | None = None, trash_page: int = 0, interpret=False,
+                    layer: int | jax.Array | None = None, interpret=False,
                     block_sizes: common.BlockSizes | None = None):
   """Same contract as `block_attention_ref`; `block_mask` may also be "causal" or "full". Arguments as the GPU
   kernel's (`block_attention_gpu.block_attention`, without `num_splits`): k_pages/v_pages [num_pages, page_size, Hkv,
   D], or stacked [L, num_pages, page_size, Hkv, D] read in place at `layer` (int or int32 scalar).
 
   `interpret`: False on TPU; True (generic interpreter) or a `pltpu.InterpretParams` (TPU-semantics interpreter)
-  to run on CPU. Without page_table the prefix is empty. Returns [b, Q, Hq, D] in q's dtype, or with
-  `write_positions` ([b, Q]; `write` [b, Q] bool, default all) also runs the fused write (`kv_write_tpu`,
-  write=False tokens to `trash_page`) after the attention and returns (out, k_pages, v_pages); the pages passed in
-  are donated then.
+  to run on CPU. Without page_table the prefix is empty. Returns [b, Q, Hq, D] in q's dtype.
   """
   return common.run_block_attention(
-      _attention, kv_write.kv_write, 8, q, k_block, v_block, block_mask, k_pages=k_pages, v_pages=v_pages,
-      page_table=page_table, prefix_len=prefix_len, scale=scale, write_positions=write_positions, write=write,
-      interpret=interpret, block_sizes=block_sizes, layer=layer, trash_page=trash_page)
+      _attention, 8, q, k_block, v_block, block_mask, k_pages=k_pages, v_pages=v_pages,
+      page_table=page_table, prefix_len=prefix_len, scale=scale, interpret=interpret,
+      block_sizes=block_sizes, layer=layer)
 
 
 block_attention_ref = common.block_attention_ref  # the twin: one pure-jnp reference serves both backends

@@ -6,8 +6,8 @@ Page layouts. The cache is either one layer's pages [num_pages, page_size, Hkv, 
 pages stacked [L, num_pages, page_size, Hkv, D] with `layer` an int or an int32 scalar (traced inside a scan over
 layers). The kernels never slice a layer out (that would copy a whole layer per call): they view the stacked array
 as [L * num_pages, ...] (a free reshape of a contiguous array) and add `layer * num_pages` to the page ids, so the
-page table itself carries the layer (`layer_view`). The trash page (where write=False tokens go) is a parameter,
-an index into one layer's pages: this package knows nothing of the application that allocates them.
+page table itself carries the layer (`layer_view`). The kernels only read pages (the application writes a block's
+K/V with its own scatter): this package knows nothing of the application that allocates them.
 
 Folded layout. A kernel program works on one request and (part of) one KV head. The g = Hq / Hkv query heads that
 share a KV head are stacked along the row axis, group-major: row = j * Qp + t for query head j of the group and
@@ -204,28 +204,14 @@ def layer_pages(pages: jax.Array, layer) -> tuple[int, ...]:
   return tuple(pages.shape if layer is None else pages.shape[1:])
 
 
-def write_slots(page_table: jax.Array, positions: jax.Array, write: jax.Array, page_size: int, trash_page: int):
-  """(page, offset) of every token, int32 [b, T] each: logical page `positions // page_size` through the page table
-  (clamped to its width), write=False tokens to `trash_page`, offset `positions % page_size`. The same slots as
-  `kv_write_ref` (and the application's cache scatter)."""
-  logical = jnp.clip(positions // page_size, 0, page_table.shape[1] - 1)
-  page = jnp.take_along_axis(page_table, logical, axis=1)
-  page = jnp.where(write, page, trash_page)
-  return page.astype(jnp.int32), (positions % page_size).astype(jnp.int32)
-
-
-def run_block_attention(attention, kv_write_fn, placeholder_page_size: int, q, k_block, v_block, block_mask, *,
-                        k_pages, v_pages, page_table, prefix_len, scale, write_positions, write, interpret,
-                        block_sizes, layer, trash_page, **kernel_kwargs):
-  """The shared entry of both backends' `block_attention`: mask-kind dispatch, the empty-prefix placeholder, the
-  kernel call, then the optional fused K/V write (after the attention, whose prefix must not see the block's own
-  entries). `attention` and `kv_write_fn` are the backend's kernels."""
+def run_block_attention(attention, placeholder_page_size: int, q, k_block, v_block, block_mask, *, k_pages, v_pages,
+                        page_table, prefix_len, scale, interpret, block_sizes, layer, **kernel_kwargs):
+  """The shared entry of both backends' `block_attention`: mask-kind dispatch, the empty-prefix placeholder and the
+  kernel call. `attention` is the backend's kernel."""
   b, nq, _, d = q.shape
   kind = mask_kind_of(block_mask)
   tree = dense_mask(block_mask, b, nq) if kind == "tree" else None
   if page_table is None:
-    if write_positions is not None:
-      raise ValueError("a fused K/V write needs the page table")
     prefix = placeholder_prefix(b, k_block.shape[2], d, k_block.dtype, placeholder_page_size)
     layer_arg = None
   else:
@@ -233,14 +219,8 @@ def run_block_attention(attention, kv_write_fn, placeholder_page_size: int, q, k
     check_layer(v_pages, layer, "v_pages")
     prefix = (k_pages, v_pages, page_table, prefix_len)
     layer_arg = layer
-  out = attention(q, k_block, v_block, tree, *prefix, layer_arg, mask_kind=kind, scale=float(scale),
-                  interpret=interpret, block_sizes=block_sizes, **kernel_kwargs)
-  if write_positions is None:
-    return out
-  write = jnp.ones(write_positions.shape, bool) if write is None else write
-  k_pages, v_pages = kv_write_fn(k_pages, v_pages, k_block, v_block, page_table, write_positions, write,
-                                 layer=layer, trash_page=trash_page, interpret=interpret)
-  return out, k_pages, v_pages
+  return attention(q, k_block, v_block, tree, *prefix, layer_arg, mask_kind=kind, scale=float(scale),
+                   interpret=interpret, block_sizes=block_sizes, **kernel_kwargs)
 
 
 # ---- pure-jnp references (the kernels' `_ref` twins) ---------------------------------------------------------------
@@ -278,16 +258,3 @@ def block_attention_ref(q, k_block, v_block, block_mask, *, k_pages=None, v_page
   v = jnp.concatenate(values, axis=1)
   out = jnp.einsum("bhgqk,bkhd->bqhgd", p.astype(v.dtype), v, preferred_element_type=jnp.float32)
   return out.reshape(b, nq, hq, d).astype(q.dtype)
-
-
-def kv_write_ref(k_pages, v_pages, k_new, v_new, page_table, positions, write, *, layer=None, trash_page: int = 0,
-                 interpret=None):
-  """The write kernels' contract in plain jnp: token (r, t) of k_new/v_new [b, T, Hkv, D] goes to slot
-  `positions[r, t]` of request r through `page_table` [b, P], write=False tokens to `trash_page`; with `layer`, into
-  that layer of the stacked pages (one scatter, no slice). `interpret` is accepted (and ignored) so the twin is a
-  drop-in for the kernels."""
-  del interpret
-  check_layer(k_pages, layer, "k_pages")
-  page, off = write_slots(page_table, positions, write, k_pages.shape[-3], trash_page)
-  idx = (page, off) if layer is None else (layer, page, off)
-  return (k_pages.at[idx].set(k_new.astype(k_pages.dtype)), v_pages.at[idx].set(v_new.astype(v_pages.dtype)))

@@ -2,8 +2,9 @@
 
 Each request r brings Q query tokens. Every query sees the committed prefix [0, prefix_len[r]) (read from pages
 through the page table) and the block's own keys through an intra-block boolean mask [Q, Q]: causal (verify,
-prefill, AR), full (diffusion draft) or any tree layout (RecGuide's fused verify + branches). This is the pure-jnp
-reference; `pallas_kernels` must match it.
+prefill, AR), full (diffusion draft) or any tree layout (RecGuide's fused verify + branches). The pure-jnp
+reference, `block_attention_ref`, lives beside the Pallas kernels it is the twin of (`pallas_kernels.common`) and
+is re-exported here; this module adds the masks and the training attention.
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from recguide_jax.kv_cache import gather_prefix
+from pallas_kernels.common import block_attention_ref  # noqa: F401  (the model's reference path)
 
 NEG_INF = -1e30  # finite so a row with every prefix key masked never produces NaN
 
@@ -23,42 +24,6 @@ def causal_mask(q: int) -> np.ndarray:
 
 def full_mask(q: int) -> np.ndarray:
   return np.ones((q, q), bool)
-
-
-def block_attention_ref(q: jax.Array, k_block: jax.Array, v_block: jax.Array, block_mask: jax.Array, *,
-                        k_pages: jax.Array | None = None, v_pages: jax.Array | None = None,
-                        page_table: jax.Array | None = None, prefix_len: jax.Array | None = None,
-                        scale: float, layer: jax.Array | int | None = None) -> jax.Array:
-  """q: [b, Q, Hq, D]; k_block/v_block: [b, Q, Hkv, D]; block_mask: [b, Q, Q] (or [Q, Q]) bool.
-
-  Prefix (optional): k_pages/v_pages [num_pages, page_size, Hkv, D] (or every layer's [L, num_pages, ...] read at
-  `layer`, an int or int32 scalar: one gather of the table's pages, no layer slice), page_table [b, P] int32,
-  prefix_len [b].
-  Returns [b, Q, Hq, D] in q's dtype. Softmax in fp32. GQA folds the query groups into the query axis.
-  """
-  b, nq, hq, d = q.shape
-  hkv = k_block.shape[2]
-  g = hq // hkv
-  qf = q.reshape(b, nq, hkv, g, d)
-  if block_mask.ndim == 2:
-    block_mask = jnp.broadcast_to(block_mask, (b, nq, nq))
-  s_block = jnp.einsum("bqhgd,bkhd->bhgqk", qf, k_block, preferred_element_type=jnp.float32) * scale
-  s_block = jnp.where(block_mask[:, None, None], s_block, NEG_INF)
-  scores = [s_block]
-  values = [v_block]
-  if page_table is not None:
-    k_pre = gather_prefix(k_pages, page_table, layer)
-    v_pre = gather_prefix(v_pages, page_table, layer)
-    s_pre = jnp.einsum("bqhgd,bkhd->bhgqk", qf, k_pre.astype(q.dtype), preferred_element_type=jnp.float32) * scale
-    valid = jnp.arange(k_pre.shape[1])[None, :] < prefix_len[:, None]  # [b, S]
-    s_pre = jnp.where(valid[:, None, None, None, :], s_pre, NEG_INF)
-    scores.insert(0, s_pre)
-    values.insert(0, v_pre.astype(v_block.dtype))
-  s = jnp.concatenate(scores, axis=-1) if len(scores) > 1 else scores[0]
-  p = jax.nn.softmax(s, axis=-1)
-  v = jnp.concatenate(values, axis=1) if len(values) > 1 else values[0]
-  out = jnp.einsum("bhgqk,bkhd->bqhgd", p.astype(v.dtype), v, preferred_element_type=jnp.float32)
-  return out.reshape(b, nq, hq, d).astype(q.dtype)
 
 
 def sbd_training_attention(q: jax.Array, k: jax.Array, v: jax.Array, block_size: int, scale: float) -> jax.Array:

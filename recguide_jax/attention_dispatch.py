@@ -1,11 +1,18 @@
 """Choice between the pure-jnp block attention and the Pallas kernels (`pallas_kernels`).
 
 impl:
-- "reference": `attention.block_attention_ref` (XLA), everywhere.
+- "reference": XLA, everywhere: `live_attention.block_attention`, which reads the paged prefix in chunks up to the
+  batch's longest live prefix (the same result as the full-gather `attention.block_attention_ref`, the kernels'
+  reference twin, at a cost that follows the context instead of `max_model_len`).
 - "pallas": the kernel of the platform: Mosaic on TPU, Triton on GPU; on CPU the Triton-variant kernel runs in
   interpret mode (slow, for tests: it checks the kernel's logic, not its speed).
 - "auto": "pallas" on GPU/TPU when the kernel supports the shapes, else "reference".
 - "pallas_tpu" / "pallas_gpu": force one variant (interpreted off its platform); test and debugging hooks.
+
+Under a tensor-parallel mesh (a step traced inside `jax.set_mesh` with tp > 1) the Pallas kernels run per shard:
+`shard_map` over the tp axis hands each device its own query heads, its own KV heads of the block and of the pages
+(sharding.py puts them there), and the replicated page tables; a kernel needs nothing from other devices, so no
+collective runs inside. The reference path is plain jnp and GSPMD partitions it like the rest of the step.
 
 The model reads the choice per attention layer from the plain attribute `attention_impl` (set by
 `set_attention_impl`, default "reference"), so it is part of the static graph: set it before building a runner.
@@ -13,11 +20,30 @@ The model reads the choice per attention layer from the plain attribute `attenti
 
 from __future__ import annotations
 
-import jax
+import contextlib
+import contextvars
 
-from recguide_jax import attention as attn_lib
+import jax
+from jax.sharding import PartitionSpec as P
+
+from recguide_jax import live_attention
+from recguide_jax import sharding
 
 IMPLS = ("auto", "reference", "pallas", "pallas_tpu", "pallas_gpu")
+
+# the platform `resolve` assumes while tracing for another one (`target_platform`); None: jax's default backend
+_target_platform: contextvars.ContextVar[str | None] = contextvars.ContextVar("target_platform", default=None)
+
+
+@contextlib.contextmanager
+def target_platform(platform: str | None):
+  """Resolve kernels for `platform` ("tpu", "cuda") while tracing here, e.g. to lower a sharded step for a TPU
+  from a CPU host (`.trace(...).lower(lowering_platforms=...)`): the native kernels, not interpreted ones."""
+  token = _target_platform.set(platform)
+  try:
+    yield
+  finally:
+    _target_platform.reset(token)
 
 
 def _pow2(n: int) -> bool:
@@ -42,7 +68,7 @@ def resolve(impl: str, q_shape=(1, 1, 1, 128), page_size: int | None = None,
   """-> (path, variant, interpret): path "reference" or "pallas"; variant "tpu"/"gpu" for pallas."""
   if impl not in IMPLS:
     raise ValueError(f"attention impl must be one of {IMPLS}, got {impl!r}")
-  platform = platform or jax.default_backend()
+  platform = platform or _target_platform.get() or jax.default_backend()
   on_accel = platform in ("tpu", "gpu", "cuda", "rocm")
   native = "tpu" if platform == "tpu" else "gpu"
   if impl == "reference" or (impl == "auto" and not on_accel):
@@ -70,13 +96,53 @@ def block_attention(q: jax.Array, k_block: jax.Array, v_block: jax.Array, block_
   kwargs = dict(k_pages=k_pages, v_pages=v_pages, page_table=page_table, prefix_len=prefix_len, scale=scale,
                 layer=layer)
   if path == "reference":
-    return attn_lib.block_attention_ref(q, k_block, v_block, block_mask, **kwargs)
+    return live_attention.block_attention(q, k_block, v_block, block_mask, **kwargs)
   # imported here: Pallas (and its backends) load only when a kernel is wanted
   if variant == "tpu":
     from pallas_kernels import block_attention_tpu as kernel
   else:
     from pallas_kernels import block_attention_gpu as kernel
+  mesh = sharding.active_mesh()
+  if mesh is not None and sharding.mesh_size(mesh, sharding.TP) > 1:
+    return _per_shard(kernel.block_attention, mesh, q, k_block, v_block, block_mask, interpret=interpret, **kwargs)
   return kernel.block_attention(q, k_block, v_block, block_mask, interpret=interpret, **kwargs)
+
+
+def _per_shard(kernel, mesh, q, k_block, v_block, block_mask, *, k_pages, v_pages, page_table, prefix_len, scale,
+               layer, interpret):
+  """`kernel` (a Pallas block attention) once per tp shard over its local heads, under `shard_map`."""
+  from pallas_kernels import common
+  kind = common.mask_kind_of(block_mask)  # before tracing: a concrete causal/full mask keeps the cheap iota path
+  heads = P(None, None, sharding.TP, None)
+  names, args, specs = [], [], []
+
+  def add(name, value, spec):
+    if value is not None and not isinstance(value, (int, str)):
+      names.append(name)
+      args.append(value)
+      specs.append(spec)
+
+  add("q", q, heads)
+  add("k_block", k_block, heads)
+  add("v_block", v_block, heads)
+  if kind == "tree":
+    add("block_mask", block_mask, P())
+  if page_table is not None:
+    pages = P(*(None,) * (k_pages.ndim - 2), sharding.TP, None)  # [(L,) N, page_size, Hkv, D]: KV heads split
+    add("k_pages", k_pages, pages)
+    add("v_pages", v_pages, pages)
+    add("page_table", page_table, P())
+    add("prefix_len", prefix_len, P())
+    add("layer", layer, P())
+  fixed = dict(block_mask=kind if kind != "tree" else None, k_pages=None, v_pages=None, page_table=None,
+               prefix_len=None, layer=layer if isinstance(layer, int) else None)
+
+  def local(*values):
+    kw = {**fixed, **dict(zip(names, values))}
+    return kernel(kw.pop("q"), kw.pop("k_block"), kw.pop("v_block"), kw.pop("block_mask"), scale=scale,
+                  interpret=interpret, **kw)
+
+  return jax.shard_map(local, mesh=mesh, in_specs=tuple(specs), out_specs=heads, check_vma=False)(*args)
 
 
 def set_attention_impl(model, impl: str) -> None:

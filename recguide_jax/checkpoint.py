@@ -209,10 +209,31 @@ def load_params(directory: str | os.PathLike, cfg: NLDConfig, *,
 
 
 def load_model(directory: str | os.PathLike, *, dtype: str | None = None,
-               sharding: ShardingSpec = None) -> NLDModel:
+               sharding: ShardingSpec = None, mesh: jax.sharding.Mesh | None = None) -> NLDModel:
   """Loads `config.json` + orbax params into an `NLDModel` whose weights live on `sharding` (default: the default
-  device; a mesh passes a per-tensor mapping or function, see `ShardingSpec`). `dtype` overrides the stored dtype
-  (e.g. bfloat16)."""
+  device; a per-tensor mapping or function, see `ShardingSpec`). `dtype` overrides the stored dtype (e.g.
+  bfloat16).
+
+  `mesh`: restore every tensor straight into its shards by sharding.py's rules (orbax reads only the slices each
+  process's devices hold; no tensor is assembled whole on one device or host), then replicate the KV heads where
+  tp exceeds them (the returned model's config says so; see `sharding.mesh_config`)."""
+  if mesh is not None:
+    if sharding is not None:
+      raise ValueError("load_model: pass `sharding` or `mesh`, not both")
+    from recguide_jax import sharding as sharding_lib
+    from recguide_jax.model import model_from_params
+    directory = pathlib.Path(directory)
+    if not (directory / CONFIG_FILE).exists():
+      raise CheckpointError(f"{directory} has no {CONFIG_FILE}")
+    if dtype is not None and dtype not in DTYPES:
+      raise CheckpointError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
+    cfg = NLDConfig.from_json_file(directory / CONFIG_FILE)
+    sharding_lib.check_model(cfg, sharding_lib.mesh_size(mesh, sharding_lib.TP))  # before reading anything
+    flat = load_params(directory, cfg, sharding=sharding_lib.param_sharding_fn(mesh))
+    target = jnp.dtype(DTYPES[dtype]) if dtype else jnp.dtype(next(iter(flat.values())).dtype)
+    flat = {k: v if v.dtype == target else v.astype(target) for k, v in flat.items()}  # cast in place, per shard
+    run_cfg, placed = sharding_lib.place_params(flat, cfg, mesh)
+    return model_from_params(run_cfg, placed, dtype=target)
   directory = pathlib.Path(directory)
   if not (directory / CONFIG_FILE).exists():
     raise CheckpointError(f"{directory} has no {CONFIG_FILE}")

@@ -1,7 +1,7 @@
 """Model configuration: a frozen `NLDConfig` read from (and written to) a Hugging Face `config.json`.
 
 Field meanings follow the NLD checkpoint (Ministral3 backbone + untied `diffusion_head`); see
-`../shared/docs/nld.md` section 1.2. Every field a forward pass depends on is explicit here, so a checkpoint whose
+docs/spec/nld.md §1.2. Every field a forward pass depends on is explicit here, so a checkpoint whose
 config misses one is rejected with the field's name rather than silently falling back to a default.
 """
 
@@ -11,6 +11,11 @@ import dataclasses
 import json
 import os
 from typing import Any, Mapping
+
+
+# The block sizes of speculative decoding (NLD's, and what RecGuide's tables are fitted for): the one definition
+# the runtime, the engine and RecGuide import.
+BLOCK_SIZES = (8, 16, 32)
 
 
 class ConfigError(ValueError):

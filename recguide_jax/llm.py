@@ -9,9 +9,9 @@ import pathlib
 from typing import Sequence
 
 from recguide_jax import policies as policies_lib
-from recguide_jax.engine import Engine, Request, RequestError, SamplingParams
+from recguide_jax.engine import EngineConfig
 from recguide_jax.model import NLDModel
-from recguide_jax.runner import Runner, RunnerConfig
+from recguide_jax.requests import Request, RequestError, SamplingParams
 from recguide_jax.tokenizer import Tokenizer
 
 REPO_ROOT = pathlib.Path(__file__).resolve().parent.parent
@@ -115,7 +115,8 @@ class LLM:
                model: NLDModel | None = None, tokenizer: Tokenizer | None = None, max_queue: int = 1 << 16,
                attention: str = "auto", policy_kwargs: dict | None = None, max_num_seqs: int | None = None,
                kv_cache_memory_fraction: float | None = None, gpu_memory_utilization: float | None = None,
-               device_memory_gb: float | None = None):
+               device_memory_gb: float | None = None, background_compile: bool = False, mesh=None,
+               runner_options: dict | None = None, bucketing: bool | str = "auto"):
     """vLLM's names where they exist: `max_num_seqs` (= `max_batch`, the most requests decoded together),
     `gpu_memory_utilization` (= `kv_cache_memory_fraction`), `dtype` ("auto": the checkpoint's).
 
@@ -123,7 +124,15 @@ class LLM:
     `device_memory_gb`), what `kv_cache_memory_fraction` (default 0.9) of it leaves after the weights and the
     measured activation peak (see memory_plan.py); else (CPU) room for `max_batch` sequences of `max_model_len`.
     The plan is made, logged and checked before the weights are loaded; one that does not fit raises
-    `MemoryPlanError` (a ValueError) naming the figures and the option to change. It is kept as `memory_plan`."""
+    `MemoryPlanError` (a ValueError) naming the figures and the option to change. It is kept as `memory_plan`.
+
+    `background_compile`: warm-up compiles only the largest batch bucket of each step variant and the rest on a
+    background thread; until a smaller bucket is built its batches run padded in the largest (no request waits on
+    a compile). Shortens start-up; what a server wants, while benchmarks want every bucket before they time.
+
+    `runner_options`: any other `RunnerConfig` field by name. `bucketing`: True, one batch per planned block size;
+    False, planned block sizes share a batch padded to the largest; "auto", whichever the strategy's cost model
+    prices cheaper per step. The options are kept as one frozen `engine_config` (`engine.EngineConfig`)."""
     from absl import logging
 
     from recguide_jax import attention_dispatch, memory_plan
@@ -160,26 +169,34 @@ class LLM:
       self._kinds, self._kind_sizes = ("prefill", "draft", "verify", "denoise"), tuple(block_sizes)
     else:
       self._kinds, self._kind_sizes = self.policy.step_kinds(), self.policy.block_sizes()
-    config = RunnerConfig(
-        num_pages=2, page_size=page_size, max_model_len=max_model_len, max_batch=max_batch, block_sizes=sizes,
-        prefill_chunk=prefill_chunk, rule=rule, compile_cache_dir=str(compile_cache_dir) if compile_cache_dir else None)
+    self.engine_config = EngineConfig(
+        max_num_seqs=max_batch, max_model_len=max_model_len, num_pages=num_pages or None, page_size=page_size,
+        prefill_chunk=prefill_chunk, block_sizes=tuple(block_sizes) if block_sizes else None, dtype=dtype, rule=rule,
+        compile_cache_dir=str(compile_cache_dir) if compile_cache_dir else None, warmup=warmup, max_queue=max_queue,
+        attention=attention, bucketing=bucketing, kv_cache_memory_fraction=fraction, device_memory_gb=device_memory_gb,
+        runner_options={"background_compile": background_compile, **(runner_options or {})})
+    config = self.engine_config.runner_config(sizes, num_pages=2)  # the memory plan sizes the cache
     if compile_cache_dir:  # the memory probe's compiles are cached too
       from recguide_jax.runner import enable_compile_cache
       enable_compile_cache(config.compile_cache_dir)
     self.memory_plan = memory_plan.plan_for_device(
         cfg, dtype=dtype, runner_config=config, kinds=self._kinds, block_sizes=self._kind_sizes, fraction=fraction,
-        device_memory_gb=device_memory_gb, num_pages=num_pages or None, attention=attention)
+        device_memory_gb=device_memory_gb, num_pages=num_pages or None, attention=attention, mesh=mesh)
     logging.info("%s", self.memory_plan.summary())
-    if model is None:  # only now, with a plan that fits
-      model = ckpt_lib.load_model(checkpoint_dir, dtype=dtype)
+    from recguide_jax import data_parallel  # mesh: 'dp=2,tp=4', a MeshShape or a jax Mesh (sharding.py)
+    self.mesh = data_parallel.resolve_mesh(mesh)
+    if model is None:  # only now, with a plan that fits; on a mesh, straight into the first group's shards
+      model = ckpt_lib.load_model(checkpoint_dir, dtype=dtype, mesh=data_parallel.first_group(self.mesh))
       if tokenizer is None and (checkpoint_dir / "tokenizer.json").exists():
         tokenizer = Tokenizer.from_dir(checkpoint_dir)
     attention_dispatch.set_attention_impl(model, attention)  # before the runner splits the model
     self.model = model
     self.tokenizer = tokenizer
     self.runner_config = dataclasses.replace(config, num_pages=self.memory_plan.num_pages)
-    self.runner = Runner(model, self.runner_config)
-    self.engine = Engine(self.runner, self.policy, tokenizer=tokenizer, max_queue=max_queue)
+    self.engine = data_parallel.build_engine(model, self.runner_config, self.policy, mesh=self.mesh,
+                                             tokenizer=tokenizer, max_queue=max_queue,
+                                             bucketing=self.engine_config.bucketing)
+    self.runner = self.engine.runner
     if warmup:
       self.runner.warmup(self._kinds, self._kind_sizes)
 

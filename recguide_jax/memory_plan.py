@@ -19,8 +19,8 @@ then runs on this machine's CPU; see `offline_plans` for how its figures are rea
 loads anything and refuses a plan that does not fit, naming the numbers and the flag to change.
 
 Per device: with tensor parallelism `tp` the weights and the KV heads split over `tp` devices (KV heads are
-replicated when tp exceeds their number, as vLLM does); the plan and its refusal are per device. The runner has no
-mesh yet, so `tp` > 1 is for planning only.
+replicated when tp exceeds their number, as vLLM does); the plan and its refusal are per device (`plan_for_device(...,
+mesh=...)`, `launch/serve.py --mesh`; `docs/memory_plans_mesh.md` for 4x / 8x TPU v5e and 2x 24 GB GPUs).
 """
 
 from __future__ import annotations
@@ -76,8 +76,28 @@ def param_count(cfg) -> int:
 
 
 def weights_bytes(cfg, dtype: str, tp: int = 1) -> int:
-  """Bytes of the model's parameters on one device (1/tp of them under tensor parallelism)."""
-  return -(-param_count(cfg) * DTYPE_BYTES[dtype] // tp)
+  """Bytes of the model's parameters on one device. Under tensor parallelism, each tensor's shard by sharding.py's
+  rules: the split dimensions / tp, the norms and the LoRA's B replicated, the KV projections replicated in groups
+  when tp exceeds the KV heads; so a little more than 1/tp of the whole."""
+  if tp == 1:
+    return param_count(cfg) * DTYPE_BYTES[dtype]
+  return _sharded_param_elements(cfg, tp) * DTYPE_BYTES[dtype]
+
+
+@functools.lru_cache(maxsize=None)
+def _sharded_param_elements(cfg, tp: int) -> int:
+  from recguide_jax import sharding
+  from recguide_jax.checkpoint import param_shapes
+  try:
+    run_cfg = sharding.mesh_config(cfg, tp)
+  except sharding.MeshError as e:
+    raise MemoryPlanError(str(e)) from None
+  mesh = sharding.abstract_mesh(sharding.MeshShape(tp=tp))
+  total = 0
+  for name, sds in param_shapes(run_cfg).items():
+    split = sum(1 for axis in sharding.param_spec(name, sds.shape, mesh) if axis is not None)
+    total += math.prod(sds.shape) // tp ** split
+  return total
 
 
 def pages_per_seq(max_model_len: int, max_block: int, page_size: int) -> int:
@@ -101,34 +121,46 @@ class ActivationProfile:
     return int(self.base_bytes + self.per_page_bytes * num_pages)
 
 
-def probe_variants(variants: Sequence[tuple[str, int, int]]) -> list[tuple[str, int, int]]:
-  """Of a policy's (kind, block, bucket) variants, the largest of each kind: its biggest bucket, then block (the
-  transient memory of a step grows with both)."""
-  best: dict[str, tuple[str, int, int]] = {}
-  for kind, blk, b in variants:
-    if kind not in best or (b, blk) > (best[kind][2], best[kind][1]):
-      best[kind] = (kind, blk, b)
+def probe_variants(variants: Sequence[Any]) -> list[Any]:
+  """Of a policy's variants (`StepKey`s), the largest of each kind: its biggest bucket, then block (the transient
+  memory of a step grows with both)."""
+  best: dict[str, Any] = {}
+  for v in variants:
+    if v.label not in best or (v.batch, v.block) > (best[v.label].batch, best[v.label].block):
+      best[v.label] = v
   return list(best.values())
 
 
-def _abstract_runner(cfg, dtype: str, runner_config, attention: str) -> Any:
+def _abstract_runner(cfg, dtype: str, runner_config, attention: str, mesh=None) -> Any:
   """A `Runner` over abstract weights (`nnx.eval_shape`), hence an abstract KV cache: it lowers and compiles step
-  variants at real shapes but allocates neither and cannot run them."""
+  variants at real shapes but allocates neither and cannot run them. With `mesh` (one dp group's tp mesh) the
+  weights and the cache carry their shardings and XLA's memory analysis is per device."""
   import jax.numpy as jnp
   from flax import nnx
 
   from recguide_jax import attention_dispatch
-  from recguide_jax.model import NLDModel
+  from recguide_jax import sharding
+  from recguide_jax.model import NLDModel, abstract_model
   from recguide_jax.runner import Runner
   dt = jnp.dtype(dtype)
+  if mesh is not None:
+    model = abstract_model(cfg, mesh, dtype=dt, attention_impl=attention)
+    return Runner(model, runner_config, mesh=mesh,
+                  cache_sharding=sharding.cache_sharding(mesh, model.cfg.num_key_value_heads))
   model = nnx.eval_shape(lambda: NLDModel(cfg, dtype=dt, param_dtype=dt, rngs=nnx.Rngs(0)))
   attention_dispatch.set_attention_impl(model, attention)  # the kernel choice is part of the compiled graph
   return Runner(model, runner_config)
 
 
 def _nbytes(tree) -> int:
+  """Bytes on one device (a sharded leaf counts its shard, as XLA's per-device memory analysis does)."""
   import jax
-  return sum(math.prod(x.shape) * x.dtype.itemsize for x in jax.tree.leaves(tree))
+
+  def shard(x):
+    sh = getattr(x, "sharding", None)
+    return sh.shard_shape(x.shape) if isinstance(sh, jax.sharding.NamedSharding) else x.shape
+
+  return sum(math.prod(shard(x)) * x.dtype.itemsize for x in jax.tree.leaves(tree))
 
 
 def _transient_bytes(compiled, persistent: int) -> int:
@@ -139,7 +171,7 @@ def _transient_bytes(compiled, persistent: int) -> int:
 
 
 def measure_activation(cfg, dtype: str, runner_config, kinds: Sequence[str], block_sizes: Sequence[int], *,
-                       attention: str = "auto", progress: bool = False) -> ActivationProfile:
+                       attention: str = "auto", progress: bool = False, mesh=None) -> ActivationProfile:
   """Compiles the largest variant of each step kind from abstract shapes and reads XLA's memory analysis.
 
   Cache writers (variants that donate the cache) are compiled again at twice the pages: their growth per page (a
@@ -149,7 +181,7 @@ def measure_activation(cfg, dtype: str, runner_config, kinds: Sequence[str], blo
   t0 = time.perf_counter()
   runners = {}
   for n in (n1, 2 * n1):
-    runners[n] = _abstract_runner(cfg, dtype, dataclasses.replace(runner_config, num_pages=n), attention)
+    runners[n] = _abstract_runner(cfg, dtype, dataclasses.replace(runner_config, num_pages=n), attention, mesh)
   todo = probe_variants(runners[n1].variants(tuple(kinds), tuple(block_sizes)))
 
   def transient(n: int, variant) -> tuple[int, bool]:
@@ -157,7 +189,7 @@ def measure_activation(cfg, dtype: str, runner_config, kinds: Sequence[str], blo
     if progress:
       print(f"memory plan: compiling {variant} at {n} KV pages to measure its activations", file=sys.stderr,
             flush=True)
-    compiled = runner.compiled(*variant)
+    compiled = runner.compiled(variant)
     writes = bool(compiled.memory_analysis().alias_size_in_bytes)  # donates the cache: it updates it
     return _transient_bytes(compiled, _nbytes(runner.state) + _nbytes(runner.cache)), writes
 
@@ -170,7 +202,7 @@ def measure_activation(cfg, dtype: str, runner_config, kinds: Sequence[str], blo
   slopes, base = [0.0], 0
   for v in todo:
     at1 = first[v][0]
-    measured["/".join(map(str, v))] = at1
+    measured[v.name] = at1
     slope = max(0.0, (second[v] - at1) / n1) if v in second else 0.0
     slopes.append(slope)
     base = max(base, at1 - int(slope * n1))
@@ -320,13 +352,22 @@ def device_description(device) -> str:
 def plan_for_device(cfg, *, dtype: str, runner_config, kinds: Sequence[str], block_sizes: Sequence[int],
                     fraction: float | None = None, device_memory_gb: float | None = None,
                     num_pages: int | None = None, attention: str = "auto", device=None,
-                    measure: bool = True) -> MemoryPlan:
+                    measure: bool = True, mesh=None) -> MemoryPlan:
   """The plan of a server about to start on `device` (default: the first jax device), before anything is loaded.
+
+  `mesh` ('dp=2,tp=4', a MeshShape or a jax Mesh): the plan is per device of a dp group's tp mesh (each group holds
+  the weights whole, split over its tp devices, and its own KV pages), its activations measured on that mesh.
 
   Device memory: `device_memory_gb` if stated, else the allocator's limit (GPU/TPU). Known memory means the plan
   comes from it (fraction default 0.9) with a measured activation peak; unknown memory (CPU) means the cache is
   sized from the flags as before, and `fraction` alone is an error naming --device_memory_gb."""
   import jax
+  tp, group = 1, None
+  if mesh is not None:
+    from recguide_jax import data_parallel, sharding
+    group = data_parallel.first_group(data_parallel.resolve_mesh(mesh))
+    tp = sharding.mesh_size(group, sharding.TP)
+    device = device or group.devices.flat[0]
   device = device or jax.devices()[0]
   if device_memory_gb is not None:
     device_bytes, name = int(device_memory_gb * GB), f"stated {device_memory_gb:g} GB ({device_description(device)})"
@@ -338,11 +379,13 @@ def plan_for_device(cfg, *, dtype: str, runner_config, kinds: Sequence[str], blo
   plan = functools.partial(
       plan_memory, cfg, dtype=dtype, page_size=runner_config.page_size, max_model_len=runner_config.max_model_len,
       max_num_seqs=runner_config.max_batch, max_block=runner_config.max_block, device=name,
-      device_bytes=device_bytes, fraction=fraction, num_pages=num_pages, weights=weights_bytes(cfg, dtype))
+      device_bytes=device_bytes, fraction=fraction, num_pages=num_pages, weights=weights_bytes(cfg, dtype, tp),
+      tp=tp)
   if device_bytes is None or not measure:
     return plan()
   plan()  # refuses at once (before the probe's compiles) what cannot fit even without activations
-  return plan(activation=measure_activation(cfg, dtype, runner_config, kinds, block_sizes, attention=attention))
+  return plan(activation=measure_activation(cfg, dtype, runner_config, kinds, block_sizes, attention=attention,
+                                            mesh=group if tp > 1 else None))
 
 
 # ---- offline plans (docs/memory_plans.md) --------------------------------------------------------------------------
@@ -350,7 +393,7 @@ def plan_for_device(cfg, *, dtype: str, runner_config, kinds: Sequence[str], blo
 def offline_plans(presets: Sequence[str], devices: Sequence[str], *, dtype: str = "bfloat16", policy: str = "recguide",
                   block_size: int = 16, max_model_len: int = 8192, max_num_seqs: int = 32, page_size: int = 16,
                   prefill_chunk: int = 64, fraction: float = DEFAULT_FRACTION, measure: bool = True,
-                  tp: int = 1) -> list[dict]:
+                  tp: int = 1, probe_mesh=None) -> list[dict]:
   """Plans for stated devices: one activation probe per preset on this machine's CPU backend, from abstract shapes,
   then one plan per device. A plan that does not fit is recorded with its refusal.
 
@@ -358,7 +401,10 @@ def offline_plans(presets: Sequence[str], devices: Sequence[str], *, dtype: str 
   bf16 weights to f32 once, outside the layer loop, and a bf16 probe would charge that copy (twice the weights) as
   activations. So the probe compiles the same steps in float32: every bf16 activation is at most its f32 twin, so
   that is an upper bound of the device's. Its growth per page is reported, not charged (in float32 it is 0; in bf16
-  the CPU converts and copies the cache). On the device, the server measures both."""
+  the CPU converts and copies the cache). On the device, the server measures both.
+
+  `probe_mesh`: a (1, tp) mesh of this host's (simulated) CPU devices: the probe compiles the tp-sharded steps and
+  XLA's memory analysis is per device, as the plans are."""
   from recguide_jax import policies
   from recguide_jax.config import PRESETS
   from recguide_jax.runner import RunnerConfig
@@ -370,7 +416,7 @@ def offline_plans(presets: Sequence[str], devices: Sequence[str], *, dtype: str 
     rc = RunnerConfig(num_pages=2, page_size=page_size, max_model_len=max_model_len, max_batch=max_num_seqs,
                       block_sizes=sizes, prefill_chunk=prefill_chunk)
     probe = measure_activation(cfg, "float32", rc, pol.step_kinds(), sizes, attention="reference",
-                               progress=True) if measure else None
+                               progress=True, mesh=probe_mesh) if measure else None
     act = None if probe is None else dataclasses.replace(probe, per_page_bytes=0.0)
     weights = weights_bytes(cfg, dtype, tp)
     for dev in devices:
@@ -444,6 +490,85 @@ def markdown(rows: Sequence[dict]) -> str:
   return "\n".join(lines)
 
 
+# ---- per-device plans of meshes (docs/memory_plans_mesh.md) ----------------------------------------------------------
+
+# (preset, devices, device key, tp): NLD-8B/14B on 4 and 8 TPU v5e chips and on two 24 GB GPUs
+MESH_PLANS = tuple((preset, n, dev, n) for preset in ("nld-8b", "nld-14b") for dev, n in (("v5e", 4), ("v5e", 8),
+                                                                                          ("l4", 2)))
+
+
+def mesh_plan_rows(probe_files: Sequence[str], *, max_num_seqs: Sequence[int] = (32, 4), dtype: str = "bfloat16",
+                   max_model_len: int = 8192, page_size: int = 16, fraction: float = DEFAULT_FRACTION,
+                   max_block: int = 64) -> list[dict]:
+  """Per-device plans of `MESH_PLANS` from recorded activation probes (rows of `offline_plans` JSON files, e.g.
+  docs/memory_plans.json for tp=1, docs/memory_plans_probe_tp4.json from `--tp 4 --mesh_devices 4 --out ...`).
+  Each plan uses
+  the probe of its own tp if one was recorded, else the one of the largest recorded tp below it: per-device
+  activations do not grow with tp (the sharded ones shrink, the replicated ones stay), so that is an upper bound."""
+  import json
+
+  from recguide_jax.config import PRESETS
+  probes: dict[tuple[str, int, int], dict] = {}
+  for path in probe_files:
+    with open(path) as f:
+      for r in json.load(f):
+        if r.get("activation_probe"):
+          probes[(r["preset"], r["max_num_seqs"], r.get("tp", 1))] = r["activation_probe"]
+  rows = []
+  for seqs in max_num_seqs:
+    for preset, n, dev, tp in MESH_PLANS:
+      label, gb = DEVICES[dev]
+      label = label.replace("1x ", f"{n}x ").replace(" chip", " chips")
+      have = sorted(t for (p, m, t) in probes if p == preset and m == seqs and t <= tp)
+      probe = probes[(preset, seqs, have[-1])] if have else None
+      act = None if probe is None else ActivationProfile(
+          base_bytes=probe["base_bytes"], per_page_bytes=0.0, variants=probe["variants"], probe_pages=0,
+          compile_seconds=probe.get("compile_seconds", 0.0), backend=probe.get("backend", "cpu"))
+      row = dict(preset=preset, devices=label, device_gb=gb, tp=tp, max_num_seqs=seqs, dtype=dtype,
+                 max_model_len=max_model_len, fraction=fraction, probe_tp=have[-1] if have else None)
+      try:
+        plan = plan_memory(PRESETS[preset], dtype=dtype, page_size=page_size, max_model_len=max_model_len,
+                           max_num_seqs=seqs, max_block=max_block, device=f"stated {label} ({gb:g} GB each)",
+                           device_bytes=int(gb * GB), fraction=fraction, activation=act, tp=tp)
+        row.update(plan=plan.as_dict(), refused=None)
+      except MemoryPlanError as e:
+        row.update(plan=None, refused=str(e))
+      rows.append(row)
+  return rows
+
+
+def mesh_markdown(rows: Sequence[dict]) -> str:
+  r0 = rows[0]
+  lines = [
+      "# Memory plans per device of a mesh: NLD-8B and NLD-14B on 4x / 8x TPU v5e and 2x 24 GB GPUs", "",
+      "Generated by `python -m recguide_jax.memory_plan --mesh_doc docs/memory_plans_mesh` from recorded activation "
+      "probes. Figures are per device of one tp group (every dp group is a copy of it): weights by sharding.py's "
+      "rules (heads, MLP and vocabulary split over tp; norms and the LoRA's B replicated; KV heads replicated when "
+      "tp exceeds them), the KV pages' share of the KV heads, and the activation peak of the largest step variant "
+      "of each kind. Activations (`probe tp`) come from the CPU probe compiled from abstract shapes in float32 "
+      "(see docs/memory_plans.md), sharded over a tp mesh of simulated CPU devices where recorded (per-device "
+      "memory analysis of the SPMD program), else the largest smaller tp's probe (an upper bound: per-device "
+      "activations do not grow with tp); tp 1 means the unsharded probe. The sharded probes: `python -m "
+      "recguide_jax.memory_plan --presets nld-8b,nld-14b --max_num_seqs 32 --tp T --mesh_devices T --out "
+      "docs/memory_plans_probe_tpT` (T = 2, 4; tp 8 was probed for NLD-8B at max_num_seqs 4). The server measures "
+      "its own sharded executables on the device before it loads anything.", "",
+      f"Serving shape: `--dtype {r0['dtype']}`, `--policy recguide`, `--max_model_len {r0['max_model_len']}`, "
+      f"`--kv_cache_memory_fraction {r0['fraction']}`. GB = 10^9 bytes, nominal device sizes.", "",
+      "| model | devices (mesh) | max_num_seqs | probe tp | weights GB | activations GB | KV GB | pages | KV tokens "
+      "| sequences of max_model_len |", "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+  for r in rows:
+    head = f"| {r['preset']} | {r['devices']} (tp={r['tp']}) | {r['max_num_seqs']} | {r['probe_tp']} |"
+    p = r["plan"]
+    if p is None:
+      lines.append(f"{head} refused: {r['refused']} ||||||")
+      continue
+    act = "-" if p["activation_bytes"] is None else f"{p['activation_bytes'] / GB:.2f}"
+    lines.append(f"{head} {p['weights_bytes'] / GB:.2f} | {act} | {p['kv_bytes'] / GB:.2f} | {p['num_pages']} | "
+                 f"{p['kv_tokens']} | {p['max_seqs_at_max_len']} |")
+  lines.append("")
+  return "\n".join(lines)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
   import argparse
   import json
@@ -461,10 +586,33 @@ def main(argv: Sequence[str] | None = None) -> int:
   parser.add_argument("--tp", type=int, default=1, help="tensor-parallel devices: plans per device (weights/tp, "
                       "KV heads/tp; the activation probe stays unsharded, an upper bound)")
   parser.add_argument("--no_measure", action="store_true", help="skip the activation probe (weights + KV only)")
+  parser.add_argument("--mesh_devices", type=int, default=0, help="with --tp > 1: probe the tp-sharded steps on a "
+                      "tp mesh of this many simulated CPU devices (per-device activations); 0: unsharded probe")
   parser.add_argument("--out", default=None, help="write OUT.json and OUT.md (e.g. docs/memory_plans)")
+  parser.add_argument("--mesh_doc", default=None, help="write OUT.json / OUT.md: per-device plans of MESH_PLANS from "
+                      "the probes recorded in --probe_files (no compile)")
+  parser.add_argument("--probe_files", default="docs/memory_plans.json,docs/memory_plans_probe_tp2.json,"
+                      "docs/memory_plans_probe_tp4.json,docs/memory_plans_probe_tp8.json",
+                      help="comma list of offline_plans JSON files whose activation probes --mesh_doc uses")
   args = parser.parse_args(argv)
+  if args.mesh_doc:
+    rows = mesh_plan_rows([p for p in args.probe_files.split(",") if os.path.exists(p)])
+    md = mesh_markdown(rows)
+    print(md)
+    with open(args.mesh_doc + ".json", "w") as f:
+      json.dump(rows, f, indent=2)
+    with open(args.mesh_doc + ".md", "w") as f:
+      f.write(md)
+    return 0
+  if args.mesh_devices:  # before jax loads: simulated CPU devices for the sharded probe
+    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
+                               f" --xla_force_host_platform_device_count={args.mesh_devices}").strip()
   import jax
   jax.config.update("jax_platforms", "cpu")  # the probe compiles for this machine's CPU; no device is needed
+  probe_mesh = None
+  if args.mesh_devices and args.tp > 1:
+    from recguide_jax import sharding
+    probe_mesh = sharding.make_mesh(sharding.MeshShape(tp=args.tp), jax.devices()[:args.tp])
   bad = [d for d in args.devices.split(",") if d not in DEVICES]
   if bad:
     parser.error(f"--devices: unknown {bad}; expected some of {', '.join(DEVICES)}")
@@ -473,7 +621,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     rows += offline_plans(args.presets.split(","), args.devices.split(","), dtype=args.dtype, policy=args.policy,
                           block_size=args.block_size, max_model_len=args.max_model_len, max_num_seqs=seqs,
                           page_size=args.page_size, fraction=args.kv_cache_memory_fraction,
-                          measure=not args.no_measure, tp=args.tp)
+                          measure=not args.no_measure, tp=args.tp, probe_mesh=probe_mesh)
   md = markdown(rows)
   print(md)
   if args.out:

@@ -84,3 +84,54 @@ class Tokenizer:
                                    bos_token=self.bos_token, eos_token=self.eos_token)
     except jinja2.exceptions.TemplateError as e:
       raise TokenizerError(f"chat template error: {e}") from e
+
+
+class IncrementalDetokenizer:
+  """Text of a growing token sequence, decoding only a short window per token (vLLM's incremental detokenizer; the
+  idea of `tokenizers`' `DecodeStream`, plus what the stop-string rule needs: how far each token's text reaches).
+
+  A token's text is decoded as decode(ids[prefix:]) minus decode(ids[prefix:read]) over the few tokens since the
+  last complete character, so merges across token boundaries come out as in a whole decode. A decode ending in
+  U+FFFD is an incomplete UTF-8 sequence that a later token completes: it is held back (`text` holds only complete
+  characters) but counted in `reach`, as a whole decode up to that token would show it.
+  """
+
+  def __init__(self, tokenizer: "Tokenizer", skip_special_tokens: bool = True):
+    self.tokenizer = tokenizer
+    self.skip_special_tokens = skip_special_tokens
+    self.ids: list[int] = []
+    self.text = ""
+    self.reach: list[int] = []  # reach[k]: len(decode(ids[:k + 1])), pending replacement characters included
+    self._prefix = 0  # ids[_prefix:_read] is the context the next token is decoded in
+    self._read = 0
+    self.decoded_tokens = 0  # tokens passed to decode (the work a test can bound)
+
+  def _decode(self, ids) -> str:
+    self.decoded_tokens += len(ids)
+    return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)
+
+  def add(self, token_ids) -> str:
+    """Appends tokens; returns the newly completed text."""
+    start = len(self.text)
+    for t in token_ids:
+      self.ids.append(int(t))
+      prefix_text = self._decode(self.ids[self._prefix:self._read])
+      new_text = self._decode(self.ids[self._prefix:])
+      tail = new_text[len(prefix_text):]
+      if tail and not new_text.endswith(REPLACEMENT_CHAR):
+        self.text += tail
+        self._prefix, self._read = self._read, len(self.ids)
+        self.reach.append(len(self.text))
+      else:  # nothing new, or an incomplete character: wait for the token that completes it
+        self.reach.append(len(self.text) + len(tail))
+    return self.text[start:]
+
+  def tokens_reaching(self, pos: int) -> int:
+    """The fewest leading tokens whose text reaches past character `pos` (all of them if none does)."""
+    for n, r in enumerate(self.reach, 1):
+      if r > pos:
+        return n
+    return len(self.ids)
+
+
+REPLACEMENT_CHAR = "\ufffd"

@@ -24,7 +24,8 @@ TOKENIZER_STUBS = {"tokenizer.json": '{"stub": true}\n', "generation_config.json
 def nld_config_dict(*, vocab=128, hidden=64, inter=96, layers=2, heads=4, kv_heads=2, head_dim=24, theta=1.0e4,
                     factor=4.0, orig=16, beta_fast=32.0, beta_slow=1.0, mscale=1.0, mscale_all_dim=1.0,
                     llama4_beta=0.1, max_pos=None, **rope_extra) -> dict:
-  """An NLD-style config.json dict (nld.md 1.2) for a tiny model (max_pos defaults to factor * orig, as in NLD)."""
+  """An NLD-style config.json dict (docs/spec/nld.md §1.2) for a tiny model (max_pos defaults to factor * orig, as
+  in NLD)."""
   max_pos = int(factor * orig) if max_pos is None else max_pos
   rope = {"rope_type": "yarn", "type": "yarn", "rope_theta": theta, "factor": factor,
           "original_max_position_embeddings": orig, "beta_fast": beta_fast, "beta_slow": beta_slow,
@@ -66,7 +67,7 @@ def build_model(nld: dict, seed: int, std: float = 0.15) -> Ministral3ForCausalL
 
 
 def nld_state_dict(model: Ministral3ForCausalLM) -> dict[str, torch.Tensor]:
-  """The HF NLD tensor names (nld.md 3.2): `model.` -> `encoder.`, `lm_head` -> `diffusion_head`."""
+  """The HF NLD tensor names (docs/spec/nld.md §3.2): `model.` -> `encoder.`, `lm_head` -> `diffusion_head`."""
   out = {}
   for name, t in model.state_dict().items():
     if name.startswith("model."):

@@ -3,7 +3,7 @@
 import numpy as np
 import pytest
 
-from recguide_jax import bench
+from recguide_jax import benchmarks as bench
 from recguide_jax.orchestrator.profile import HardwareProfile
 
 
@@ -66,3 +66,43 @@ def test_paired_wall_ratios_pair_each_repeat_with_its_best_baseline():
     bench.paired_wall_ratios([2.0, 4.0], {"ar": [2.0]})
   with pytest.raises(ValueError):
     bench.paired_wall_ratios([2.0], {})
+
+
+def test_bench_recguide_steady_mode_bookkeeping(tmp_path):
+  """launch/bench_recguide.py --mode=steady on the bundled model at C = 2 (8 requests: two cohorts of C and more):
+  every run's window holds exactly C requests in flight (as the driver counts them and as the engine ran them),
+  the tokens counted step by step equal the tokens generated, greedy outputs are equal across policies, and the
+  per-level and pooled paired intervals are filled in. Timings are not checked."""
+  import json
+  import os
+  import pathlib
+  import subprocess
+  import sys
+  root = pathlib.Path(__file__).resolve().parents[1]
+  data = tmp_path / "test.jsonl"
+  data.write_text("".join(json.dumps({"question": q, "answer": "-"}) + "\n" for q in (
+      "Ann has 5 apples and buys 7 more. How many apples does she have?",
+      "A pen costs $3. How much do 4 pens cost?", "Tom walks 3 miles a day. How far does he walk in a week?")))
+  proc = subprocess.run([sys.executable, "launch/bench_recguide.py", "--mode=steady", f"--data={data}",
+                         "--num_prompts=3", "--steady_requests_per_slot=4", "--max_tokens=16", "--concurrency=2",
+                         "--repeats=2", "--profile=docs/profile_cpu.json", f"--output_dir={tmp_path}"],
+                        cwd=root, env=dict(os.environ, JAX_PLATFORMS="cpu"), capture_output=True, text=True,
+                        timeout=900)
+  assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+  res = json.loads((tmp_path / "bench_recguide_steady.json").read_text())
+  rows = {r["policy"]: r for r in res["results"]}
+  assert set(rows) == {"ar", "linear B=8", "linear B=16", "linear B=32", "recguide"}
+  for r in rows.values():
+    assert r["concurrency"] == 2 and r["requests"] == 8 and r["lossless"], r["policy"]
+    assert r["window_in_flight"] == [2, 2] and r["engine_in_flight"] in ([2, 2], None), r["policy"]
+    assert r["tokens_counted"] == r["tokens_generated"] and len(r["tokens_counted"]) == 2
+    assert 0 < r["window_token_share"] < 1 and r["window_steps"] >= 1 and r["held_tokens_per_s"] > 0
+    assert all(0 < t <= g for t, g in zip(r["window_tokens_all"], r["tokens_generated"]))
+  assert rows["linear B=32"]["official_fixed_b"] and not rows["linear B=16"]["official_fixed_b"]
+  (level,) = res["levels"]
+  assert level["fastest_baseline"] in ("ar", "linear B=8", "linear B=16", "linear B=32")
+  for iv in (level["interval"], level["vs_official_interval"], res["pooled"]):
+    assert iv["ci95"][0] <= iv["geomean"] <= iv["ci95"][1] and iv["repeats"] == 2
+  assert res["meta"]["compiles_after_warmup"] == 0
+  md = (tmp_path / "bench_recguide_steady.md").read_text()
+  assert "| 2 | recguide |" in md and "pooled over 1 levels" in md

@@ -1,4 +1,5 @@
-"""NLDConfig: presets and their sizes (nld.md 1.1), HF config.json round trips, and errors that name the field."""
+"""NLDConfig: presets and their sizes (docs/spec/nld.md §1.1), HF config.json round trips, and errors that name
+the field."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ import pytest
 from recguide_jax.checkpoint import param_shapes
 from recguide_jax.config import PRESETS, ConfigError, NLDConfig
 
-# The released NLD-8B instruct config.json as described in nld.md 1.2 (extra fields included on purpose).
+# The released NLD-8B instruct config.json as described in docs/spec/nld.md §1.2 (extra fields included on purpose).
 _ROPE_8B = {"rope_type": "yarn", "type": "yarn", "rope_theta": 1.0e6, "factor": 16.0,
             "original_max_position_embeddings": 16384, "beta_fast": 32.0, "beta_slow": 1.0, "mscale": 1.0,
             "mscale_all_dim": 1.0, "llama_4_scaling_beta": 0.1}

@@ -176,7 +176,7 @@ def test_rope_tables_match_transformers(name, raw):
 
 @pytest.mark.parametrize("name,low,high", [("nld-3b", 20, 37), ("nld-14b", 13, 25)])
 def test_rope_ramp_bounds_match_spec(name, low, high):
-  # nld.md 2.4: dims below `low` keep the base frequency, dims from `high` on are divided by the factor (16).
+  # docs/spec/nld.md §2.4: dims below `low` keep the base frequency, dims from `high` on are divided by the factor (16).
   cfg = PRESETS[name]
   inv_freq, attention_factor = rope.rope_tables(cfg)
   base = 1.0 / (np.float32(cfg.rope_theta) ** (np.arange(0, 128, 2, dtype=np.float32) / 128))

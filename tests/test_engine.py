@@ -208,34 +208,57 @@ def test_no_compiles_after_warmup(tiny_model):
   assert llm.runner.compiles_after_warmup == 0
 
 
-class _Req:
-  def __init__(self):
-    self.policy_state = {}
-
-
 def _groups(sizes):
-  return {("linear", b): [_Req() for _ in range(n)] for b, n in sizes.items()} | {("ar", 1): [_Req()]}
+  from recguide_jax.decoding import rounds
+  from recguide_jax.decoding.strategy import Group
+  out = [Group(rounds.LINEAR, b, [object() for _ in range(n)], [b] * n) for b, n in sizes.items()]
+  return out + [Group(rounds.AR, 1, [object()], [1])]
+
+
+def _by_block(groups):
+  from recguide_jax.decoding import rounds
+  return {g.block: g for g in groups if g.round is rounds.LINEAR}
 
 
 def test_cost_aware_grouping_of_planned_block_sizes():
-  from recguide_jax.engine import Engine
-  merge = Engine._merge_linear_groups
+  from recguide_jax.decoding import rounds
+  from recguide_jax.engine.scheduler import merge_groups
+
+  def merge(groups, cost):
+    return merge_groups(groups, rounds.LINEAR, cost)
+
   # bucketing off: one batch padded to the largest B; smaller plans keep their own B as a cap
-  g = _groups({8: 3, 16: 2, 32: 1})
-  out = merge(g, None)
-  assert set(out) == {("ar", 1), ("linear", 32)} and len(out[("linear", 32)]) == 6
-  assert [r.policy_state.get("cap") for r in out[("linear", 32)]] == [8, 8, 8, 16, 16, None]
+  out = merge(_groups({8: 3, 16: 2, 32: 1}), None)
+  assert len(out) == 2 and out[0].round is rounds.AR and list(_by_block(out)) == [32]
+  assert _by_block(out)[32].planned == [8, 8, 8, 16, 16, 32] and len(_by_block(out)[32].reqs) == 6
   # memory-bound costs (a round costs the same at any batch): merging everything is cheapest
   out = merge(_groups({8: 3, 16: 2, 32: 1}), lambda batch, blk: 1.0 + blk / 64)
-  assert set(out) == {("ar", 1), ("linear", 32)}
+  assert list(_by_block(out)) == [32]
   # compute-bound costs (proportional to batch x B): separate buckets are cheapest
   g = _groups({8: 3, 16: 2, 32: 1})
   out = merge(g, lambda batch, blk: float(batch * blk))
-  assert out == g and all(not r.policy_state for v in out.values() for r in v)
+  assert sorted(_by_block(out)) == [8, 16, 32]
+  assert all(grp.planned == [grp.block] * len(grp.reqs) for grp in out)
   # in between: a round's fixed cost makes padding the lone B=8 request into the B=16 batch pay off
   out = merge(_groups({8: 1, 16: 6, 32: 6}), lambda batch, blk: 10.0 + batch * blk / 4)
-  assert sorted(k for k in out if k[0] == "linear") == [("linear", 16), ("linear", 32)]
-  assert len(out[("linear", 16)]) == 7 and len(out[("linear", 32)]) == 6
+  assert sorted(_by_block(out)) == [16, 32]
+  assert len(_by_block(out)[16].reqs) == 7 and len(_by_block(out)[32].reqs) == 6
   # no cost model: buckets stay as planned
   g = _groups({8: 2, 16: 2})
-  assert merge(g, lambda batch, blk: None) == g
+  assert merge(g, lambda batch, blk: None) is g
+
+
+def test_grouping_follows_the_bucketing_option():
+  from recguide_jax.decoding import rounds
+  from recguide_jax.decoding.strategy import RoundPlan
+  from recguide_jax.engine.scheduler import group_plans
+  reqs = [object() for _ in range(4)]
+  planned = [(reqs[0], RoundPlan(rounds.LINEAR, 8)), (reqs[1], RoundPlan(rounds.AR, 1)),
+             (reqs[2], RoundPlan(rounds.LINEAR, 32)), (reqs[3], RoundPlan(rounds.LINEAR, 8))]
+  kept = group_plans(planned, True, lambda batch, blk: 1.0)
+  assert [(g.round, g.block, len(g.reqs)) for g in kept] == [(rounds.LINEAR, 8, 2), (rounds.AR, 1, 1),
+                                                             (rounds.LINEAR, 32, 1)]
+  merged = group_plans(planned, False, lambda batch, blk: None)
+  assert [(g.round, g.block, g.planned) for g in merged] == [(rounds.AR, 1, [1]), (rounds.LINEAR, 32, [8, 8, 32])]
+  # AR rounds never pad: they are not merged whatever the costs
+  assert group_plans(planned, "auto", lambda batch, blk: 1.0)[0].round is rounds.AR

@@ -110,7 +110,8 @@ def test_bad_options_are_named():
 def test_tensor_parallel_plans_per_device():
   cfg = PRESETS["nld-8b"]
   one, four = _plan(), _plan(tp=4)
-  assert four.weights_bytes == math.ceil(one.weights_bytes / 4)
+  # each tensor's shard by sharding.py's rules: 1/4 of the split ones, the norms and the LoRA's B whole
+  assert one.weights_bytes / 4 < four.weights_bytes < 1.001 * one.weights_bytes / 4
   assert four.kv_page_bytes == one.kv_page_bytes // 4  # 8 KV heads -> 2 per device
   assert four.num_pages > 4 * one.num_pages  # weights shrink too, so more than 4x the pages per device
   assert mp.kv_page_bytes(cfg, 16, "bfloat16", tp=16) == mp.kv_page_bytes(cfg, 16, "bfloat16", tp=8)  # replicated

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from conftest import tiny_config
-from recguide_jax.runner import Runner, RunnerConfig, SamplingArrays
+from recguide_jax.runtime import Runner, RunnerConfig, SamplingArrays, StepKey, StepKind
 
 CFG = tiny_config(lora_rank=4, lora_alpha=8.0)
 
@@ -93,7 +93,7 @@ def test_parallel_warmup_compiles_every_variant_once(tiny_model):
                                            prefill_chunk=16, compile_cache_dir=None))
   seconds = runner.warmup(("verify",), (8,), progress=False, workers=2)
   want = runner.variants(("verify",), (8,))
-  assert sorted(seconds) == sorted(want) == [("decode", 1, 1), ("verify", 8, 1)]
+  assert sorted(seconds) == sorted(want) == [StepKey(StepKind.DECODE, 1, 1), StepKey(StepKind.VERIFY, 8, 1)]
   assert all(v in runner._compiled for v in want)
   assert runner.warmup(("verify",), (8,), progress=False) == {}  # nothing left to compile
   runner.compiled("decode", 1, 1)

@@ -13,7 +13,11 @@ import pytest
 
 from recguide_jax.orchestrator import adaptive as ad
 from recguide_jax.orchestrator import overlap as ov
+from recguide_jax.orchestrator import overlap_fit as ovf
 from recguide_jax.orchestrator import profile as pf
+from recguide_jax.orchestrator import rho_search as rs
+from recguide_jax.orchestrator import traces as tr
+from recguide_jax.orchestrator import value_fit as vf
 from recguide_jax.orchestrator import value_model as vm
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -58,7 +62,7 @@ def rows():
 
 @pytest.fixture(scope="module")
 def model(rows):
-  return vm.fit_value_model(rows, bins=8)
+  return vf.fit_value_model(rows, bins=8)
 
 
 def _flat_model(values=(6, 9, 12), blocks=(8, 16, 32)):
@@ -160,22 +164,22 @@ def test_signal_and_stratum():
 
 # ---- value model fit -------------------------------------------------------------------------------------------------
 def test_weighted_pava_and_quantile_edges():
-  assert vm.weighted_pava(np.array([1, 3, 2, 4.0]), np.ones(4)).tolist() == [1, 2.5, 2.5, 4]
-  assert vm.weighted_pava(np.array([3, 1.0]), np.array([3, 1.0])).tolist() == [2.5, 2.5]
-  assert vm.weighted_pava(np.array([1, 2, 3.0]), np.ones(3)).tolist() == [1, 2, 3]
+  assert vf.weighted_pava(np.array([1, 3, 2, 4.0]), np.ones(4)).tolist() == [1, 2.5, 2.5, 4]
+  assert vf.weighted_pava(np.array([3, 1.0]), np.array([3, 1.0])).tolist() == [2.5, 2.5]
+  assert vf.weighted_pava(np.array([1, 2, 3.0]), np.ones(3)).tolist() == [1, 2, 3]
   s = np.arange(100, dtype=float)
   w = np.where(s < 50, 3.0, 1.0)  # cumulative weight 3(i+1) below 50, then +1: quantiles 50/100/150 of 200
-  assert vm.weighted_quantile_edges(s, w, 4).tolist() == [16, 33, 50]
-  assert vm.weighted_quantile_edges(s, np.ones(100), 4).tolist() == [25, 50, 75]  # 25 values per bin
+  assert vf.weighted_quantile_edges(s, w, 4).tolist() == [16, 33, 50]
+  assert vf.weighted_quantile_edges(s, np.ones(100), 4).tolist() == [25, 50, 75]  # 25 values per bin
   ties = np.array([0.0] * 60 + [1.0] * 40)  # a cut at the minimum would leave an empty lowest bin
-  assert vm.weighted_quantile_edges(ties, np.ones(100), 4).tolist() == [1.0]
+  assert vf.weighted_quantile_edges(ties, np.ones(100), 4).tolist() == [1.0]
 
 
 def test_nested_weights():
   rows = ([{"dataset": "a", "request_id": "long", "round": t} for t in range(50)] +
           [{"dataset": "a", "request_id": "short", "round": t} for t in range(10)] +
           [{"dataset": "b", "request_id": f"r{i}", "round": 1} for i in range(20)])
-  w = vm.nested_weights(rows)
+  w = tr.nested_weights(rows)
   assert w.sum() == pytest.approx(1.0)
   assert w[0] == pytest.approx(0.5 * 0.5 / 50) and w[50] == pytest.approx(0.5 * 0.5 / 10)
   assert w[60] == pytest.approx(0.5 / 20)
@@ -188,7 +192,7 @@ def test_fit_uses_nested_weights():
 
   rows = ([row("a", "long", t, 8) for t in range(1, 51)] + [row("a", "short", t, 1) for t in range(1, 11)] +
           [row("b", f"r{i}", 1, 1) for i in range(20)])
-  m = vm.fit_value_model(rows, bins=4)
+  m = vf.fit_value_model(rows, bins=4)
   assert m.tables["all"].unconditional[8][1] == pytest.approx(0.25)
   assert m.value(8, None) == pytest.approx(1 + 7 * 0.25)
 
@@ -206,7 +210,7 @@ def test_fit_recovers_monotone_ground_truth(rows, model):
     assert np.all(np.diff(table.unconditional[b]) <= 0)
   # each bin's V against the truth averaged over that bin's rows (same nested weights)
   train = [r for r in rows if r["round"] >= 1]
-  w = vm.nested_weights(vm.validate_rows(train))
+  w = tr.nested_weights(tr.validate_rows(train))
   s = np.array([r["s"] for r in train])
   bins = np.searchsorted(table.edges, s, side="right")
   for b in (8, 16, 32):
@@ -240,36 +244,36 @@ def test_isotonic_repair_and_strata_fallback():
   # raw survival DEcreasing in s (low s always full, high s always rejected): isotonic regression pools them
   rows = [row(i, 1, -1.0, 8, "b8_full") for i in range(30)] + [row(30 + i, 1, 0.0, 1, "b16_partial")
                                                                  for i in range(30)]
-  m = vm.fit_value_model(rows, bins=2)
+  m = vf.fit_value_model(rows, bins=2)
   assert m.tables["all"].edges.tolist() == [0.0]
   assert m.tables["all"].survival[8][:, 7].tolist() == pytest.approx([0.5, 0.5])
   # strata: need max(48, 3*bins) rows; b8_full has 60, b16_partial 47 -> falls back to "all"
   rows = ([row(i, 1, -float(i % 7), 8, "b8_full") for i in range(60)] +
           [row(60 + i, 1, -float(i % 5), 2, "b16_partial") for i in range(47)])
-  m = vm.fit_value_model(rows, bins=8)
+  m = vf.fit_value_model(rows, bins=8)
   assert set(m.tables) == {"all", "b8_full"}
   assert m.value(8, -3.0, "b8_full") == 8.0
   assert m.value(8, -3.0, "b16_partial") == m.value(8, -3.0) == m.value(8, -3.0, None)
-  assert set(vm.fit_value_model(rows, bins=8, strata=False).tables) == {"all"}
+  assert set(vf.fit_value_model(rows, bins=8, strata=False).tables) == {"all"}
   # too few rows with s for binning: a single bin
-  assert vm.fit_value_model(rows[:20], bins=8).tables["all"].num_bins == 1
+  assert vf.fit_value_model(rows[:20], bins=8).tables["all"].num_bins == 1
 
 
 def test_fit_only_uses_rounds_with_history_and_validates():
   rows = [{"dataset": "d", "request_id": "r", "round": 0, "s": None, "z": None, "A": {"8": 8}},
           {"dataset": "d", "request_id": "r", "round": 1, "s": -1.0, "z": "b8_full", "A": {"8": 1}}]
-  m = vm.fit_value_model(rows, bins=2)
+  m = vf.fit_value_model(rows, bins=2)
   assert m.value(8, None) == 1.0 and m.tables["all"].rows == 1
   with pytest.raises(vm.TraceError, match="history"):
-    vm.fit_value_model(rows[:1])
+    vf.fit_value_model(rows[:1])
   with pytest.raises(vm.TraceError, match=r"A\[8\]"):
-    vm.fit_value_model([dict(rows[1], A={"8": 9})])
+    vf.fit_value_model([dict(rows[1], A={"8": 9})])
   with pytest.raises(vm.TraceError, match="'z'"):
-    vm.fit_value_model([dict(rows[1], z="b12_full")])
+    vf.fit_value_model([dict(rows[1], z="b12_full")])
   with pytest.raises(vm.TraceError, match="duplicate round"):
-    vm.fit_value_model([rows[1], rows[1]])
+    vf.fit_value_model([rows[1], rows[1]])
   with pytest.raises(vm.TraceError, match="block sizes"):
-    vm.fit_value_model([rows[1], dict(rows[1], round=2, A={"8": 3, "16": 3})])
+    vf.fit_value_model([rows[1], dict(rows[1], round=2, A={"8": 3, "16": 3})])
 
 
 def test_value_model_json_round_trip(model, tmp_path):
@@ -325,12 +329,12 @@ def _naive_objective(groups, model, costs, rho, cold):
 
 def test_solve_rho_beats_a_fine_grid():
   rows = synthetic_rows(n_datasets=2, n_requests=8, n_rounds=12, seed=3)
-  model = vm.fit_value_model(rows, bins=4)
-  groups = ad.group_rows(rows)
+  model = vf.fit_value_model(rows, bins=4)
+  groups = rs.group_rows(rows)
   costs = pf.load_profile("b200_nld8b").costs(32)
-  sol = ad.solve_rho(groups, model, costs, cold_start=16)
+  sol = rs.solve_rho(groups, model, costs, cold_start=16)
   assert sol.objective == pytest.approx(_naive_objective(groups, model, costs, sol.rho, 16), rel=1e-12)
-  replay = ad._Replay(groups, model, costs, 16)
+  replay = rs._Replay(groups, model, costs, 16)
   top = float(replay.candidates().max())
   grid = np.concatenate([np.linspace(0, 1.5 * top, 500), [top * 10]])
   brute = [_naive_objective(groups, model, costs, float(r), 16) for r in grid]
@@ -341,18 +345,18 @@ def test_solve_rho_beats_a_fine_grid():
       assert replay.objective(float(c)) < sol.objective
   assert sum(sol.shares.values()) == pytest.approx(1.0)
   assert set(sol.fixed_objectives) == {8, 16, 32}
-  assert sol.fixed_objectives[8] == pytest.approx(ad.fixed_objective(groups, costs, 8))
+  assert sol.fixed_objectives[8] == pytest.approx(rs.fixed_objective(groups, costs, 8))
 
 
 def test_solve_rho_follows_the_price():
   rows = synthetic_rows(n_datasets=2, n_requests=10, n_rounds=10, seed=5)
-  model = vm.fit_value_model(rows, bins=4)
-  groups = ad.group_rows(rows)
+  model = vf.fit_value_model(rows, bins=4)
+  groups = rs.group_rows(rows)
   cheap = {8: 10.0, 16: 10.1, 32: 10.2}  # long blocks almost free: B32 wherever its value exceeds B8's
-  cheap_long = ad.solve_rho(groups, model, cheap)
+  cheap_long = rs.solve_rho(groups, model, cheap)
   assert cheap_long.shares[32] > 0.4 and cheap_long.shares[32] > 2 * cheap_long.shares[8]
-  assert cheap_long.objective >= ad.replay_objective(groups, model, cheap, 0.0)
-  costly_long = ad.solve_rho(groups, model, {8: 10.0, 16: 40.0, 32: 160.0})
+  assert cheap_long.objective >= rs.replay_objective(groups, model, cheap, 0.0)
+  costly_long = rs.solve_rho(groups, model, {8: 10.0, 16: 40.0, 32: 160.0})
   assert costly_long.shares[8] == pytest.approx(1.0)
   assert costly_long.objective == pytest.approx(costly_long.fixed_objectives[8])
 
@@ -463,9 +467,9 @@ def test_fit_policy_end_to_end(tmp_path):
   assert "C=16" in stdout and "best fixed B=" in stdout
   tables = ad.load_policy(out)
   assert tables.concurrency_levels == (1, 16, 128) and tables.profile == "b200_nld8b"
-  groups = ad.group_rows(rows)
+  groups = rs.group_rows(rows)
   for lv in tables.levels:
-    sol = ad.solve_rho(groups, tables.value_model, lv.costs_ms, cold_start=lv.cold_start_block)
+    sol = rs.solve_rho(groups, tables.value_model, lv.costs_ms, cold_start=lv.cold_start_block)
     assert lv.rho == sol.rho and lv.objective == pytest.approx(sol.objective)
   bad = tmp_path / "bad.jsonl"
   bad.write_text(json.dumps(dict(rows[1], A={"8": 0, "16": 1, "32": 1})) + "\n")
@@ -528,8 +532,8 @@ def test_fit_delta_end_to_end(tmp_path):
                                   for r in plain)
   assert all(r["lossless"] and r["priced_tokens_per_ms"] > 0 for r in rows)
   fitted = ad.load_policy(policy)
-  best = ov.best_sweep_row(rows)
-  assert sweep["best_delta"] == ov.best_sweep_row(rows[:2])["delta"] == fitted.overlap_delta
+  best = ovf.best_sweep_row(rows)
+  assert sweep["best_delta"] == ovf.best_sweep_row(rows[:2])["delta"] == fitted.overlap_delta
   assert sweep["best_planner"] == best["planner"] == fitted.overlap_planner
   assert fitted.overlap_slots == (best["slots"] if best["planner"] == "expected_hit" else None)
   assert fitted.overlap_prefix_exponent == best["prefix_exponent"] == sweep["best_prefix_exponent"]

@@ -8,6 +8,7 @@ import pytest
 from recguide_jax import SamplingParams
 from recguide_jax.model import ForwardInputs
 from recguide_jax.orchestrator import overlap as ov
+from recguide_jax.orchestrator import overlap_fit as ovf
 
 
 def signals_with_margins(margins, alts=None):
@@ -110,20 +111,20 @@ def test_prefix_exponent_moves_corrections_later_and_is_fitted_by_replay():
   flat = ov.plan_expected_hit(signals, block, max_branches=2, prefix_exponent=0.1, **bounds)
   assert [b.pre for b in plain] == [1, 5] and [b.pre for b in flat] == [5, 6]
   # logged rounds whose verifier rejected at 6 and picked the runner-up: only the flat prefix covers them
-  hit6 = ov.OverlapRound(signals, accepted=6, seed=106, **bounds)
-  miss = ov.OverlapRound(signals, accepted=6, seed=7, **bounds)  # rejected at 6, another correction
-  assert ov.replay_correction_hits([hit6, miss], block, 2, 1.0) == 0.0
-  assert ov.replay_correction_hits([hit6, miss], block, 2, 0.1) == 0.5
-  gamma, rates = ov.fit_prefix_exponent([hit6, miss], block, 2, grid=(0.1, 0.3, 0.5, 1.0))
+  hit6 = ovf.OverlapTrace(signals, accepted=6, seed=106, **bounds)
+  miss = ovf.OverlapTrace(signals, accepted=6, seed=7, **bounds)  # rejected at 6, another correction
+  assert ovf.replay_correction_hits([hit6, miss], block, 2, 1.0) == 0.0
+  assert ovf.replay_correction_hits([hit6, miss], block, 2, 0.1) == 0.5
+  gamma, rates = ovf.fit_prefix_exponent([hit6, miss], block, 2, grid=(0.1, 0.3, 0.5, 1.0))
   assert rates[1.0] == 0.0 and rates[0.1] == 0.5
   assert gamma == max(g for g, r in rates.items() if r == 0.5)  # ties to the larger exponent
   # rejected at 1 with the runner-up: the plain product covers it, and a tie keeps gamma = 1
-  hit1 = ov.OverlapRound(signals, accepted=1, seed=101, **bounds)
-  assert ov.fit_prefix_exponent([hit1], block, 3, grid=(0.1, 1.0))[0] == 1.0
+  hit1 = ovf.OverlapTrace(signals, accepted=1, seed=101, **bounds)
+  assert ovf.fit_prefix_exponent([hit1], block, 3, grid=(0.1, 1.0))[0] == 1.0
   with pytest.raises(ValueError, match="prefix_exponent"):
     ov.plan_expected_hit(signals, block, prefix_exponent=0.0, **bounds)
   with pytest.raises(ValueError, match="no overlap rounds"):
-    ov.replay_correction_hits([], block, 3, 1.0)
+    ovf.replay_correction_hits([], block, 3, 1.0)
 
 
 def test_expected_hit_planner_prefers_the_continuation_for_a_confident_draft():
@@ -255,16 +256,16 @@ def test_overlap_is_lossless_and_hits_save_forwards(tiny_llm):
       assert {k for k, _, _ in tiny_llm.engine.forward_log} & {"fused", "fused5"} == {"fused5" if slots == 5
                                                                                           else "fused"}
       tiny_llm.engine.forward_log = None
-  # the engine's overlap log replays to exactly the correction hits it counted with the same planner
-  tiny_llm.set_policy(RecGuidePolicy(16, planner="expected_hit", fixed_regime="overlap", overlap_slots=4,
-                                     prefix_exponent=0.5))
-  tiny_llm.engine.overlap_log = []
+  # the strategy's overlap log replays to exactly the correction hits it counted with the same planner
+  strategy = RecGuidePolicy(16, planner="expected_hit", fixed_regime="overlap", overlap_slots=4, prefix_exponent=0.5)
+  tiny_llm.set_policy(strategy)
+  strategy.overlap_log = []
   logged = tiny_llm.generate(prompts, params)
   assert [o.token_ids for o in logged] == ar
-  rounds, tiny_llm.engine.overlap_log = tiny_llm.engine.overlap_log, None
+  rounds = strategy.overlap_log
   assert len(rounds) == sum(o.stats["rounds"] for o in logged)
   counted = sum(o.stats["overlap"].get("correction_hit", 0) for o in logged)
-  assert ov.replay_correction_hits(rounds, 16, 4, 0.5) * len(rounds) == pytest.approx(counted)
+  assert ovf.replay_correction_hits(rounds, 16, 4, 0.5) * len(rounds) == pytest.approx(counted)
   hits = sum(o.stats["overlap"].get("correction_hit", 0) + o.stats["overlap"].get("continuation_hit", 0)
              for o in outs)
   saved = sum(o.stats["rounds"] - o.stats["forwards"]["draft"] for o in outs)
@@ -277,12 +278,12 @@ def test_best_sweep_row_prices_first_then_tokens_per_forward():
   row = lambda rate, tpf, slots, delta=None, gamma=1.0: dict(  # noqa: E731
       priced_tokens_per_ms=rate, tpf=tpf, slots=slots, delta=delta, prefix_exponent=gamma)
   cheap, wide, slow = row(0.5159, 2.95, 3, gamma=0.35), row(0.5158, 3.03, 4, gamma=0.45), row(0.505, 3.10, 5)
-  assert ov.best_sweep_row([cheap, wide, slow]) is wide  # within 0.1% of the best price: more tokens per forward
-  assert ov.best_sweep_row([cheap, wide, slow], rel_tol=1e-5) is cheap  # a strict tolerance: the price alone
-  assert ov.best_sweep_row([slow, cheap]) is cheap
+  assert ovf.best_sweep_row([cheap, wide, slow]) is wide  # within 0.1% of the best price: more tokens per forward
+  assert ovf.best_sweep_row([cheap, wide, slow], rel_tol=1e-5) is cheap  # a strict tolerance: the price alone
+  assert ovf.best_sweep_row([slow, cheap]) is cheap
   same = [row(0.5, 3.0, 4), row(0.5, 3.0, 3), row(0.5, 3.0, 3, gamma=0.5)]
-  assert ov.best_sweep_row(same) is same[1]  # a full tie: the narrower tree, then gamma nearer 1
+  assert ovf.best_sweep_row(same) is same[1]  # a full tie: the narrower tree, then gamma nearer 1
   deltas = [row(0.48, 2.7, 3, delta=0.3, gamma=None), row(0.48, 2.7, 3, delta=0.5, gamma=None)]
-  assert ov.best_sweep_row(deltas) is deltas[1]
+  assert ovf.best_sweep_row(deltas) is deltas[1]
   with pytest.raises(ValueError):
-    ov.best_sweep_row([])
+    ovf.best_sweep_row([])

@@ -5,8 +5,8 @@
   (`layer=`), small block sizes so the prefix walk takes several steps and GPU rows split, and long prefixes the
   GPU kernel splits across its grid (split-K, partials merged by log-sum-exp);
 - the GPU split rule at the 8B model's shapes;
-- the K/V write kernels against `kv_write_ref`, standalone, fused after the attention, and per layer of a stacked
-  cache inside a `lax.scan` over layers (how the scanned model calls them);
+- the kernels per layer of a stacked cache inside a `lax.scan` over layers, the application's K/V scatter
+  (`kv_cache.write_block`) between them (how the scanned model calls them);
 - lowering of every kernel for its real backend (Triton for cuda, Mosaic for tpu) at 8B shapes with a stacked
   34-layer cache and an 8192-token page table, which jax does without a device;
 - the tiny model with the kernels forced on gives the reference path's logits, greedy tokens and cache.
@@ -24,12 +24,13 @@ import pytest
 from flax import nnx
 from jax.experimental.pallas import tpu as pltpu
 
-from pallas_kernels import block_attention_gpu, block_attention_tpu, common, kv_write_gpu, kv_write_tpu
+from pallas_kernels import block_attention_gpu, block_attention_tpu, common
 from recguide_jax import attention_dispatch
+from recguide_jax.kv_cache import write_block
 from recguide_jax.model import ForwardInputs, NLDModel
 from tests.conftest import tiny_config
 
-VARIANTS = {"gpu": (block_attention_gpu, kv_write_gpu), "tpu": (block_attention_tpu, kv_write_tpu)}
+VARIANTS = {"gpu": block_attention_gpu, "tpu": block_attention_tpu}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -100,7 +101,7 @@ def case_id(c: Case) -> str:
 
 
 def run_case(variant: str, case: Case):
-  kernel = VARIANTS[variant][0]
+  kernel = VARIANTS[variant]
   inp = make_inputs(case)
   kwargs = {}
   if case.small_blocks:
@@ -176,7 +177,7 @@ def test_no_prefix():
   for k in ("k_pages", "v_pages", "page_table", "prefix_len"):
     inp.pop(k)
   ref = block_attention_gpu.block_attention_ref(**inp)
-  for kernel, _ in VARIANTS.values():
+  for kernel in VARIANTS.values():
     np.testing.assert_allclose(kernel.block_attention(**inp, interpret=True), ref, atol=1e-5, rtol=1e-5)
 
 
@@ -190,66 +191,6 @@ def test_layout_errors():
   inp.pop("layer")
   with pytest.raises(ValueError, match=r"k_pages must be \[num_pages"):
     block_attention_gpu.block_attention_ref(**inp)
-
-
-def write_inputs(seed: int, all_write: bool, layers: int = 0):
-  rng = np.random.default_rng(seed)
-  b, t, hkv, d, ps, pages_per_seq = 3, 6, 2, 16, 8, 3
-  num_pages = b * pages_per_seq + 2
-  lead = (layers,) if layers else ()
-  pages = lambda: jnp.asarray(rng.normal(size=(*lead, num_pages, ps, hkv, d)), jnp.float32)
-  page_table = rng.permutation(np.arange(1, num_pages))[:b * pages_per_seq].reshape(b, pages_per_seq)
-  start = np.array([0, 5, 16])  # block inside one page, across a page boundary, starting on one
-  write = np.ones((b, t), bool) if all_write else rng.random((b, t)) < 0.6
-  return (pages(), pages(), jnp.asarray(rng.normal(size=(b, t, hkv, d)), jnp.float32),
-          jnp.asarray(rng.normal(size=(b, t, hkv, d)), jnp.float32), jnp.asarray(page_table, jnp.int32),
-          jnp.asarray(start[:, None] + np.arange(t)[None], jnp.int32), jnp.asarray(write))
-
-
-def assert_same_cache(new, ref, trash_page: int, duplicates: bool):
-  if not duplicates:  # no two tokens share a slot: the whole cache is determined
-    np.testing.assert_array_equal(new, ref)
-  else:  # several write=False tokens hit the same trash slot, in no defined order (nor in the twin's scatter)
-    keep = np.arange(new.shape[-4]) != trash_page
-    np.testing.assert_array_equal(np.asarray(new)[..., keep, :, :, :], np.asarray(ref)[..., keep, :, :, :])
-
-
-@pytest.mark.parametrize("variant", sorted(VARIANTS))
-@pytest.mark.parametrize("all_write,layers", [(True, 0), (False, 3)])
-def test_write_matches_ref(variant, all_write, layers):
-  """Standalone write kernel == `kv_write_ref`; with a stacked cache only the given layer changes, and write=False
-  tokens land on the trash page given (here the last page, to show it is a parameter)."""
-  args = write_inputs(seed=3, all_write=all_write, layers=layers)
-  kw = dict(trash_page=args[0].shape[-4] - 1)
-  if layers:
-    kw["layer"] = jnp.int32(1)
-  ref_k, ref_v = kv_write_gpu.kv_write_ref(*args, **kw)
-  kv_write = VARIANTS[variant][1]
-  new_k, new_v = kv_write.kv_write(jnp.copy(args[0]), jnp.copy(args[1]), *args[2:], interpret=True, **kw)
-  assert_same_cache(new_k, ref_k, kw["trash_page"], duplicates=not all_write)
-  assert_same_cache(new_v, ref_v, kw["trash_page"], duplicates=not all_write)
-  if layers:
-    np.testing.assert_array_equal(np.delete(np.asarray(new_k), 1, axis=0), np.delete(np.asarray(args[0]), 1, axis=0))
-    if not all_write:  # the trash page got the write=False tokens
-      assert not np.array_equal(new_k[1, kw["trash_page"]], args[0][1, kw["trash_page"]])
-
-
-@pytest.mark.parametrize("variant", sorted(VARIANTS))
-def test_attention_with_fused_write(variant):
-  """Verify-style call on a stacked cache: attention over the layer's old prefix, then the block's K/V land in that
-  layer where `kv_write_ref` puts them."""
-  kernel = VARIANTS[variant][0]
-  inp = make_inputs(Case(8, 4, 2, "causal", 8, (5, 16), layers=2), seed=2)
-  positions = inp["prefix_len"][:, None] + jnp.arange(8)[None]
-  ref_out = kernel.block_attention_ref(**inp)
-  ref_k, ref_v = kv_write_gpu.kv_write_ref(inp["k_pages"], inp["v_pages"], inp["k_block"], inp["v_block"],
-                                           inp["page_table"], positions, jnp.ones(positions.shape, bool),
-                                           layer=inp["layer"])
-  inp["k_pages"], inp["v_pages"] = jnp.copy(inp["k_pages"]), jnp.copy(inp["v_pages"])
-  out, new_k, new_v = kernel.block_attention(**inp, write_positions=positions, interpret=True)
-  np.testing.assert_allclose(out, ref_out, atol=1e-5, rtol=1e-5)
-  np.testing.assert_array_equal(new_k, ref_k)
-  np.testing.assert_array_equal(new_v, ref_v)
 
 
 def _scan_layers(attend, write, q, kb, vb, k_pages, v_pages, page_table, prefix_len, positions):
@@ -268,7 +209,8 @@ def _scan_layers(attend, write, q, kb, vb, k_pages, v_pages, page_table, prefix_
 
 
 def test_kernels_in_scan_over_stacked_layers():
-  """The GPU kernels inside `lax.scan` over a 3-layer stacked cache (interpreted) == the twins, per layer."""
+  """The GPU kernel inside `lax.scan` over a 3-layer stacked cache (interpreted) == its twin, per layer, with the
+  application's scatter writing each layer's block between the reads."""
   rng = np.random.default_rng(5)
   L, b, nq, hq, hkv, d, ps, pages_per_seq = 3, 2, 8, 4, 2, 16, 8, 5
   n = b * pages_per_seq + 1
@@ -279,9 +221,8 @@ def test_kernels_in_scan_over_stacked_layers():
           page_table, prefix_len, prefix_len[:, None] + jnp.arange(nq)[None])
   attend = lambda *a, **k: block_attention_gpu.block_attention(*a, **k, interpret=True, num_splits=2,
                                                                block_sizes=common.BlockSizes(16, 16))
-  write = lambda *a, **k: kv_write_gpu.kv_write(*a, **k, interpret=True)
-  (k_ker, v_ker), out_ker = jax.jit(lambda *a: _scan_layers(attend, write, *a))(*args)
-  (k_ref, v_ref), out_ref = _scan_layers(block_attention_gpu.block_attention_ref, kv_write_gpu.kv_write_ref, *args)
+  (k_ker, v_ker), out_ker = jax.jit(lambda *a: _scan_layers(attend, write_block, *a))(*args)
+  (k_ref, v_ref), out_ref = _scan_layers(block_attention_gpu.block_attention_ref, write_block, *args)
   np.testing.assert_allclose(out_ker, out_ref, atol=1e-5, rtol=1e-5)
   np.testing.assert_array_equal(k_ker, k_ref)
   np.testing.assert_array_equal(v_ker, v_ref)
@@ -307,7 +248,7 @@ def _lower(fn, platform, *args, **static):
 def _lower_attention(variant, platform, mask, nq, b=2, stacked=True):
   pages = SDS(((L8B,) if stacked else ()) + (N8B, PS8B, HKV8B, D8B), BF16)
   blk = lambda h: SDS((b, nq, h, D8B), BF16)
-  return _lower(VARIANTS[variant][0]._attention, platform, blk(HQ8B), blk(HKV8B), blk(HKV8B),
+  return _lower(VARIANTS[variant]._attention, platform, blk(HQ8B), blk(HKV8B), blk(HKV8B),
                 SDS((b, nq, nq), bool) if mask == "tree" else None, pages, pages, SDS((b, P8B), jnp.int32),
                 SDS((b,), jnp.int32), SDS((), jnp.int32) if stacked else None, mask_kind=mask, scale=D8B ** -0.5,
                 interpret=False, block_sizes=None)
@@ -325,15 +266,8 @@ def test_kernels_lower_for_their_backend(variant, platform, custom_call, mask, n
   """8B shapes (34 stacked layers, 32 q heads, 8 KV heads, head_dim 128, bf16, 16-token pages, 8192-token page
   tables): the Triton / Mosaic lowering rules accept every kernel (compiling the result needs the device, see
   docs/kernels.md), and the stacked cache enters them whole (no per-layer slice)."""
-  kernel, kv_write = VARIANTS[variant]
   text = _lower_attention(variant, platform, mask, nq)
   assert custom_call in text and "dynamic_slice" not in text
-  pages = SDS((L8B, N8B, PS8B, HKV8B, D8B), BF16)
-  text = _lower(kv_write.kv_write, platform, pages, pages, SDS((2, nq, HKV8B, D8B), BF16),
-                SDS((2, nq, HKV8B, D8B), BF16), SDS((2, P8B), jnp.int32), SDS((2, nq), jnp.int32),
-                SDS((2, nq), bool), layer=SDS((), jnp.int32))
-  assert custom_call in text and "dynamic_slice" not in text
-  assert text.count("tf.aliasing_output") == 2  # the stacked pages are updated in place
 
 
 def test_gpu_kernel_lowers_split_for_one_request():

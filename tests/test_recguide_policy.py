@@ -32,7 +32,7 @@ def ar_reference(tiny_llm):
 
 
 def run_with_concurrency(llm, ps, concurrency):
-  from recguide_jax import bench
+  from recguide_jax import benchmarks as bench
   reqs, _ = bench.run_concurrent(llm.engine, ps, PARAMS, concurrency)
   assert llm.engine.allocator.num_used == 0
   return reqs
@@ -80,7 +80,7 @@ def test_switch_prefers_ar_when_speculation_loses():
 
 
 def test_fitted_tables_drive_the_block_choice(tiny_llm, ar_reference, tmp_path):
-  from recguide_jax.orchestrator import adaptive, value_model as vm
+  from recguide_jax.orchestrator import adaptive, rho_search, value_fit, value_model as vm
   rng = np.random.default_rng(0)
   rows = []
   for req in range(40):  # synthetic traces: confident history (high s) means long acceptance
@@ -90,15 +90,15 @@ def test_fitted_tables_drive_the_block_choice(tiny_llm, ar_reference, tmp_path):
       a8, a16, a32 = (8, 16, 30) if good else (2, 2, 2)
       rows.append({"dataset": "syn", "request_id": req, "round": t, "s": s if t else None,
                    "z": "b16_partial" if t else None, "A": {"8": a8, "16": a16, "32": a32}})
-  model = vm.fit_value_model(rows, bins=4)
+  model = value_fit.fit_value_model(rows, bins=4)
   assert model.value(32, -0.5, "b16_partial") > model.value(32, -2.5, "b16_partial")
   ps, ar = ar_reference
   prof = flat_profile()
-  groups = adaptive.group_rows(rows)
+  groups = rho_search.group_rows(rows)
   levels = []
   for c in (1, 8):
     costs = prof.costs(c)
-    sol = adaptive.solve_rho(groups, model, costs)
+    sol = rho_search.solve_rho(groups, model, costs)
     levels.append(adaptive.LevelPolicy(concurrency=c, rho=sol.rho, cold_start_block=adaptive.cold_start_block(c),
                                        costs_ms=costs))
   tables = adaptive.AdaptivePolicyTables(value_model=model, levels=tuple(levels), profile="flat")
@@ -116,14 +116,13 @@ class _AlternatingRegimes(RecGuidePolicy):
   right after the one that made it."""
   SCHEDULE = ("overlap", "overlap", "ar", "overlap", "linear")
 
-  def plan(self, req, engine):
-    from recguide_jax.policies import RoundPlan
+  def plan(self, req, view):
     k = req.stats.rounds % len(self.SCHEDULE)
     if req.stats.rounds and k in (3, 0):  # the previous round of this request was AR / LinearSS
-      self.stale += "prefetched" in req.policy_state
+      self.stale += self.state(req).prefetched is not None
     kind = self.SCHEDULE[k]
     self.regime_counts[kind] += 1
-    return RoundPlan(kind, 1 if kind == "ar" else self.block_size)
+    return self._plans[kind]
 
 
 def test_prefetched_branches_do_not_survive_a_regime_switch(tiny_llm):
@@ -302,21 +301,23 @@ def test_engine_reports_every_round_to_the_policy(tiny_llm, ar_reference):
 
 
 def test_tables_priced_for_other_hardware_keep_their_values_but_not_their_prices():
-  from recguide_jax.orchestrator import adaptive, value_model as vm
+  from recguide_jax.orchestrator import adaptive, value_fit, value_model as vm
+  from recguide_jax.orchestrator.controller import RecGuideState
+  from recguide_jax.orchestrator.signals import RoundRecord
   rows = [{"dataset": "syn", "request_id": r, "round": t, "s": -0.5 if t else None, "z": "b16_partial" if t else None,
            "A": {"8": 6, "16": 10, "32": 14}} for r in range(30) for t in range(4)]
-  model = vm.fit_value_model(rows, bins=2)
+  model = value_fit.fit_value_model(rows, bins=2)
   flat = flat_profile()  # named "flat": B=32 costs barely more than B=8
   levels = tuple(adaptive.LevelPolicy(c, 0.0, flat.costs(c), 32) for c in (1, 8))  # rho 0: the longest block
   tables = adaptive.AdaptivePolicyTables(value_model=model, levels=levels, profile="flat")
 
   class Req:
-    policy_state = {"history": [{"B": 16, "accepted": 5, "full": False, "e": 0.5}]}
+    strategy_state = RecGuideState([RoundRecord(16, 5, 0.5)])
 
   same = RecGuidePolicy(16, fixed_regime="adaptive", tables=tables, profile=flat, calibrate=False)
   assert same._adaptive_block(Req(), 1) == 32  # priced where they were fitted: the tables' rule
   steep = HardwareProfile(draft_verify_ms={c: {8: 10.0, 16: 40.0, 32: 160.0} for c in (1, 8)}, name="cpu-here")
   other = RecGuidePolicy(16, fixed_regime="adaptive", tables=tables, profile=steep, calibrate=False)
-  values = model.values(vm.signal_s(Req.policy_state["history"], model.window), "b16_partial")
+  values = model.values(vm.signal_s(Req.strategy_state.history, model.window), "b16_partial")
   want = max((8, 16, 32), key=lambda b: (values[b] / steep.cost(1, b), -b))
   assert other._adaptive_block(Req(), 1) == want == 8  # this machine's costs price the tables' values

@@ -2,7 +2,7 @@
 
 Input: an HF directory with `config.json` and `model.safetensors` (or `model.safetensors.index.json` + shards),
 optionally a PEFT draft LoRA directory (`linear_spec_lora/`: `adapter_config.json` + `adapter_model.safetensors`).
-Names and layouts follow nld.md sections 3.2 and 3.3: torch Linear weights [out, in] become Flax kernels [in, out],
+Names and layouts follow docs/spec/nld.md §3.2 and §3.3: torch Linear weights [out, in] become Flax kernels [in, out],
 the embedding stays [V, H], LoRA A [r, in] / B [out, r] become `lora_a` [in, r] / `lora_b` [r, out]. Per-layer
 tensors are written stacked, as the scanned model holds them: HF's `encoder.layers.N.<name>` is row N of our
 `layers.<name>` [num_layers, ...].

@@ -21,6 +21,7 @@ from flax import nnx
 
 from recguide_jax import attention as attn_lib
 from recguide_jax import attention_dispatch
+from recguide_jax import sharding
 from recguide_jax.config import NLDConfig
 from recguide_jax.kv_cache import KVCache, write_block
 from recguide_jax.model import rope
@@ -81,6 +82,10 @@ class Attention(nnx.Module):
     q = self.q_proj(x).reshape(b, nq_tok, cfg.num_attention_heads, cfg.head_dim)
     k = self.k_proj(x).reshape(b, nq_tok, cfg.num_key_value_heads, cfg.head_dim)
     v = self.v_proj(x).reshape(b, nq_tok, cfg.num_key_value_heads, cfg.head_dim)
+    # under a tp mesh each device keeps its own heads from here to o_proj (no-ops on one device)
+    q = sharding.constrain(q, "batch", "length", "act_heads", "head_dim")
+    k = sharding.constrain(k, "batch", "length", "act_kv_heads", "head_dim")
+    v = sharding.constrain(v, "batch", "length", "act_kv_heads", "head_dim")
     inv_freq, attention_factor = rope.rope_tables(cfg)
     q = rope.apply_rope(q, inp.positions, inv_freq, attention_factor)
     k = rope.apply_rope(k, inp.positions, inv_freq, attention_factor)
@@ -101,6 +106,7 @@ class Attention(nnx.Module):
         page_table=inp.page_table if inp.prefix_len is not None else None, prefix_len=inp.prefix_len,
         scale=cfg.head_dim ** -0.5, impl=getattr(self, "attention_impl", "reference"),
         layer=layer if cache is not None else None)
+    out = sharding.constrain(out, "batch", "length", "act_heads", "head_dim")
     out = out.reshape(b, nq_tok, cfg.num_attention_heads * cfg.head_dim)
     y = self.o_proj(out)
     if cfg.lora_rank and inp.lora_mask is not None:
@@ -132,7 +138,8 @@ class DecoderLayer(nnx.Module):
     a, cache = self.self_attn(self.input_layernorm(h), inp, cache, layer)
     h = h + a
     h = h + self.mlp(self.post_attention_layernorm(h))
-    return h, cache
+    # the residual stream is replicated over tp: the all-reduces after o_proj and down_proj land here
+    return sharding.constrain(h, "batch", "length", "act_embed"), cache
 
 
 def stacked_layers(cfg: NLDConfig, *, dtype, param_dtype, rngs: nnx.Rngs) -> DecoderLayer:
@@ -161,7 +168,7 @@ class NLDModel(nnx.Module):
 
   def hidden(self, inp: ForwardInputs, cache: KVCache | None = None) -> tuple[jax.Array, KVCache | None]:
     """Final-norm hidden states [b, Q, H] and the (possibly updated) cache."""
-    h = self.embed_tokens(inp.tokens)
+    h = sharding.constrain(self.embed_tokens(inp.tokens), "batch", "length", "act_embed")
     graphdef, stacked = nnx.split(self.layers)
 
     def one_layer(carry, xs):
@@ -176,7 +183,8 @@ class NLDModel(nnx.Module):
     return self.norm(h), cache
 
   def logits(self, h: jax.Array) -> jax.Array:
-    return self.diffusion_head(h).astype(jnp.float32)
+    # vocab-sharded under a tp mesh: softmax/argmax reduce over the split vocabulary (see sharding.py)
+    return sharding.constrain(self.diffusion_head(h).astype(jnp.float32), "batch", "length", "vocab")
 
   def __call__(self, inp: ForwardInputs, cache: KVCache | None = None) -> tuple[jax.Array, KVCache | None]:
     h, cache = self.hidden(inp, cache)
@@ -186,3 +194,52 @@ class NLDModel(nnx.Module):
     cfg = self.cfg
     dtype = dtype or self.embed_tokens.embedding[...].dtype
     return KVCache.create(cfg.num_hidden_layers, num_pages, page_size, cfg.num_key_value_heads, cfg.head_dim, dtype)
+
+
+def model_from_params(cfg: NLDConfig, flat: dict, *, dtype, attention_impl: str | None = None) -> NLDModel:
+  """An NLDModel of `cfg` holding the flat {name: array} weights as they are (wherever they live: one device or
+  their mesh shards); `dtype` is the compute dtype."""
+  model = nnx.eval_shape(lambda: NLDModel(cfg, dtype=dtype, param_dtype=dtype))
+  state = nnx.state(model, nnx.Param)
+  pure = state.to_pure_dict()
+
+  def fill(tree, prefix=""):
+    return {k: fill(v, f"{prefix}{k}.") if isinstance(v, dict) else flat[f"{prefix}{k}"] for k, v in tree.items()}
+
+  nnx.replace_by_pure_dict(state, fill(pure))
+  nnx.update(model, state)
+  if attention_impl is not None:
+    model.layers.self_attn.attention_impl = attention_impl
+  return model
+
+
+def shard_model(model: NLDModel, mesh: jax.sharding.Mesh) -> NLDModel:
+  """The same model with its weights placed on `mesh` by sharding.py's rules (KV heads replicated when tp exceeds
+  them, the config changed to match: an exactly equivalent model). The attention choice is kept."""
+  pure = nnx.state(model, nnx.Param).to_pure_dict()
+
+  def flatten(tree, prefix=""):
+    out = {}
+    for k, v in tree.items():
+      out.update(flatten(v, f"{prefix}{k}.") if isinstance(v, dict) else {f"{prefix}{k}": v})
+    return out
+
+  run_cfg, placed = sharding.place_params(flatten(pure), model.cfg, mesh)
+  return model_from_params(run_cfg, placed, dtype=model.embed_tokens.dtype,
+                           attention_impl=getattr(model.layers.self_attn, "attention_impl", None))
+
+
+def abstract_model(cfg: NLDConfig, mesh=None, *, dtype=jnp.bfloat16, attention_impl: str | None = None) -> NLDModel:
+  """An NLDModel of `cfg` whose weights are `jax.ShapeDtypeStruct`s (nothing allocated). With `mesh` (a device
+  mesh or an AbstractMesh) the config is the mesh's (`sharding.mesh_config`) and every weight carries its
+  NamedSharding, so a runner over it lowers the sharded program (for this host or, with an AbstractMesh, another
+  platform)."""
+  if mesh is not None:
+    cfg = sharding.mesh_config(cfg, sharding.mesh_size(mesh, sharding.TP))
+  model = nnx.eval_shape(lambda: NLDModel(cfg, dtype=dtype, param_dtype=dtype))
+  if mesh is not None:
+    graphdef, state = nnx.split(model)
+    model = nnx.merge(graphdef, sharding.abstract_state(state, mesh))
+  if attention_impl is not None:
+    model.layers.self_attn.attention_impl = attention_impl
+  return model

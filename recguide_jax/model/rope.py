@@ -1,5 +1,5 @@
 """Rotary embeddings exactly as HF computes them for NLD: YaRN inverse frequencies, rotate-half layout, and the
-Llama-4 query scale keyed by absolute position (nld.md sections 2.4 and 2.5)."""
+Llama-4 query scale keyed by absolute position (docs/spec/nld.md §2.4 and §2.5)."""
 
 from __future__ import annotations
 

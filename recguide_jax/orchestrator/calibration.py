@@ -31,7 +31,10 @@ import statistics
 import time
 from typing import Callable
 
-KINDS = ("ar", "linear", "overlap", "overlap_draft")  # the round kinds the regime switch prices
+from recguide_jax.decoding.strategy import RoundKind
+
+# the round kinds the regime switch prices
+KINDS = (RoundKind.AR, RoundKind.LINEAR, RoundKind.OVERLAP, RoundKind.OVERLAP_DRAFT)
 
 
 class RoundClock:

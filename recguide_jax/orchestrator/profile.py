@@ -1,5 +1,6 @@
 """Hardware profile T_C(B): draft + verify milliseconds for a full bucket of C requests at block size B
-(recguide.md 5.3), plus the optional single-forward costs the regime switch needs (AR step, fused verify+branches).
+(docs/spec/recguide.md §5.3), plus the optional single-forward costs the regime switch needs (AR step, fused
+verify+branches).
 
 JSON schema "recguide-profile/1" (keys of the ms maps are decimal strings; all ms values finite and > 0):
 
@@ -172,7 +173,7 @@ class HardwareProfile:
 
   def forward_costs(self, c: float, b: int) -> tuple[float, float]:
     """(draft ms, verify ms) of one round. Without a measured split, half of T_C(B) each: the B200 notes find the
-    two forwards nearly equal (recguide.md 7.6)."""
+    two forwards nearly equal (docs/spec/recguide.md §7.6)."""
     if self.draft_ms is not None:
       return (self._grid_cost(self.draft_ms, "draft_ms", c, b), self._grid_cost(self.verify_ms, "verify_ms", c, b))
     half = self.cost(c, b) / 2
@@ -188,7 +189,7 @@ class HardwareProfile:
 
   def fused_cost(self, c: float, b: int, slots: int = FUSED_SLOTS) -> float:
     """One fused verify + prospective-branch forward at block B with `slots` branch slots ((1 + slots) B query
-    tokens per request, recguide.md 6); profiles hold the paper's tree of 3 slots (4B query tokens).
+    tokens per request, docs/spec/recguide.md §6); profiles hold the paper's tree of 3 slots (4B query tokens).
 
     When not measured: the verify forward at B scaled by T_C(4·b0)/T_C(b0) for the smallest block b0 whose 4x is
     also measured (T_C(32)/T_C(8) on the 8/16/32 grid), i.e. the cost of 4x query tokens per request at the same C;

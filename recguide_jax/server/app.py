@@ -34,7 +34,8 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 import recguide_jax
-from recguide_jax.engine import EngineThread, RequestError
+from recguide_jax.engine import EngineThread
+from recguide_jax.requests import RequestError
 from recguide_jax.server import protocol, responses
 from recguide_jax.server.metrics import CONTENT_TYPE, DEFAULT_LOG_STATS_INTERVAL_S, ServerMetrics
 from recguide_jax.server.streaming import TextDeltas

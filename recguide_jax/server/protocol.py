@@ -22,7 +22,7 @@ import json
 import math
 import re
 
-from recguide_jax.engine import MAX_TOP_LOGPROBS, RequestError, SamplingParams
+from recguide_jax.requests import MAX_TOP_LOGPROBS, RequestError, SamplingParams
 from recguide_jax.tokenizer import Tokenizer, TokenizerError
 
 COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions

@@ -1,34 +1,29 @@
 """Incremental detokenization for streamed responses.
 
-The streamed text must concatenate to exactly the non-streamed text, so deltas are cut from a decode of the whole
-output so far (decoding token by token breaks multi-byte characters and merges), and a tail is held back while it
-could still change or be cut:
-- a decode ending in U+FFFD may be an incomplete UTF-8 sequence that the next token completes;
-- text that is, or could grow into, a stop string is dropped by the engine when the stop string completes, so it
-  is not sent before the request finishes.
+The streamed text must concatenate to exactly the non-streamed text. The emitted tokens are decoded incrementally
+(`tokenizer.IncrementalDetokenizer`: a short window per token, an incomplete UTF-8 character held back until the
+token that completes it), and stop strings are checked by the engine's own `stop_strings.StopChecker`, so a tail
+is held back while it could still change or be cut: text that is, or could grow into, a stop string is dropped by
+the engine when the stop string completes, so it is not sent before the request finishes. Each update costs the
+new tokens and the longest stop string, not the whole output.
 """
 
 from __future__ import annotations
 
 from typing import Sequence
 
-from recguide_jax.tokenizer import Tokenizer
-
-REPLACEMENT_CHAR = "\ufffd"
+from recguide_jax.stop_strings import StopChecker
+from recguide_jax.tokenizer import IncrementalDetokenizer, Tokenizer
 
 
 def stop_position(text: str, stop_strings: Sequence[str]) -> int | None:
   """Index where the earliest stop string starts in `text`, or None."""
-  hits = [i for i in (text.find(s) for s in stop_strings) if i >= 0]
-  return min(hits) if hits else None
+  return StopChecker(stop_strings).find(text)
 
 
 def final_text(tokenizer: Tokenizer, emitted_ids: Sequence[int], stop_strings: Sequence[str]) -> str:
-  """The text of a finished request, from every token the engine emitted (before it cut the ids at a stop string).
-
-  Same rule as the engine's stop check (decode, cut before the earliest stop string), recomputed from all emitted
-  ids so the streamed and the non-streamed answers come from one definition.
-  """
+  """The text of a finished request, from every token the engine emitted (before it cut the ids at a stop string):
+  the engine's rule (decode, cut before the earliest stop string) applied to the whole output at once."""
   text = tokenizer.decode(emitted_ids)
   pos = stop_position(text, stop_strings)
   return text if pos is None else text[:pos]
@@ -38,31 +33,21 @@ class TextDeltas:
   """Turns the growing list of emitted token ids into text deltas that never need to be taken back."""
 
   def __init__(self, tokenizer: Tokenizer, stop_strings: Sequence[str] = ()):
-    self.tokenizer = tokenizer
-    self.stop_strings = [s for s in stop_strings if s]
+    self.detokenizer = IncrementalDetokenizer(tokenizer)
+    self.stops = StopChecker(stop_strings)
     self.sent = ""
-
-  def _safe_end(self, text: str) -> int:
-    # the pending bytes behind a trailing U+FFFD may complete a character that continues a stop string, so the
-    # stop-string checks look at the text without it
-    text = text.rstrip(REPLACEMENT_CHAR)
-    end = len(text)
-    pos = stop_position(text, self.stop_strings)
-    if pos is not None:
-      end = pos
-    for s in self.stop_strings:  # a tail that is a proper prefix of a stop string may still become one
-      for k in range(min(len(s) - 1, len(text)), 0, -1):
-        if text.endswith(s[:k]):
-          end = min(end, len(text) - k)
-          break
-    return end
+    self._stop_at: int | None = None  # where a stop string starts, once one has completed
 
   def update(self, emitted_ids: Sequence[int]) -> str:
-    """New text that is safe to send while the request is still running."""
-    text = self.tokenizer.decode(emitted_ids)
-    if not text.startswith(self.sent):
-      return ""  # the decoder rewrote earlier text (never for byte-level BPE): wait for the final text
-    end = self._safe_end(text)
+    """New text that is safe to send while the request is still running (`emitted_ids`: every token emitted so
+    far; only those past the previous call are decoded)."""
+    self.detokenizer.add(emitted_ids[len(self.detokenizer.ids):])
+    text = self.detokenizer.text
+    if self._stop_at is None:
+      self._stop_at = self.stops.find(text)
+    end = len(text) - self.stops.held_back(text)
+    if self._stop_at is not None:
+      end = min(end, self._stop_at)
     if end <= len(self.sent):
       return ""
     delta = text[len(self.sent):end]

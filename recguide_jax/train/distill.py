@@ -1,4 +1,4 @@
-"""Draft LoRA by self-distillation (nld.md section 3.3): the verifier is the frozen base model, the draft is the same
+"""Draft LoRA by self-distillation (docs/spec/nld.md §3.3): the verifier is the frozen base model, the draft is the same
 model with a LoRA on every `o_proj` switched on for draft tokens only. The targets are the verifier's own greedy
 continuations of training prompts, so the draft learns to predict exactly what verification will accept; the
 verifier (LoRA off) is unchanged, so greedy outputs stay the same and speculation stays lossless.
@@ -42,7 +42,7 @@ def generate_targets(llm, prompts: list[list[int]], out_path: str | pathlib.Path
                      chunk: int = 256, concurrency: int = 64, progress: bool = True) -> list[dict]:
   """Greedy AR continuations of `prompts` by `llm` (its policy is set to AR), appended to a JSONL file chunk by
   chunk so an interrupted run continues where it stopped. Returns every {"prompt": ids, "output": ids} row."""
-  from recguide_jax import SamplingParams, bench, policies
+  from recguide_jax import SamplingParams, benchmarks as bench, policies
   out_path = pathlib.Path(out_path)
   done = [json.loads(l) for l in out_path.read_text().splitlines() if l.strip()] if out_path.exists() else []
   if len(done) > len(prompts) or any(d["prompt"] != list(p) for d, p in zip(done, prompts)):

@@ -1,4 +1,4 @@
-"""NLD's joint AR + block-diffusion objective (nld.md section 5), exactly:
+"""NLD's joint AR + block-diffusion objective (docs/spec/nld.md §5), exactly:
 
 - the doubled sequence [x_t | x_0] with positions arange(L) twice (the Llama-4 scale uses arange(2L));
 - the "sbd_block_diff" mask: noisy queries see their own noisy block bidirectionally and the clean tokens of

@@ -1,0 +1,71 @@
+"""Emission: a round's tokens appended to a request, with its stop conditions (EOS, stop token ids, max_tokens,
+stop strings) and logprobs.
+
+Stop strings are checked incrementally (`stop_strings.StopChecker` over an `IncrementalDetokenizer`): a round's
+new tokens are decoded in a short window and only the new tail is searched, so the check is linear in the output's
+length. On a hit the output keeps the shortest token prefix whose text reaches the stop string, and the text is cut
+before it (the streaming layer applies the same checker to what it sends).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from recguide_jax.requests import Request
+from recguide_jax.stop_strings import StopChecker
+from recguide_jax.tokenizer import IncrementalDetokenizer
+
+
+@dataclasses.dataclass
+class StopText:
+  """A request's output text so far and its stop-string checker (only for requests with stop strings)."""
+  detokenizer: IncrementalDetokenizer
+  checker: StopChecker
+
+
+def append_tokens(r: Request, toks: list[int], lps, top_lp, top_ids, eos: frozenset[int],
+                  tokenizer) -> tuple[list[int], str | None]:
+  """Appends a round's tokens to `r` up to its first stop condition; returns (the tokens kept of this round, the
+  finish reason or None). May cut tokens of earlier rounds' output too when a stop string completes late (the
+  returned list then is what is left of this round's)."""
+  eos = frozenset() if r.params.ignore_eos else eos
+  stop_ids = set(r.params.stop_token_ids or ())
+  new: list[int] = []
+  reason = None
+  for k, t in enumerate(toks):
+    new.append(t)
+    if r.params.logprobs is not None:
+      entry = {"token_id": t, "logprob": float(lps[k])}
+      if r.params.logprobs and top_lp is not None:
+        entry["top_logprobs"] = {int(top_ids[k][j]): float(top_lp[k][j]) for j in range(r.params.logprobs)}
+      r.logprobs.append(entry)
+    if t in eos or t in stop_ids:
+      reason = "stop"
+      break
+    if len(r.output_ids) + len(new) >= r.params.max_tokens:
+      reason = "length"
+      break
+  r.output_ids.extend(new)
+  if r.params.stop_strings and tokenizer is not None:
+    if r.stop_text is None:
+      r.stop_text = StopText(IncrementalDetokenizer(tokenizer), StopChecker(r.params.stop_strings))
+    st = r.stop_text
+    st.detokenizer.add(new)
+    pos = st.checker.find(st.detokenizer.text)
+    if pos is not None:
+      n = st.detokenizer.tokens_reaching(pos)
+      cut = len(r.output_ids) - n
+      del r.output_ids[n:]
+      del r.logprobs[n:]
+      if cut:
+        new = new[:max(len(new) - cut, 0)]
+      r.text = st.detokenizer.text[:pos]
+      reason = "stop"
+  return new, reason
+
+
+def final_text(r: Request, tokenizer) -> str:
+  """The text of a finished request (already set when a stop string cut it)."""
+  if r.text is not None:
+    return r.text
+  return tokenizer.decode(r.output_ids) if tokenizer is not None else ""

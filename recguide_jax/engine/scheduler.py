@@ -1,0 +1,143 @@
+"""Admission and grouping: whether a request can ever be served (`validate`), which waiting requests join the
+running batch (FIFO, while a batch slot and their worst-case KV pages are free), and how a step's plans become
+batches (one per round and block size, LinearSS-style rounds of different planned blocks merged where the
+strategy's cost model prices that cheaper)."""
+
+from __future__ import annotations
+
+import collections
+import itertools
+import time
+from typing import Callable, Sequence
+
+import numpy as np
+
+from recguide_jax.decoding.strategy import Group, RoundPlan
+from recguide_jax.kv_cache import PageAllocator
+from recguide_jax.requests import Request, RequestError, SamplingParams, describe
+
+
+class Scheduler:
+  """The waiting queue, the running batch and the KV pages pledged to it."""
+
+  def __init__(self, allocator: PageAllocator, max_batch: int, max_block: int):
+    self.allocator = allocator
+    self.max_batch = max_batch
+    self.max_block = max_block
+    self.waiting: collections.deque[Request] = collections.deque()
+    self.running: list[Request] = []
+    self.pledged: dict[str, int] = {}  # worst-case pages promised to each running request
+
+  def pages_needed(self, prompt_len: int, params: SamplingParams) -> int:
+    # worst case: the whole generation plus one block written past it by a verify
+    return self.allocator.pages_for(prompt_len + params.max_tokens + self.max_block)
+
+  def validate(self, prompt_ids: Sequence[int], params: SamplingParams, vocab_size: int, max_model_len: int
+               ) -> list[int]:
+    """Checks that a request can ever be admitted (its fields, its prompt, its worst-case pages) without touching
+    any state; returns the prompt as ints. Raises RequestError naming the field."""
+    params.validate(vocab_size)
+    if isinstance(prompt_ids, (str, bytes)) or any(
+        isinstance(t, (bool, np.bool_)) or not isinstance(t, (int, np.integer)) for t in prompt_ids):
+      raise RequestError("prompt must be a list of token ids (integers)", "prompt")
+    prompt_ids = [int(t) for t in prompt_ids]
+    if not prompt_ids:
+      raise RequestError("prompt must not be empty", "prompt")
+    bad = [t for t in prompt_ids if not 0 <= t < vocab_size]
+    if bad:
+      raise RequestError(f"prompt holds token id {describe(bad[0])} outside the vocabulary [0, {vocab_size})",
+                         "prompt")
+    if len(prompt_ids) >= max_model_len:
+      raise RequestError(f"prompt has {len(prompt_ids)} tokens, max_model_len is {max_model_len}", "prompt", 413)
+    if len(prompt_ids) + params.max_tokens > max_model_len:
+      raise RequestError(f"prompt ({len(prompt_ids)} tokens) + max_tokens ({params.max_tokens}) exceeds "
+                         f"max_model_len {max_model_len}", "max_tokens")
+    if self.pages_needed(len(prompt_ids), params) > self.allocator.num_pages - 1:
+      raise RequestError("request needs more KV pages than the cache has", "max_tokens")
+    return prompt_ids
+
+  def admit(self) -> list[Request]:
+    """Moves waiting requests into the running batch (FIFO: nothing overtakes the oldest); returns them, pages
+    pledged and their slots taken (the caller adds them to the allocator)."""
+    free_budget = self.allocator.num_pages - 1 - sum(self.pledged.values())
+    admitted = []
+    while self.waiting and len(self.running) < self.max_batch:
+      req = self.waiting[0]
+      need = self.pages_needed(len(req.prompt_ids), req.params)
+      if need > free_budget:
+        break
+      self.waiting.popleft()
+      free_budget -= need
+      self.pledged[req.request_id] = need
+      self.running.append(req)
+      req.stats.queue_s = time.perf_counter() - req.arrival
+      admitted.append(req)
+    return admitted
+
+  def release(self, req: Request) -> bool:
+    """Drops `req`'s pledge; True if it held one (its pages are then the caller's to free)."""
+    return self.pledged.pop(req.request_id, None) is not None
+
+  def take_finished(self) -> list[Request]:
+    done = [r for r in self.running if r.finished]
+    if done:
+      self.running = [r for r in self.running if not r.finished]
+    return done
+
+
+def group_plans(planned: list[tuple[Request, RoundPlan]], bucketing: bool | str,
+                round_cost: Callable[[int, int], float | None]) -> list[Group]:
+  """A step's plans as batches, in first-planned order: one per (round, block size), then rounds that allow it
+  (`Round.pads_to_largest`) merged across block sizes: always (bucketing False), never (True), or as the cost
+  model prices cheapest ("auto")."""
+  groups: dict[tuple, Group] = {}
+  for req, plan in planned:
+    g = groups.get((plan.round, plan.block_size))
+    if g is None:
+      g = groups[(plan.round, plan.block_size)] = Group(plan.round, plan.block_size, [], [])
+    g.reqs.append(req)
+    g.planned.append(plan.block_size)
+  out = list(groups.values())
+  if bucketing is True:
+    return out
+  rounds = dict.fromkeys(g.round for g in out if g.round.pads_to_largest)
+  for rnd in rounds:
+    out = merge_groups(out, rnd, None if bucketing is False else round_cost)
+  return out
+
+
+def merge_groups(groups: list[Group], rnd, round_cost: Callable[[int, int], float | None] | None) -> list[Group]:
+  """Merges `rnd`'s groups of different planned B into batches padded to their largest B; each request keeps at
+  most its own planned B of the verified tokens. `round_cost=None` merges all of them (bucketing off, the paper's
+  "+s_t"/"+z_t" rows). Otherwise every split of the B-sorted groups into consecutive runs is priced with
+  round_cost(batch, B) (one round per run, at the run's largest B) and the cheapest wins, ties to separate
+  buckets; without a known cost the groups stay separate."""
+  mine = sorted((g for g in groups if g.round is rnd), key=lambda g: g.block)
+  if len(mine) <= 1:
+    return groups
+  n = len(mine)
+  best_runs = [list(range(n))] if round_cost is None else [[i] for i in range(n)]
+  if round_cost is not None:
+    best = None
+    for cuts in itertools.product((False, True), repeat=n - 1):  # cuts[i - 1]: a new run starts at group i
+      runs = [[0]]
+      for i in range(1, n):
+        if cuts[i - 1]:
+          runs.append([i])
+        else:
+          runs[-1].append(i)
+      costs = [round_cost(sum(len(mine[i].reqs) for i in run), mine[run[-1]].block) for run in runs]
+      if any(c is None for c in costs):
+        return groups
+      total = sum(costs)
+      if best is None or total < best - 1e-12 or (abs(total - best) <= 1e-12 and len(runs) > len(best_runs)):
+        best, best_runs = total, runs
+  out = [g for g in groups if g.round is not rnd]
+  for run in best_runs:
+    blk = mine[run[-1]].block
+    merged = Group(rnd, blk, [], [])
+    for i in run:
+      merged.reqs.extend(mine[i].reqs)
+      merged.planned.extend(mine[i].planned)
+    out.append(merged)
+  return out

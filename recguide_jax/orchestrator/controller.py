@@ -1,0 +1,353 @@
+"""The RecGuide controller: per request and round, overlap (light load), adaptive block size (heavier load) or
+plain AR decoding, whichever gives the most tokens per unit of (profiled) time at the current concurrency.
+
+- Overlap (docs/spec/recguide.md §4) runs for greedy requests; its branch plan comes from `overlap.plan_branches`.
+- Adaptive B (§5) picks B in {8, 16, 32} per request from its verification history: with fitted value
+  tables (`AdaptivePolicyTables`) by argmax_B V_B(s, z) - rho_C T_C(B); without tables, from online estimates of
+  the accepted length per B and the profile's cost.
+- The switch (§6, ours): compares the expected rate of each regime, E[tokens]/E[time], using the hardware
+  profile (measured here or loaded) and the engine's observed acceptance and overlap hit rates. AR (B = 1) is a
+  candidate too, so speculation never runs where it loses to plain decoding. By default the profile's device times
+  are calibrated online with the engine's measured round times (`calibration.py`), so host work the profile does
+  not see cannot make a losing regime look like a winner, and a stale runner-up is re-measured now and then so
+  that machine drift cannot freeze a wrong choice; pricing for another device turns both off.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import enum
+from typing import Callable
+
+import numpy as np
+
+from recguide_jax.config import BLOCK_SIZES
+from recguide_jax.decoding import rounds
+from recguide_jax.decoding.strategy import RoundKind, RoundPlan, StepView, Strategy
+from recguide_jax.orchestrator import calibration, overlap as ov, signals
+from recguide_jax.orchestrator.overlap_round import OverlapRound
+
+BLOCKS = BLOCK_SIZES  # earlier name
+
+
+class Regime(enum.StrEnum):
+  """What the switch decides per step (str-valued: metrics label them so)."""
+  OVERLAP = "overlap"  # verification-overlapped drafting (greedy requests)
+  ADAPTIVE = "adaptive"  # LinearSS with B chosen per request
+  LINEAR = "linear"  # LinearSS at the fixed block size (ablations)
+  AR = "ar"
+
+
+HISTORY = 4  # verification rounds a request's history keeps (the signals read the last two)
+PAPER_DELTA = 0.5  # risky-position margin threshold of the paper (NLD-8B)
+
+
+@dataclasses.dataclass
+class OnlineStats:
+  """Engine-wide running estimates the switch needs (exponential moving averages)."""
+  decay: float = 0.98
+  accepted: dict = dataclasses.field(default_factory=lambda: {8: 4.0, 16: 5.0, 32: 6.0})
+  overlap_accepted: float = 5.0
+  overlap_hit: float = 0.5
+  overlap_rounds: int = 0
+
+  def observe_linear(self, blk: int, accepted: int) -> None:
+    self.accepted[blk] = self.decay * self.accepted.get(blk, accepted) + (1 - self.decay) * accepted
+
+  def observe_overlap(self, accepted: int, hit: bool) -> None:
+    d = self.decay
+    self.overlap_accepted = d * self.overlap_accepted + (1 - d) * accepted
+    self.overlap_hit = d * self.overlap_hit + (1 - d) * float(hit)
+    self.overlap_rounds += 1
+
+
+@dataclasses.dataclass
+class RecGuideState:
+  """What RecGuide remembers of one request (`Request.strategy_state`)."""
+  history: list[signals.RoundRecord] = dataclasses.field(default_factory=list)  # its last HISTORY verifications
+  # a branch block its last overlap round confirmed: the next overlap round's draft (valid for that round only)
+  prefetched: ov.Prefetched | None = None
+
+
+class RecGuideStrategy(Strategy):
+  name = "recguide"
+
+  def __init__(self, block_size: int = 16, *, delta: float | None = None, planner: str | None = None,
+               components=("p1", "p2", "continuation"),
+               overlap: bool = True, adaptive: bool = True, switch: bool = True, profile=None, tables=None,
+               fixed_regime: str | None = None, entropy_head_cap: int | None = None, calibrate: bool = True,
+               overlap_slots: int | None = None, prefix_exponent: float | None = None):
+    if block_size not in BLOCKS:
+      raise ValueError(f"recguide block_size must be one of {BLOCKS}, got {block_size}")
+    self.block_size = block_size
+    if delta is None:  # the threshold fitted with the tables (launch/fit_delta.py), else the paper's
+      delta = tables.overlap_delta if tables is not None and tables.overlap_delta is not None else PAPER_DELTA
+    self.delta = delta
+    if planner is None:  # the branch planner fitted with the tables, else the paper's no-P3 rule
+      planner = tables.overlap_planner if tables is not None and tables.overlap_planner else ov.PLANNERS[0]
+    if planner not in ov.PLANNERS:
+      raise ValueError(f"planner must be one of {ov.PLANNERS}, got {planner!r}")
+    self.planner = planner
+    if overlap_slots is None:  # the tree width fitted for the expected-hit planner, else the paper's 3 branches
+      fitted = tables.overlap_slots if tables is not None and planner == "expected_hit" else None
+      overlap_slots = fitted or ov.MAX_BRANCHES
+    if not 1 <= overlap_slots <= ov.MAX_SLOTS:
+      raise ValueError(f"overlap_slots must lie in [1, {ov.MAX_SLOTS}], got {overlap_slots}")
+    if planner == "no_p3" and overlap_slots < ov.MAX_BRANCHES:
+      raise ValueError(f"the paper's no-P3 rule plans up to {ov.MAX_BRANCHES} branches; overlap_slots is "
+                       f"{overlap_slots}")
+    self.overlap_slots = overlap_slots  # branch slots of the fused forward (its width: (1 + slots) B tokens)
+    if prefix_exponent is None:  # the expected-hit planner's fitted prefix exponent, else the plain product
+      fitted = tables.overlap_prefix_exponent if tables is not None and planner == "expected_hit" else None
+      prefix_exponent = fitted or 1.0
+    if not 0.0 < prefix_exponent <= 2.0:
+      raise ValueError(f"prefix_exponent must lie in (0, 2], got {prefix_exponent}")
+    self.prefix_exponent = prefix_exponent
+    self.components = tuple(components)
+    self.overlap = overlap
+    self.adaptive = adaptive
+    self.switch = switch
+    self.profile = profile
+    self.tables = tables
+    # a Regime (or its name): bypasses the switch (ablations)
+    if fixed_regime and fixed_regime not in tuple(Regime):
+      raise ValueError(f"fixed_regime must be one of {[r.value for r in Regime]}, got {fixed_regime!r}")
+    self.fixed_regime = Regime(fixed_regime) if fixed_regime else None
+    self.entropy_head_cap = entropy_head_cap
+    self.stats = OnlineStats()
+    # True: the profile's costs are corrected online by the engine's measured round times (this machine's wall
+    # clock); False: decide by the profile alone (pricing a run for the hardware a foreign profile describes)
+    self.calibrate = calibrate
+    self.calibrated = calibration.CalibratedCosts(self._profiled_round_cost)
+    if tables is not None:  # start the online estimates from the fitted model's unconditional values
+      self.stats.accepted = {b: tables.value_model.value(b, None) for b in BLOCKS}
+      self.stats.overlap_accepted = self.stats.accepted[block_size]
+    self.regime_counts = collections.Counter()
+    self._regime_memo: tuple = (None, None)
+    self._step_costs: dict[int, float] | None = None  # this step's LinearSS round cost per B (all requests)
+    # re-measuring a stale runner-up regime (calibrated switch only): how close it must be, probes run, the one
+    # in progress (regime, steps left)
+    self.probe_margin = 0.7
+    self.probe_budget = 0.02  # probes take at most this share of the time
+    self.probes = 0
+    self._probe: tuple[str, int] | None = None
+    self._last_probe_at = -float("inf")
+    self.overlap_round = OverlapRound(self)  # this strategy's own round kind
+    self.overlap_log: list | None = None  # set to [] to record every overlap round (overlap_fit.OverlapTrace)
+    self._plans = {Regime.AR: RoundPlan(rounds.AR, 1), Regime.LINEAR: RoundPlan(rounds.LINEAR, block_size),
+                   Regime.OVERLAP: RoundPlan(self.overlap_round, block_size)}
+
+  def block_sizes(self):
+    return BLOCKS
+
+  def step_kinds(self):
+    from recguide_jax.runner import fused_kind
+    return ("prefill", "draft", "verify", fused_kind(self.overlap_slots), "gverify")
+
+  # ---- costs ---------------------------------------------------------------------------------------------------------
+  def _profiled_round_cost(self, kind: str, blk: int, concurrency: int) -> float:
+    """One round of `kind` for `concurrency` requests by the profile alone (device time of its forwards). Without
+    a profile: relative costs of a compute-bound device, a forward of n query tokens per request costing
+    (1 + n/32) / 2."""
+    prof, c = self.profile, concurrency
+    forward = lambda n: 0.5 * (1.0 + n / 32.0)  # noqa: E731
+    if kind == RoundKind.AR:
+      return forward(8) if prof is None else prof.ar_cost(c)
+    if kind == RoundKind.LINEAR:
+      return 2 * forward(blk) if prof is None else prof.cost(c, blk)
+    if kind in (RoundKind.OVERLAP, RoundKind.OVERLAP_DRAFT):
+      slots = self.overlap_slots
+      fused = forward((1 + slots) * blk) if prof is None else prof.fused_cost(c, blk, slots)
+      if kind == RoundKind.OVERLAP:
+        return fused
+      # the fused forward after a draft forward (no prefetched block to reuse)
+      return fused + (forward(blk) if prof is None else prof.forward_costs(c, blk)[0])
+    raise ValueError(f"no cost for round kind {kind!r}")
+
+  def _round_cost(self, kind: str, blk: int, concurrency: int) -> float:
+    if self.calibrate:
+      return self.calibrated.cost(kind, blk, concurrency)
+    return self._profiled_round_cost(kind, blk, concurrency)
+
+  def _linear_costs(self, concurrency: int) -> dict[int, float]:
+    return {b: self._round_cost(RoundKind.LINEAR, b, concurrency) for b in BLOCKS}
+
+  def round_cost(self, batch: int, block_size: int) -> float:
+    return self._round_cost(RoundKind.LINEAR, block_size, batch)
+
+  def observe_round(self, kind: str, block_size: int, rows: int, seconds: float) -> None:
+    if self.calibrate:
+      self.calibrated.clock.observe(kind, block_size, rows, seconds)
+
+  # ---- regime switch -------------------------------------------------------------------------------------------------
+  def expected_rates(self, concurrency: int) -> dict[str, float]:
+    """Tokens per unit time per request for each regime at this concurrency, keyed "ar", "linear<B>" (adaptive
+    B stands on its best block) and "overlap"."""
+    c = max(concurrency, 1)
+    return {key: self._rate(key, c, self._round_cost) for key in ("ar", *(f"linear{b}" for b in BLOCKS), "overlap")}
+
+  def _rate(self, rate_key: str, c: int, cost: Callable[[str, int, int], float]) -> float:
+    """One regime's expected tokens per unit time per request, with round costs from `cost(kind, B, rows)`."""
+    if rate_key == Regime.AR:
+      return 1.0 / cost(RoundKind.AR, 1, c)
+    if rate_key.startswith(Regime.LINEAR):
+      blk = int(rate_key[len(Regime.LINEAR):])
+      return self.stats.accepted[blk] / cost(RoundKind.LINEAR, blk, c)
+    blk = self.block_size
+    fused = cost(RoundKind.OVERLAP, blk, c)
+    with_draft = max(cost(RoundKind.OVERLAP_DRAFT, blk, c), fused)
+    return self.stats.overlap_accepted / (fused + (1 - self.stats.overlap_hit) * (with_draft - fused))
+
+  def regime(self, concurrency: int) -> Regime:
+    if self.fixed_regime:
+      return self.fixed_regime
+    if not self.switch:
+      return Regime.OVERLAP if (self.overlap and concurrency <= 1) else Regime.ADAPTIVE
+    rates = self.expected_rates(concurrency)
+    if not self.overlap:
+      rates.pop(Regime.OVERLAP)
+    # one rate per regime: adaptive B is as good as its best block size
+    basis: dict[Regime, str] = {}  # regime -> the rate it stands on
+    for key, rate in rates.items():
+      name = Regime.ADAPTIVE if key.startswith(Regime.LINEAR) else Regime(key)
+      if name not in basis or rate > rates[basis[name]]:
+        basis[name] = key
+    ranked = sorted(basis, key=lambda name: -rates[basis[name]])
+    if not self.calibrate or len(ranked) < 2:
+      return ranked[0]
+    return self._probe_or_best(ranked[0], ranked[1], basis, rates, max(concurrency, 1))
+
+  def _clock_key(self, rate_key: str, concurrency: int) -> tuple[str, int, int]:
+    """The measured round a regime's rate rests on."""
+    if rate_key == Regime.AR:
+      return (RoundKind.AR, 1, concurrency)
+    if rate_key == Regime.OVERLAP:
+      return (RoundKind.OVERLAP, self.block_size, concurrency)
+    return (RoundKind.LINEAR, int(rate_key[len(Regime.LINEAR):]), concurrency)
+
+  def _probe_or_best(self, best: str, runner_up: str, basis: dict, rates: dict, c: int) -> str:
+    """Re-measures a stale runner-up: when the best regime's cost was measured just now but the runner-up's is
+    stale (or was never measured) and the runner-up is estimated close enough to matter (>= `probe_margin` of the
+    best's rate), the runner-up runs for `min_samples` steps, so the two are compared in one state of the
+    machine. Without this a regime measured in a slow spell of a shared machine can lose the switch for good.
+    Probes are spaced so that they take at most `probe_budget` of the time (under high load a round of the
+    runner-up is long, so it is probed rarely). The margin test prices the runner-up also from fresh rounds only
+    (`CalibratedCosts.fresh_cost`) and takes the more promising price: a stale median from a cold start or a slow
+    spell must not keep a close regime from being re-measured."""
+    if self._probe is not None:
+      regime, left = self._probe
+      self._probe = (regime, left - 1) if left > 1 else None
+      return regime
+    clock = self.calibrated.clock
+    runner_key = self._clock_key(basis[runner_up], c)
+    if not clock.is_fresh(*self._clock_key(basis[best], c)) or clock.is_fresh(*runner_key):
+      return best
+    probe_s = clock.min_samples * self._round_cost(runner_key[0], runner_key[1], c) / 1e3
+    now = clock.now()
+    if now - self._last_probe_at < max(clock.stale_after_s, probe_s / self.probe_budget):
+      return best  # checked first: it is cheap, and most steps stop here
+
+    # the runner-up's estimate is stale: judge its promise also by what the machine's current state says about its
+    # kind (a median from a cold start or a slow spell must not keep it from being re-measured)
+    def current(kind, blk, rows):
+      cost, fresh = self._round_cost(kind, blk, rows), self.calibrated.fresh_cost(kind, blk, rows)
+      return cost if fresh is None else min(cost, fresh)
+    if self._rate(basis[runner_up], c, current) < self.probe_margin * rates[basis[best]]:
+      return best
+    self._last_probe_at = now
+    self.probes += 1
+    left = clock.min_samples - 1
+    self._probe = (runner_up, left) if left > 0 else None
+    return runner_up
+
+  # ---- per request ---------------------------------------------------------------------------------------------------
+  _eos: frozenset = frozenset()  # the engine's EOS ids, refreshed with the per-step memo
+
+  def on_admit(self, req) -> None:
+    req.strategy_state = RecGuideState()
+
+  @staticmethod
+  def state(req) -> RecGuideState:
+    """`req`'s RecGuide state (a fresh one for a request admitted under another strategy before a switch)."""
+    if not isinstance(req.strategy_state, RecGuideState):
+      req.strategy_state = RecGuideState()
+    return req.strategy_state
+
+  def _adaptive_block(self, req, concurrency: int, costs: dict[int, float] | None = None) -> int:
+    """`costs`: the LinearSS round cost per B at this concurrency when the caller has them (one step's
+    requests share them)."""
+    hist = self.state(req).history
+    if not self.adaptive:
+      return self.block_size
+    c = max(concurrency, 1)
+    if self.tables is not None and self._tables_priced_here:
+      # the paper's rule: rho is a price against the costs it was solved with, so the tables' own costs
+      return self.tables.next_block(c, hist)
+    if self.tables is not None:
+      # tables priced for other hardware (the bundled ones: the B200 table): their rho and costs would pick blocks
+      # for that device; keep their per-request value model and price with this policy's own (calibrated) costs
+      model = self.tables.value_model
+      values = (model.values(signals.signal_s(hist, model.window), signals.stratum(hist)) if hist
+                else model.values(None))
+    else:  # no fitted tables: the engine-wide online estimate of the accepted length per B
+      values = self.stats.accepted
+    if costs is None:
+      costs = self._linear_costs(c)
+    scores = {b: values[b] / costs[b] for b in BLOCKS}
+    return max(BLOCKS, key=lambda b: (scores[b], -b))
+
+  @property
+  def _tables_priced_here(self) -> bool:
+    """True when the tables' rho was solved against this policy's profile (same profile name)."""
+    return self.profile is not None and bool(self.profile.name) and self.tables.profile == self.profile.name
+
+  def plan(self, req, view: StepView) -> RoundPlan:
+    concurrency = view.decoding
+    # the regime depends only on the load and engine-wide estimates: decide it once per engine step, not per
+    # request (per-request Python work showed up as a few % of an AR step at high concurrency)
+    key = (view.step, concurrency)
+    if self._regime_memo[0] != key:
+      self._regime_memo = (key, self.regime(concurrency))
+      self._eos = view.eos_token_ids
+      self._step_costs = None
+    regime = self._regime_memo[1]
+    greedy = req.params.temperature <= 0
+    if regime == Regime.OVERLAP and not greedy:
+      regime = Regime.ADAPTIVE  # the reuse rules assume greedy matching
+    self.regime_counts[regime] += 1
+    if regime in self._plans:  # overlap, ar, linear (the fixed B)
+      return self._plans[regime]
+    if self._step_costs is None:
+      self._step_costs = self._linear_costs(max(concurrency, 1))
+    return RoundPlan(rounds.LINEAR, self._adaptive_block(req, concurrency, self._step_costs))
+
+  def plan_branches(self, draft_signals: np.ndarray, blk: int, bounds: dict) -> list:
+    """One request's branches from its draft signals [3, B]; `bounds` (generated, committed, max_new, max_len) are
+    what limits them this round (`OverlapRound.bounds`)."""
+    if self.planner == "expected_hit":
+      return ov.plan_expected_hit(draft_signals, blk, max_branches=self.overlap_slots,
+                                  prefix_exponent=self.prefix_exponent, **bounds)
+    return ov.plan_branches(ov.analyze(draft_signals, self.delta), blk, components=self.components, **bounds)
+
+  def observe(self, req, block_size: int, accepted: int, result, row: int) -> None:
+    state = self.state(req)
+    # a prefetched overlap branch is a draft for the round right after the one that made it: any verification,
+    # of whatever kind, moves the committed state past it (the overlap round stores its new one after this call)
+    state.prefetched = None
+    if block_size <= 1:
+      return
+    cap = self.tables.head_cap if self.tables is not None else self.entropy_head_cap
+    # a set test on a short list: np.isin took ~0.1 ms per request and round, ~2% of a C = 1 round on a CPU
+    eos = not self._eos.isdisjoint(result.tokens[row, :accepted].tolist())
+    state.history.append(signals.make_record(result.entropy[row], accepted, block_size, eos=eos, head_cap=cap))
+    if len(state.history) > HISTORY:
+      del state.history[0]
+    if not self.overlap_round.running and block_size in BLOCKS:
+      self.stats.observe_linear(block_size, accepted)
+
+  def observe_overlap(self, req, accepted: int, hit: bool) -> None:
+    self.stats.observe_overlap(accepted, hit)
+
+
+RecGuidePolicy = RecGuideStrategy  # earlier name

@@ -1,0 +1,227 @@
+"""What a request is, apart from the engine that serves it: `SamplingParams` (vLLM's names and defaults, with
+the validation that names the offending field), `Request` and its `RequestStats`, the errors a request can end
+in, and the conversion of a request's sampling fields to the batch's host array types. numpy only: the server
+validates requests with this module without importing the engine or jax."""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import time
+from typing import Any, Callable, Sequence
+
+import numpy as np
+
+MAX_TOP_LOGPROBS = 5
+# Bounds of the request fields that are not bounded by the model (vocabulary, max_model_len). Each one keeps a value
+# inside the host array type it is written to, or a per-token cost (stop strings are searched in the decoded text of
+# every step) small.
+SEED_RANGE = (-2**63, 2**63 - 1)  # vLLM's: a signed 64-bit integer; folded to the 32-bit key word (`fold_seed`)
+MAX_TEMPERATURE = 100.0
+# vLLM's clamp: 0 < temperature < 0.01 samples at 0.01, so logits / temperature cannot overflow float32 (a denormal
+# temperature would turn the softmax into NaN)
+MIN_TEMPERATURE = 1e-2
+MAX_STOP_STRINGS = 16
+MAX_STOP_CHARS = 256  # per stop string: held-back stream tails are checked against every prefix of every stop
+MAX_STOP_TOKEN_IDS = 256
+
+def describe(value, limit: int = 40) -> str:
+  """A short, always-encodable rendering of a client-supplied value for an error message: ASCII escapes instead of
+  lone surrogates or other odd characters, no int-to-str conversion of huge integers, capped length."""
+  if isinstance(value, int) and not isinstance(value, bool) and value.bit_length() > 128:
+    return f"an integer of {value.bit_length()} bits"
+  if isinstance(value, (str, int, float, bool)) or value is None:
+    text = ascii(value)
+  else:
+    text = f"a value of type {type(value).__name__}"
+  return text if len(text) <= limit else text[:limit - 3] + "..."
+
+
+def fold_seed(seed: int) -> int:
+  """A request seed (any integer in SEED_RANGE) -> the 32-bit word of its sampling keys. Seeds in [0, 2^32) are
+  used as they are (their sampled streams do not change); a larger or negative seed goes through the splitmix64
+  finaliser of its 64-bit two's complement, so every one of its bits counts and neighbours do not collide in a
+  pattern (a plain xor of the halves maps -1 and 2^32 + 1 onto 0)."""
+  s = int(seed)
+  if 0 <= s < 2**32:
+    return s
+  mask = 0xFFFFFFFFFFFFFFFF
+  u = s & mask
+  u = ((u ^ (u >> 30)) * 0xBF58476D1CE4E5B9) & mask
+  u = ((u ^ (u >> 27)) * 0x94D049BB133111EB) & mask
+  return (u ^ (u >> 31)) & 0xFFFFFFFF
+
+
+@dataclasses.dataclass(frozen=True)
+class SamplingRow:
+  """One request's row of the batch's sampling arrays, converted to their dtypes once, when the request is added,
+  so a value that does not fit fails that request alone instead of the batch it would join."""
+  temperature: np.float32
+  top_k: np.int32
+  top_p: np.float32
+  seed: np.uint32
+
+
+def sampling_row(params: "SamplingParams", rng_seed: int) -> SamplingRow:
+  """Raises RequestError (naming the field) if a value does not fit its array type; silent float overflow counts."""
+  temperature = float(params.temperature)
+  if 0 < temperature < MIN_TEMPERATURE:
+    temperature = MIN_TEMPERATURE
+  fields = {"temperature": (temperature, np.float32), "top_k": (max(int(params.top_k), 0), np.int32),
+            "top_p": (float(params.top_p), np.float32), "seed": (int(rng_seed), np.uint32)}
+  out = {}
+  for name, (value, dtype) in fields.items():
+    info = np.finfo(dtype) if np.issubdtype(dtype, np.floating) else np.iinfo(dtype)
+    if not (info.min <= value <= info.max) or (isinstance(value, float) and not np.isfinite(value)):
+      raise RequestError(f"{name} {describe(value)} does not fit the engine's {np.dtype(dtype).name} array", name)
+    out[name] = dtype(value)
+  return SamplingRow(**out)
+
+
+class RequestError(ValueError):
+  """A request that can never be served (bad parameters, prompt too long); `param` names the offending field."""
+
+  def __init__(self, message: str, param: str | None = None, code: int = 400):
+    super().__init__(message)
+    self.param = param
+    self.code = code
+
+
+class QueueFull(RequestError):
+
+  def __init__(self, message: str):
+    super().__init__(message, None, 429)
+
+
+@dataclasses.dataclass
+class SamplingParams:
+  """Per-request sampling parameters (vLLM-shaped names and defaults)."""
+  max_tokens: int = 16
+  temperature: float = 1.0
+  top_p: float = 1.0
+  top_k: int = 0  # 0 or -1: off
+  seed: int | None = None
+  stop: str | Sequence[str] | None = None
+  stop_token_ids: Sequence[int] | None = None
+  logprobs: int | None = None  # number of top logprobs per token (0: only the chosen token's)
+  ignore_eos: bool = False
+
+  def validate(self, vocab_size: int | None = None) -> "SamplingParams":
+    """Checks every field's type and range (the ranges its host array type and the model allow); raises
+    RequestError naming the field. Booleans are not integers here (`True` is no max_tokens)."""
+    def bad(field, msg):
+      raise RequestError(f"{field} {msg}", field)
+
+    def is_int(v):
+      return isinstance(v, (int, np.integer)) and not isinstance(v, (bool, np.bool_))
+
+    def is_number(v):
+      return is_int(v) or (isinstance(v, (float, np.floating)) and not isinstance(v, bool))
+
+    if not is_int(self.max_tokens) or self.max_tokens <= 0:
+      bad("max_tokens", f"must be a positive integer, got {describe(self.max_tokens)}")
+    if not is_number(self.temperature) or not 0 <= self.temperature <= MAX_TEMPERATURE:  # NaN fails too
+      bad("temperature", f"must be a finite number in [0, {MAX_TEMPERATURE:g}], got {describe(self.temperature)}")
+    if not is_number(self.top_p) or not 0 < self.top_p <= 1:
+      bad("top_p", f"must be in (0, 1], got {describe(self.top_p)}")
+    top_k_max = vocab_size if vocab_size is not None else np.iinfo(np.int32).max
+    if not is_int(self.top_k) or not -1 <= self.top_k <= top_k_max:
+      bad("top_k", f"must be -1 or 0 (off) or an integer in [1, {top_k_max}] (the vocabulary size), got "
+          f"{describe(self.top_k)}")
+    if self.seed is not None and (not is_int(self.seed) or not SEED_RANGE[0] <= self.seed <= SEED_RANGE[1]):
+      bad("seed", f"must be an integer in [-2^63, 2^63 - 1], got {describe(self.seed)}")
+    if self.logprobs is not None and (not is_int(self.logprobs) or not 0 <= self.logprobs <= MAX_TOP_LOGPROBS):
+      bad("logprobs", f"must be an integer in [0, {MAX_TOP_LOGPROBS}], got {describe(self.logprobs)}")
+    if not isinstance(self.ignore_eos, (bool, np.bool_)):
+      bad("ignore_eos", f"must be a boolean, got {describe(self.ignore_eos)}")
+    if self.stop is not None and not isinstance(self.stop, (str, list, tuple)):
+      bad("stop", f"must be a string or a list of strings, got {describe(self.stop)}")
+    stops = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+    if len(stops) > MAX_STOP_STRINGS:
+      bad("stop", f"holds {len(stops)} stop strings, at most {MAX_STOP_STRINGS} are allowed")
+    for s in stops:
+      if not isinstance(s, str) or not s:
+        bad("stop", f"must be a non-empty string or a list of non-empty strings, got {describe(s)}")
+      if len(s) > MAX_STOP_CHARS:
+        bad("stop", f"strings must be at most {MAX_STOP_CHARS} characters, got one of {len(s)}")
+    if self.stop_token_ids is not None and not isinstance(self.stop_token_ids, (list, tuple)):
+      bad("stop_token_ids", f"must be a list of token ids, got {describe(self.stop_token_ids)}")
+    ids = list(self.stop_token_ids or [])
+    if len(ids) > MAX_STOP_TOKEN_IDS:
+      bad("stop_token_ids", f"holds {len(ids)} ids, at most {MAX_STOP_TOKEN_IDS} are allowed")
+    for t in ids:
+      if not is_int(t) or t < 0 or (vocab_size is not None and t >= vocab_size):
+        bad("stop_token_ids", f"holds an invalid token id {describe(t)}"
+            + (f" (the vocabulary is [0, {vocab_size}))" if vocab_size is not None else ""))
+    return self
+
+  @property
+  def stop_strings(self) -> list[str]:
+    return [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+
+
+class Forward(enum.StrEnum):
+  """The device forwards a request's stats count (the keys of `RequestStats.forwards`, and of the engine's forward
+  ledger together with the runner's fused kinds); str-valued, so the stats keep their JSON shape."""
+  PREFILL = "prefill"
+  DRAFT = "draft"
+  VERIFY = "verify"
+  DECODE = "decode"  # one AR token
+  DENOISE = "denoise"  # one step of a diffusion block's denoise loop
+  COMMIT = "commit"  # the causal forward that commits a denoised block's K/V
+
+
+@dataclasses.dataclass
+class RequestStats:
+  rounds: int = 0
+  accepted_lengths: list[int] = dataclasses.field(default_factory=list)
+  block_sizes: list[int] = dataclasses.field(default_factory=list)
+  forwards: dict[str, int] = dataclasses.field(default_factory=lambda: {str(k): 0 for k in Forward})
+  overlap: dict[str, int] = dataclasses.field(default_factory=dict)  # RecGuide branch outcomes
+  draft_tokens: int = 0  # draft tokens offered to the verifier
+  accepted_draft_tokens: int = 0
+  ttft_s: float | None = None
+  latency_s: float | None = None
+  queue_s: float | None = None  # arrival -> admitted to the running batch (vLLM's queue time)
+
+  @property
+  def decode_forwards(self) -> int:
+    return sum(v for k, v in self.forwards.items() if k != "prefill")
+
+  def as_dict(self) -> dict:
+    d = dataclasses.asdict(self)
+    d["decode_forwards"] = self.decode_forwards
+    d["mean_accepted_length"] = (float(np.mean(self.accepted_lengths)) if self.accepted_lengths else 0.0)
+    return d
+
+
+@dataclasses.dataclass
+class Request:
+  request_id: str
+  prompt_ids: list[int]
+  params: SamplingParams
+  arrival: float = dataclasses.field(default_factory=time.perf_counter)
+  output_ids: list[int] = dataclasses.field(default_factory=list)
+  logprobs: list[dict] = dataclasses.field(default_factory=list)
+  finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
+  error: str | None = None
+  stats: RequestStats = dataclasses.field(default_factory=RequestStats)
+  on_update: Callable[["Request", list[int]], None] | None = None
+  # engine state
+  prefilled: int = 0  # prompt tokens whose K/V are in the cache
+  seed_token: int | None = None  # emitted, not yet cached
+  rng_seed: int = 0  # the 32-bit key word (fold_seed of the request's seed)
+  round_counter: int = 0
+  sampling: SamplingRow | None = None  # this request's sampling-array row, converted when it was added
+  text: str | None = None  # set when finished (cut before a stop string if one matched)
+  # the engine's incremental text of the output while stop strings are checked (`engine.output.StopText`)
+  stop_text: Any = None
+  error_code: int | None = None
+  # the decoding strategy's own typed state for this request (set by its `on_admit`; the engine never reads it)
+  strategy_state: Any = None
+
+  @property
+  def finished(self) -> bool:
+    return self.finish_reason is not None
+
+

@@ -1,0 +1,126 @@
+"""Compilation bookkeeping: the process-wide compile counter behind `compiles_after_warmup` (the guard that no
+request ever waits on a compile), the persistent compilation cache, and the background compiler that builds the
+variants a server can start without.
+
+Compiles that run on the background compiler's thread are not counted: they are planned work, not a request
+waiting. Everything else that compiles after warm-up is.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import queue
+import threading
+from typing import Callable, Hashable, Iterable
+
+import jax
+
+log = logging.getLogger(__name__)
+
+_background = threading.local()
+
+
+class CompileCounter:
+  """Counts backend compilations process-wide, except those on a background compiler's thread."""
+
+  _lock = threading.Lock()
+  _total = 0
+  _background_total = 0
+  _installed = False
+
+  @classmethod
+  def install(cls) -> None:
+    with cls._lock:
+      if cls._installed:
+        return
+      cls._installed = True
+
+      def listener(event: str, duration: float, **kwargs) -> None:
+        del duration, kwargs
+        # jax reports this event on the thread that compiled, so the thread-local flag tells the two apart
+        if event == "/jax/core/compile/backend_compile_duration":
+          with cls._lock:
+            if getattr(_background, "active", False):
+              cls._background_total += 1
+            else:
+              cls._total += 1
+
+      jax.monitoring.register_event_duration_secs_listener(listener)
+
+  @classmethod
+  def total(cls) -> int:
+    """Compiles outside background compilers (what can have made a caller wait)."""
+    return cls._total
+
+  @classmethod
+  def background_total(cls) -> int:
+    return cls._background_total
+
+
+def enable_compile_cache(directory: str | None) -> None:
+  """Persistent XLA compilation cache, so a restart reuses the previous run's executables."""
+  if not directory:
+    return
+  os.makedirs(directory, exist_ok=True)
+  jax.config.update("jax_compilation_cache_dir", directory)
+  jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+  jax.config.update("jax_persistent_cache_min_entry_size_bytes", -1)
+
+
+class BackgroundCompiler:
+  """Compiles queued variants one at a time on a daemon thread, so a server answers while the variants it can
+  do without (smaller batch buckets) are still being built; each finished one is handed to `on_done`. One thread:
+  it takes at most one core from the steps that serve. A daemon, so a process never waits on it to exit; `stop`
+  drops what is still queued."""
+
+  def __init__(self, compile_one: Callable[[Hashable], None], on_done: Callable[[Hashable], None]):
+    self._compile_one = compile_one
+    self._on_done = on_done
+    self._queue: queue.Queue = queue.Queue()
+    self._stopped = threading.Event()
+    self._idle = threading.Event()
+    self._idle.set()
+    self._pending = 0
+    self._lock = threading.Lock()
+    self.failures: dict[Hashable, str] = {}
+    self._thread = threading.Thread(target=self._loop, name="background-compile", daemon=True)
+    self._thread.start()
+
+  def submit(self, keys: Iterable[Hashable]) -> None:
+    for key in keys:
+      with self._lock:
+        self._pending += 1
+        self._idle.clear()
+      self._queue.put(key)
+
+  @property
+  def pending(self) -> int:
+    return self._pending
+
+  def wait(self, timeout: float | None = None) -> bool:
+    """Blocks until everything submitted is compiled (or dropped); False on timeout."""
+    return self._idle.wait(timeout)
+
+  def stop(self) -> None:
+    self._stopped.set()
+    self._queue.put(None)
+
+  def _loop(self) -> None:
+    _background.active = True
+    while True:
+      key = self._queue.get()
+      if key is None:
+        return
+      try:
+        if not self._stopped.is_set():
+          self._compile_one(key)
+          self._on_done(key)
+      except Exception as e:  # a variant that fails to compile stays unrouted; the server keeps the rest
+        self.failures[key] = f"{type(e).__name__}: {e}"
+        log.exception("background compile of %s failed", key)
+      finally:
+        with self._lock:
+          self._pending -= 1
+          if self._pending == 0:
+            self._idle.set()

@@ -1,0 +1,377 @@
+"""The runner: owns the model state, the device KV cache and the compiled step variants, and runs them.
+
+One compiled variant per `StepKey` (kind, block, batch bucket, branch slots), all with static shapes. The host
+pads a batch to its bucket (padding rows use the trash page and never write real pages) and only reads small
+results back (tokens, accepted lengths, logprobs); logits and draft distributions stay on the device. Every
+device call goes through `execute`, the one point a multi-host leader mirrors to its followers.
+
+Start-up: the layers are one scanned module, so a variant's compile time does not grow with depth; `warmup`
+compiles variants concurrently (XLA compiles outside the GIL), and with `background` it compiles only the largest
+batch bucket of each variant before returning (every batch fits it) and builds the smaller buckets on a
+background thread; `bucket_for` routes a batch to the smallest bucket that is ready, so no request waits on a
+compile.
+
+With a mesh, every variant is jitted with explicit shardings: the state's own, the cache's (`cache_sharding`), and
+replicated small host inputs and results.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import dataclasses
+import math
+import os
+import threading
+import time
+from typing import Any, Callable, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from recguide_jax import sampling, sharding
+from recguide_jax.kv_cache import KVCache
+from recguide_jax.model import NLDModel
+from recguide_jax.runtime.compilation import BackgroundCompiler, CompileCounter, enable_compile_cache
+from recguide_jax.runtime.step_key import (BLOCK_SIZES, StepKey, StepKind, batch_buckets, kind_label,
+                                           parse_kind_label)
+from recguide_jax.runtime.steps import SamplingArrays, StepFunctions, example_host_args
+
+MAX_COMPILE_WORKERS = 8  # default bound on concurrent variant compiles in `Runner.warmup`
+
+
+@dataclasses.dataclass(frozen=True)
+class RunnerConfig:
+  num_pages: int = 512
+  page_size: int = 16
+  max_model_len: int = 1024
+  max_batch: int = 8
+  block_sizes: tuple[int, ...] = BLOCK_SIZES
+  prefill_chunk: int = 64
+  rule: str = "leviathan"
+  compile_cache_dir: str | None = None
+  # warm up only the largest batch bucket and compile the smaller ones on a background thread (see module doc)
+  background_compile: bool = False
+
+  def __post_init__(self):
+    for name in ("num_pages", "page_size", "max_model_len", "max_batch", "prefill_chunk"):
+      if getattr(self, name) <= 0:
+        raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+    if self.rule not in sampling.RULES:
+      raise ValueError(f"rule must be one of {sampling.RULES}, got {self.rule!r}")
+    bad = [b for b in self.block_sizes if b < 2]
+    if bad:
+      raise ValueError(f"block sizes must be >= 2, got {bad}")
+
+  @property
+  def max_block(self) -> int:
+    return max(self.block_sizes + (self.prefill_chunk,))
+
+  @property
+  def pages_per_seq(self) -> int:
+    # A verify may write up to one block past the last emitted token, so leave room for it.
+    return math.ceil((self.max_model_len + self.max_block) / self.page_size)
+
+
+@dataclasses.dataclass
+class VerifyResult:
+  accepted: np.ndarray  # [b]
+  tokens: np.ndarray  # [b, B]
+  logprobs: np.ndarray  # [b, B]
+  top_logprobs: np.ndarray  # [b, B, K]
+  top_ids: np.ndarray  # [b, B, K]
+  entropy: np.ndarray  # [b, B] verifier entropy per position (nats, mask excluded)
+  draft_tokens: np.ndarray | None = None  # [b, B] filled by the engine for linear rounds
+  draft_signals: np.ndarray | None = None  # [b, 3, B]
+
+
+def _spec_of(x) -> jax.ShapeDtypeStruct:
+  return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=getattr(x, "sharding", None))
+
+
+class Runner:
+  """Owns the params, the device KV cache and the compiled step variants.
+
+  With an abstract model (from `nnx.eval_shape`, weights as `jax.ShapeDtypeStruct`s; see `Runner.abstract`) the
+  cache is abstract too: such a runner lowers and compiles every variant at real shapes without allocating the
+  weights or the cache, and cannot run them (compile benchmarks, memory planning).
+
+  `mesh`: run every step inside it with explicit shardings; place the model state on it first (its leaves'
+  shardings are the weights' in_shardings). `cache_sharding`: the KV pages' sharding (default: with the weights'
+  devices, replicated over a mesh)."""
+
+  def __init__(self, model: NLDModel, config: RunnerConfig = RunnerConfig(), mesh: Mesh | None = None,
+               cache_sharding: jax.sharding.Sharding | None = None):
+    CompileCounter.install()
+    enable_compile_cache(config.compile_cache_dir)
+    self.cfg = model.cfg
+    self.config = config
+    self.mesh = mesh
+    self.graphdef, self.state = nnx.split(model)
+    self.steps = StepFunctions(self.cfg, self.graphdef, config.rule)
+    embedding = jax.tree.leaves(nnx.state(model.embed_tokens, nnx.Param))[0]
+    if cache_sharding is None and mesh is not None:
+      cache_sharding = NamedSharding(mesh, PartitionSpec())
+    cache_args = (self.cfg.num_hidden_layers, config.num_pages, config.page_size, self.cfg.num_key_value_heads,
+                  self.cfg.head_dim, embedding.dtype)
+    if isinstance(embedding, jax.ShapeDtypeStruct):
+      self.cache = KVCache.abstract(*cache_args, sharding=cache_sharding or embedding.sharding)
+    else:
+      # the cache lives with the weights (the devices the checkpoint was restored onto) unless told otherwise
+      placed = isinstance(embedding, jax.Array) and not isinstance(embedding, jax.core.Tracer)
+      self.cache = KVCache.create(*cache_args, sharding=cache_sharding or (embedding.sharding if placed else None))
+    # what a variant is lowered against: shapes, dtypes and shardings only (never the live arrays, which a step
+    # running concurrently with a background compile may have donated)
+    self._state_spec = jax.tree.map(_spec_of, self.state)
+    self._cache_spec = jax.tree.map(_spec_of, self.cache)
+    self.buckets = batch_buckets(config.max_batch)
+    self._compiled: dict[StepKey, Any] = {}
+    self._compiled_lock = threading.Lock()
+    self._planned: set[StepKey] = set()  # variants warm-up promised; a bucket is routed to once all of its are built
+    self._ready_buckets: set[int] = set(self.buckets)
+    self._background: BackgroundCompiler | None = None
+    self._compiles_at_warmup: int | None = None
+    self.before_execute: Callable[[StepKey, tuple], None] | None = None  # multi-host leader: mirror each call
+    self.lock = threading.Lock()
+
+  @classmethod
+  def abstract(cls, cfg, config: RunnerConfig = RunnerConfig(), dtype=jnp.bfloat16, **kwargs) -> "Runner":
+    """A runner over abstract weights and an abstract cache of `cfg` in `dtype` (nothing is allocated)."""
+    model = nnx.eval_shape(lambda: NLDModel(cfg, dtype=dtype, param_dtype=dtype))
+    return cls(model, config, **kwargs)
+
+  # ---- bookkeeping ---------------------------------------------------------------------------------------------
+  def bucket_for(self, n: int) -> int:
+    """The smallest batch bucket that holds `n` rows and whose variants are all built (with a background compile
+    still running, a larger bucket than needed: padding rows cost compute, never a wait)."""
+    fits = [b for b in self.buckets if b >= n]
+    if not fits:
+      raise ValueError(f"batch of {n} exceeds max_batch {self.config.max_batch}")
+    for b in fits:
+      if b in self._ready_buckets:
+        return b
+    return fits[-1]
+
+  @property
+  def compiles_after_warmup(self) -> int:
+    if self._compiles_at_warmup is None:
+      return 0
+    return CompileCounter.total() - self._compiles_at_warmup
+
+  @property
+  def background_pending(self) -> int:
+    """Variants still queued or compiling on the background compiler."""
+    return self._background.pending if self._background is not None else 0
+
+  def wait_background(self, timeout: float | None = None) -> bool:
+    """Blocks until the background compiler has built everything queued; False on timeout."""
+    return self._background.wait(timeout) if self._background is not None else True
+
+  def mark_warm(self) -> None:
+    self._compiles_at_warmup = CompileCounter.total()
+
+  def close(self) -> None:
+    """Drops queued background compiles (the one in flight finishes on its daemon thread)."""
+    if self._background is not None:
+      self._background.stop()
+
+  # ---- compilation -------------------------------------------------------------------------------------------------
+  @staticmethod
+  def _key(key: StepKey | str, blk: int | None = None, b: int | None = None) -> StepKey:
+    """A `StepKey`, or (kind label, block, batch) as earlier releases passed them."""
+    if isinstance(key, StepKey):
+      return key
+    return StepKey.parse(key, blk, b)
+
+  def _jit(self, key: StepKey, host_args: tuple):
+    fn = self.steps.build(key)
+    donate = (1,) if key.kind.writes_cache else ()
+    if self.mesh is None:
+      return jax.jit(fn, donate_argnums=donate)
+    replicated = NamedSharding(self.mesh, PartitionSpec())
+    placed = lambda spec: spec.sharding if isinstance(spec.sharding, NamedSharding) else replicated
+    state_sh = jax.tree.map(placed, self._state_spec)
+    cache_sh = jax.tree.map(placed, self._cache_spec)
+    in_sh = (state_sh, cache_sh) + tuple(replicated for _ in host_args)
+    with sharding.mesh_context(self.mesh):
+      outs = jax.eval_shape(fn, self._state_spec, self._cache_spec, *host_args)
+    out_sh = jax.tree.map(lambda _: replicated, outs)
+    if key.kind.writes_cache:
+      out_sh = (cache_sh,) + tuple(out_sh[1:])
+    return jax.jit(fn, in_shardings=in_sh, out_shardings=out_sh, donate_argnums=donate)
+
+  def lower(self, key: StepKey | str, blk: int | None = None, b: int | None = None):
+    """The lowered (not yet compiled) variant: its HLO and, once compiled, its memory analysis."""
+    key = self._key(key, blk, b)
+    host = example_host_args(key, self.config.pages_per_seq, self.cfg.vocab_size)
+    jitted = self._jit(key, host)
+    with sharding.mesh_context(self.mesh):  # traced inside the mesh: activation constraints, per-shard kernels
+      return jitted.lower(self._state_spec, self._cache_spec, *host)
+
+  def compiled(self, key: StepKey | str, blk: int | None = None, b: int | None = None):
+    key = self._key(key, blk, b)
+    fn = self._compiled.get(key)
+    if fn is None:
+      fn = self.lower(key).compile()
+      with self._compiled_lock:
+        fn = self._compiled.setdefault(key, fn)
+    return fn
+
+  def variants(self, kinds: Sequence[str | StepKind], block_sizes: tuple[int, ...] | None = None) -> list[StepKey]:
+    """Every variant the given step kinds (labels such as "fused2" allowed) need for `block_sizes` (default: the
+    configured ones), for every batch bucket."""
+    sizes = self.config.block_sizes if block_sizes is None else block_sizes
+    parsed = [parse_kind_label(k) for k in kinds]
+    kind_set = {k for k, _ in parsed}
+    fused_slots = [s for k, s in parsed if k == StepKind.FUSED]
+    out: list[StepKey] = []
+    for b in self.buckets:
+      if StepKind.PREFILL in kind_set:
+        out.append(StepKey(StepKind.PREFILL, self.config.prefill_chunk, b))
+      if StepKind.VERIFY in kind_set:
+        out.append(StepKey(StepKind.DECODE, 1, b))  # AR decode, the regime every speculative policy may fall back to
+      for blk in sizes:
+        for kind in (StepKind.DRAFT, StepKind.VERIFY, StepKind.DENOISE, StepKind.GVERIFY):
+          if kind in kind_set:
+            out.append(StepKey(kind, blk, b))
+        for slots in fused_slots:
+          out.append(StepKey(StepKind.FUSED, blk, b, slots))
+        if StepKind.DENOISE in kind_set:
+          out.append(StepKey(StepKind.PREFILL, blk, b))  # commits a denoised block
+    return list(dict.fromkeys(out))
+
+  def warmup(self, kinds=("prefill", "draft", "verify"), block_sizes: tuple[int, ...] | None = None,
+             progress: bool = True, workers: int | None = None,
+             background: bool | None = None) -> dict[StepKey, float]:
+    """Compiles every variant `kinds` x `block_sizes` needs, `workers` at a time (default: one per CPU core, at most
+    `MAX_COMPILE_WORKERS`, which bounds the host memory of concurrent compiles on large VMs): the Python tracing of
+    one variant overlaps the XLA compilation of others, which runs outside the GIL. With `background` (default:
+    the config's `background_compile`) only the largest batch bucket is compiled here and the rest is queued on
+    the background compiler, smallest bucket first. Returns the seconds each variant compiled here took from its
+    start (what was already compiled is skipped). Everything compiled after this, other than the background
+    compiler's queue, counts in `compiles_after_warmup`."""
+    background = self.config.background_compile if background is None else background
+    planned = self.variants(kinds, block_sizes)
+    with self._compiled_lock:
+      self._planned.update(planned)
+    todo = [v for v in planned if v not in self._compiled]
+    later: list[StepKey] = []
+    if background:
+      top = self.buckets[-1]
+      later = sorted((v for v in todo if v.batch != top), key=lambda v: v.batch)
+      todo = [v for v in todo if v.batch == top]
+    self._refresh_ready()
+    seconds = self._compile_now(todo, progress, workers)
+    self._refresh_ready()
+    self.mark_warm()
+    if later:
+      if self._background is None:
+        self._background = BackgroundCompiler(self.compiled, lambda key: self._refresh_ready())
+      self._background.submit(later)
+    return seconds
+
+  def _refresh_ready(self) -> None:
+    """A bucket is routable once every planned variant of it is compiled."""
+    with self._compiled_lock:
+      missing = {v.batch for v in self._planned if v not in self._compiled}
+      self._ready_buckets = set(self.buckets) - missing
+
+  def _compile_now(self, todo: list[StepKey], progress: bool, workers: int | None) -> dict[StepKey, float]:
+    seconds: dict[StepKey, float] = {}
+    if not todo:
+      return seconds
+    bar = None
+    if progress:
+      from tqdm import tqdm
+      bar = tqdm(total=len(todo), desc="compiling step variants", unit="variant")
+
+    def compile_one(v):
+      t0 = time.perf_counter()
+      self.compiled(v)
+      return v, time.perf_counter() - t0
+
+    workers = max(1, min(len(todo), workers or min(os.cpu_count() or 1, MAX_COMPILE_WORKERS)))
+    try:
+      with concurrent.futures.ThreadPoolExecutor(workers, thread_name_prefix="compile") as pool:
+        for fut in concurrent.futures.as_completed([pool.submit(compile_one, v) for v in todo]):
+          v, dt = fut.result()  # re-raises a failed compile here
+          seconds[v] = dt
+          if bar is not None:
+            bar.update()
+    finally:
+      if bar is not None:
+        bar.close()
+    return seconds
+
+  # ---- execution -------------------------------------------------------------------------------------------------
+  def execute(self, key: StepKey, host_args: tuple) -> tuple:
+    """Runs variant `key` on (state, cache, *host_args); a step that writes K/V replaces the cache (the old one
+    is donated). Returns the step's other outputs as device arrays. `host_args` are numpy arrays, except the
+    draft distributions a VERIFY takes, which a DRAFT returned on the device."""
+    if self.before_execute is not None:
+      self.before_execute(key, host_args)
+    fn = self.compiled(key)
+    outs = fn(self.state, self.cache, *host_args)
+    if key.kind.writes_cache:
+      self.cache, outs = outs[0], outs[1:]
+    return tuple(outs)
+
+  # ---- calls (host arrays in, host arrays out) ---------------------------------------------------------------------
+  def prefill(self, tokens, valid, prefix_len, page_table, last_idx, samp: SamplingArrays):
+    b, chunk = tokens.shape
+    outs = self.execute(StepKey(StepKind.PREFILL, chunk, b),
+                        (tokens, valid, prefix_len, page_table, last_idx) + samp.args())
+    return jax.device_get(outs)  # one device->host transfer for all results: (tokens, lp, top_lp, top_ids)
+
+  def draft(self, seed, prefix_len, page_table, blk: int, samp: SamplingArrays):
+    """Returns device arrays: draft tokens [b, B], their distributions [b, B, V] (for `verify`) and the draft
+    signals [b, 3, B] (confidence, top-1/top-2 margin, runner-up token)."""
+    return self.execute(StepKey(StepKind.DRAFT, blk, seed.shape[0]), (seed, prefix_len, page_table) + samp.args())
+
+  def verify(self, tokens, q, write, prefix_len, page_table, samp: SamplingArrays) -> VerifyResult:
+    b, blk = tokens.shape
+    if q is None:  # AR decode: nothing to accept; its variant takes no draft distribution at all
+      if blk != 1:
+        raise ValueError("verify without draft distributions is only AR decode (block of 1)")
+      outs = self.execute(StepKey(StepKind.DECODE, 1, b), (tokens, write, prefix_len, page_table) + samp.args())
+    else:
+      outs = self.execute(StepKey(StepKind.VERIFY, blk, b),
+                          (tokens, q, write, prefix_len, page_table) + samp.args())
+    return VerifyResult(*jax.device_get(outs))
+
+  def fused(self, tokens, positions, mask, lora, write, prefix_len, page_table, samp: SamplingArrays, blk: int):
+    """Greedy verify of tokens[:, :blk] plus the tree's branch drafts (qn = (1 + slots) B query tokens). Returns
+    (VerifyResult, branch tokens [b, slots, B] or None, branch signals [b, slots, 3, B] or None)."""
+    b, qn = tokens.shape
+    if qn % blk:
+      raise ValueError(f"a fused tree holds whole blocks: {qn} query tokens at block {blk}")
+    slots = qn // blk - 1
+    key = StepKey(StepKind.FUSED, blk, b, slots) if slots else StepKey(StepKind.GVERIFY, blk, b)
+    outs = self.execute(key, (tokens, positions, mask, lora, write, prefix_len, page_table) + samp.args())
+    host = jax.device_get(outs)
+    res = VerifyResult(*host[:6])
+    if not slots:
+      return res, None, None
+    return res, host[6], host[7]
+
+  def denoise(self, seed, prefix_len, page_table, threshold, blk: int, samp: SamplingArrays, active):
+    outs = self.execute(StepKey(StepKind.DENOISE, blk, seed.shape[0]),
+                        (seed, prefix_len, page_table, threshold) + samp.args() + (active,))
+    return jax.device_get(outs)
+
+
+def fused_kind(slots: int) -> str:
+  """The step-kind label of a fused verify+branches forward with `slots` branch slots."""
+  if slots < 1:
+    raise ValueError(f"a fused forward needs at least one branch slot, got {slots}")
+  return kind_label(StepKind.FUSED, slots)
+
+
+def fused_slots(kind: str) -> int:
+  """Inverse of `fused_kind`."""
+  kind_enum, slots = parse_kind_label(kind)
+  if kind_enum != StepKind.FUSED:
+    raise ValueError(f"{kind!r} is not a fused step kind")
+  return slots

@@ -1,0 +1,103 @@
+"""What identifies one compiled step variant: its kind (an enum) and its static shapes, as a frozen, hashable,
+picklable key (it crosses processes when a multi-host leader tells its followers which step to run)."""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+
+from recguide_jax.config import BLOCK_SIZES  # noqa: F401  (re-exported: the block sizes variants are built for)
+
+# The step-kind string "fused" (no slot count) of earlier releases meant the paper's full tree of three branch
+# slots (P1, P2 and the continuation); `StepKey.parse` keeps reading it that way.
+LEGACY_FUSED_SLOTS = 3
+
+
+class StepKind(str, enum.Enum):
+  """A compiled step's kind. A str enum, so `StepKind.VERIFY == "verify"` and old string kinds keep working."""
+  PREFILL = "prefill"  # causal chunk: writes K/V of its valid tokens, samples the next token at each row's last one
+  DRAFT = "draft"  # bidirectional block [seed, MASK...] over the cached prefix, draft LoRA on; cache untouched
+  VERIFY = "verify"  # causal block: writes its K/V, speculative acceptance against the draft distributions
+  DECODE = "decode"  # plain AR decode: a verify of a block of 1 that takes no draft distribution
+  FUSED = "fused"  # greedy verify of a block plus `slots` tree branches drafted in the same forward
+  GVERIFY = "gverify"  # greedy verify of host-provided draft tokens (a fused forward with no branch slots)
+  DENOISE = "denoise"  # NLD's block-diffusion loop (confidence threshold) as one on-device while loop
+
+  @property
+  def writes_cache(self) -> bool:
+    return self not in (StepKind.DRAFT, StepKind.DENOISE)
+
+  def __str__(self) -> str:
+    return self.value
+
+
+@dataclasses.dataclass(frozen=True, order=True)
+class StepKey:
+  """One compiled variant: `kind` at query block `block` (the prefill chunk for PREFILL, 1 for DECODE), batch
+  bucket `batch`, and for FUSED its number of branch slots."""
+  kind: StepKind
+  block: int
+  batch: int
+  slots: int = 0
+
+  def __post_init__(self):
+    object.__setattr__(self, "kind", StepKind(self.kind))
+    if self.block < 1 or self.batch < 1:
+      raise ValueError(f"a step's block and batch must be positive: {self}")
+    if self.kind == StepKind.DECODE and self.block != 1:
+      raise ValueError(f"decode is a block of 1, got {self.block}")
+    if (self.kind == StepKind.FUSED) != (self.slots > 0):
+      raise ValueError(f"only a fused step has branch slots (and it has at least one): {self}")
+
+  @property
+  def query_tokens(self) -> int:
+    """Query tokens per row: the block plus the tree's branch blocks."""
+    return (1 + self.slots) * self.block
+
+  @property
+  def label(self) -> str:
+    """The step-kind label of logs, traces and cost tables ("verify", "fused", "fused2")."""
+    return kind_label(self.kind, self.slots)
+
+  @property
+  def name(self) -> str:
+    """"kind/block/batch", as reports and tables name a variant ("fused2/16/8")."""
+    return f"{self.label}/{self.block}/{self.batch}"
+
+  @classmethod
+  def parse(cls, kind: str | StepKind, block: int, batch: int) -> "StepKey":
+    """A key from a kind label ("fused2" = FUSED with 2 slots; "fused" = the full tree)."""
+    kind_enum, slots = parse_kind_label(kind)
+    return cls(kind_enum, block, batch, slots)
+
+
+def kind_label(kind: StepKind, slots: int = 0) -> str:
+  if kind == StepKind.FUSED:
+    return "fused" if slots == LEGACY_FUSED_SLOTS else f"fused{slots}"
+  return StepKind(kind).value
+
+
+def parse_kind_label(kind: str | StepKind) -> tuple[StepKind, int]:
+  """("fused2") -> (FUSED, 2); ("fused") -> (FUSED, 3); ("verify") -> (VERIFY, 0)."""
+  if isinstance(kind, StepKind):
+    return kind, (LEGACY_FUSED_SLOTS if kind == StepKind.FUSED else 0)
+  if kind.startswith("fused") and kind != "fused":
+    digits = kind[len("fused"):]
+    if not digits.isdigit() or int(digits) < 1:
+      raise ValueError(f"unknown step kind {kind!r}")
+    return StepKind.FUSED, int(digits)
+  try:
+    kind_enum = StepKind(kind)
+  except ValueError:
+    raise ValueError(f"unknown step kind {kind!r}; expected one of {[k.value for k in StepKind]} or fused<N>")
+  return kind_enum, (LEGACY_FUSED_SLOTS if kind_enum == StepKind.FUSED else 0)
+
+
+def batch_buckets(max_batch: int) -> tuple[int, ...]:
+  """Powers of two below `max_batch`, then `max_batch`: a batch is padded to the first bucket that holds it."""
+  out, b = [], 1
+  while b < max_batch:
+    out.append(b)
+    b *= 2
+  out.append(max_batch)
+  return tuple(out)

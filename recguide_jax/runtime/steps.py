@@ -1,0 +1,240 @@
+"""The pure step functions over (model state, paged KV cache, small per-request arrays), one per `StepKind`, and
+the example host arguments each variant is lowered with.
+
+Every function takes `(state, cache, *host_args)`; kinds that write K/V return the new cache first (the runner
+donates the old one), and everything else they return is small ([b], [b, B], [b, B, K]) except the draft
+distributions, which stay on the device until the verify that consumes them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from recguide_jax import sampling
+from recguide_jax.model import ForwardInputs, NLDModel
+from recguide_jax.runtime.step_key import StepKey, StepKind
+from recguide_jax.runtime.uncertainty import draft_signals, verifier_entropy
+
+
+@dataclasses.dataclass
+class SamplingArrays:
+  """Per-row sampling parameters of a padded batch (numpy, host side)."""
+  temperature: np.ndarray  # [b] float32
+  top_k: np.ndarray  # [b] int32
+  top_p: np.ndarray  # [b] float32
+  keys: np.ndarray  # [b, 2] uint32
+
+  @classmethod
+  def greedy(cls, b: int) -> "SamplingArrays":
+    return cls(np.zeros(b, np.float32), np.zeros(b, np.int32), np.ones(b, np.float32), np.zeros((b, 2), np.uint32))
+
+  def args(self):
+    return (self.temperature, self.top_k, self.top_p, self.keys)
+
+
+@dataclasses.dataclass(frozen=True)
+class StepFunctions:
+  """Builds the step function of a `StepKey` for one model graph (`nnx.split`'s graphdef) and acceptance rule."""
+  cfg: Any  # NLDConfig
+  graphdef: Any
+  rule: str
+
+  def _model(self, state) -> NLDModel:
+    return nnx.merge(self.graphdef, state)
+
+  def build(self, key: StepKey) -> Callable:
+    if key.kind == StepKind.PREFILL:
+      return self._prefill(key.block)
+    if key.kind == StepKind.DRAFT:
+      return self._draft(key.block)
+    if key.kind == StepKind.VERIFY:
+      return self._verify(key.block)
+    if key.kind == StepKind.DECODE:
+      return self._decode()
+    if key.kind in (StepKind.FUSED, StepKind.GVERIFY):
+      return self._fused(key.block, key.slots)
+    if key.kind == StepKind.DENOISE:
+      return self._denoise(key.block)
+    raise ValueError(f"no step function for {key}")
+
+  # ---- one function per kind -----------------------------------------------------------------------------------
+  def _prefill(self, chunk: int):
+    cfg = self.cfg
+    mask = jnp.tril(jnp.ones((chunk, chunk), bool))
+
+    def fn(state, cache, tokens, valid, prefix_len, page_table, last_idx, temperature, top_k, top_p, keys):
+      positions = prefix_len[:, None] + jnp.arange(chunk)[None, :]
+      inp = ForwardInputs(tokens=tokens, positions=positions, block_mask=mask, prefix_len=prefix_len,
+                          page_table=page_table, kv_write=valid)
+      model = self._model(state)
+      h, cache = model.hidden(inp, cache)
+      h_last = jnp.take_along_axis(h, last_idx[:, None, None], axis=1)  # only the last valid token's logits
+      logits = model.logits(h_last)  # [b, 1, V]
+      probs = sampling.processed_probs(logits, temperature, top_k, top_p, cfg.mask_token_id)
+      (k,) = sampling.split_keys(keys, 1)
+      tok = sampling.draw(k, probs, temperature <= 0)  # [b, 1]
+      lp, top_lp, top_ids = sampling.raw_logprobs(logits, tok, cfg.mask_token_id)
+      return cache, tok[:, 0], lp[:, 0], top_lp[:, 0], top_ids[:, 0]
+
+    return fn
+
+  def _draft(self, blk: int):
+    cfg = self.cfg
+    mask = jnp.ones((blk, blk), bool)
+
+    def fn(state, cache, seed, prefix_len, page_table, temperature, top_k, top_p, keys):
+      b = seed.shape[0]
+      tokens = jnp.full((b, blk), cfg.mask_token_id, jnp.int32).at[:, 0].set(seed)
+      positions = prefix_len[:, None] + jnp.arange(blk)[None, :]
+      lora_mask = jnp.ones((b, blk), bool) if cfg.lora_rank else None  # the draft adapter is on for every token
+      inp = ForwardInputs(tokens=tokens, positions=positions, block_mask=mask, prefix_len=prefix_len,
+                          page_table=page_table, lora_mask=lora_mask)
+      logits, _ = self._model(state)(inp, cache)
+      q = sampling.processed_probs(logits, temperature, top_k, top_p, cfg.mask_token_id)
+      (k,) = sampling.split_keys(keys, 1)
+      drafted = sampling.draw(k, q, temperature <= 0)
+      drafted = drafted.at[:, 0].set(seed)
+      return drafted, q, draft_signals(logits, drafted, cfg)
+
+    return fn
+
+  def _verify(self, blk: int):
+    cfg, rule = self.cfg, self.rule
+    mask = jnp.tril(jnp.ones((blk, blk), bool))
+
+    def fn(state, cache, tokens, q, write, prefix_len, page_table, temperature, top_k, top_p, keys):
+      positions = prefix_len[:, None] + jnp.arange(blk)[None, :]
+      inp = ForwardInputs(tokens=tokens, positions=positions, block_mask=mask, prefix_len=prefix_len,
+                          page_table=page_table, kv_write=jnp.broadcast_to(write[:, None], tokens.shape))
+      logits, cache = self._model(state)(inp, cache)
+      p = sampling.processed_probs(logits, temperature, top_k, top_p, cfg.mask_token_id)
+      # AR decode (q None): a block of 1 has no draft token, so acceptance only draws the bonus token from p and
+      # never reads q; p stands in for it (the same draw as with any q, and nothing is uploaded for it)
+      accepted, out = sampling.accept(rule, keys, p, p if q is None else q, tokens, temperature <= 0)
+      lp, top_lp, top_ids = sampling.raw_logprobs(logits, out, cfg.mask_token_id)
+      return cache, accepted, out, lp, top_lp, top_ids, verifier_entropy(logits, cfg)
+
+    return fn
+
+  def _decode(self):
+    verify = self._verify(1)
+
+    def fn(state, cache, tokens, write, prefix_len, page_table, temperature, top_k, top_p, keys):
+      return verify(state, cache, tokens, None, write, prefix_len, page_table, temperature, top_k, top_p, keys)
+
+    return fn
+
+  def _fused(self, blk: int, branches: int):
+    """Greedy verify of the B draft tokens (causal, committed) and, in the same forward, drafts of up to
+    `branches` prospective next blocks laid out as a tree by the caller (positions, mask, LoRA rows). With
+    branches = 0 this is a greedy verify of host-provided draft tokens (GVERIFY)."""
+    cfg = self.cfg
+
+    def fn(state, cache, tokens, positions, mask, lora, write, prefix_len, page_table, temperature, top_k, top_p,
+           keys):
+      b = tokens.shape[0]
+      inp = ForwardInputs(tokens=tokens, positions=positions, block_mask=mask, prefix_len=prefix_len,
+                          page_table=page_table, kv_write=write, lora_mask=lora if cfg.lora_rank else None)
+      logits, cache = self._model(state)(inp, cache)
+      v_logits = logits[:, :blk]
+      drafted = tokens[:, :blk]
+      p = sampling.processed_probs(v_logits, temperature, top_k, top_p, cfg.mask_token_id)
+      # the reference rule (accept while an independent verifier sample equals the draft) needs no draft
+      # distribution, so no [b, B, V] point mass is built; for greedy rows it is "accept while the verifier's
+      # argmax equals the draft", the same as every other rule
+      accepted, out = sampling.accept("reference", keys, p, p, drafted, temperature <= 0)
+      lp, top_lp, top_ids = sampling.raw_logprobs(v_logits, out, cfg.mask_token_id)
+      ent = verifier_entropy(v_logits, cfg)
+      if not branches:
+        return cache, accepted, out, lp, top_lp, top_ids, ent
+      br_logits = logits[:, blk:].reshape(b * branches, blk, -1)
+      br_in = tokens[:, blk:].reshape(b * branches, blk)
+      br_tok = jnp.argmax(sampling.exclude_token(br_logits, cfg.mask_token_id), axis=-1).astype(jnp.int32)
+      # a correction block keeps its alt token in slot 0; the continuation's slot 0 is the guessed bonus
+      br_tok = br_tok.at[:, 0].set(jnp.where(br_in[:, 0] != cfg.mask_token_id, br_in[:, 0], br_tok[:, 0]))
+      sig = draft_signals(br_logits, br_tok, cfg)
+      return (cache, accepted, out, lp, top_lp, top_ids, ent, br_tok.reshape(b, branches, blk),
+              sig.reshape(b, branches, 3, blk))
+
+    return fn
+
+  def _denoise(self, blk: int):
+    """NLD `generate` inner loop: each iteration is one bidirectional forward; commit the most confident masked
+    position plus every masked position whose confidence >= threshold; stop when no mask is left or an EOS has
+    no mask before it. Rows whose loop is done stop changing; `steps` counts each row's forwards."""
+    cfg = self.cfg
+    mask = jnp.ones((blk, blk), bool)
+    eos = jnp.asarray(cfg.eos_token_ids, jnp.int32)
+
+    def fn(state, cache, seed, prefix_len, page_table, threshold, temperature, top_k, top_p, keys, active):
+      b = seed.shape[0]
+      model = self._model(state)
+      positions = prefix_len[:, None] + jnp.arange(blk)[None, :]
+      tokens0 = jnp.full((b, blk), cfg.mask_token_id, jnp.int32).at[:, 0].set(seed)
+      typed = jax.random.wrap_key_data(keys)
+
+      def running(tokens):
+        is_mask = tokens == cfg.mask_token_id
+        is_eos = jnp.isin(tokens, eos)
+        # an EOS with no mask before it ends the block
+        masks_before = jnp.cumsum(is_mask, axis=1) - is_mask
+        done_eos = jnp.any(is_eos & (masks_before == 0), axis=1)
+        return jnp.any(is_mask, axis=1) & ~done_eos & active
+
+      def cond(carry):
+        tokens, steps, i = carry
+        return jnp.any(running(tokens)) & (i < blk)
+
+      def body(carry):
+        tokens, steps, i = carry
+        live = running(tokens)
+        inp = ForwardInputs(tokens=tokens, positions=positions, block_mask=mask, prefix_len=prefix_len,
+                            page_table=page_table)
+        logits, _ = model(inp, cache)
+        raw = jax.nn.softmax(sampling.exclude_token(logits, cfg.mask_token_id), axis=-1)
+        probs = sampling.processed_probs(logits, temperature, top_k, top_p, cfg.mask_token_id)
+        step_keys = jax.vmap(lambda k: jax.random.fold_in(k, i))(typed)
+        cand = jax.vmap(sampling.sample)(step_keys, probs)
+        conf = jnp.take_along_axis(raw, cand[..., None], axis=-1)[..., 0]  # untempered confidence
+        is_mask = tokens == cfg.mask_token_id
+        conf = jnp.where(is_mask, conf, -jnp.inf)
+        best = jnp.argmax(conf, axis=1)
+        take = (conf >= threshold[:, None]) | (jnp.arange(blk)[None, :] == best[:, None])
+        take = take & is_mask & live[:, None]
+        tokens = jnp.where(take, cand, tokens)
+        return tokens, steps + live.astype(jnp.int32), i + 1
+
+      tokens, steps, _ = jax.lax.while_loop(cond, body, (tokens0, jnp.zeros((b,), jnp.int32), jnp.int32(0)))
+      return tokens, steps
+
+    return fn
+
+
+def example_host_args(key: StepKey, pages_per_seq: int, vocab_size: int) -> tuple:
+  """The host arguments (after state and cache) a variant is called with, as zeros of their shapes and dtypes
+  (the draft distributions of VERIFY as a `ShapeDtypeStruct`: they arrive from the device)."""
+  b, blk, P = key.batch, key.block, pages_per_seq
+  i32 = lambda *s: np.zeros(s, np.int32)
+  samp = SamplingArrays.greedy(b).args()
+  if key.kind == StepKind.PREFILL:
+    return (i32(b, blk), np.zeros((b, blk), bool), i32(b), i32(b, P), i32(b)) + samp
+  if key.kind == StepKind.DRAFT:
+    return (i32(b), i32(b), i32(b, P)) + samp
+  if key.kind == StepKind.DECODE:
+    return (i32(b, 1), np.zeros((b,), bool), i32(b), i32(b, P)) + samp
+  if key.kind == StepKind.VERIFY:
+    q = jax.ShapeDtypeStruct((b, blk, vocab_size), jnp.float32)
+    return (i32(b, blk), q, np.zeros((b,), bool), i32(b), i32(b, P)) + samp
+  if key.kind in (StepKind.FUSED, StepKind.GVERIFY):
+    qn = key.query_tokens
+    return (i32(b, qn), i32(b, qn), np.zeros((b, qn, qn), bool), np.zeros((b, qn), bool), np.zeros((b, qn), bool),
+            i32(b), i32(b, P)) + samp
+  if key.kind == StepKind.DENOISE:
+    return (i32(b), i32(b), i32(b, P), np.zeros(b, np.float32)) + samp + (np.zeros(b, bool),)
+  raise ValueError(f"no host arguments for {key}")

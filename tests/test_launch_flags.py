@@ -1,0 +1,198 @@
+"""The launch scripts' flag vocabulary (recguide_jax/benchmarks/cli.py): every command line quoted in README.md,
+docs/*.md, the model card and the scripts' own docstrings still parses; the old flag names still land on the new
+ones; reports default to runs/<script>, never docs/; `-h` exits 0; a missing GSM8K file is one error line naming
+the flags and $RECGUIDE_GSM8K_DIR.
+
+The scripts are parsed in ONE subprocess (jax is imported once): each is executed as __main__ with absl's app.run
+replaced by "parse the flags and return", and the flags it defined are removed before the next one."""
+
+import json
+import os
+import pathlib
+import re
+import shlex
+import subprocess
+import sys
+
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+SCRIPTS = sorted(p.stem for p in (ROOT / "launch").glob("*.py"))
+GSM8K_ENV_DIR = "/nonexistent/gsm8k-for-the-test"
+
+# Parses each case [script, argv] as the script would; prints one JSON result per case.
+HARNESS = r"""
+import contextlib, io, json, os, runpy, sys
+from absl import app, flags
+ROOT = sys.argv[1]
+cases = json.loads(sys.argv[2])
+sys.path.insert(0, ROOT)
+FLAGS = flags.FLAGS
+real_run = app.run
+out = []
+for script, argv, probe in cases:
+  before = set(FLAGS)
+  res = {"script": script, "argv": argv}
+  parsed = {}
+
+  def fake_run(main, argv=None, flags_parser=None, **kw):
+    parsed["rest"] = (flags_parser or app.parse_flags_with_usage)(sys.argv)
+
+  app.run = fake_run
+  sys.argv = [os.path.join(ROOT, "launch", script + ".py")] + argv
+  sys.path.insert(0, os.path.join(ROOT, "launch"))
+  buf = io.StringIO()
+  try:
+    with contextlib.redirect_stdout(buf), contextlib.redirect_stderr(buf):
+      runpy.run_path(sys.argv[0], run_name="__main__")
+    res["ok"] = "rest" in parsed
+    res["values"] = {n: FLAGS[n].value for n in probe if n in FLAGS}
+    res["defaults"] = {n: FLAGS[n].default for n in ("output_dir", "gsm8k_dir") if n in FLAGS}
+    if "data" in FLAGS and "gsm8k_dir" in FLAGS:
+      from recguide_jax.benchmarks import cli
+      try:
+        res["data_path"] = cli.data_path()
+      except SystemExit as e:
+        res["data_error"] = str(e.code)
+  except SystemExit as e:
+    res["ok"], res["exit"] = False, e.code if isinstance(e.code, int) else str(e.code)
+  except Exception as e:  # noqa: BLE001
+    res["ok"], res["error"] = False, f"{type(e).__name__}: {e}"
+  res["output"] = buf.getvalue()[-2000:]
+  out.append(res)
+  sys.path.remove(os.path.join(ROOT, "launch"))
+  app.run = real_run
+  FLAGS.unparse_flags()
+  for name in set(FLAGS) - before:
+    delattr(FLAGS, name)
+print("@@" + json.dumps(out, default=str))
+"""
+
+
+def _parse(cases, env_dir=GSM8K_ENV_DIR):
+  env = dict(os.environ, JAX_PLATFORMS="cpu", RECGUIDE_GSM8K_DIR=env_dir)
+  proc = subprocess.run([sys.executable, "-c", HARNESS, str(ROOT), json.dumps(cases)], cwd=ROOT, env=env,
+                        capture_output=True, text=True, timeout=300)
+  assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+  return json.loads(proc.stdout.split("@@", 1)[1])
+
+
+def _command_argv(tail: str) -> list[str]:
+  """The arguments of a quoted command: up to a shell operator, a closing parenthesis, a sentence's colon or the
+  quote that closes a string the command is quoted in."""
+  try:
+    tokens = list(_lexer(tail))
+  except ValueError:  # an unbalanced quote: the command sits inside a quoted string, which ends there
+    tokens = list(_lexer(tail[:max(tail.rfind('"'), tail.rfind("'"))]))
+  argv = []
+  for tok in tokens:
+    if tok and tok[0] in "();<>|&":
+      break
+    argv.append(tok.rstrip(":"))
+    if tok.endswith(":"):
+      break
+  return argv
+
+
+def _lexer(text: str) -> shlex.shlex:
+  lex = shlex.shlex(text, posix=True, punctuation_chars=True)
+  lex.whitespace_split = True
+  return lex
+
+
+def quoted_commands() -> list[tuple[str, str, list[str]]]:
+  """(where, script, argv) of every `python launch/<script>.py ...` quoted in the docs and the scripts' docstrings
+  (indented example lines); pseudo-syntax (`[--flag a|b]`, `<x>`, `...`) is left out."""
+  sources = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md")), *sorted(ROOT.glob("checkpoints/*/*.md")),
+             *sorted((ROOT / "launch").glob("*.py"))]
+  found = []
+  for path in sources:
+    text = path.read_text().replace("\\\n", " ")
+    # docs: `python launch/x.py ...`, or `launch/x.py --flag ...` inside a sentence; scripts: docstring example lines
+    pattern = (r"^[ \t]+(python )launch/(\w+)\.py([^\n]*)" if path.suffix == ".py" else
+               r"(python )?launch/(\w+)\.py([^\n`]*)")
+    for m in re.finditer(pattern, text, flags=re.M):
+      if not m.group(1) and not m.group(3).startswith(" -"):
+        continue
+      argv = _command_argv(m.group(3))
+      if any(a.startswith("[") or "..." in a for a in argv):
+        continue
+      found.append((f"{path.relative_to(ROOT)}: {m.group(0).strip()[:100]}", m.group(2), argv))
+  return found
+
+
+def test_every_quoted_command_parses():
+  cmds = quoted_commands()
+  assert len(cmds) >= 20 and {"benchmark", "bench_recguide", "serve"} <= {s for _, s, _ in cmds}
+  results = _parse([[s, argv, []] for _, s, argv in cmds])
+  bad = [f"{where}\n  -> {r.get('exit') or r.get('error')}: {r['output'][-300:]}" for (where, _, _), r in
+         zip(cmds, results) if not r["ok"]]
+  assert not bad, "\n".join(bad)
+
+
+# (script, argv with OLD names, {flag: value expected on the NEW name})
+ALIASES = [
+    ("benchmark", ["--batch_sizes=2,4", "--out_json=/tmp/x.json"],
+     {"concurrency": ["2", "4"], "out_json": "/tmp/x.json"}),
+    ("bench_recguide", ["--concurrency=1,2", "--out_md=/tmp/x.md"], {"concurrency": ["1", "2"], "out_md": "/tmp/x.md"}),
+    ("fit_policy", ["--concurrency_levels=1,16"], {"concurrency": ["1", "16"]}),
+    ("distill_lora", ["--base_checkpoint=ckpt/x"], {"checkpoint": "ckpt/x"}),
+    ("train", ["--data_dir=/d/gsm8k"], {"gsm8k_dir": "/d/gsm8k"}),
+    ("bench_peer", ["--batch_sizes=1,8", "--new_tokens=7", "--dtype=float32"],
+     {"concurrency": ["1", "8"], "max_tokens": 7, "dtypes": ["float32"]}),
+    ("device_check", ["--new_tokens=4"], {"max_tokens": 4}),
+    ("profile", ["--out=/tmp/p.json"], {"out": "/tmp/p.json"}),
+    ("eval_model", ["--out_json=/tmp/e.json"], {"out_json": "/tmp/e.json"}),
+    ("fit_delta", ["--out_json=/tmp/f.json"], {"out_json": "/tmp/f.json"}),
+    ("bench_kernels", ["--out_json=/tmp/k.json"], {"out_json": "/tmp/k.json"}),
+    ("bench_serving", ["--data=/tmp/p.jsonl"], {"dataset_path": "/tmp/p.jsonl"}),
+    ("serve", ["--max_num_seqs=4"], {"max_batch": 4}),
+]
+# scripts that write reports (default runs/<script>), build a model (--checkpoint, --dtype) or read one GSM8K split
+REPORTS = ["bench_context", "bench_kernels", "bench_peer", "bench_recguide", "benchmark", "compile_bench",
+           "device_check", "eval_model", "fit_delta", "profile"]
+MODELS = ["bench_peer", "bench_recguide", "benchmark", "device_check", "distill_lora", "eval_model", "fit_delta",
+          "profile", "serve", "shadow_trace"]
+DATA = {"bench_context": "test", "bench_peer": "test", "bench_recguide": "test", "benchmark": "test",
+        "distill_lora": "train", "eval_model": "test", "fit_delta": "train", "shadow_trace": "train"}
+
+
+def test_old_names_are_aliases_and_defaults_follow_the_vocabulary():
+  cases = [[s, argv, list(want)] for s, argv, want in ALIASES]
+  cases += [[s, [], ["checkpoint", "dtype", "max_model_len"]] for s in MODELS]
+  cases += [[s, [], []] for s in REPORTS]
+  results = _parse(cases)
+  for (s, _, want), r in zip(ALIASES, results):
+    assert r["ok"], (s, r)
+    assert r["values"] == want, (s, r["values"])
+  models = results[len(ALIASES):len(ALIASES) + len(MODELS)]
+  for s, r in zip(MODELS, models):
+    assert r["ok"] and {"checkpoint", "dtype"} <= set(r["values"]), (s, r)
+    if s != "bench_peer":  # bench_peer's --dtype is an alias of its --dtypes sweep
+      assert r["values"]["dtype"] in ("auto", "bfloat16"), (s, r["values"])
+  for r in results[len(ALIASES):]:
+    s = r["script"]
+    if s in REPORTS:
+      out = r["defaults"]["output_dir"]
+      assert pathlib.PurePath(out).parts[-2:] == ("runs", s), (s, out)
+    if s in DATA:  # the env var names the folder; the file is <split>.jsonl in it; missing: an error naming flags
+      assert r["defaults"]["gsm8k_dir"] == GSM8K_ENV_DIR
+      err = r["data_error"]
+      assert f"{GSM8K_ENV_DIR}/{DATA[s]}.jsonl not found" in err and "--data" in err and "RECGUIDE_GSM8K_DIR" in err
+
+
+@pytest.mark.parametrize("script", ["benchmark", "fit_delta"])
+def test_missing_gsm8k_is_one_error_line(script, tmp_path):
+  """Before any model is loaded: exit status 1, the flag and the env var named, no traceback."""
+  proc = subprocess.run([sys.executable, str(ROOT / "launch" / f"{script}.py"), f"--gsm8k_dir={tmp_path}"],
+                        cwd=ROOT, env=dict(os.environ, JAX_PLATFORMS="cpu"), capture_output=True, text=True,
+                        timeout=120)
+  assert proc.returncode == 1 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
+  assert f"error: --data: GSM8K file {tmp_path}" in proc.stderr and "--gsm8k_dir" in proc.stderr
+
+
+def test_help_exits_zero():
+  """Every launch script runs through `cli.run` (serve.py: its own parser), so `-h` / `--help` exit 0 as in vLLM."""
+  results = _parse([[s, ["-h"], []] for s in SCRIPTS])
+  for s, r in zip(SCRIPTS, results):
+    assert r.get("exit") == 0 and not r.get("error") and "\n  --" in r["output"], (s, r)

@@ -1,0 +1,77 @@
+"""The runtime's step keys and its background compiler: warm-up with `background` compiles only the largest batch
+bucket, routing never picks a bucket whose variants are not built, background compiles do not count as compiles
+after warm-up, and a batch padded into a larger bucket decodes the same tokens."""
+
+import pickle
+
+import numpy as np
+import pytest
+
+from recguide_jax.runtime import (Runner, RunnerConfig, SamplingArrays, StepKey, StepKind,
+                                  fused_kind, fused_slots)
+from recguide_jax.runtime.step_key import parse_kind_label
+
+
+def test_step_key_labels_round_trip():
+  assert StepKey.parse("fused2", 16, 4) == StepKey(StepKind.FUSED, 16, 4, 2)
+  assert StepKey.parse("fused", 8, 1).slots == 3  # the label of earlier releases: the full tree
+  assert StepKey(StepKind.FUSED, 8, 1, 3).label == "fused" and fused_kind(2) == "fused2"
+  assert fused_slots(fused_kind(5)) == 5
+  assert StepKey(StepKind.VERIFY, 16, 8).name == "verify/16/8"
+  assert StepKey(StepKind.FUSED, 8, 2, 2).query_tokens == 24
+  key = StepKey(StepKind.PREFILL, 64, 2)
+  assert pickle.loads(pickle.dumps(key)) == key  # it crosses to multi-host followers
+  assert StepKind.VERIFY == "verify" and StepKey("verify", 8, 1).kind is StepKind.VERIFY
+  assert StepKind.DRAFT.writes_cache is False and StepKind.DECODE.writes_cache is True
+
+
+@pytest.mark.parametrize("bad", [("decode", 4, 1), ("verify", 8, 0)])
+def test_step_key_refuses_impossible_shapes(bad):
+  with pytest.raises(ValueError):
+    StepKey.parse(*bad)
+
+
+@pytest.mark.parametrize("label", ["fusedx", "fused0", "sample"])
+def test_unknown_kind_labels_are_refused(label):
+  with pytest.raises(ValueError, match="step kind"):
+    parse_kind_label(label)
+
+
+def test_background_warmup_routes_only_to_built_buckets(tiny_model):
+  runner = Runner(tiny_model, RunnerConfig(num_pages=24, page_size=8, max_model_len=64, max_batch=4,
+                                           block_sizes=(8,), prefill_chunk=16, compile_cache_dir=None))
+  try:
+    seconds = runner.warmup(("verify",), (8,), progress=False, workers=2, background=True)
+    assert {k.batch for k in seconds} == {4}  # only the largest bucket before warm-up returns
+    # until bucket 1's variants are built, one request runs padded in the largest bucket
+    if runner.background_pending:
+      assert runner.bucket_for(1) in (1, 2, 4)
+    got_padded = _decode_one(runner, bucket=4)
+    assert runner.wait_background(timeout=300)
+    assert runner.bucket_for(1) == 1 and runner.bucket_for(3) == 4
+    got_exact = _decode_one(runner, bucket=1)
+    assert runner.compiles_after_warmup == 0  # neither the background compiles nor the routed calls count
+    assert got_padded == got_exact
+  finally:
+    runner.close()
+
+
+def test_bucket_for_without_warmup_compiles_on_demand(tiny_model):
+  runner = Runner(tiny_model, RunnerConfig(num_pages=24, page_size=8, max_model_len=64, max_batch=4,
+                                           block_sizes=(8,), prefill_chunk=16, compile_cache_dir=None))
+  assert [runner.bucket_for(n) for n in (1, 2, 3, 4)] == [1, 2, 4, 4]
+  with pytest.raises(ValueError, match="max_batch"):
+    runner.bucket_for(5)
+
+
+def _decode_one(runner: Runner, bucket: int) -> int:
+  """One AR decode step of a single real row (token 5 at position 0, page 1) padded to `bucket` rows; the
+  padding rows write the trash page."""
+  P = runner.config.pages_per_seq
+  tokens = np.zeros((bucket, 1), np.int32)
+  tokens[0, 0] = 5
+  write = np.zeros(bucket, bool)
+  page_table = np.zeros((bucket, P), np.int32)
+  page_table[0, 0] = 1
+  res = runner.verify(tokens, None, write, np.zeros(bucket, np.int32), page_table, SamplingArrays.greedy(bucket))
+  return int(res.tokens[0, 0])
