@@ -202,12 +202,9 @@ def _chi_square(mesh_spec: str, samples: int) -> dict:
 
 def main(argv) -> int:
   del argv
-  if _DEVICES.value:
-    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
-                               f" --xla_force_host_platform_device_count={_DEVICES.value}").strip()
+  from recguide_jax import distributed
+  distributed.simulate_cpu_devices(_DEVICES.value)
   import jax
-  if _DEVICES.value:
-    jax.config.update("jax_platforms", "cpu")
   model, prompts, tables = _model_and_prompts()
   report = {"devices": len(jax.devices()), "model": _MODEL.value, "max_tokens": _MAX_TOKENS.value,
             "num_prompts": len(prompts), "meshes": {}, "ok": True}

@@ -32,12 +32,9 @@ PROMPT = "Natalia sold clips to 48 of her friends in April, and then she sold ha
 
 def main(argv) -> int:
   del argv
-  if _DEVICES.value:
-    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
-                               f" --xla_force_host_platform_device_count={_DEVICES.value}").strip()
+  from recguide_jax import distributed
+  distributed.simulate_cpu_devices(_DEVICES.value)
   import jax
-  if _DEVICES.value:
-    jax.config.update("jax_platforms", "cpu")
   from recguide_jax import LLM, SamplingParams, checkpoint
   from recguide_jax.llm import BUNDLED_CHECKPOINT
   from recguide_jax.tokenizer import Tokenizer

@@ -94,6 +94,17 @@ def mesh_from_flags():
   return None if shape is None else sharding.make_mesh(shape)
 
 
+def simulate_cpu_devices(count: int) -> None:
+  """Runs on `count` simulated CPU devices (XLA's host-platform device count): a mesh to test sharded programs
+  without accelerators. Call before jax initializes its backends (before the first computation)."""
+  import os
+  if count:
+    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
+                               f" --xla_force_host_platform_device_count={count}").strip()
+    import jax
+    jax.config.update("jax_platforms", "cpu")
+
+
 def initialize_from_flags() -> bool:
   """Calls `jax.distributed.initialize` when the flags ask for a multi-host run (before any other jax call);
   returns whether it did."""

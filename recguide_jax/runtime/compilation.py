@@ -8,6 +8,7 @@ waiting. Everything else that compiles after warm-up is.
 
 from __future__ import annotations
 
+import atexit
 import logging
 import os
 import queue
@@ -71,8 +72,9 @@ def enable_compile_cache(directory: str | None) -> None:
 class BackgroundCompiler:
   """Compiles queued variants one at a time on a daemon thread, so a server answers while the variants it can
   do without (smaller batch buckets) are still being built; each finished one is handed to `on_done`. One thread:
-  it takes at most one core from the steps that serve. A daemon, so a process never waits on it to exit; `stop`
-  drops what is still queued."""
+  it takes at most one core from the steps that serve. `stop` drops what is still queued. At interpreter exit the
+  compile in flight is waited for (an exit while XLA compiles on another thread aborts the process), the rest is
+  dropped."""
 
   def __init__(self, compile_one: Callable[[Hashable], None], on_done: Callable[[Hashable], None]):
     self._compile_one = compile_one
@@ -86,6 +88,7 @@ class BackgroundCompiler:
     self.failures: dict[Hashable, str] = {}
     self._thread = threading.Thread(target=self._loop, name="background-compile", daemon=True)
     self._thread.start()
+    atexit.register(self.shutdown)
 
   def submit(self, keys: Iterable[Hashable]) -> None:
     for key in keys:
@@ -105,6 +108,11 @@ class BackgroundCompiler:
   def stop(self) -> None:
     self._stopped.set()
     self._queue.put(None)
+
+  def shutdown(self, timeout: float | None = None) -> None:
+    """`stop`, then wait for the compile in flight to end."""
+    self.stop()
+    self._thread.join(timeout)
 
   def _loop(self) -> None:
     _background.active = True

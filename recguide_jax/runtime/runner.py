@@ -173,9 +173,9 @@ class Runner:
     self._compiles_at_warmup = CompileCounter.total()
 
   def close(self) -> None:
-    """Drops queued background compiles (the one in flight finishes on its daemon thread)."""
+    """Drops queued background compiles and waits for the one in flight."""
     if self._background is not None:
-      self._background.stop()
+      self._background.shutdown()
 
   # ---- compilation -------------------------------------------------------------------------------------------------
   @staticmethod
