@@ -158,7 +158,7 @@ def _chi_square(mesh_spec: str, samples: int) -> dict:
   import jax.numpy as jnp
   import numpy as np
   from flax import nnx
-  from scipy import stats
+  from recguide_jax.benchmarks import stats as bench_stats
 
   from recguide_jax import LLM, SamplingParams, policies, sampling
   from recguide_jax.config import NLDConfig
@@ -186,18 +186,8 @@ def _chi_square(mesh_spec: str, samples: int) -> dict:
   for o in outs:
     observed[index[tuple(o.token_ids)]] += 1
   expected = exact / exact.sum() * samples
-  order = np.argsort(expected)  # pool cells with small expectation (>= 5 each) for the chi-square approximation
-  obs_c, exp_c, acc_o, acc_e = [], [], 0.0, 0.0
-  for i in order:
-    acc_o, acc_e = acc_o + observed[i], acc_e + expected[i]
-    if acc_e >= 5:
-      obs_c.append(acc_o)
-      exp_c.append(acc_e)
-      acc_o = acc_e = 0.0
-  obs_c[-1] += acc_o
-  exp_c[-1] += acc_e
-  return {"mesh": mesh_spec, "samples": samples, "pvalue": float(stats.chisquare(obs_c, exp_c).pvalue),
-          "ok": bool(stats.chisquare(obs_c, exp_c).pvalue > 0.001)}
+  pvalue = bench_stats.pooled_chisquare_pvalue(observed, expected)
+  return {"mesh": mesh_spec, "samples": samples, "pvalue": pvalue, "ok": pvalue > 0.001}
 
 
 def main(argv) -> int:

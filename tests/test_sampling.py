@@ -8,10 +8,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
-from scipy import stats
 
 from recguide_jax import LLM, SamplingParams
 from recguide_jax import policies, sampling
+from recguide_jax.benchmarks.stats import pooled_chisquare_pvalue
 from recguide_jax.model import ForwardInputs, NLDModel
 from tests.conftest import tiny_config
 
@@ -54,19 +54,7 @@ def chi_square_pvalue(samples, exact):
     counts[tuple(s)] += 1
   observed = np.array([counts[k] for k in keys], float)
   assert observed.sum() == len(samples), "a sample fell outside the support"
-  # pool cells with small expectation so the chi-square approximation holds
-  order = np.argsort(expected)
-  obs_c, exp_c, acc_o, acc_e = [], [], 0.0, 0.0
-  for i in order:
-    acc_o += observed[i]
-    acc_e += expected[i]
-    if acc_e >= 5:
-      obs_c.append(acc_o)
-      exp_c.append(acc_e)
-      acc_o = acc_e = 0.0
-  obs_c[-1] += acc_o
-  exp_c[-1] += acc_e
-  return stats.chisquare(obs_c, exp_c).pvalue
+  return pooled_chisquare_pvalue(observed, expected)
 
 
 @pytest.fixture(scope="module")

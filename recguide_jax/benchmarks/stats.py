@@ -56,3 +56,21 @@ def pooled_ratio_interval(levels: list[tuple[list[float], list[float]]], resampl
   verdict = "ahead" if lo > 1 else "behind" if hi < 1 else "tie"
   return {"geomean": float(np.exp(np.mean([l.mean() for l in logs]))), "ci95": [float(lo), float(hi)],
           "verdict": verdict, "repeats": sum(len(l) for l in logs)}
+
+
+def pooled_chisquare_pvalue(observed, expected, min_expected: float = 5.0) -> float:
+  """Chi-square goodness-of-fit p-value of sample counts against expected counts, with the cells of small
+  expectation pooled (smallest first, into bins of >= `min_expected`) so the chi-square approximation holds.
+  Needs scipy (the test extra)."""
+  from scipy import stats
+  observed, expected = np.asarray(observed, float), np.asarray(expected, float)
+  obs_c, exp_c, acc_o, acc_e = [], [], 0.0, 0.0
+  for i in np.argsort(expected):
+    acc_o, acc_e = acc_o + observed[i], acc_e + expected[i]
+    if acc_e >= min_expected:
+      obs_c.append(acc_o)
+      exp_c.append(acc_e)
+      acc_o = acc_e = 0.0
+  obs_c[-1] += acc_o
+  exp_c[-1] += acc_e
+  return float(stats.chisquare(obs_c, exp_c).pvalue)
