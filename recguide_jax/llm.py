@@ -89,6 +89,9 @@ class RequestOutput:
   logprobs: list[dict] | None
   stats: dict
   outputs: list[CompletionOutput] = dataclasses.field(default_factory=list)
+  # with SamplingParams.prompt_logprobs: None for the first prompt token, then {"token_id", "logprob",
+  # "top_logprobs"} per prompt token (the entries' shape of `logprobs`)
+  prompt_logprobs: list[dict | None] | None = None
 
   def __post_init__(self):
     if not self.outputs:  # built from the flat fields: they are the one sequence
@@ -100,8 +103,19 @@ class RequestOutput:
 
   @classmethod
   def from_request(cls, req: Request, prompt: str | None) -> "RequestOutput":
-    return cls(req.request_id, prompt, list(req.prompt_ids), list(req.output_ids), req.text, req.finish_reason,
-               list(req.logprobs) if req.params.logprobs is not None else None, req.stats.as_dict())
+    return cls.from_samples([req], prompt)
+
+  @classmethod
+  def from_samples(cls, reqs: Sequence[Request], prompt: str | None) -> "RequestOutput":
+    """The output of a prompt's samples (n = len(reqs)): `outputs[i]` is sample i; the flat fields, the id and
+    the stats are sample 0's."""
+    outs = [CompletionOutput(i, r.text, list(r.output_ids), list(r.logprobs) if r.params.logprobs is not None
+                             else None, r.finish_reason) for i, r in enumerate(reqs)]
+    first = reqs[0]
+    prompt_lps = next((r.prompt_logprobs for r in reqs if r.prompt_logprobs is not None), None)
+    return cls(first.request_id, prompt, list(first.prompt_ids), outs[0].token_ids, outs[0].text,
+               outs[0].finish_reason, outs[0].logprobs, first.stats.as_dict(), outs,
+               list(prompt_lps) if prompt_lps is not None else None)
 
 
 class LLM:
@@ -221,8 +235,9 @@ class LLM:
 
   def generate(self, prompts, params: SamplingParams | Sequence[SamplingParams] | None = None,
                use_tqdm: bool = True) -> list[RequestOutput]:
-    """prompts: a string, a list of token ids, or a list of either. Returns one output per prompt, in order.
-    use_tqdm: a progress bar over finished requests (as vLLM's)."""
+    """prompts: a string, a list of token ids, or a list of either. Returns one output per prompt, in order, with
+    `params.n` samples in its `outputs` (they share the prompt's prefill; sample i has seed `seed + i`).
+    use_tqdm: a progress bar over finished sequences (as vLLM's)."""
     if self._is_single(prompts):
       prompts = [prompts]
     prompts = list(prompts)
@@ -232,14 +247,19 @@ class LLM:
     if len(plist) != len(prompts):
       raise ValueError(f"got {len(plist)} SamplingParams for {len(prompts)} prompts")
     encoded = [self._encode(p) for p in prompts]
-    reqs = []
+    groups: list[list[Request]] = []  # each prompt's samples (params.n); they share the prompt's prefill
     try:
       for (ids, _), p in zip(encoded, plist):
-        reqs.append(self.engine.add_request(ids, p))
+        p.validate(self.cfg.vocab_size)  # `n` before it is expanded
+        group = [self.engine.add_request(ids, p.sample(0))]
+        groups.append(group)
+        for i in range(1, p.n):
+          group.append(self.engine.add_request(ids, p.sample(i), prefill_source=group[0].request_id))
     except Exception:
-      for r in reqs:
+      for r in (r for g in groups for r in g):
         self.engine.abort(r.request_id)
       raise
+    reqs = [r for g in groups for r in g]
     bar = None
     if use_tqdm:
       from tqdm import tqdm
@@ -251,7 +271,7 @@ class LLM:
         bar.update(sum(1 for r in done if id(r) in ours))
     if bar is not None:
       bar.close()
-    return [RequestOutput.from_request(r, text) for r, (_, text) in zip(reqs, encoded)]
+    return [RequestOutput.from_samples(g, text) for g, (_, text) in zip(groups, encoded)]
 
   def chat(self, conversations, params: SamplingParams | Sequence[SamplingParams] | None = None,
            add_generation_prompt: bool = True, use_tqdm: bool = True,

@@ -91,7 +91,14 @@ class Engine:
     return self.scheduler.validate(prompt_ids, params, self.cfg.vocab_size, self.rc.max_model_len)
 
   def add_request(self, prompt_ids: Sequence[int], params: SamplingParams, request_id: str | None = None,
-                  on_update=None, validated: bool = False, arrival: float | None = None) -> Request:
+                  on_update=None, validated: bool = False, arrival: float | None = None,
+                  prefill_source: str | None = None) -> Request:
+    """Queues one sequence. `prefill_source`: the id of an earlier sample of the same prompt (n > 1): this one then
+    shares that one's prefill (its full prompt pages, reference-counted) and computes only the prompt's last
+    partial page; if that request is gone or fails before its prompt is cached, this one prefills on its own."""
+    if params.n != 1:
+      raise RequestError("the engine takes one sample per request: add each of the n samples "
+                         "(params.sample(i)) with prefill_source naming the first", "n")
     if not validated:
       prompt_ids = self.validate_request(prompt_ids, params)
     if len(self.waiting) >= self.max_queue:
@@ -102,6 +109,9 @@ class Engine:
     req.sampling = sampling_row(params, req.rng_seed)  # before it can join a batch: a bad value fails it alone
     if arrival is not None:
       req.arrival = arrival
+    if prefill_source is not None:
+      req.prefill_source = next((r for r in itertools.chain(self.running, self.waiting)
+                                 if r.request_id == prefill_source and r.prompt_ids == req.prompt_ids), None)
     self.waiting.append(req)
     self.totals["requests_added"] += 1
     return req
@@ -136,11 +146,18 @@ class Engine:
         self.strategy.on_admit(req)
       except Exception as e:  # this request only: its pages are freed, the others are admitted as usual
         self._fail_request(req, "admitting it", e)
-    prefilling = [r for r in self.running
-                  if r.prefilled < len(r.prompt_ids) and not r.finished and self._sampling_ready(r)]
+    self._share_prefills()
+    prefilling = [r for r in self.running if r.prefilled < len(r.prompt_ids) and not r.finished
+                  and r.prefill_source is None and self._sampling_ready(r)]
     if prefilling:
       batch = prefilling[:self.rc.max_batch]
-      self._isolated(batch, "prefill", self._prefill, batch)
+      # a chunk whose prompt logprobs are wanted runs the SCORE variant; the others keep the plain prefill
+      scored = [r for r in batch if self._scores_prompt(r)]
+      plain = [r for r in batch if not self._scores_prompt(r)]
+      for reqs, score in ((plain, False), (scored, True)):
+        if reqs:
+          self._isolated(reqs, "prefill", self._prefill, reqs, score)
+      self._share_prefills()  # at once, before a source that just finished its prompt can finish and free it
     decoding = [r for r in self.running if r.seed_token is not None and not r.finished and self._sampling_ready(r)]
     view = StepView(self.step_count, len(decoding), self.rc.max_batch, self.rc.max_model_len, self.rc.max_block,
                     self._eos)
@@ -294,7 +311,7 @@ class Engine:
     self.emit(r, toks, list(res.logprobs[i, :accepted]), res.top_logprobs[i, :accepted], res.top_ids[i, :accepted])
 
   # ---- prefill -------------------------------------------------------------------------------------------------------
-  def _prefill(self, reqs: list[Request]) -> None:
+  def _prefill(self, reqs: list[Request], score: bool = False) -> None:
     chunk = self.rc.prefill_chunk
     for r in reqs:
       self.allocator.reserve(r.request_id, min(r.prefilled + chunk, len(r.prompt_ids)))
@@ -302,22 +319,67 @@ class Engine:
     tokens = np.zeros((b, chunk), np.int32)
     valid = np.zeros((b, chunk), bool)
     last_idx = np.zeros((b,), np.int32)
+    targets = np.zeros((b, chunk), np.int32) if score else None
     for i, r in enumerate(reqs):
       piece = r.prompt_ids[r.prefilled:r.prefilled + chunk]
       tokens[i, :len(piece)] = piece
       valid[i, :len(piece)] = True
       last_idx[i] = len(piece) - 1
-    tok, lp, top_lp, top_ids = self.runner.prefill(tokens, valid, prefix_len, page_table, last_idx, samp)
+      if score:  # position t scores the prompt token after it (the last prompt token's successor is generated)
+        nxt = r.prompt_ids[r.prefilled + 1:r.prefilled + 1 + chunk]
+        targets[i, :len(nxt)] = nxt
+    outs = self.runner.prefill(tokens, valid, prefix_len, page_table, last_idx, samp, targets)
+    tok, lp, top_lp, top_ids = outs[:4]
     self.count_forward(Forward.PREFILL, chunk, len(reqs))
     for i, r in enumerate(reqs):
       n = int(valid[i].sum())
+      if score:
+        output.append_prompt_logprobs(r, outs[4][i], outs[5][i], outs[6][i], n)
       r.prefilled += n
       self.totals["prompt_tokens"] += n  # live, for /metrics and the periodic stats line
       self.allocator.commit(r.request_id, r.prefilled)
       r.stats.forwards[Forward.PREFILL] += 1
       if r.prefilled == len(r.prompt_ids):
         r.stats.ttft_s = time.perf_counter() - r.arrival
-        self.emit(r, [int(tok[i])], [float(lp[i])], top_lp[i:i + 1], top_ids[i:i + 1])
+        if r.params.max_tokens == 0:  # only the prompt's logprobs were asked for
+          self.finish(r, "length")
+        else:
+          self.emit(r, [int(tok[i])], [float(lp[i])], top_lp[i:i + 1], top_ids[i:i + 1])
+
+  @staticmethod
+  def _scores_prompt(r: Request) -> bool:
+    return r.params.prompt_logprobs is not None and r.shared_prompt_tokens == 0
+
+  # ---- n > 1: samples of one prompt share its prefill ---------------------------------------------------------------
+  def _share_prefills(self) -> None:
+    """Every running sample waiting on another's prefill takes that one's full prompt pages once its prompt is
+    cached (`PageAllocator.fork`), and its prompt logprobs; it then prefills only the rest (at most a page,
+    always the last prompt token, whose forward samples its own first token). A sample whose source is gone
+    prefills on its own."""
+    for r in self.running:
+      src = r.prefill_source
+      if src is None or r.finished:
+        continue
+      if src.finished or src.request_id not in self.allocator.owners():
+        r.prefill_source = None  # gone (finished, aborted, failed) before sharing: prefill alone
+        continue
+      if src.prefilled < len(src.prompt_ids):
+        continue  # still prefilling: wait for it
+      try:
+        shared = self.allocator.fork(src.request_id, r.request_id,
+                                     self.allocator.shareable_tokens(len(r.prompt_ids)))
+      except Exception as e:
+        self._fail_request(r, "sharing its prompt's pages", e)
+        continue
+      r.prefill_source = None
+      r.prefilled = r.shared_prompt_tokens = shared
+      # the sampling key of each forward is (seed, round): skip the rounds of the chunks it did not run, so its
+      # first token is drawn with the key it would have had prefilling alone (a seeded sample is the same alone)
+      chunk = self.rc.prefill_chunk
+      r.round_counter += -(-len(r.prompt_ids) // chunk) - -(-(len(r.prompt_ids) - shared) // chunk)
+      if shared and src.prompt_logprobs is not None and r.params.prompt_logprobs is not None:
+        r.prompt_logprobs = list(src.prompt_logprobs)
+      self.totals["prompt_tokens_shared"] += shared
 
   # ---- emission and finishing ----------------------------------------------------------------------------------------
   def emit(self, r: Request, toks: list[int], lps, top_lp, top_ids) -> None:
