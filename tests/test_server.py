@@ -328,8 +328,9 @@ COMPLETION_ERRORS = [
     ({"prompt": "hi", "stop": 5}, 400, "stop"),
     ({"prompt": "hi", "stop_token_ids": [10**6]}, 400, "stop_token_ids"),
     ({"prompt": "hi", "n": 0}, 400, "n"),
-    ({"prompt": "hi", "n": 2, "stream": True}, 400, "n"),
-    ({"prompt": "hi", "echo": True}, 400, "echo"),
+    ({"prompt": "hi", "n": 17}, 400, "n"),
+    ({"prompt": "hi", "best_of": 2}, 400, "best_of"),
+    ({"prompt": "hi", "max_tokens": 0}, 400, "max_tokens"),  # 0 only with echo
     ({"prompt": "hi", "stream": "yes"}, 400, "stream"),
     ({"prompt": "hi", "stream_options": {"include_usage": True}}, 400, "stream_options"),
     ({"prompt": "hi", "model": "gpt-4"}, 404, "model"),

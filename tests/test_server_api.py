@@ -35,6 +35,7 @@ MAX_MODEL_LEN = 128
 API_KEY = "test-key-123"
 ORIGIN = "https://ui.example.com"
 CHAT = [{"role": "user", "content": "What is 2 + 2?"}]
+ECHO_PROMPT = "Natalia sold clips to 48 of her friends in April, and then she sold half as many clips in May."
 
 
 @pytest.fixture(scope="module")
@@ -56,6 +57,8 @@ def offline(llm):
       "chat": llm.chat(CHAT, SamplingParams(max_tokens=3, temperature=0.0), use_tqdm=False,
                        chat_template_kwargs={"unused": 1}),
       "hello": llm.generate(["Hello world"], SamplingParams(max_tokens=4, temperature=0.0), use_tqdm=False)[0],
+      "scored": llm.generate([ECHO_PROMPT], SamplingParams(max_tokens=3, temperature=0.0, logprobs=1,
+                                                          prompt_logprobs=1), use_tqdm=False)[0],
       "bar": bar.getvalue(), "default_bar": default_bar}
 
 
@@ -187,8 +190,8 @@ def test_strict_request_fields_refuses_unknown_fields(llm):
   # known but unsupported values are refused in both modes
   for strict in (False, True):
     with pytest.raises(protocol.APIError) as e:
-      protocol.parse_completion({"prompt": "hi", "echo": True}, tok, MODEL, llm.cfg.vocab_size, strict=strict)
-    assert e.value.param == "echo"
+      protocol.parse_completion({"prompt": "hi", "best_of": 3}, tok, MODEL, llm.cfg.vocab_size, strict=strict)
+    assert e.value.param == "best_of"
 
 
 def test_min_p_and_response_format(server):
@@ -256,10 +259,70 @@ def test_n_independent_samples(server, offline):
   assert texts == [ch.text for ch in b.choices] and texts[0] == one.choices[0].text
   assert len(set(texts)) > 1, texts  # 12 tokens at temperature 1 from a random model: equal only by accident
   assert all(ch.model_extra["speculation"] for ch in a.choices)
+  # choice i is the n=1 answer with seed 7 + i
+  assert texts[2] == c.completions.create(**{**kw, "seed": 9}).choices[0].text
   chat = c.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=3, temperature=0, n=2)
   assert len(chat.choices) == 2 and chat.choices[0].message.content == chat.choices[1].message.content
-  assert_error(post(server, "/v1/completions", {"prompt": "hi", "n": 2, "stream": True}), 400, "n")
+  # streamed: each chunk names its choice; the streamed choices are the non-streamed ones
+  streamed = ["", "", ""]
+  usage = None
+  for ch in c.completions.create(n=3, stream=True, stream_options={"include_usage": True}, **kw):
+    for choice in ch.choices:
+      streamed[choice.index] += choice.text
+    usage = ch.usage or usage
+  assert streamed == texts and usage.completion_tokens == a.usage.completion_tokens
+  deltas = ["", ""]
+  for ch in c.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=3, temperature=0, n=2, stream=True):
+    for choice in ch.choices:
+      deltas[choice.index] += choice.delta.content or ""
+  assert deltas == [chat.choices[0].message.content] * 2
   assert_error(post(server, "/v1/completions", {"prompt": "hi", "n": 17}), 400, "n")
+  assert_error(post(server, "/v1/completions", {"prompt": "hi", "n": 2, "best_of": 3}), 400, "best_of")
+
+
+def test_n_samples_share_the_prompt_prefill(server, llm):
+  totals = llm.engine.totals
+  shared, computed = totals["prompt_tokens_shared"], totals["prompt_tokens"]
+  prompt_len = len(llm.tokenizer.encode(ECHO_PROMPT))
+  out = client(server).completions.create(model=MODEL, prompt=ECHO_PROMPT, max_tokens=2, temperature=0, n=2)
+  assert len(out.choices) == 2 and out.choices[0].text == out.choices[1].text
+  full = (prompt_len - 1) // 8 * 8  # the prompt's full pages (page_size 8), never its last token
+  assert full > 0 and totals["prompt_tokens_shared"] - shared == full
+  assert totals["prompt_tokens"] - computed == 2 * prompt_len - full  # the prompt is computed once
+  llm.engine.allocator.check()
+
+
+def test_echo_with_prompt_logprobs(server, llm, offline):
+  """lm-eval's loglikelihood request: echo=true, max_tokens=0, logprobs=1."""
+  c = client(server)
+  ref = offline["scored"]
+  prompt_ids = ref.prompt_token_ids
+  out = c.completions.create(model=MODEL, prompt=ECHO_PROMPT, max_tokens=0, echo=True, logprobs=1, temperature=0)
+  (choice,) = out.choices
+  assert choice.text == ECHO_PROMPT and out.usage.completion_tokens == 0
+  lp = choice.logprobs
+  assert lp.tokens == [llm.tokenizer.decode([t], skip_special_tokens=False) for t in prompt_ids]
+  assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+  assert lp.token_logprobs[1:] == pytest.approx([e["logprob"] for e in ref.prompt_logprobs[1:]], abs=1e-5)
+  assert all(len(top) == 1 for top in lp.top_logprobs[1:])
+  assert lp.text_offset == sorted(lp.text_offset) and lp.text_offset[0] == 0
+  # echo with generation: the prompt, then the greedy continuation; logprobs of both in one run
+  out = c.completions.create(model=MODEL, prompt=ECHO_PROMPT, max_tokens=3, echo=True, logprobs=1, temperature=0)
+  (choice,) = out.choices
+  assert choice.text == ECHO_PROMPT + ref.text
+  assert len(choice.logprobs.tokens) == len(prompt_ids) + len(ref.token_ids)
+  assert choice.logprobs.token_logprobs[len(prompt_ids):] == pytest.approx(
+      [e["logprob"] for e in ref.logprobs], abs=1e-5)
+  # streamed: the prompt first (with its logprobs), then the continuation
+  chunks = list(c.completions.create(model=MODEL, prompt=ECHO_PROMPT, max_tokens=3, echo=True, logprobs=1,
+                                     temperature=0, stream=True))
+  assert "".join(ch.choices[0].text for ch in chunks) == ECHO_PROMPT + ref.text
+  assert chunks[0].choices[0].text == ECHO_PROMPT and chunks[0].choices[0].logprobs.token_logprobs[0] is None
+  # echo without logprobs: the prompt's text only, nothing scored
+  out = c.completions.create(model=MODEL, prompt=ECHO_PROMPT, max_tokens=2, echo=True, temperature=0)
+  assert out.choices[0].text.startswith(ECHO_PROMPT) and out.choices[0].logprobs is None
+  assert_error(post(server, "/v1/completions", {"prompt": "hi", "max_tokens": 0}), 400, "max_tokens")
+  llm.engine.allocator.check()
 
 
 # ---- tokenize / detokenize / models ---------------------------------------------------------------------------
