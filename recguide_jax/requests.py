@@ -119,10 +119,17 @@ class SamplingParams:
   # entries; the prompt is then scored while it is prefilled, and max_tokens may be 0 (score only)
   prompt_logprobs: int | None = None
   n: int = 1  # samples of the prompt (`LLM.generate` gives each its own seed, `seed_of_sample`, and one prefill)
+  # vLLM's: generate this many samples (>= n) and return the n with the highest cumulative logprob
+  best_of: int | None = None
+
+  @property
+  def num_samples(self) -> int:
+    """Samples generated for the prompt: best_of if set, else n."""
+    return self.best_of if self.best_of is not None else self.n
 
   def sample(self, index: int) -> "SamplingParams":
     """The parameters of sample `index` of `n`: one sample, with that sample's seed."""
-    return dataclasses.replace(self, n=1, seed=seed_of_sample(self.seed, index))
+    return dataclasses.replace(self, n=1, best_of=None, seed=seed_of_sample(self.seed, index))
 
   def validate(self, vocab_size: int | None = None) -> "SamplingParams":
     """Checks every field's type and range (the ranges its host array type and the model allow); raises
@@ -145,6 +152,8 @@ class SamplingParams:
           f"{describe(self.max_tokens)}")
     if not is_int(self.n) or not 1 <= self.n <= MAX_SAMPLES:
       bad("n", f"must be an integer in [1, {MAX_SAMPLES}], got {describe(self.n)}")
+    if self.best_of is not None and (not is_int(self.best_of) or not self.n <= self.best_of <= MAX_SAMPLES):
+      bad("best_of", f"must be an integer in [n, {MAX_SAMPLES}] (n = {self.n}), got {describe(self.best_of)}")
     if not is_number(self.temperature) or not 0 <= self.temperature <= MAX_TEMPERATURE:  # NaN fails too
       bad("temperature", f"must be a finite number in [0, {MAX_TEMPERATURE:g}], got {describe(self.temperature)}")
     if not is_number(self.top_p) or not 0 < self.top_p <= 1:
@@ -228,6 +237,8 @@ class Request:
   arrival: float = dataclasses.field(default_factory=time.perf_counter)
   output_ids: list[int] = dataclasses.field(default_factory=list)
   logprobs: list[dict] = dataclasses.field(default_factory=list)
+  # the raw logprob of each output token (always kept: best_of ranks samples by their sum)
+  token_logprobs: list[float] = dataclasses.field(default_factory=list)
   finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
   error: str | None = None
   stats: RequestStats = dataclasses.field(default_factory=RequestStats)
@@ -254,5 +265,10 @@ class Request:
   @property
   def finished(self) -> bool:
     return self.finish_reason is not None
+
+  @property
+  def cumulative_logprob(self) -> float:
+    """The sum of the output tokens' raw logprobs (vLLM's `cumulative_logprob`)."""
+    return float(sum(self.token_logprobs))
 
 

@@ -59,9 +59,12 @@ def test_prompt_logprobs_equal_the_reference_forward(tiny_llm, tiny_model, polic
 
 def test_prompt_logprobs_with_recguide_and_max_tokens_zero(tiny_llm, tiny_model):
   ref = reference_logprobs(tiny_model, PROMPT)
+  shared = tiny_llm.engine.totals["prompt_tokens_shared"]
   out = generate(tiny_llm, policies.make_policy("recguide", 8), PROMPT,
-                 SamplingParams(max_tokens=0, prompt_logprobs=0))
-  assert out.token_ids == [] and out.finish_reason == "length"
+                 SamplingParams(max_tokens=0, prompt_logprobs=0, n=2))
+  assert [o.token_ids for o in out.outputs] == [[], []] and out.finish_reason == "length"
+  # the second sample took the scored prompt's pages before the first finished right after its prefill
+  assert tiny_llm.engine.totals["prompt_tokens_shared"] - shared == 32
   assert "top_logprobs" not in out.prompt_logprobs[1]
   np.testing.assert_allclose([e["logprob"] for e in out.prompt_logprobs[1:]],
                              ref[np.arange(len(PROMPT) - 1), PROMPT[1:]], atol=2e-5)

@@ -329,7 +329,7 @@ COMPLETION_ERRORS = [
     ({"prompt": "hi", "stop_token_ids": [10**6]}, 400, "stop_token_ids"),
     ({"prompt": "hi", "n": 0}, 400, "n"),
     ({"prompt": "hi", "n": 17}, 400, "n"),
-    ({"prompt": "hi", "best_of": 2}, 400, "best_of"),
+    ({"prompt": "hi", "best_of": 0}, 400, "best_of"),
     ({"prompt": "hi", "max_tokens": 0}, 400, "max_tokens"),  # 0 only with echo
     ({"prompt": "hi", "stream": "yes"}, 400, "stream"),
     ({"prompt": "hi", "stream_options": {"include_usage": True}}, 400, "stream_options"),
@@ -355,7 +355,7 @@ CHAT_ERRORS = [
     ({"messages": CHATS[0], "top_logprobs": 2}, 400, "top_logprobs"),
     ({"messages": CHATS[0], "logprobs": True, "top_logprobs": 50}, 400, "top_logprobs"),
     ({"messages": CHATS[0], "logprobs": 1}, 400, "logprobs"),
-    ({"messages": CHATS[0], "n": 3, "stream": True}, 400, "n"),
+    ({"messages": CHATS[0], "n": 17}, 400, "n"),
     ({"messages": CHATS[0], "temperature": -1}, 400, "temperature"),
     ({"messages": CHATS[0], "model": "nope"}, 404, "model"),
     ({"messages": [{"role": "user", "content": "x " * 400}]}, 413, "messages"),

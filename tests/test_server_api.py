@@ -5,9 +5,10 @@ Covers: the official `openai` client with the right key (works), a wrong or miss
 shape, `openai.AuthenticationError`) while /health, /metrics, /version and /tokenize stay open; CORS preflight and
 a disallowed origin; X-Request-Id honoured as the response id and echoed (a non-sane one replaced); unknown fields
 ignored with a logged warning (strict mode: 400 naming the field); min_p, response_format, chat_template_kwargs and
-stream_options.continuous_usage_stats; /tokenize and /detokenize round trips and their validation; /v1/models'
-max_model_len; the offline API's `outputs[0]` (CompletionOutput) and its flat aliases; `serve.py` positional
-checkpoint errors.
+stream_options.continuous_usage_stats; n samples (non-streamed and streamed, seeds per index, one shared
+prefill), best_of, echo with prompt logprobs (also max_tokens=0 and streamed); /tokenize and /detokenize round
+trips and their validation; /v1/models' max_model_len; the offline API's `outputs[0]` (CompletionOutput) and its
+flat aliases; `serve.py` positional checkpoint errors.
 """
 
 import contextlib
@@ -57,6 +58,10 @@ def offline(llm):
       "chat": llm.chat(CHAT, SamplingParams(max_tokens=3, temperature=0.0), use_tqdm=False,
                        chat_template_kwargs={"unused": 1}),
       "hello": llm.generate(["Hello world"], SamplingParams(max_tokens=4, temperature=0.0), use_tqdm=False)[0],
+      "three": llm.generate(["The quick brown fox"], SamplingParams(max_tokens=6, temperature=1.0, seed=5, n=3,
+                                                                   ignore_eos=True), use_tqdm=False)[0],
+      "best": llm.generate(["The quick brown fox"], SamplingParams(max_tokens=6, temperature=1.0, seed=5, best_of=3,
+                                                                  ignore_eos=True), use_tqdm=False)[0],
       "scored": llm.generate([ECHO_PROMPT], SamplingParams(max_tokens=3, temperature=0.0, logprobs=1,
                                                           prompt_logprobs=1), use_tqdm=False)[0],
       "bar": bar.getvalue(), "default_bar": default_bar}
@@ -190,8 +195,8 @@ def test_strict_request_fields_refuses_unknown_fields(llm):
   # known but unsupported values are refused in both modes
   for strict in (False, True):
     with pytest.raises(protocol.APIError) as e:
-      protocol.parse_completion({"prompt": "hi", "best_of": 3}, tok, MODEL, llm.cfg.vocab_size, strict=strict)
-    assert e.value.param == "best_of"
+      protocol.parse_completion({"prompt": "hi", "suffix": "!"}, tok, MODEL, llm.cfg.vocab_size, strict=strict)
+    assert e.value.param == "suffix"
 
 
 def test_min_p_and_response_format(server):
@@ -277,7 +282,22 @@ def test_n_independent_samples(server, offline):
       deltas[choice.index] += choice.delta.content or ""
   assert deltas == [chat.choices[0].message.content] * 2
   assert_error(post(server, "/v1/completions", {"prompt": "hi", "n": 17}), 400, "n")
-  assert_error(post(server, "/v1/completions", {"prompt": "hi", "n": 2, "best_of": 3}), 400, "best_of")
+  assert_error(post(server, "/v1/completions", {"prompt": "hi", "n": 3, "best_of": 2}), 400, "best_of")
+  assert_error(post(server, "/v1/completions", {"prompt": "hi", "best_of": 2, "stream": True}), 400, "best_of")
+
+
+def test_best_of_returns_the_highest_cumulative_logprob(server, llm, offline):
+  samples = offline["three"].outputs
+  best = max(samples, key=lambda o: o.cumulative_logprob)
+  alone = offline["best"]
+  assert alone.outputs[0].token_ids == best.token_ids and len(alone.outputs) == 1
+  out = client(server).completions.create(model=MODEL, prompt="The quick brown fox", max_tokens=6, temperature=1.0,
+                                          seed=5, n=1, best_of=3, extra_body={"ignore_eos": True})
+  assert [ch.text for ch in out.choices] == [best.text]
+  two = client(server).completions.create(model=MODEL, prompt="The quick brown fox", max_tokens=6, temperature=1.0,
+                                          seed=5, n=2, best_of=3, extra_body={"ignore_eos": True})
+  ranked = sorted(samples, key=lambda o: -o.cumulative_logprob)
+  assert [ch.text for ch in two.choices] == [o.text for o in ranked[:2]]
 
 
 def test_n_samples_share_the_prompt_prefill(server, llm):

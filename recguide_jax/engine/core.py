@@ -84,10 +84,11 @@ class Engine:
 
   def validate_request(self, prompt_ids: Sequence[int], params: SamplingParams) -> list[int]:
     """Checks a request without touching engine state (safe from any thread); returns the prompt as ints."""
-    if params.logprobs is not None and not self.strategy.supports_logprobs:
-      params.validate(self.cfg.vocab_size)
-      raise RequestError(f"logprobs are not available with the {self.strategy.name} policy (denoised tokens have "
-                         "no AR distribution)", "logprobs")
+    for field in ("logprobs", "best_of"):  # best_of ranks samples by their tokens' logprobs
+      if getattr(params, field) is not None and not self.strategy.supports_logprobs:
+        params.validate(self.cfg.vocab_size)
+        raise RequestError(f"{field} is not available with the {self.strategy.name} policy (denoised tokens have "
+                           "no AR distribution)", field)
     return self.scheduler.validate(prompt_ids, params, self.cfg.vocab_size, self.rc.max_model_len)
 
   def add_request(self, prompt_ids: Sequence[int], params: SamplingParams, request_id: str | None = None,
@@ -96,8 +97,8 @@ class Engine:
     """Queues one sequence. `prefill_source`: the id of an earlier sample of the same prompt (n > 1): this one then
     shares that one's prefill (its full prompt pages, reference-counted) and computes only the prompt's last
     partial page; if that request is gone or fails before its prompt is cached, this one prefills on its own."""
-    if params.n != 1:
-      raise RequestError("the engine takes one sample per request: add each of the n samples "
+    if params.num_samples != 1:
+      raise RequestError("the engine takes one sample per request: add each of the n (or best_of) samples "
                          "(params.sample(i)) with prefill_source naming the first", "n")
     if not validated:
       prompt_ids = self.validate_request(prompt_ids, params)
@@ -157,7 +158,6 @@ class Engine:
       for reqs, score in ((plain, False), (scored, True)):
         if reqs:
           self._isolated(reqs, "prefill", self._prefill, reqs, score)
-      self._share_prefills()  # at once, before a source that just finished its prompt can finish and free it
     decoding = [r for r in self.running if r.seed_token is not None and not r.finished and self._sampling_ready(r)]
     view = StepView(self.step_count, len(decoding), self.rc.max_batch, self.rc.max_model_len, self.rc.max_block,
                     self._eos)
@@ -339,6 +339,9 @@ class Engine:
       self.totals["prompt_tokens"] += n  # live, for /metrics and the periodic stats line
       self.allocator.commit(r.request_id, r.prefilled)
       r.stats.forwards[Forward.PREFILL] += 1
+    # other samples of a prompt cached just now take its pages before its first token can finish it
+    self._share_prefills()
+    for i, r in enumerate(reqs):
       if r.prefilled == len(r.prompt_ids):
         r.stats.ttft_s = time.perf_counter() - r.arrival
         if r.params.max_tokens == 0:  # only the prompt's logprobs were asked for

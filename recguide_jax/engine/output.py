@@ -34,6 +34,7 @@ def append_tokens(r: Request, toks: list[int], lps, top_lp, top_ids, eos: frozen
   reason = None
   for k, t in enumerate(toks):
     new.append(t)
+    r.token_logprobs.append(float(lps[k]))
     if r.params.logprobs is not None:
       entry = {"token_id": t, "logprob": float(lps[k])}
       if r.params.logprobs and top_lp is not None:
@@ -57,6 +58,7 @@ def append_tokens(r: Request, toks: list[int], lps, top_lp, top_ids, eos: frozen
       cut = len(r.output_ids) - n
       del r.output_ids[n:]
       del r.logprobs[n:]
+      del r.token_logprobs[n:]
       if cut:
         new = new[:max(len(new) - cut, 0)]
       r.text = st.detokenizer.text[:pos]

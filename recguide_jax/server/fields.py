@@ -11,7 +11,6 @@ from recguide_jax.server.errors import APIError, _cap, bad_type as _bad_type, sh
 
 # Fields accepted only at their neutral value: clients often send them explicitly.
 _NEUTRAL = {
-    "best_of": (None, 1),
     "suffix": (None, ""),
     "presence_penalty": (None, 0, 0.0),
     "frequency_penalty": (None, 0, 0.0),

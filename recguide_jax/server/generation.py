@@ -66,13 +66,18 @@ class Generation:
     return tracker
 
   def submit_samples(self, request: Request, gen: protocol.GenerationRequest, prefix: str) -> list[Tracker]:
-    """One engine request per choice: choice i with its own seed (`SamplingParams.sample`), each after the first
-    sharing the first one's prefill (the prompt is computed once)."""
-    if gen.n == 1:
+    """One engine request per sample (n, or best_of): sample i with its own seed (`SamplingParams.sample`), each
+    after the first sharing the first one's prefill (the prompt is computed once)."""
+    count = gen.params.num_samples
+    if count == 1:
       return [self.submit(request, gen, prefix)]
+    try:  # n and best_of against the policy (each sample alone is one plain request)
+      self.engine_thread.engine.validate_request(gen.prompt_ids, gen.params)
+    except RequestError as e:
+      raise protocol.APIError.from_request_error(e) from None
     trackers: list[Tracker] = []
     try:
-      for i in range(gen.n):
+      for i in range(count):
         sample = dataclasses.replace(gen, params=gen.params.sample(i))
         trackers.append(self.submit(request, sample, prefix, index=i,
                                     prefill_source=trackers[0].rid if trackers else None))
@@ -106,7 +111,7 @@ class Generation:
       log.warning("%s-%s: the following fields were present in the request but ignored: %s", prefix,
                   request.state.request_id, ", ".join(gen.ignored_fields))
     trackers = self.submit_samples(request, gen, prefix)
-    rid = trackers[0].rid if gen.n == 1 else f"{prefix}-{request.state.request_id}"
+    rid = trackers[0].rid if len(trackers) == 1 else f"{prefix}-{request.state.request_id}"
     if gen.stream:
       return EventStream(self.stream(gen, trackers, created, rid), trackers)
     return await self.complete(request, gen, trackers, created, rid)
@@ -131,6 +136,8 @@ class Generation:
       err = failure(final)
       if err is not None:
         raise err
+    if len(finals) > gen.n:  # best_of: the n samples of highest cumulative logprob, best first (vLLM's order)
+      finals = sorted(finals, key=lambda f: -f.cumulative_logprob)[:gen.n]
     use = responses.usage(len(gen.prompt_ids), sum(len(f.output_ids) for f in finals))
     build = responses.chat if gen.chat else responses.completion
     shared_prompt_lps = next((f.prompt_logprobs for f in finals if f.prompt_logprobs is not None), None)

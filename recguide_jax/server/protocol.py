@@ -90,8 +90,12 @@ def parse_completion(body, tokenizer: Tokenizer, served: str, vocab_size: int, *
     params.prompt_logprobs = logprobs or 0
   stream = _bool(body, "stream", False)
   include, continuous = _stream_options(body, stream)
+  params.n, params.best_of = _n(body, stream), _int(body, "best_of")
+  if stream and params.best_of is not None and params.best_of != params.n:
+    raise APIError(400, "best_of must equal n with stream=true (the best samples are known only at the end)",
+                   "best_of", "unsupported_parameter")
   return GenerationRequest(prompt_ids, _validate(params, vocab_size), stream, include,
-                           continuous_usage=continuous, n=_n(body, stream), ignored_fields=ignored, echo=echo,
+                           continuous_usage=continuous, n=params.n, ignored_fields=ignored, echo=echo,
                            prompt_text=prompt if isinstance(prompt, str) else None)
 
 
@@ -183,8 +187,9 @@ def parse_chat(body, tokenizer: Tokenizer, served: str, vocab_size: int, max_mod
   params = _sampling(body, max_tokens, (top or 0) if want_logprobs else None)
   stream = _bool(body, "stream", False)
   include, continuous = _stream_options(body, stream)
+  params.n = _n(body, stream)
   return GenerationRequest(prompt_ids, _validate(params, vocab_size, renames), stream, include, chat=True,
-                           continuous_usage=continuous, n=_n(body, stream), ignored_fields=ignored)
+                           continuous_usage=continuous, n=params.n, ignored_fields=ignored)
 
 
 # ---- /tokenize and /detokenize (vLLM's shapes) ----------------------------------------------------------------------
