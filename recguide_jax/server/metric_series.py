@@ -134,7 +134,8 @@ class Collector:
                           [(k, totals.get(f"forwards_{k}", 0)) for k in kinds])
     yield gauge("kv_cache_pages_used", "KV cache pages owned by requests.", snap["pages_used"])
     yield gauge("kv_cache_pages_total", "Usable KV cache pages.", snap["pages_total"])
-    yield gauge("compilations_after_warmup", "Backend compilations since warm-up ended (should stay 0).",
+    yield gauge("compilations_after_warmup", "Backend compilations since warm-up ended (0 unless a request needed a "
+                "variant warm-up did not build: the first one with prompt logprobs).",
                 eng.runner.compiles_after_warmup)
     yield labeled_counter("http_errors", "Error answers (bodies and stream error events) by HTTP status.", "code",
                           sorted(http_errors.items()))
