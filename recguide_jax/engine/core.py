@@ -4,7 +4,8 @@ requests. It knows no strategy by name (see `recguide_jax.decoding.strategy`).
 
 Each `step()`:
 1. admits waiting requests (FIFO) while a batch slot and their worst-case KV pages are free;
-2. runs one prefill chunk for requests whose prompt is not fully cached (chunked prefill interleaves with decode);
+2. runs one prefill chunk for requests whose prompt is not fully cached (chunked prefill interleaves with decode;
+   `prefill`: prompt scoring, and the samples of one prompt sharing its prefill);
 3. asks the strategy for each decoding request's plan (a round and a block size) given a `StepView`, groups
    requests by plan (`scheduler.group_plans`) and runs one round per group (padded to its batch bucket);
 4. rounds emit tokens through `verified`/`emit` (stop conditions, pages committed or cropped); finished requests
@@ -25,10 +26,10 @@ import jax
 import numpy as np
 
 from recguide_jax.decoding.strategy import Group, RoundPlan, StepView, Strategy
-from recguide_jax.engine import output
+from recguide_jax.engine import output, prefill
 from recguide_jax.engine.scheduler import Scheduler, group_plans
 from recguide_jax.kv_cache import PageAllocator
-from recguide_jax.requests import Forward, QueueFull, Request, RequestError, SamplingParams, fold_seed, sampling_row
+from recguide_jax.requests import QueueFull, Request, RequestError, SamplingParams, fold_seed, sampling_row
 from recguide_jax.runner import Runner, SamplingArrays
 
 log = logging.getLogger("recguide_jax.engine")
@@ -146,18 +147,18 @@ class Engine:
         self.allocator.add(req.request_id)
         self.strategy.on_admit(req)
       except Exception as e:  # this request only: its pages are freed, the others are admitted as usual
-        self._fail_request(req, "admitting it", e)
-    self._share_prefills()
+        self.fail_request(req, "admitting it", e)
+    prefill.share_prefills(self)
     prefilling = [r for r in self.running if r.prefilled < len(r.prompt_ids) and not r.finished
                   and r.prefill_source is None and self._sampling_ready(r)]
     if prefilling:
       batch = prefilling[:self.rc.max_batch]
       # a chunk whose prompt logprobs are wanted runs the SCORE variant; the others keep the plain prefill
-      scored = [r for r in batch if self._scores_prompt(r)]
-      plain = [r for r in batch if not self._scores_prompt(r)]
+      scored = [r for r in batch if prefill.scores_prompt(r)]
+      plain = [r for r in batch if not prefill.scores_prompt(r)]
       for reqs, score in ((plain, False), (scored, True)):
         if reqs:
-          self._isolated(reqs, "prefill", self._prefill, reqs, score)
+          self._isolated(reqs, "prefill", prefill.run_prefill, self, reqs, score)
     decoding = [r for r in self.running if r.seed_token is not None and not r.finished and self._sampling_ready(r)]
     view = StepView(self.step_count, len(decoding), self.rc.max_batch, self.rc.max_model_len, self.rc.max_block,
                     self._eos)
@@ -166,7 +167,7 @@ class Engine:
       try:
         planned.append((req, self.strategy.plan(req, view)))
       except Exception as e:
-        self._fail_request(req, "planning its round", e)
+        self.fail_request(req, "planning its round", e)
     try:
       groups = group_plans(planned, self.bucketing, self.strategy.round_cost)
     except Exception:  # a cost-model bug: run the planned groups as they are
@@ -228,11 +229,12 @@ class Engine:
       try:
         r.sampling = sampling_row(r.params, fold_seed(r.rng_seed))
       except Exception as e:
-        self._fail_request(r, "converting its sampling parameters", e)
+        self.fail_request(r, "converting its sampling parameters", e)
         return False
     return True
 
-  def _fail_request(self, r: Request, what: str, e: Exception) -> None:
+  def fail_request(self, r: Request, what: str, e: Exception) -> None:
+    """Fails one request (logged with what it was doing) and no other."""
     log.error("request %s failed while %s; failing it alone", r.request_id, what, exc_info=e)
     self.finish(r, "error", f"engine error: {type(e).__name__}: {e}")
 
@@ -310,80 +312,6 @@ class Engine:
                               "alt": res.draft_signals[i, 2].astype(int).tolist()})
     self.emit(r, toks, list(res.logprobs[i, :accepted]), res.top_logprobs[i, :accepted], res.top_ids[i, :accepted])
 
-  # ---- prefill -------------------------------------------------------------------------------------------------------
-  def _prefill(self, reqs: list[Request], score: bool = False) -> None:
-    chunk = self.rc.prefill_chunk
-    for r in reqs:
-      self.allocator.reserve(r.request_id, min(r.prefilled + chunk, len(r.prompt_ids)))
-    b, page_table, prefix_len, samp = self.batch_arrays(reqs)
-    tokens = np.zeros((b, chunk), np.int32)
-    valid = np.zeros((b, chunk), bool)
-    last_idx = np.zeros((b,), np.int32)
-    targets = np.zeros((b, chunk), np.int32) if score else None
-    for i, r in enumerate(reqs):
-      piece = r.prompt_ids[r.prefilled:r.prefilled + chunk]
-      tokens[i, :len(piece)] = piece
-      valid[i, :len(piece)] = True
-      last_idx[i] = len(piece) - 1
-      if score:  # position t scores the prompt token after it (the last prompt token's successor is generated)
-        nxt = r.prompt_ids[r.prefilled + 1:r.prefilled + 1 + chunk]
-        targets[i, :len(nxt)] = nxt
-    outs = self.runner.prefill(tokens, valid, prefix_len, page_table, last_idx, samp, targets)
-    tok, lp, top_lp, top_ids = outs[:4]
-    self.count_forward(Forward.PREFILL, chunk, len(reqs))
-    for i, r in enumerate(reqs):
-      n = int(valid[i].sum())
-      if score:
-        output.append_prompt_logprobs(r, outs[4][i], outs[5][i], outs[6][i], n)
-      r.prefilled += n
-      self.totals["prompt_tokens"] += n  # live, for /metrics and the periodic stats line
-      self.allocator.commit(r.request_id, r.prefilled)
-      r.stats.forwards[Forward.PREFILL] += 1
-    # other samples of a prompt cached just now take its pages before its first token can finish it
-    self._share_prefills()
-    for i, r in enumerate(reqs):
-      if r.prefilled == len(r.prompt_ids):
-        r.stats.ttft_s = time.perf_counter() - r.arrival
-        if r.params.max_tokens == 0:  # only the prompt's logprobs were asked for
-          self.finish(r, "length")
-        else:
-          self.emit(r, [int(tok[i])], [float(lp[i])], top_lp[i:i + 1], top_ids[i:i + 1])
-
-  @staticmethod
-  def _scores_prompt(r: Request) -> bool:
-    return r.params.prompt_logprobs is not None and r.shared_prompt_tokens == 0
-
-  # ---- n > 1: samples of one prompt share its prefill ---------------------------------------------------------------
-  def _share_prefills(self) -> None:
-    """Every running sample waiting on another's prefill takes that one's full prompt pages once its prompt is
-    cached (`PageAllocator.fork`), and its prompt logprobs; it then prefills only the rest (at most a page,
-    always the last prompt token, whose forward samples its own first token). A sample whose source is gone
-    prefills on its own."""
-    for r in self.running:
-      src = r.prefill_source
-      if src is None or r.finished:
-        continue
-      if src.finished or src.request_id not in self.allocator.owners():
-        r.prefill_source = None  # gone (finished, aborted, failed) before sharing: prefill alone
-        continue
-      if src.prefilled < len(src.prompt_ids):
-        continue  # still prefilling: wait for it
-      try:
-        shared = self.allocator.fork(src.request_id, r.request_id,
-                                     self.allocator.shareable_tokens(len(r.prompt_ids)))
-      except Exception as e:
-        self._fail_request(r, "sharing its prompt's pages", e)
-        continue
-      r.prefill_source = None
-      r.prefilled = r.shared_prompt_tokens = shared
-      # the sampling key of each forward is (seed, round): skip the rounds of the chunks it did not run, so its
-      # first token is drawn with the key it would have had prefilling alone (a seeded sample is the same alone)
-      chunk = self.rc.prefill_chunk
-      r.round_counter += -(-len(r.prompt_ids) // chunk) - -(-(len(r.prompt_ids) - shared) // chunk)
-      if shared and src.prompt_logprobs is not None and r.params.prompt_logprobs is not None:
-        r.prompt_logprobs = list(src.prompt_logprobs)
-      self.totals["prompt_tokens_shared"] += shared
-
   # ---- emission and finishing ----------------------------------------------------------------------------------------
   def emit(self, r: Request, toks: list[int], lps, top_lp, top_ids) -> None:
     """Appends a round's tokens to one request (stop conditions, logprobs, its update callback); an error here
@@ -401,7 +329,7 @@ class Engine:
       if reason is not None:
         self.finish(r, reason)
     except Exception as e:
-      self._fail_request(r, "emitting its tokens", e)
+      self.fail_request(r, "emitting its tokens", e)
 
   @staticmethod
   def _notify(r: Request, new: list[int]) -> bool:
@@ -442,6 +370,7 @@ class Engine:
     self._notify(r, [])
 
   _finish = finish  # the earlier private name (EngineThread and tests call it)
+  _fail_request = fail_request
 
   def fail_all(self, message: str) -> None:
     """Finishes every request with an error (after a device failure) so no caller waits forever."""
