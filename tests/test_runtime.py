@@ -84,6 +84,7 @@ def test_score_prefill_compiles_on_first_use_and_writes_what_prefill_writes(tiny
   the targets' logprobs [b, chunk] and top entries [b, chunk, K] only."""
   runner = Runner(tiny_model, RunnerConfig(num_pages=8, page_size=8, max_model_len=32, max_batch=1,
                                            block_sizes=(8,), prefill_chunk=16, compile_cache_dir=None))
+  assert StepKey(StepKind.SCORE, 16, 1) in runner.variants(("prefill", "score"))  # warmed only when asked for
   seconds = runner.warmup(("prefill",), (8,), progress=False, workers=1)
   assert {k.kind for k in seconds} == {StepKind.PREFILL}
   tokens = np.random.default_rng(0).integers(4, 128, (1, 16)).astype(np.int32)
