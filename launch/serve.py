@@ -64,6 +64,9 @@ _BACKGROUND_COMPILE = flags.DEFINE_boolean(
     "background_compile", True, "Compile only the largest batch bucket of each step variant before serving and the "
     "smaller buckets on a background thread (their batches run padded in the largest until then; no request waits "
     "on a compile). --nobackground_compile compiles everything first.")
+_WARMUP_PROMPT_LOGPROBS = flags.DEFINE_boolean(
+    "warmup_prompt_logprobs", False, "Also compile the prefill variant that scores the prompt (echo with logprobs, "
+    "lm-eval's loglikelihood) before serving; by default the first such request compiles it and waits.")
 _COMPILE_CACHE_DIR = flags.DEFINE_string("compile_cache_dir", None, "Persistent XLA compilation cache. Default: "
                                          "$RECGUIDE_COMPILE_CACHE or ~/.cache/recguide_jax/xla; '' disables it.")
 _SERVED_MODEL_NAME = flags.DEFINE_string("served_model_name", None, "Model name clients pass as `model`. Default: "
@@ -263,7 +266,8 @@ def main(argv):
                       page_size=_PAGE_SIZE.value, rule=_RULE.value, compile_cache_dir=cache, warmup=True,
                       max_queue=_MAX_QUEUE.value, attention=_ATTENTION.value, dtype=_DTYPE.value,
                       kv_cache_memory_fraction=_KV_FRACTION.value, device_memory_gb=_DEVICE_MEMORY_GB.value,
-                      background_compile=_BACKGROUND_COMPILE.value, mesh=mesh)
+                      background_compile=_BACKGROUND_COMPILE.value, mesh=mesh,
+                      warmup_prompt_logprobs=_WARMUP_PROMPT_LOGPROBS.value)
   except (CheckpointError, ConfigError, TokenizerError, OSError) as e:
     _fail(f"--checkpoint: {e}")
   except ValueError as e:

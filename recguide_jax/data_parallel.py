@@ -135,7 +135,10 @@ class DataParallelEngine:
     return min(range(len(self.engines)), key=lambda i: self.load(i) + (i,))
 
   def add_request(self, prompt_ids, params, request_id: str | None = None, **kwargs):
-    i = self.pick()
+    # a sample of n joins the group of the sample whose prefill it shares (pages live in one group's cache)
+    source = kwargs.get("prefill_source")
+    i = self._home.get(source) if source is not None else None
+    i = self.pick() if i is None else i
     rid = request_id or f"req-{next(self._ids)}"  # unique across groups (each engine counts its own)
     req = self.engines[i].add_request(prompt_ids, params, rid, **kwargs)
     self._home[req.request_id] = i

@@ -7,6 +7,11 @@ would copy it. Page 0 (of every layer) is never handed out: it is the trash page
 on "is this slot real". A request's page table maps its logical page i (token positions i*page_size ..) to a
 physical page. Host side: `PageAllocator` owns which pages are free; commit, crop and free only change the host's
 tables and per-request lengths (a crop is a length change; pages past the new length are returned).
+
+Samples of one prompt (`n > 1`) share its prefill: `fork` gives a sibling the full pages of the prompt another
+request already wrote, reference-counted, so a page returns to the free list only when its last owner lets go of
+it. Only full pages are shared and every step writes at or past a request's committed length, so a shared page is
+never written again; the partial last page is the sibling's own (the engine recomputes its few tokens).
 """
 
 from __future__ import annotations
@@ -103,8 +108,9 @@ class OutOfPages(RuntimeError):
 class PageAllocator:
   """Host-side owner of the physical pages and of each request's page list and committed length.
 
-  Invariant (checked by `check`): every page except the trash page is either free or owned by exactly one request,
-  and each request owns exactly ceil(capacity / page_size) pages, where capacity >= its committed length.
+  Invariant (checked by `check`): every page except the trash page is either free or owned by at least one
+  request, a page owned by k requests has reference count k (k > 1 only for the full prompt pages `fork` shares),
+  and each request's committed length fits the pages it owns.
   """
 
   def __init__(self, num_pages: int, page_size: int, max_pages_per_seq: int):
@@ -119,6 +125,7 @@ class PageAllocator:
     self._free: list[int] = list(range(num_pages - 1, 0, -1))
     self._pages: dict[object, list[int]] = {}
     self._length: dict[object, int] = {}
+    self._refs: dict[int, int] = {}  # owners of each page held by more than one request (absent: one owner)
 
   # -- queries --
   @property
@@ -146,12 +153,46 @@ class PageAllocator:
   def owners(self) -> Iterable[object]:
     return self._pages.keys()
 
+  @property
+  def num_shared(self) -> int:
+    """Pages owned by more than one request."""
+    return len(self._refs)
+
+  def shareable_tokens(self, num_tokens: int) -> int:
+    """Of a prompt of `num_tokens` tokens, how many a sibling can take from shared pages: whole pages, and never
+    the last token (its forward samples the sibling's own first token)."""
+    return (max(num_tokens - 1, 0) // self.page_size) * self.page_size
+
   # -- mutations --
   def add(self, seq_id) -> None:
     if seq_id in self._pages:
       raise KeyError(f"sequence {seq_id!r} already has pages")
     self._pages[seq_id] = []
     self._length[seq_id] = 0
+
+  def fork(self, src, dst, num_tokens: int) -> int:
+    """Gives `dst` (added, holding no pages) the pages of `src` that hold its first `num_tokens` committed tokens,
+    whole pages only (rounded down), shared by reference; returns the tokens shared (dst's committed length)."""
+    if self._pages[dst]:
+      raise ValueError(f"fork into {dst!r}, which already holds pages")
+    if num_tokens > self._length[src]:
+      raise ValueError(f"fork of {num_tokens} tokens > committed length {self._length[src]} of {src!r}")
+    shared = self._pages[src][:num_tokens // self.page_size]
+    for p in shared:
+      self._refs[p] = self._refs.get(p, 1) + 1
+    self._pages[dst] = list(shared)
+    self._length[dst] = len(shared) * self.page_size
+    return self._length[dst]
+
+  def _release(self, page: int) -> None:
+    """Drops one owner of `page`; the last one returns it to the free list."""
+    refs = self._refs.get(page, 1)
+    if refs > 2:
+      self._refs[page] = refs - 1
+    elif refs == 2:
+      del self._refs[page]
+    else:
+      self._free.append(page)
 
   def reserve(self, seq_id, num_tokens: int) -> None:
     """Makes sure the sequence has pages for positions [0, num_tokens); raises OutOfPages and changes nothing
@@ -181,7 +222,7 @@ class PageAllocator:
     pages = self._pages[seq_id]
     keep = self.pages_for(length)
     while len(pages) > keep:
-      self._free.append(pages.pop())
+      self._release(pages.pop())
 
   def trim(self, seq_id) -> None:
     """Returns reserved-but-uncommitted pages (after a verify that accepted less than it reserved)."""
@@ -190,8 +231,8 @@ class PageAllocator:
   def free(self, seq_id) -> None:
     pages = self._pages.pop(seq_id, None)
     self._length.pop(seq_id, None)
-    if pages:
-      self._free.extend(reversed(pages))
+    for p in reversed(pages or ()):
+      self._release(p)
 
   def page_table_row(self, seq_id, width: int) -> np.ndarray:
     row = np.full((width,), TRASH_PAGE, np.int32)
@@ -204,9 +245,14 @@ class PageAllocator:
     seen = set(self._free)
     assert len(seen) == len(self._free), "duplicate page in free list"
     assert TRASH_PAGE not in seen, "trash page on the free list"
+    owners: dict[int, int] = {}
     for seq_id, pages in self._pages.items():
+      assert len(set(pages)) == len(pages), f"a page twice in the table of {seq_id!r}"
       for p in pages:
-        assert p != TRASH_PAGE and p not in seen, f"page {p} double-owned ({seq_id!r})"
-        seen.add(p)
+        assert p != TRASH_PAGE and p not in seen, f"page {p} both free and owned ({seq_id!r})"
+        owners[p] = owners.get(p, 0) + 1
       assert self._length[seq_id] <= len(pages) * self.page_size, f"length past capacity for {seq_id!r}"
-    assert seen == set(range(1, self.num_pages)), "pages lost"
+    for p, k in owners.items():
+      assert self._refs.get(p, 1) == k, f"page {p} has {k} owners but reference count {self._refs.get(p, 1)}"
+    assert set(self._refs) <= set(owners), "reference count of a page nobody owns"
+    assert seen | set(owners) == set(range(1, self.num_pages)), "pages lost"

@@ -74,6 +74,7 @@ class CompletionOutput:
   token_ids: list[int]
   logprobs: list[dict] | None
   finish_reason: str | None
+  cumulative_logprob: float | None = None  # the sum of its tokens' raw logprobs
 
 
 @dataclasses.dataclass
@@ -89,6 +90,9 @@ class RequestOutput:
   logprobs: list[dict] | None
   stats: dict
   outputs: list[CompletionOutput] = dataclasses.field(default_factory=list)
+  # with SamplingParams.prompt_logprobs: None for the first prompt token, then {"token_id", "logprob",
+  # "top_logprobs"} per prompt token (the entries' shape of `logprobs`)
+  prompt_logprobs: list[dict | None] | None = None
 
   def __post_init__(self):
     if not self.outputs:  # built from the flat fields: they are the one sequence
@@ -100,8 +104,23 @@ class RequestOutput:
 
   @classmethod
   def from_request(cls, req: Request, prompt: str | None) -> "RequestOutput":
-    return cls(req.request_id, prompt, list(req.prompt_ids), list(req.output_ids), req.text, req.finish_reason,
-               list(req.logprobs) if req.params.logprobs is not None else None, req.stats.as_dict())
+    return cls.from_samples([req], prompt)
+
+  @classmethod
+  def from_samples(cls, reqs: Sequence[Request], prompt: str | None, n: int | None = None) -> "RequestOutput":
+    """The output of a prompt's samples: `outputs[i]` is sample i, or with `n` < len(reqs) (best_of) the n
+    samples of highest cumulative logprob, best first (vLLM's order); the flat fields are outputs[0]'s, the id
+    and the stats the first sample's."""
+    outs = [CompletionOutput(i, r.text, list(r.output_ids), list(r.logprobs) if r.params.logprobs is not None
+                             else None, r.finish_reason, r.cumulative_logprob) for i, r in enumerate(reqs)]
+    if n is not None and n < len(outs):
+      outs = sorted(outs, key=lambda o: -o.cumulative_logprob)[:n]
+      outs = [dataclasses.replace(o, index=i) for i, o in enumerate(outs)]
+    first = reqs[0]
+    prompt_lps = next((r.prompt_logprobs for r in reqs if r.prompt_logprobs is not None), None)
+    return cls(first.request_id, prompt, list(first.prompt_ids), outs[0].token_ids, outs[0].text,
+               outs[0].finish_reason, outs[0].logprobs, first.stats.as_dict(), outs,
+               list(prompt_lps) if prompt_lps is not None else None)
 
 
 class LLM:
@@ -116,7 +135,7 @@ class LLM:
                attention: str = "auto", policy_kwargs: dict | None = None, max_num_seqs: int | None = None,
                kv_cache_memory_fraction: float | None = None, gpu_memory_utilization: float | None = None,
                device_memory_gb: float | None = None, background_compile: bool = False, mesh=None,
-               runner_options: dict | None = None, bucketing: bool | str = "auto"):
+               runner_options: dict | None = None, bucketing: bool | str = "auto", warmup_prompt_logprobs: bool = False):
     """vLLM's names where they exist: `max_num_seqs` (= `max_batch`, the most requests decoded together),
     `gpu_memory_utilization` (= `kv_cache_memory_fraction`), `dtype` ("auto": the checkpoint's).
 
@@ -132,7 +151,10 @@ class LLM:
 
     `runner_options`: any other `RunnerConfig` field by name. `bucketing`: True, one batch per planned block size;
     False, planned block sizes share a batch padded to the largest; "auto", whichever the strategy's cost model
-    prices cheaper per step. The options are kept as one frozen `engine_config` (`engine.EngineConfig`)."""
+    prices cheaper per step. The options are kept as one frozen `engine_config` (`engine.EngineConfig`).
+
+    `warmup_prompt_logprobs`: warm-up (and the memory plan) also covers the prefill variant that scores the prompt
+    (`SamplingParams.prompt_logprobs`); otherwise the first request that asks for prompt logprobs compiles it."""
     from absl import logging
 
     from recguide_jax import attention_dispatch, memory_plan
@@ -169,6 +191,8 @@ class LLM:
       self._kinds, self._kind_sizes = ("prefill", "draft", "verify", "denoise"), tuple(block_sizes)
     else:
       self._kinds, self._kind_sizes = self.policy.step_kinds(), self.policy.block_sizes()
+    if warmup_prompt_logprobs:
+      self._kinds = tuple(self._kinds) + ("score",)
     self.engine_config = EngineConfig(
         max_num_seqs=max_batch, max_model_len=max_model_len, num_pages=num_pages or None, page_size=page_size,
         prefill_chunk=prefill_chunk, block_sizes=tuple(block_sizes) if block_sizes else None, dtype=dtype, rule=rule,
@@ -221,8 +245,10 @@ class LLM:
 
   def generate(self, prompts, params: SamplingParams | Sequence[SamplingParams] | None = None,
                use_tqdm: bool = True) -> list[RequestOutput]:
-    """prompts: a string, a list of token ids, or a list of either. Returns one output per prompt, in order.
-    use_tqdm: a progress bar over finished requests (as vLLM's)."""
+    """prompts: a string, a list of token ids, or a list of either. Returns one output per prompt, in order, with
+    `params.n` samples in its `outputs` (they share the prompt's prefill; sample i has seed `seed + i`; with
+    `best_of`, that many are generated and the n of highest cumulative logprob returned).
+    use_tqdm: a progress bar over finished sequences (as vLLM's)."""
     if self._is_single(prompts):
       prompts = [prompts]
     prompts = list(prompts)
@@ -232,14 +258,19 @@ class LLM:
     if len(plist) != len(prompts):
       raise ValueError(f"got {len(plist)} SamplingParams for {len(prompts)} prompts")
     encoded = [self._encode(p) for p in prompts]
-    reqs = []
+    groups: list[list[Request]] = []  # each prompt's samples (params.n); they share the prompt's prefill
     try:
       for (ids, _), p in zip(encoded, plist):
-        reqs.append(self.engine.add_request(ids, p))
+        self.engine.validate_request(ids, p)  # `n` and `best_of` before they are expanded
+        group = [self.engine.add_request(ids, p.sample(0))]
+        groups.append(group)
+        for i in range(1, p.num_samples):
+          group.append(self.engine.add_request(ids, p.sample(i), prefill_source=group[0].request_id))
     except Exception:
-      for r in reqs:
+      for r in (r for g in groups for r in g):
         self.engine.abort(r.request_id)
       raise
+    reqs = [r for g in groups for r in g]
     bar = None
     if use_tqdm:
       from tqdm import tqdm
@@ -251,7 +282,7 @@ class LLM:
         bar.update(sum(1 for r in done if id(r) in ours))
     if bar is not None:
       bar.close()
-    return [RequestOutput.from_request(r, text) for r, (_, text) in zip(reqs, encoded)]
+    return [RequestOutput.from_samples(g, text, p.n) for g, (_, text), p in zip(groups, encoded, plist)]
 
   def chat(self, conversations, params: SamplingParams | Sequence[SamplingParams] | None = None,
            add_generation_prompt: bool = True, use_tqdm: bool = True,

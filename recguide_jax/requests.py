@@ -24,6 +24,7 @@ MIN_TEMPERATURE = 1e-2
 MAX_STOP_STRINGS = 16
 MAX_STOP_CHARS = 256  # per stop string: held-back stream tails are checked against every prefix of every stop
 MAX_STOP_TOKEN_IDS = 256
+MAX_SAMPLES = 16  # most samples (`n`) of one prompt: each is a request of its own in the engine
 
 def describe(value, limit: int = 40) -> str:
   """A short, always-encodable rendering of a client-supplied value for an error message: ASCII escapes instead of
@@ -50,6 +51,15 @@ def fold_seed(seed: int) -> int:
   u = ((u ^ (u >> 30)) * 0xBF58476D1CE4E5B9) & mask
   u = ((u ^ (u >> 27)) * 0x94D049BB133111EB) & mask
   return (u ^ (u >> 31)) & 0xFFFFFFFF
+
+
+def seed_of_sample(seed: int | None, index: int) -> int | None:
+  """Sample `index`'s seed (of `n` samples of one prompt): a given seed is shifted per sample (wrapped into the
+  signed 64-bit range), so the samples stay independent and reproducible, and sample 0 is the `n=1` answer with
+  that seed; without a seed each sample draws its own."""
+  if seed is None or index == 0:
+    return seed
+  return (seed + index + 2**63) % 2**64 - 2**63
 
 
 @dataclasses.dataclass(frozen=True)
@@ -105,6 +115,21 @@ class SamplingParams:
   stop_token_ids: Sequence[int] | None = None
   logprobs: int | None = None  # number of top logprobs per token (0: only the chosen token's)
   ignore_eos: bool = False
+  # vLLM's: the logprob of every prompt token given the ones before it (the first has none) with this many top
+  # entries; the prompt is then scored while it is prefilled, and max_tokens may be 0 (score only)
+  prompt_logprobs: int | None = None
+  n: int = 1  # samples of the prompt (`LLM.generate` gives each its own seed, `seed_of_sample`, and one prefill)
+  # vLLM's: generate this many samples (>= n) and return the n with the highest cumulative logprob
+  best_of: int | None = None
+
+  @property
+  def num_samples(self) -> int:
+    """Samples generated for the prompt: best_of if set, else n."""
+    return self.best_of if self.best_of is not None else self.n
+
+  def sample(self, index: int) -> "SamplingParams":
+    """The parameters of sample `index` of `n`: one sample, with that sample's seed."""
+    return dataclasses.replace(self, n=1, best_of=None, seed=seed_of_sample(self.seed, index))
 
   def validate(self, vocab_size: int | None = None) -> "SamplingParams":
     """Checks every field's type and range (the ranges its host array type and the model allow); raises
@@ -118,8 +143,17 @@ class SamplingParams:
     def is_number(v):
       return is_int(v) or (isinstance(v, (float, np.floating)) and not isinstance(v, bool))
 
-    if not is_int(self.max_tokens) or self.max_tokens <= 0:
-      bad("max_tokens", f"must be a positive integer, got {describe(self.max_tokens)}")
+    if self.prompt_logprobs is not None and (not is_int(self.prompt_logprobs)
+                                             or not 0 <= self.prompt_logprobs <= MAX_TOP_LOGPROBS):
+      bad("prompt_logprobs", f"must be an integer in [0, {MAX_TOP_LOGPROBS}], got {describe(self.prompt_logprobs)}")
+    least = 0 if self.prompt_logprobs is not None else 1  # only scoring the prompt may generate nothing
+    if not is_int(self.max_tokens) or self.max_tokens < least:
+      bad("max_tokens", f"must be a{' non-negative' if least == 0 else ' positive'} integer, got "
+          f"{describe(self.max_tokens)}")
+    if not is_int(self.n) or not 1 <= self.n <= MAX_SAMPLES:
+      bad("n", f"must be an integer in [1, {MAX_SAMPLES}], got {describe(self.n)}")
+    if self.best_of is not None and (not is_int(self.best_of) or not self.n <= self.best_of <= MAX_SAMPLES):
+      bad("best_of", f"must be an integer in [n, {MAX_SAMPLES}] (n = {self.n}), got {describe(self.best_of)}")
     if not is_number(self.temperature) or not 0 <= self.temperature <= MAX_TEMPERATURE:  # NaN fails too
       bad("temperature", f"must be a finite number in [0, {MAX_TEMPERATURE:g}], got {describe(self.temperature)}")
     if not is_number(self.top_p) or not 0 < self.top_p <= 1:
@@ -203,6 +237,8 @@ class Request:
   arrival: float = dataclasses.field(default_factory=time.perf_counter)
   output_ids: list[int] = dataclasses.field(default_factory=list)
   logprobs: list[dict] = dataclasses.field(default_factory=list)
+  # the raw logprob of each output token (always kept: best_of ranks samples by their sum)
+  token_logprobs: list[float] = dataclasses.field(default_factory=list)
   finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
   error: str | None = None
   stats: RequestStats = dataclasses.field(default_factory=RequestStats)
@@ -219,9 +255,20 @@ class Request:
   error_code: int | None = None
   # the decoding strategy's own typed state for this request (set by its `on_admit`; the engine never reads it)
   strategy_state: Any = None
+  # with params.prompt_logprobs: None for the first prompt token, then one logprob entry per prompt token
+  prompt_logprobs: list[dict | None] | None = None
+  # another sample of the same prompt whose prefill this one shares (its full prompt pages, `PageAllocator.fork`);
+  # None once shared, or when there is none
+  prefill_source: "Request | None" = dataclasses.field(default=None, repr=False)
+  shared_prompt_tokens: int = 0  # prompt tokens taken from prefill_source's pages instead of computed
 
   @property
   def finished(self) -> bool:
     return self.finish_reason is not None
+
+  @property
+  def cumulative_logprob(self) -> float:
+    """The sum of the output tokens' raw logprobs (vLLM's `cumulative_logprob`)."""
+    return float(sum(self.token_logprobs))
 
 

@@ -97,3 +97,59 @@ def test_stacked_write_and_gather_touch_only_their_layer():
                                   np.asarray(gather_prefix(k_pages[layer], table)))
   logical = np.asarray(gather_prefix(k_pages, table, 1))
   np.testing.assert_array_equal(logical[0, 3:8], k_new[0])
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.integers(1, 60), st.lists(st.tuples(st.sampled_from(["grow", "crop", "free"]), st.integers(0, 2),
+                                              st.integers(0, 80)), max_size=30))
+def test_forked_pages_are_reference_counted(prompt_len, ops):
+  """Samples of one prompt share its full pages: each frees only its own, a shared page returns to the free list
+  with its last owner, and no page is lost or double-owned whatever the order."""
+  alloc = PageAllocator(num_pages=40, page_size=8, max_pages_per_seq=12)
+  alloc.add(0)
+  alloc.reserve(0, prompt_len)
+  alloc.commit(0, prompt_len)
+  shareable = alloc.shareable_tokens(prompt_len)
+  assert shareable % 8 == 0 and shareable < prompt_len
+  for dst in (1, 2):
+    alloc.add(dst)
+    assert alloc.fork(0, dst, shareable) == shareable
+    assert alloc.pages(dst) == alloc.pages(0)[:shareable // 8]
+  assert alloc.num_shared == shareable // 8
+  alloc.check()
+  live = {0, 1, 2}
+  for op, seq, n in ops:
+    if seq not in live:
+      continue
+    if op == "grow":
+      try:
+        alloc.reserve(seq, alloc.length(seq) + n)
+        alloc.commit(seq, alloc.length(seq) + n)
+      except OutOfPages:
+        pass
+    elif op == "crop":
+      alloc.crop(seq, min(n, alloc.length(seq)))
+    else:
+      alloc.free(seq)
+      live.discard(seq)
+    alloc.check()
+  for seq in live:
+    alloc.free(seq)
+  alloc.check()
+  assert alloc.num_used == 0 and alloc.num_shared == 0
+
+
+def test_fork_refuses_what_it_cannot_share():
+  alloc = PageAllocator(num_pages=8, page_size=4, max_pages_per_seq=4)
+  alloc.add("a")
+  alloc.reserve("a", 10)
+  alloc.commit("a", 10)
+  alloc.add("b")
+  with pytest.raises(ValueError, match="committed length"):
+    alloc.fork("a", "b", 11)
+  assert alloc.fork("a", "b", 9) == 8  # whole pages only
+  with pytest.raises(ValueError, match="already holds pages"):
+    alloc.fork("a", "b", 4)
+  alloc.free("a")  # the source goes first: the shared pages stay with b
+  alloc.check()
+  assert alloc.num_used == 2 and alloc.num_shared == 0

@@ -23,6 +23,7 @@ def test_step_key_labels_round_trip():
   assert pickle.loads(pickle.dumps(key)) == key  # it crosses to multi-host followers
   assert StepKind.VERIFY == "verify" and StepKey("verify", 8, 1).kind is StepKind.VERIFY
   assert StepKind.DRAFT.writes_cache is False and StepKind.DECODE.writes_cache is True
+  assert StepKey(StepKind.SCORE, 64, 2).name == "score/64/2" and StepKind.SCORE.writes_cache
 
 
 @pytest.mark.parametrize("bad", [("decode", 4, 1), ("verify", 8, 0)])
@@ -75,3 +76,27 @@ def _decode_one(runner: Runner, bucket: int) -> int:
   page_table[0, 0] = 1
   res = runner.verify(tokens, None, write, np.zeros(bucket, np.int32), page_table, SamplingArrays.greedy(bucket))
   return int(res.tokens[0, 0])
+
+
+def test_score_prefill_compiles_on_first_use_and_writes_what_prefill_writes(tiny_model):
+  """The SCORE variant (prompt logprobs) is not part of a warm-up that did not ask for it; its first use compiles
+  it (counted: that request waited); it samples the same token and writes the same K/V as PREFILL, and returns
+  the targets' logprobs [b, chunk] and top entries [b, chunk, K] only."""
+  runner = Runner(tiny_model, RunnerConfig(num_pages=8, page_size=8, max_model_len=32, max_batch=1,
+                                           block_sizes=(8,), prefill_chunk=16, compile_cache_dir=None))
+  assert StepKey(StepKind.SCORE, 16, 1) in runner.variants(("prefill", "score"))  # warmed only when asked for
+  seconds = runner.warmup(("prefill",), (8,), progress=False, workers=1)
+  assert {k.kind for k in seconds} == {StepKind.PREFILL}
+  tokens = np.random.default_rng(0).integers(4, 128, (1, 16)).astype(np.int32)
+  valid, prefix, last = np.ones((1, 16), bool), np.zeros(1, np.int32), np.full(1, 15, np.int32)
+  pages = lambda a, b: np.array([[a, b] + [0] * (runner.config.pages_per_seq - 2)], np.int32)
+  plain = runner.prefill(tokens, valid, prefix, pages(1, 2), last, SamplingArrays.greedy(1))
+  assert runner.compiles_after_warmup == 0
+  scored = runner.prefill(tokens, valid, prefix, pages(3, 4), last, SamplingArrays.greedy(1),
+                          targets=np.roll(tokens, -1, axis=1))
+  assert runner.compiles_after_warmup >= 1
+  assert int(scored[0][0]) == int(plain[0][0])
+  k = np.asarray(runner.cache.k)
+  np.testing.assert_allclose(k[:, 3:5], k[:, 1:3], atol=1e-6)
+  assert scored[4].shape == (1, 16) and scored[5].shape == (1, 16, 5) and scored[6].shape == (1, 16, 5)
+  assert np.all(scored[4] <= 0) and np.all(scored[5][..., :1] >= scored[4][..., None] - 1e-6)

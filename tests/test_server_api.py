@@ -5,9 +5,10 @@ Covers: the official `openai` client with the right key (works), a wrong or miss
 shape, `openai.AuthenticationError`) while /health, /metrics, /version and /tokenize stay open; CORS preflight and
 a disallowed origin; X-Request-Id honoured as the response id and echoed (a non-sane one replaced); unknown fields
 ignored with a logged warning (strict mode: 400 naming the field); min_p, response_format, chat_template_kwargs and
-stream_options.continuous_usage_stats; /tokenize and /detokenize round trips and their validation; /v1/models'
-max_model_len; the offline API's `outputs[0]` (CompletionOutput) and its flat aliases; `serve.py` positional
-checkpoint errors.
+stream_options.continuous_usage_stats; n samples (non-streamed and streamed, seeds per index, one shared
+prefill), best_of, echo with prompt logprobs (also max_tokens=0 and streamed); /tokenize and /detokenize round
+trips and their validation; /v1/models' max_model_len; the offline API's `outputs[0]` (CompletionOutput) and its
+flat aliases; `serve.py` positional checkpoint errors.
 """
 
 import contextlib
@@ -35,6 +36,7 @@ MAX_MODEL_LEN = 128
 API_KEY = "test-key-123"
 ORIGIN = "https://ui.example.com"
 CHAT = [{"role": "user", "content": "What is 2 + 2?"}]
+ECHO_PROMPT = "Natalia sold clips to 48 of her friends in April, and then she sold half as many clips in May."
 
 
 @pytest.fixture(scope="module")
@@ -56,6 +58,12 @@ def offline(llm):
       "chat": llm.chat(CHAT, SamplingParams(max_tokens=3, temperature=0.0), use_tqdm=False,
                        chat_template_kwargs={"unused": 1}),
       "hello": llm.generate(["Hello world"], SamplingParams(max_tokens=4, temperature=0.0), use_tqdm=False)[0],
+      "three": llm.generate(["The quick brown fox"], SamplingParams(max_tokens=6, temperature=1.0, seed=5, n=3,
+                                                                   ignore_eos=True), use_tqdm=False)[0],
+      "best": llm.generate(["The quick brown fox"], SamplingParams(max_tokens=6, temperature=1.0, seed=5, best_of=3,
+                                                                  ignore_eos=True), use_tqdm=False)[0],
+      "scored": llm.generate([ECHO_PROMPT], SamplingParams(max_tokens=3, temperature=0.0, logprobs=1,
+                                                          prompt_logprobs=1), use_tqdm=False)[0],
       "bar": bar.getvalue(), "default_bar": default_bar}
 
 
@@ -187,8 +195,8 @@ def test_strict_request_fields_refuses_unknown_fields(llm):
   # known but unsupported values are refused in both modes
   for strict in (False, True):
     with pytest.raises(protocol.APIError) as e:
-      protocol.parse_completion({"prompt": "hi", "echo": True}, tok, MODEL, llm.cfg.vocab_size, strict=strict)
-    assert e.value.param == "echo"
+      protocol.parse_completion({"prompt": "hi", "suffix": "!"}, tok, MODEL, llm.cfg.vocab_size, strict=strict)
+    assert e.value.param == "suffix"
 
 
 def test_min_p_and_response_format(server):
@@ -256,10 +264,85 @@ def test_n_independent_samples(server, offline):
   assert texts == [ch.text for ch in b.choices] and texts[0] == one.choices[0].text
   assert len(set(texts)) > 1, texts  # 12 tokens at temperature 1 from a random model: equal only by accident
   assert all(ch.model_extra["speculation"] for ch in a.choices)
+  # choice i is the n=1 answer with seed 7 + i
+  assert texts[2] == c.completions.create(**{**kw, "seed": 9}).choices[0].text
   chat = c.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=3, temperature=0, n=2)
   assert len(chat.choices) == 2 and chat.choices[0].message.content == chat.choices[1].message.content
-  assert_error(post(server, "/v1/completions", {"prompt": "hi", "n": 2, "stream": True}), 400, "n")
+  # streamed: each chunk names its choice; the streamed choices are the non-streamed ones
+  streamed = ["", "", ""]
+  usage = None
+  for ch in c.completions.create(n=3, stream=True, stream_options={"include_usage": True}, **kw):
+    for choice in ch.choices:
+      streamed[choice.index] += choice.text
+    usage = ch.usage or usage
+  assert streamed == texts and usage.completion_tokens == a.usage.completion_tokens
+  deltas = ["", ""]
+  for ch in c.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=3, temperature=0, n=2, stream=True):
+    for choice in ch.choices:
+      deltas[choice.index] += choice.delta.content or ""
+  assert deltas == [chat.choices[0].message.content] * 2
   assert_error(post(server, "/v1/completions", {"prompt": "hi", "n": 17}), 400, "n")
+  assert_error(post(server, "/v1/completions", {"prompt": "hi", "n": 3, "best_of": 2}), 400, "best_of")
+  assert_error(post(server, "/v1/completions", {"prompt": "hi", "best_of": 2, "stream": True}), 400, "best_of")
+
+
+def test_best_of_returns_the_highest_cumulative_logprob(server, llm, offline):
+  samples = offline["three"].outputs
+  best = max(samples, key=lambda o: o.cumulative_logprob)
+  alone = offline["best"]
+  assert alone.outputs[0].token_ids == best.token_ids and len(alone.outputs) == 1
+  out = client(server).completions.create(model=MODEL, prompt="The quick brown fox", max_tokens=6, temperature=1.0,
+                                          seed=5, n=1, best_of=3, extra_body={"ignore_eos": True})
+  assert [ch.text for ch in out.choices] == [best.text]
+  two = client(server).completions.create(model=MODEL, prompt="The quick brown fox", max_tokens=6, temperature=1.0,
+                                          seed=5, n=2, best_of=3, extra_body={"ignore_eos": True})
+  ranked = sorted(samples, key=lambda o: -o.cumulative_logprob)
+  assert [ch.text for ch in two.choices] == [o.text for o in ranked[:2]]
+
+
+def test_n_samples_share_the_prompt_prefill(server, llm):
+  totals = llm.engine.totals
+  shared, computed = totals["prompt_tokens_shared"], totals["prompt_tokens"]
+  prompt_len = len(llm.tokenizer.encode(ECHO_PROMPT))
+  out = client(server).completions.create(model=MODEL, prompt=ECHO_PROMPT, max_tokens=2, temperature=0, n=2)
+  assert len(out.choices) == 2 and out.choices[0].text == out.choices[1].text
+  full = (prompt_len - 1) // 8 * 8  # the prompt's full pages (page_size 8), never its last token
+  assert full > 0 and totals["prompt_tokens_shared"] - shared == full
+  assert totals["prompt_tokens"] - computed == 2 * prompt_len - full  # the prompt is computed once
+  llm.engine.allocator.check()
+
+
+def test_echo_with_prompt_logprobs(server, llm, offline):
+  """lm-eval's loglikelihood request: echo=true, max_tokens=0, logprobs=1."""
+  c = client(server)
+  ref = offline["scored"]
+  prompt_ids = ref.prompt_token_ids
+  out = c.completions.create(model=MODEL, prompt=ECHO_PROMPT, max_tokens=0, echo=True, logprobs=1, temperature=0)
+  (choice,) = out.choices
+  assert choice.text == ECHO_PROMPT and out.usage.completion_tokens == 0
+  lp = choice.logprobs
+  assert lp.tokens == [llm.tokenizer.decode([t], skip_special_tokens=False) for t in prompt_ids]
+  assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+  assert lp.token_logprobs[1:] == pytest.approx([e["logprob"] for e in ref.prompt_logprobs[1:]], abs=1e-5)
+  assert all(len(top) == 1 for top in lp.top_logprobs[1:])
+  assert lp.text_offset == sorted(lp.text_offset) and lp.text_offset[0] == 0
+  # echo with generation: the prompt, then the greedy continuation; logprobs of both in one run
+  out = c.completions.create(model=MODEL, prompt=ECHO_PROMPT, max_tokens=3, echo=True, logprobs=1, temperature=0)
+  (choice,) = out.choices
+  assert choice.text == ECHO_PROMPT + ref.text
+  assert len(choice.logprobs.tokens) == len(prompt_ids) + len(ref.token_ids)
+  assert choice.logprobs.token_logprobs[len(prompt_ids):] == pytest.approx(
+      [e["logprob"] for e in ref.logprobs], abs=1e-5)
+  # streamed: the prompt first (with its logprobs), then the continuation
+  chunks = list(c.completions.create(model=MODEL, prompt=ECHO_PROMPT, max_tokens=3, echo=True, logprobs=1,
+                                     temperature=0, stream=True))
+  assert "".join(ch.choices[0].text for ch in chunks) == ECHO_PROMPT + ref.text
+  assert chunks[0].choices[0].text == ECHO_PROMPT and chunks[0].choices[0].logprobs.token_logprobs[0] is None
+  # echo without logprobs: the prompt's text only, nothing scored
+  out = c.completions.create(model=MODEL, prompt=ECHO_PROMPT, max_tokens=2, echo=True, temperature=0)
+  assert out.choices[0].text.startswith(ECHO_PROMPT) and out.choices[0].logprobs is None
+  assert_error(post(server, "/v1/completions", {"prompt": "hi", "max_tokens": 0}), 400, "max_tokens")
+  llm.engine.allocator.check()
 
 
 # ---- tokenize / detokenize / models ---------------------------------------------------------------------------

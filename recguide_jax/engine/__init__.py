@@ -1,5 +1,6 @@
 """The serving engine: `core` (the step loop and the services rounds use), `scheduler` (admission and grouping),
-`output` (emission and incremental stop strings), `thread` (the engine on its own thread), `config` (the frozen
+`prefill` (prompt chunks, prompt scoring, n samples sharing one prefill), `output` (emission and incremental stop
+strings), `thread` (the engine on its own thread), `config` (the frozen
 `EngineConfig`). Request types live in `recguide_jax.requests` and are re-exported here under their earlier
 import path (`from recguide_jax.engine import SamplingParams`)."""
 

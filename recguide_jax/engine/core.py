@@ -4,7 +4,8 @@ requests. It knows no strategy by name (see `recguide_jax.decoding.strategy`).
 
 Each `step()`:
 1. admits waiting requests (FIFO) while a batch slot and their worst-case KV pages are free;
-2. runs one prefill chunk for requests whose prompt is not fully cached (chunked prefill interleaves with decode);
+2. runs one prefill chunk for requests whose prompt is not fully cached (chunked prefill interleaves with decode;
+   `prefill`: prompt scoring, and the samples of one prompt sharing its prefill);
 3. asks the strategy for each decoding request's plan (a round and a block size) given a `StepView`, groups
    requests by plan (`scheduler.group_plans`) and runs one round per group (padded to its batch bucket);
 4. rounds emit tokens through `verified`/`emit` (stop conditions, pages committed or cropped); finished requests
@@ -25,10 +26,10 @@ import jax
 import numpy as np
 
 from recguide_jax.decoding.strategy import Group, RoundPlan, StepView, Strategy
-from recguide_jax.engine import output
+from recguide_jax.engine import output, prefill
 from recguide_jax.engine.scheduler import Scheduler, group_plans
 from recguide_jax.kv_cache import PageAllocator
-from recguide_jax.requests import Forward, QueueFull, Request, RequestError, SamplingParams, fold_seed, sampling_row
+from recguide_jax.requests import QueueFull, Request, RequestError, SamplingParams, fold_seed, sampling_row
 from recguide_jax.runner import Runner, SamplingArrays
 
 log = logging.getLogger("recguide_jax.engine")
@@ -84,14 +85,22 @@ class Engine:
 
   def validate_request(self, prompt_ids: Sequence[int], params: SamplingParams) -> list[int]:
     """Checks a request without touching engine state (safe from any thread); returns the prompt as ints."""
-    if params.logprobs is not None and not self.strategy.supports_logprobs:
-      params.validate(self.cfg.vocab_size)
-      raise RequestError(f"logprobs are not available with the {self.strategy.name} policy (denoised tokens have "
-                         "no AR distribution)", "logprobs")
+    for field in ("logprobs", "best_of"):  # best_of ranks samples by their tokens' logprobs
+      if getattr(params, field) is not None and not self.strategy.supports_logprobs:
+        params.validate(self.cfg.vocab_size)
+        raise RequestError(f"{field} is not available with the {self.strategy.name} policy (denoised tokens have "
+                           "no AR distribution)", field)
     return self.scheduler.validate(prompt_ids, params, self.cfg.vocab_size, self.rc.max_model_len)
 
   def add_request(self, prompt_ids: Sequence[int], params: SamplingParams, request_id: str | None = None,
-                  on_update=None, validated: bool = False, arrival: float | None = None) -> Request:
+                  on_update=None, validated: bool = False, arrival: float | None = None,
+                  prefill_source: str | None = None) -> Request:
+    """Queues one sequence. `prefill_source`: the id of an earlier sample of the same prompt (n > 1): this one then
+    shares that one's prefill (its full prompt pages, reference-counted) and computes only the prompt's last
+    partial page; if that request is gone or fails before its prompt is cached, this one prefills on its own."""
+    if params.num_samples != 1:
+      raise RequestError("the engine takes one sample per request: add each of the n (or best_of) samples "
+                         "(params.sample(i)) with prefill_source naming the first", "n")
     if not validated:
       prompt_ids = self.validate_request(prompt_ids, params)
     if len(self.waiting) >= self.max_queue:
@@ -102,6 +111,9 @@ class Engine:
     req.sampling = sampling_row(params, req.rng_seed)  # before it can join a batch: a bad value fails it alone
     if arrival is not None:
       req.arrival = arrival
+    if prefill_source is not None:
+      req.prefill_source = next((r for r in itertools.chain(self.running, self.waiting)
+                                 if r.request_id == prefill_source and r.prompt_ids == req.prompt_ids), None)
     self.waiting.append(req)
     self.totals["requests_added"] += 1
     return req
@@ -135,12 +147,18 @@ class Engine:
         self.allocator.add(req.request_id)
         self.strategy.on_admit(req)
       except Exception as e:  # this request only: its pages are freed, the others are admitted as usual
-        self._fail_request(req, "admitting it", e)
-    prefilling = [r for r in self.running
-                  if r.prefilled < len(r.prompt_ids) and not r.finished and self._sampling_ready(r)]
+        self.fail_request(req, "admitting it", e)
+    prefill.share_prefills(self)
+    prefilling = [r for r in self.running if r.prefilled < len(r.prompt_ids) and not r.finished
+                  and r.prefill_source is None and self._sampling_ready(r)]
     if prefilling:
       batch = prefilling[:self.rc.max_batch]
-      self._isolated(batch, "prefill", self._prefill, batch)
+      # a chunk whose prompt logprobs are wanted runs the SCORE variant; the others keep the plain prefill
+      scored = [r for r in batch if prefill.scores_prompt(r)]
+      plain = [r for r in batch if not prefill.scores_prompt(r)]
+      for reqs, score in ((plain, False), (scored, True)):
+        if reqs:
+          self._isolated(reqs, "prefill", prefill.run_prefill, self, reqs, score)
     decoding = [r for r in self.running if r.seed_token is not None and not r.finished and self._sampling_ready(r)]
     view = StepView(self.step_count, len(decoding), self.rc.max_batch, self.rc.max_model_len, self.rc.max_block,
                     self._eos)
@@ -149,7 +167,7 @@ class Engine:
       try:
         planned.append((req, self.strategy.plan(req, view)))
       except Exception as e:
-        self._fail_request(req, "planning its round", e)
+        self.fail_request(req, "planning its round", e)
     try:
       groups = group_plans(planned, self.bucketing, self.strategy.round_cost)
     except Exception:  # a cost-model bug: run the planned groups as they are
@@ -211,11 +229,12 @@ class Engine:
       try:
         r.sampling = sampling_row(r.params, fold_seed(r.rng_seed))
       except Exception as e:
-        self._fail_request(r, "converting its sampling parameters", e)
+        self.fail_request(r, "converting its sampling parameters", e)
         return False
     return True
 
-  def _fail_request(self, r: Request, what: str, e: Exception) -> None:
+  def fail_request(self, r: Request, what: str, e: Exception) -> None:
+    """Fails one request (logged with what it was doing) and no other."""
     log.error("request %s failed while %s; failing it alone", r.request_id, what, exc_info=e)
     self.finish(r, "error", f"engine error: {type(e).__name__}: {e}")
 
@@ -293,32 +312,6 @@ class Engine:
                               "alt": res.draft_signals[i, 2].astype(int).tolist()})
     self.emit(r, toks, list(res.logprobs[i, :accepted]), res.top_logprobs[i, :accepted], res.top_ids[i, :accepted])
 
-  # ---- prefill -------------------------------------------------------------------------------------------------------
-  def _prefill(self, reqs: list[Request]) -> None:
-    chunk = self.rc.prefill_chunk
-    for r in reqs:
-      self.allocator.reserve(r.request_id, min(r.prefilled + chunk, len(r.prompt_ids)))
-    b, page_table, prefix_len, samp = self.batch_arrays(reqs)
-    tokens = np.zeros((b, chunk), np.int32)
-    valid = np.zeros((b, chunk), bool)
-    last_idx = np.zeros((b,), np.int32)
-    for i, r in enumerate(reqs):
-      piece = r.prompt_ids[r.prefilled:r.prefilled + chunk]
-      tokens[i, :len(piece)] = piece
-      valid[i, :len(piece)] = True
-      last_idx[i] = len(piece) - 1
-    tok, lp, top_lp, top_ids = self.runner.prefill(tokens, valid, prefix_len, page_table, last_idx, samp)
-    self.count_forward(Forward.PREFILL, chunk, len(reqs))
-    for i, r in enumerate(reqs):
-      n = int(valid[i].sum())
-      r.prefilled += n
-      self.totals["prompt_tokens"] += n  # live, for /metrics and the periodic stats line
-      self.allocator.commit(r.request_id, r.prefilled)
-      r.stats.forwards[Forward.PREFILL] += 1
-      if r.prefilled == len(r.prompt_ids):
-        r.stats.ttft_s = time.perf_counter() - r.arrival
-        self.emit(r, [int(tok[i])], [float(lp[i])], top_lp[i:i + 1], top_ids[i:i + 1])
-
   # ---- emission and finishing ----------------------------------------------------------------------------------------
   def emit(self, r: Request, toks: list[int], lps, top_lp, top_ids) -> None:
     """Appends a round's tokens to one request (stop conditions, logprobs, its update callback); an error here
@@ -336,7 +329,7 @@ class Engine:
       if reason is not None:
         self.finish(r, reason)
     except Exception as e:
-      self._fail_request(r, "emitting its tokens", e)
+      self.fail_request(r, "emitting its tokens", e)
 
   @staticmethod
   def _notify(r: Request, new: list[int]) -> bool:
@@ -377,6 +370,7 @@ class Engine:
     self._notify(r, [])
 
   _finish = finish  # the earlier private name (EngineThread and tests call it)
+  _fail_request = fail_request
 
   def fail_all(self, message: str) -> None:
     """Finishes every request with an error (after a device failure) so no caller waits forever."""

@@ -34,6 +34,7 @@ def append_tokens(r: Request, toks: list[int], lps, top_lp, top_ids, eos: frozen
   reason = None
   for k, t in enumerate(toks):
     new.append(t)
+    r.token_logprobs.append(float(lps[k]))
     if r.params.logprobs is not None:
       entry = {"token_id": t, "logprob": float(lps[k])}
       if r.params.logprobs and top_lp is not None:
@@ -57,11 +58,29 @@ def append_tokens(r: Request, toks: list[int], lps, top_lp, top_ids, eos: frozen
       cut = len(r.output_ids) - n
       del r.output_ids[n:]
       del r.logprobs[n:]
+      del r.token_logprobs[n:]
       if cut:
         new = new[:max(len(new) - cut, 0)]
       r.text = st.detokenizer.text[:pos]
       reason = "stop"
   return new, reason
+
+
+def append_prompt_logprobs(r: Request, lps, top_lp, top_ids, num_valid: int) -> None:
+  """Appends a scored prompt chunk's entries to `r.prompt_logprobs` (vLLM's layout: None for the first prompt
+  token, then one entry per prompt token with its logprob given the ones before it and the top
+  `params.prompt_logprobs` entries). `lps[t]` scores the prompt token after chunk position t."""
+  if r.prompt_logprobs is None:
+    r.prompt_logprobs = [None]
+  top = r.params.prompt_logprobs
+  for t in range(num_valid):
+    pos = r.prefilled + t + 1
+    if pos >= len(r.prompt_ids):
+      break
+    entry = {"token_id": int(r.prompt_ids[pos]), "logprob": float(lps[t])}
+    if top:
+      entry["top_logprobs"] = {int(top_ids[t][j]): float(top_lp[t][j]) for j in range(top)}
+    r.prompt_logprobs.append(entry)
 
 
 def final_text(r: Request, tokenizer) -> str:

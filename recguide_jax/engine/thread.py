@@ -37,7 +37,9 @@ class EngineThread:
   def is_alive(self) -> bool:
     return self._thread.is_alive()
 
-  def submit(self, prompt_ids, params: SamplingParams, request_id: str, on_update=None) -> None:
+  def submit(self, prompt_ids, params: SamplingParams, request_id: str, on_update=None,
+             prefill_source: str | None = None) -> None:
+    """Validates and queues one sequence (see `Engine.add_request`, also for `prefill_source`)."""
     arrival = time.perf_counter()
     prompt_ids = self.engine.validate_request(prompt_ids, params)
     with self._cond:
@@ -46,7 +48,7 @@ class EngineThread:
       queued = sum(1 for kind, *_ in self._inbox if kind == "add") + len(self.engine.waiting)
       if queued >= self.engine.max_queue:
         raise QueueFull(f"the request queue is full ({self.engine.max_queue} waiting)")
-      self._inbox.append(("add", prompt_ids, params, request_id, on_update, arrival))
+      self._inbox.append(("add", prompt_ids, params, request_id, on_update, arrival, prefill_source))
       self._cond.notify()
 
   def abort(self, request_id: str) -> None:
@@ -62,9 +64,10 @@ class EngineThread:
     while self._inbox:
       item = self._inbox.popleft()
       if item[0] == "add":
-        _, prompt_ids, params, rid, on_update, arrival = item
+        _, prompt_ids, params, rid, on_update, arrival, prefill_source = item
         try:
-          self.engine.add_request(prompt_ids, params, rid, on_update, validated=True, arrival=arrival)
+          self.engine.add_request(prompt_ids, params, rid, on_update, validated=True, arrival=arrival,
+                                  prefill_source=prefill_source)
         except Exception as e:  # this request only (a RequestError keeps its HTTP status)
           if not isinstance(e, RequestError):
             log.exception("adding request %s failed", rid)

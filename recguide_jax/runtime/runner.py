@@ -230,6 +230,8 @@ class Runner:
     for b in self.buckets:
       if StepKind.PREFILL in kind_set:
         out.append(StepKey(StepKind.PREFILL, self.config.prefill_chunk, b))
+      if StepKind.SCORE in kind_set:  # only when asked for: prompt logprobs
+        out.append(StepKey(StepKind.SCORE, self.config.prefill_chunk, b))
       if StepKind.VERIFY in kind_set:
         out.append(StepKey(StepKind.DECODE, 1, b))  # AR decode, the regime every speculative policy may fall back to
       for blk in sizes:
@@ -319,11 +321,18 @@ class Runner:
     return tuple(outs)
 
   # ---- calls (host arrays in, host arrays out) ---------------------------------------------------------------------
-  def prefill(self, tokens, valid, prefix_len, page_table, last_idx, samp: SamplingArrays):
+  def prefill(self, tokens, valid, prefix_len, page_table, last_idx, samp: SamplingArrays, targets=None):
+    """One prompt chunk; returns (tokens, lp, top_lp, top_ids) of the token sampled after each row's last valid
+    one. With `targets` [b, chunk] (the prompt token after each position) it runs the SCORE variant and also
+    returns the targets' logprobs [b, chunk] and top entries [b, chunk, K] (ids [b, chunk, K]). SCORE is not
+    warmed up unless asked for (`warmup(kinds=(..., "score"))`): its first use compiles it, and counts in
+    `compiles_after_warmup`, since that request did wait for it."""
     b, chunk = tokens.shape
-    outs = self.execute(StepKey(StepKind.PREFILL, chunk, b),
-                        (tokens, valid, prefix_len, page_table, last_idx) + samp.args())
-    return jax.device_get(outs)  # one device->host transfer for all results: (tokens, lp, top_lp, top_ids)
+    if targets is None:
+      key, args = StepKey(StepKind.PREFILL, chunk, b), (tokens, valid, prefix_len, page_table, last_idx)
+    else:
+      key, args = StepKey(StepKind.SCORE, chunk, b), (tokens, valid, prefix_len, page_table, last_idx, targets)
+    return jax.device_get(self.execute(key, args + samp.args()))  # one device->host transfer for all results
 
   def draft(self, seed, prefix_len, page_table, blk: int, samp: SamplingArrays):
     """Returns device arrays: draft tokens [b, B], their distributions [b, B, V] (for `verify`) and the draft

@@ -22,6 +22,9 @@ class StepKind(str, enum.Enum):
   FUSED = "fused"  # greedy verify of a block plus `slots` tree branches drafted in the same forward
   GVERIFY = "gverify"  # greedy verify of host-provided draft tokens (a fused forward with no branch slots)
   DENOISE = "denoise"  # NLD's block-diffusion loop (confidence threshold) as one on-device while loop
+  # a PREFILL that also scores the prompt: the logprob (and top entries) of each next prompt token at every
+  # position (prompt logprobs, `echo`); compiled on first use, so a server whose clients never ask pays nothing
+  SCORE = "score"
 
   @property
   def writes_cache(self) -> bool:
@@ -33,7 +36,7 @@ class StepKind(str, enum.Enum):
 
 @dataclasses.dataclass(frozen=True, order=True)
 class StepKey:
-  """One compiled variant: `kind` at query block `block` (the prefill chunk for PREFILL, 1 for DECODE), batch
+  """One compiled variant: `kind` at query block `block` (the prefill chunk for PREFILL and SCORE, 1 for DECODE), batch
   bucket `batch`, and for FUSED its number of branch slots."""
   kind: StepKind
   block: int

@@ -9,6 +9,7 @@ distributions, which stay on the device until the verify that consumes them.
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Any, Callable
 
 import jax
@@ -51,6 +52,8 @@ class StepFunctions:
   def build(self, key: StepKey) -> Callable:
     if key.kind == StepKind.PREFILL:
       return self._prefill(key.block)
+    if key.kind == StepKind.SCORE:
+      return self._prefill(key.block, score=True)
     if key.kind == StepKind.DRAFT:
       return self._draft(key.block)
     if key.kind == StepKind.VERIFY:
@@ -64,11 +67,17 @@ class StepFunctions:
     raise ValueError(f"no step function for {key}")
 
   # ---- one function per kind -----------------------------------------------------------------------------------
-  def _prefill(self, chunk: int):
+  def _prefill(self, chunk: int, score: bool = False):
+    """A causal prompt chunk: writes the K/V of its valid tokens and samples the next token at each row's last
+    one. With `score` it also takes `targets` [b, chunk] (the prompt token after each position) and returns their
+    raw logprobs [b, chunk] and the top entries [b, chunk, K]: the logits of the whole chunk are built in slices
+    of SCORE_SLICE positions, so the step's peak holds [b, SCORE_SLICE, V] logits, and only the small results
+    leave the device."""
     cfg = self.cfg
     mask = jnp.tril(jnp.ones((chunk, chunk), bool))
 
-    def fn(state, cache, tokens, valid, prefix_len, page_table, last_idx, temperature, top_k, top_p, keys):
+    def fn(state, cache, tokens, valid, prefix_len, page_table, last_idx, *rest):
+      targets, (temperature, top_k, top_p, keys) = (rest[0], rest[1:]) if score else (None, rest)
       positions = prefix_len[:, None] + jnp.arange(chunk)[None, :]
       inp = ForwardInputs(tokens=tokens, positions=positions, block_mask=mask, prefix_len=prefix_len,
                           page_table=page_table, kv_write=valid)
@@ -80,7 +89,10 @@ class StepFunctions:
       (k,) = sampling.split_keys(keys, 1)
       tok = sampling.draw(k, probs, temperature <= 0)  # [b, 1]
       lp, top_lp, top_ids = sampling.raw_logprobs(logits, tok, cfg.mask_token_id)
-      return cache, tok[:, 0], lp[:, 0], top_lp[:, 0], top_ids[:, 0]
+      out = (cache, tok[:, 0], lp[:, 0], top_lp[:, 0], top_ids[:, 0])
+      if not score:
+        return out
+      return out + score_chunk(model, h, targets, cfg.mask_token_id)
 
     return fn
 
@@ -216,6 +228,27 @@ class StepFunctions:
     return fn
 
 
+SCORE_SLICE = 16  # positions whose [b, SCORE_SLICE, V] logits a SCORE step holds at once
+
+
+def score_chunk(model: NLDModel, h: jax.Array, targets: jax.Array, mask_token_id: int):
+  """Raw logprobs of `targets` [b, T] under the logits of hidden states `h` [b, T, D], with the top entries:
+  ([b, T], [b, T, K], [b, T, K]). The logits are built SCORE_SLICE positions at a time (a `lax.map` over slices)
+  so a long chunk never holds [b, T, V] at once."""
+  b, t, d = h.shape
+  width = math.gcd(t, SCORE_SLICE)
+  hs = h.reshape(b, t // width, width, d).swapaxes(0, 1)  # [slices, b, width, D]
+  ts = targets.reshape(b, t // width, width).swapaxes(0, 1)
+
+  def one(args):
+    h_slice, t_slice = args
+    return sampling.raw_logprobs(model.logits(h_slice), t_slice, mask_token_id)
+
+  lp, top_lp, top_ids = jax.lax.map(one, (hs, ts))
+  unslice = lambda x: x.swapaxes(0, 1).reshape((b, t) + x.shape[3:])
+  return unslice(lp), unslice(top_lp), unslice(top_ids)
+
+
 def example_host_args(key: StepKey, pages_per_seq: int, vocab_size: int) -> tuple:
   """The host arguments (after state and cache) a variant is called with, as zeros of their shapes and dtypes
   (the draft distributions of VERIFY as a `ShapeDtypeStruct`: they arrive from the device)."""
@@ -224,6 +257,8 @@ def example_host_args(key: StepKey, pages_per_seq: int, vocab_size: int) -> tupl
   samp = SamplingArrays.greedy(b).args()
   if key.kind == StepKind.PREFILL:
     return (i32(b, blk), np.zeros((b, blk), bool), i32(b), i32(b, P), i32(b)) + samp
+  if key.kind == StepKind.SCORE:
+    return (i32(b, blk), np.zeros((b, blk), bool), i32(b), i32(b, P), i32(b), i32(b, blk)) + samp
   if key.kind == StepKind.DRAFT:
     return (i32(b), i32(b), i32(b, P)) + samp
   if key.kind == StepKind.DECODE:

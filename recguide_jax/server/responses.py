@@ -50,6 +50,24 @@ def completion_logprobs(tokenizer: Tokenizer, entries: Sequence[dict], offset: i
   return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops, "text_offset": offsets}, offset
 
 
+def echoed_prompt_logprobs(tokenizer: Tokenizer, prompt_ids: Sequence[int], entries: Sequence[dict | None]
+                           ) -> tuple[dict, int]:
+  """The prompt's part of an echoed completion's logprobs (legacy format, as OpenAI and vLLM send it): every prompt
+  token with its logprob given the ones before it, the first one's logprob and top entries null. Returns it and
+  the text offset after the prompt."""
+  first, offset = completion_logprobs(tokenizer, [{"token_id": prompt_ids[0], "logprob": 0.0}], 0)
+  first["token_logprobs"], first["top_logprobs"] = [None], [None]
+  rest, offset = completion_logprobs(tokenizer, [e for e in entries[1:] if e is not None], offset)
+  return join_logprobs(first, rest), offset
+
+
+def join_logprobs(a: dict | None, b: dict | None) -> dict | None:
+  """Two runs of legacy-format logprobs, one after the other."""
+  if a is None or b is None:
+    return a if b is None else b
+  return {k: list(a[k]) + list(b[k]) for k in ("tokens", "token_logprobs", "top_logprobs", "text_offset")}
+
+
 def _top_by_text(tokenizer: Tokenizer, top: dict) -> dict:
   """The legacy format keys the top logprobs by token text, but two ids can decode to the same text (byte tokens
   of an incomplete UTF-8 character both decode to U+FFFD): a later one is keyed by its vocabulary piece, else by
@@ -97,18 +115,18 @@ def chat(rid: str, created: int, model: str, text: str, finish_reason: str, logp
 
 def chunk(chat_kind: bool, rid: str, created: int, model: str, text: str | None, *, role: bool = False,
           finish_reason: str | None = None, logprobs=None, include_usage: bool = False,
-          usage_so_far: dict | None = None) -> dict:
-  """One stream chunk. `role` marks the first chat chunk; with include_usage every chunk has `usage: null`,
+          usage_so_far: dict | None = None, index: int = 0) -> dict:
+  """One stream chunk of choice `index`. `role` marks the first chat chunk; with include_usage every chunk has `usage: null`,
   as OpenAI does, and a last chunk with empty choices carries the usage. `usage_so_far` (vLLM's
   stream_options.continuous_usage_stats) puts the usage up to this chunk in it instead."""
   if chat_kind:
     delta = {"role": "assistant"} if role else {}
     if text is not None:
       delta["content"] = text
-    choice = {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
+    choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
     obj = "chat.completion.chunk"
   else:
-    choice = {"index": 0, "text": text or "", "logprobs": logprobs, "finish_reason": finish_reason}
+    choice = {"index": index, "text": text or "", "logprobs": logprobs, "finish_reason": finish_reason}
     obj = "text_completion"
   out = {"id": rid, "object": obj, "created": created, "model": model, "choices": [choice]}
   if usage_so_far is not None:

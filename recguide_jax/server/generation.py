@@ -1,0 +1,227 @@
+"""Serving one generation request (completions or chat): its n samples submitted to the engine thread (sample i with
+seed `seed + i`, every sample after the first sharing the first one's prefill), then one JSON answer with a choice
+per sample, or one SSE stream whose chunks carry their choice's `index`. With `echo` each completion choice starts
+with the prompt, and with logprobs the prompt's logprobs (scored while it was prefilled), as OpenAI and vLLM send
+them: what lm-eval's loglikelihood tasks read.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import time
+import uuid
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, Response
+
+from recguide_jax.engine import EngineThread
+from recguide_jax.requests import RequestError
+from recguide_jax.server import protocol, responses
+from recguide_jax.server.metrics import ServerMetrics
+from recguide_jax.server.streaming import TextDeltas
+from recguide_jax.server.tracker import EventStream, Final, Tracker, disconnected
+from recguide_jax.tokenizer import Tokenizer
+
+log = logging.getLogger("recguide_jax.server")
+
+
+def failure(final: Final) -> protocol.APIError | None:
+  """The error answer of a request that ended in an error or was aborted, else None."""
+  if final.finish_reason == "error":
+    status = final.error_code or 500
+    return protocol.APIError(status, final.error or "engine error", None, "engine_error" if status >= 500 else None)
+  if final.finish_reason == "abort":
+    return protocol.APIError(503, "the request was aborted", None, "request_aborted")
+  return None
+
+
+@dataclasses.dataclass
+class Generation:
+  """The generation routes' shared state: the engine thread, the tokenizer, the served name, the metrics, and the
+  engine ids in flight (a client's X-Request-Id reused while it runs gets a suffix)."""
+  engine_thread: EngineThread
+  tokenizer: Tokenizer
+  model_name: str
+  metrics: ServerMetrics
+  live_ids: set = dataclasses.field(default_factory=set)
+
+  # ---- submission ------------------------------------------------------------------------------------------------
+  def submit(self, request: Request, gen: protocol.GenerationRequest, prefix: str, index: int | None = None,
+             prefill_source: str | None = None) -> Tracker:
+    rid = f"{prefix}-{request.state.request_id}" + (f"-{index}" if index is not None else "")
+    if rid in self.live_ids:  # the engine keys pages by id: two running requests must not share one
+      rid = f"{rid}-{uuid.uuid4().hex[:8]}"
+    tracker = Tracker(asyncio.get_running_loop(), self.engine_thread, rid, gen, self.metrics, self.live_ids)
+    self.live_ids.add(rid)
+    try:
+      self.engine_thread.submit(gen.prompt_ids, gen.params, rid, tracker.on_update, prefill_source=prefill_source)
+    except RequestError as e:  # includes QueueFull (429) and prompt too long (413)
+      self.live_ids.discard(rid)
+      err = protocol.APIError.from_request_error(e)
+      if gen.chat and err.param == "prompt":
+        err.param = "messages"  # a chat request's prompt is its rendered messages
+      raise err from None
+    return tracker
+
+  def submit_samples(self, request: Request, gen: protocol.GenerationRequest, prefix: str) -> list[Tracker]:
+    """One engine request per sample (n, or best_of): sample i with its own seed (`SamplingParams.sample`), each
+    after the first sharing the first one's prefill (the prompt is computed once)."""
+    count = gen.params.num_samples
+    if count == 1:
+      return [self.submit(request, gen, prefix)]
+    try:  # n and best_of against the policy (each sample alone is one plain request)
+      self.engine_thread.engine.validate_request(gen.prompt_ids, gen.params)
+    except RequestError as e:
+      raise protocol.APIError.from_request_error(e) from None
+    trackers: list[Tracker] = []
+    try:
+      for i in range(count):
+        sample = dataclasses.replace(gen, params=gen.params.sample(i))
+        trackers.append(self.submit(request, sample, prefix, index=i,
+                                    prefill_source=trackers[0].rid if trackers else None))
+    except BaseException:
+      for tracker in trackers:
+        tracker.close()
+      raise
+    return trackers
+
+  # ---- answer pieces ---------------------------------------------------------------------------------------------
+  def logprobs_payload(self, gen: protocol.GenerationRequest, entries, offset: int):
+    """(payload or None, new text offset) for a run of logprob entries."""
+    if gen.params.logprobs is None:
+      return None, offset
+    if gen.chat:
+      return responses.chat_logprobs(self.tokenizer, entries), offset
+    return responses.completion_logprobs(self.tokenizer, entries, offset)
+
+  def echo_prefix(self, gen: protocol.GenerationRequest, prompt_logprobs) -> tuple[str, dict | None, int]:
+    """(text, logprobs payload or None, text offset after it) an echoed choice starts with."""
+    text = gen.prompt_text if gen.prompt_text is not None else self.tokenizer.decode(gen.prompt_ids)
+    if gen.params.logprobs is None:
+      return text, None, 0
+    payload, offset = responses.echoed_prompt_logprobs(self.tokenizer, gen.prompt_ids, prompt_logprobs or [None])
+    return text, payload, offset
+
+  # ---- answers ---------------------------------------------------------------------------------------------------
+  async def serve(self, request: Request, gen: protocol.GenerationRequest, prefix: str):
+    created = int(time.time())
+    if gen.ignored_fields:
+      log.warning("%s-%s: the following fields were present in the request but ignored: %s", prefix,
+                  request.state.request_id, ", ".join(gen.ignored_fields))
+    trackers = self.submit_samples(request, gen, prefix)
+    rid = trackers[0].rid if len(trackers) == 1 else f"{prefix}-{request.state.request_id}"
+    if gen.stream:
+      return EventStream(self.stream(gen, trackers, created, rid), trackers)
+    return await self.complete(request, gen, trackers, created, rid)
+
+  async def complete(self, request: Request, gen: protocol.GenerationRequest, trackers: list[Tracker],
+                     created: int, rid: str):
+    """The non-streamed answer: one choice per tracker (n > 1: independent samples of the same prompt)."""
+    waiter = asyncio.ensure_future(asyncio.gather(*(t.wait_finished() for t in trackers)))
+    gone = asyncio.ensure_future(disconnected(request))
+    try:
+      await asyncio.wait({waiter, gone}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+      gone.cancel()
+      if not waiter.done():
+        waiter.cancel()
+      for tracker in trackers:
+        tracker.close()  # the client left (or we were cancelled) before the end: free the request's pages
+    if waiter.cancelled() or not waiter.done():
+      return Response(status_code=499)  # nobody is listening; uvicorn drops it
+    finals = waiter.result()
+    for final in finals:
+      err = failure(final)
+      if err is not None:
+        raise err
+    if len(finals) > gen.n:  # best_of: the n samples of highest cumulative logprob, best first (vLLM's order)
+      finals = sorted(finals, key=lambda f: -f.cumulative_logprob)[:gen.n]
+    use = responses.usage(len(gen.prompt_ids), sum(len(f.output_ids) for f in finals))
+    build = responses.chat if gen.chat else responses.completion
+    shared_prompt_lps = next((f.prompt_logprobs for f in finals if f.prompt_logprobs is not None), None)
+    bodies = []
+    for final in finals:
+      text, prompt_payload, offset = final.text, None, 0
+      if gen.echo:
+        prompt_text, prompt_payload, offset = self.echo_prefix(gen, final.prompt_logprobs or shared_prompt_lps)
+        text = prompt_text + text
+      lps, _ = self.logprobs_payload(gen, final.logprobs or [], offset)
+      if gen.echo:
+        lps = responses.join_logprobs(prompt_payload, lps)
+      bodies.append(build(rid, created, self.model_name, text, final.finish_reason, lps, use, final.stats))
+    body = bodies[0]
+    if len(bodies) > 1:  # each choice keeps its own speculation stats; the top level has the first's
+      body["choices"] = [{**b["choices"][0], "index": i, "speculation": f.stats}
+                         for i, (b, f) in enumerate(zip(bodies, finals))]
+    return JSONResponse(body)
+
+  async def stream(self, gen: protocol.GenerationRequest, trackers: list[Tracker], created: int, rid: str):
+    """The SSE answer: the choices' chunks interleaved as their tokens arrive, each with its `index`; then, with
+    include_usage, one usage chunk for all of them."""
+    chat, n = gen.chat, len(trackers)
+    deltas = [TextDeltas(self.tokenizer, gen.params.stop_strings) for _ in trackers]
+    lp_sent, offsets, started = [0] * n, [0] * n, [False] * n
+    finals: list[Final | None] = [None] * n
+
+    def completion_tokens() -> int:
+      return sum(len(f.output_ids) if f is not None else len(t.emitted) for t, f in zip(trackers, finals))
+
+    def chunk(i, text, **kw):
+      so_far = responses.usage(len(gen.prompt_ids), completion_tokens()) if gen.continuous_usage else None
+      return responses.chunk(chat, rid, created, self.model_name, text, include_usage=gen.include_usage,
+                             usage_so_far=so_far, index=i, **kw)
+
+    pending: dict[asyncio.Future, int] = {}
+    try:
+      if chat:
+        for i in range(n):
+          yield responses.sse(chunk(i, "", role=True))
+      for i, tracker in enumerate(trackers):
+        pending[asyncio.ensure_future(tracker.next())] = i
+      error = None
+      while pending and error is None:
+        done, _ = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+        for fut in sorted(done, key=pending.get):
+          i = pending.pop(fut)
+          tracker = trackers[i]
+          _, lps, final = fut.result()
+          error = failure(final) if final is not None else None
+          if error is not None:
+            break
+          if gen.echo and not started[i]:
+            prompt_text, payload, offsets[i] = self.echo_prefix(gen, tracker.prompt_logprobs)
+            yield responses.sse(chunk(i, prompt_text, logprobs=payload))
+          started[i] = True
+          if final is None:
+            text = deltas[i].update(tracker.emitted)
+            payload, offsets[i] = self.logprobs_payload(gen, lps, offsets[i]) if lps else (None, offsets[i])
+            lp_sent[i] += len(lps)
+            if text or lps:
+              yield responses.sse(chunk(i, text, logprobs=payload))
+            pending[asyncio.ensure_future(tracker.next())] = i
+            continue
+          finals[i] = final
+          text = deltas[i].finish(final.text)
+          payload, offsets[i] = self.logprobs_payload(gen, (final.logprobs or [])[lp_sent[i]:], offsets[i])
+          last = chunk(i, text, finish_reason=final.finish_reason, logprobs=payload)
+          last["speculation"] = final.stats
+          yield responses.sse(last)
+      if error is not None:
+        self.metrics.record_error(error.status)
+        yield responses.sse(error.body())
+      elif gen.include_usage:
+        use = responses.usage(len(gen.prompt_ids), completion_tokens())
+        yield responses.sse(responses.usage_chunk(chat, rid, created, self.model_name, use, finals[0].stats))
+      yield responses.SSE_DONE
+    except Exception as e:  # a bug here must still end the stream in a way clients understand
+      log.exception("stream %s failed", rid)
+      self.metrics.record_error(500)
+      yield responses.sse(protocol.APIError(500, f"internal server error: {type(e).__name__}: {e}").body())
+      yield responses.SSE_DONE
+    finally:
+      for fut in pending:
+        fut.cancel()
+      for tracker in trackers:
+        tracker.close()
