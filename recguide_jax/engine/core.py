@@ -143,7 +143,7 @@ class Engine:
       self._isolated(batch, "prefill", self._prefill, batch)
     decoding = [r for r in self.running if r.seed_token is not None and not r.finished and self._sampling_ready(r)]
     view = StepView(self.step_count, len(decoding), self.rc.max_batch, self.rc.max_model_len, self.rc.max_block,
-                    self._eos)
+                    self._eos, tuple(decoding), len(self.running))
     planned: list[tuple[Request, RoundPlan]] = []
     for req in decoding:
       try:

@@ -16,7 +16,9 @@ Tables JSON `recguide_tables.json`, schema "recguide-tables/1" (written by launc
        "objective": 0.29, "fixed_objectives": {"8": ..., "16": ..., "32": ...},   # tokens/ms/request (replay)
        "shares": {"8": 0.05, "16": 0.40, "32": 0.55}}                # macro share of rounds per chosen B
     ],
-    "value_model": { ... "recguide-value-model/1" ... }
+    "value_model": { ... "recguide-value-model/1" ... },
+    "overlap_planner": "expected_hit", "overlap_delta": 0.5, "overlap_slots": 4,   # optional (launch/fit_delta.py)
+    "overlap_prefix_exponent": 0.45, "overlap_hit_rate": 0.47, "overlap_accepted": 4.5
   }
 
 At runtime a load C uses the nearest fitted level (in log2 C, ties to the smaller level) for rho, costs and the
@@ -153,6 +155,10 @@ class RecGuideTables:
   overlap_slots: int | None = None  # branch slots of the fused tree (launch/fit_delta.py); None: the paper's 3
   # the expected-hit planner's prefix exponent gamma (launch/fit_delta.py); None: the plain product (1.0)
   overlap_prefix_exponent: float | None = None
+  # what the fitted planner measured (launch/fit_delta.py): the share of planned overlap rounds whose branch was
+  # reused and the mean accepted length; the controller's priors for overlap (None: generic priors)
+  overlap_hit_rate: float | None = None
+  overlap_accepted: float | None = None
 
   def __post_init__(self):
     if not self.levels:
@@ -177,6 +183,10 @@ class RecGuideTables:
       raise TablesError(f"overlap_slots must be an integer in [1, {MAX_SLOTS}], got {self.overlap_slots!r}")
     if self.overlap_prefix_exponent is not None and not 0.0 < self.overlap_prefix_exponent <= 2.0:
       raise TablesError(f"overlap_prefix_exponent must lie in (0, 2], got {self.overlap_prefix_exponent}")
+    if self.overlap_hit_rate is not None and not 0.0 <= self.overlap_hit_rate <= 1.0:
+      raise TablesError(f"overlap_hit_rate must lie in [0, 1], got {self.overlap_hit_rate}")
+    if self.overlap_accepted is not None and not (math.isfinite(self.overlap_accepted) and self.overlap_accepted >= 1):
+      raise TablesError(f"overlap_accepted must be a finite number >= 1, got {self.overlap_accepted}")
     if not self.version:
       object.__setattr__(self, "version", self.content_hash())
 
@@ -224,6 +234,9 @@ class RecGuideTables:
       out["overlap_slots"] = self.overlap_slots
     if self.overlap_prefix_exponent is not None:
       out["overlap_prefix_exponent"] = self.overlap_prefix_exponent
+    for field in ("overlap_hit_rate", "overlap_accepted"):
+      if getattr(self, field) is not None:
+        out[field] = getattr(self, field)
     return out
 
   def content_hash(self) -> str:
@@ -264,11 +277,14 @@ class RecGuideTables:
       slots = raw.get("overlap_slots")
       if slots is not None and (isinstance(slots, bool) or not isinstance(slots, int)):
         raise TablesError(f"field 'overlap_slots' must be an integer, got {slots!r}")
-      gamma = raw.get("overlap_prefix_exponent")
-      if gamma is not None and (isinstance(gamma, bool) or not isinstance(gamma, (int, float))):
-        raise TablesError(f"field 'overlap_prefix_exponent' must be a number, got {gamma!r}")
+      numbers = {}
+      for field in ("overlap_prefix_exponent", "overlap_hit_rate", "overlap_accepted"):
+        value = raw.get(field)
+        if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))):
+          raise TablesError(f"field {field!r} must be a number, got {value!r}")
+        numbers[field] = None if value is None else float(value)
       return cls(model, tuple(levels), str(raw["profile"]), str(raw.get("version", "")), str(raw.get("notes", "")),
-                 None if delta is None else float(delta), planner, slots, None if gamma is None else float(gamma))
+                 None if delta is None else float(delta), planner, slots, **numbers)
     except (TablesError, vm.TraceError) as e:
       msg = str(e)
       raise TablesError(msg if msg.startswith(where) else f"{where}: {msg}") from None
