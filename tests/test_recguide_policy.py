@@ -313,6 +313,7 @@ def test_tables_priced_for_other_hardware_keep_their_values_but_not_their_prices
 
   class Req:
     strategy_state = RecGuideState([RoundRecord(16, 5, 0.5)])
+    params, output_ids = SamplingParams(max_tokens=64), []
 
   same = RecGuideStrategy(16, fixed_regime="adaptive", tables=tables, profile=flat, calibrate=False)
   assert same._adaptive_block(Req(), 1) == 32  # priced where they were fitted: the tables' rule

@@ -28,7 +28,8 @@ ENTROPY = {"confident": 0.2, "unsure": 2.5}  # its last verification's entropy (
 class _Req:
   def __init__(self, kind, accepts):
     self.kind, self.accepts = kind, accepts[kind]
-    self.params = SamplingParams(temperature=0.0)
+    self.params = SamplingParams(temperature=0.0, max_tokens=1000)
+    self.output_ids = []
     self.strategy_state = RecGuideState([RoundRecord(8, 4, ENTROPY[kind])])
 
 
@@ -152,3 +153,16 @@ def test_overlap_priors_come_from_the_tables():
   fitted = RecGuideStrategy(16, profile=b200, tables=measured, calibrate=False)
   assert (fitted.stats.overlap_hit, fitted.stats.overlap_accepted) == (0.25, 3.0)
   assert fitted.expected_rates(8)["overlap"] < generic.expected_rates(8)["overlap"]
+
+
+def test_values_stop_at_the_budget():
+  """A round emits at most the tokens a request has left: E[min(A_B, left)] from the same survival tables, so a
+  longer block is not priced as a gain near max_tokens."""
+  b200 = load_profile("b200_nld8b")
+  strategy = RecGuideStrategy(16, profile=b200, tables=_tables(b200, rho=0.0), calibrate=False, overlap=False)
+  req = _Req("confident", ACCEPTS)
+  assert strategy._values(req) == pytest.approx({8: 8, 16: 10, 32: 11})
+  req.output_ids = [0] * (req.params.max_tokens - 3)
+  assert strategy._values(req) == pytest.approx({8: 3, 16: 3, 32: 3})
+  view = StepView(1, 1, 64, 4096, 32, frozenset(), (req,))
+  assert strategy.plan(req, view).block_size == 8  # the same tokens for the cheapest round

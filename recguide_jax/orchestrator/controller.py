@@ -299,15 +299,22 @@ class RecGuideStrategy(Strategy):
       req.strategy_state = RecGuideState()
     return req.strategy_state
 
+  @staticmethod
+  def _remaining(req) -> int:
+    """Tokens `req` may still emit (its max_tokens budget)."""
+    return req.params.max_tokens - len(req.output_ids)
+
   def _values(self, req) -> dict[int, float]:
     """Expected tokens of `req`'s next LinearSS round per B: the fitted value model V_B(s, z) from its history
-    (unconditional before its first verification), else the engine-wide online estimate."""
+    (unconditional before its first verification), else the engine-wide online estimate; near the end of its
+    budget, of the tokens it may still emit (a longer block buys nothing past max_tokens)."""
+    left = self._remaining(req)
     if self.tables is None:
-      return self.stats.accepted
+      return self.stats.accepted if left >= BLOCKS[-1] else {b: min(v, left) for b, v in self.stats.accepted.items()}
     hist = self.state(req).history
     model = self.tables.value_model
-    return (model.values(signals.signal_s(hist, model.window), signals.stratum(hist)) if hist
-            else model.values(None))
+    s, z = (signals.signal_s(hist, model.window), signals.stratum(hist)) if hist else (None, None)
+    return model.values(s, z) if left >= BLOCKS[-1] else model.values_capped(s, z, left)
 
   def _adaptive_block(self, req, concurrency: int, costs: dict[int, float] | None = None) -> int:
     """The per-request rule. `costs`: the LinearSS round cost per B at this concurrency when the caller has them
@@ -366,6 +373,14 @@ class RecGuideStrategy(Strategy):
     """True when the tables' rho was solved against this policy's profile (same profile name)."""
     return self.profile is not None and bool(self.profile.name) and self.tables.profile == self.profile.name
 
+  def _overlaps(self, req) -> bool:
+    """Whether `req` runs an overlap round when the regime is overlap: greedy requests only (the reuse rules compare
+    argmaxes), and, where the switch decides, not one this round is expected to finish (no next round for a
+    prefetched branch to save a draft in)."""
+    if req.params.temperature > 0:
+      return False
+    return bool(self.fixed_regime) or self._remaining(req) > self.stats.overlap_accepted
+
   def plan(self, req, view: StepView) -> RoundPlan:
     concurrency = view.decoding
     # the regime lasts beyond this step (overlap pays a draft to enter, its branches pay off in later rounds), so
@@ -381,14 +396,13 @@ class RecGuideStrategy(Strategy):
       self._step_costs = None
       self._step_plan = None
     regime = self._regime_memo[1]
-    greedy = req.params.temperature <= 0
-    if regime == Regime.OVERLAP and not greedy:
-      regime = Regime.ADAPTIVE  # the reuse rules assume greedy matching
+    if regime == Regime.OVERLAP and not self._overlaps(req):
+      regime = Regime.ADAPTIVE
     if regime in self._plans:  # overlap, ar, linear (the fixed B)
       self.regime_counts[regime] += 1
       return self._plans[regime]
     if self._step_plan is None:  # the step's adaptive requests, planned together once (the engine's snapshot)
-      mine = [r for r in view.batch if self._regime_memo[1] == Regime.ADAPTIVE or r.params.temperature > 0]
+      mine = [r for r in view.batch if self._regime_memo[1] == Regime.ADAPTIVE or not self._overlaps(r)]
       name, blocks = self.plan_step(mine, concurrency)
       self.step_plans[name] += bool(mine)
       self._step_plan = {id(r): (self._plans[Regime.AR] if b == 1 else RoundPlan(rounds.LINEAR, b))
