@@ -128,10 +128,12 @@ class PeerConfig:
       raise ValueError(f"--prompt_source must be auto, random or gsm8k, got {self.prompt_source!r}")
     if self.checkpoint is None:
       self.model.validate()
-    elif "recguide" in self.policies and not (pathlib.Path(self.checkpoint) / "recguide_policy.json").exists():
-      raise ValueError(f"--policies recguide needs {self.checkpoint}/recguide_policy.json (a fitted policy)")
+    elif "recguide" in self.policies:
+      from recguide_jax.orchestrator import adaptive
+      if adaptive.tables_path(self.checkpoint) is None:
+        raise ValueError(f"--policies recguide needs {self.checkpoint}/{adaptive.TABLES_FILENAME} (fitted tables)")
     if self.checkpoint is None and "recguide" in self.policies:
-      raise ValueError("--policies recguide needs --checkpoint with a fitted recguide_policy.json")
+      raise ValueError("--policies recguide needs --checkpoint with fitted recguide_tables.json")
     return self
 
   def cells(self) -> list[tuple[str, int, int]]:
@@ -627,7 +629,7 @@ def _define_flags():
   cli.deprecated_alias("new_tokens", "max_tokens")
   flags.DEFINE_integer("repeats", 3, "Timed repeats per config (medians reported).")
   flags.DEFINE_list("policies", ["ar", "linear"], "Our configs: ar, linear (LinearSS at --block_size), recguide "
-                    "(needs --checkpoint with recguide_policy.json).")
+                    "(needs --checkpoint with recguide_tables.json).")
   flags.DEFINE_integer("block_size", 16, "LinearSS block size.")
   flags.DEFINE_integer("threads", os.cpu_count() or 1, "torch intra-op threads (XLA uses every core).")
   flags.DEFINE_integer("max_model_len", 1024, "Our engine's max_model_len (0: prompt + new tokens, per prompt).")

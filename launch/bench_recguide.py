@@ -15,7 +15,15 @@ the medians and a paired bootstrap interval of RecGuide vs the fastest baseline 
 
   python launch/bench_recguide.py --mode=steady --concurrency 1,2,4,8,16,32 --repeats 5 --profile docs/profile_cpu.json
 
-Reports go to --output_dir (default runs/bench_recguide): bench_recguide.{json,md}, or bench_recguide_steady.{json,md}.
+--mode=priced judges by the price alone: AR and fixed-B LinearSS 8/16/32 run once per level (greedy runs repeat
+exactly, so their forward ledgers do too) and, for each profile of --price_profiles, RecGuide deciding with that
+profile (no wall-clock calibration); every run's ledger is priced with every profile, so RecGuide@P is compared with
+every fixed alternative priced by the same P:
+
+  python launch/bench_recguide.py --mode=priced --price_profiles=b200_nld8b,docs/profile_cpu.json --output_dir=docs
+
+Reports go to --output_dir (default runs/bench_recguide): bench_recguide.{json,md}, bench_recguide_steady.{json,md}
+or bench_recguide_priced.{json,md}.
 """
 
 import json
@@ -37,13 +45,18 @@ cli.define_model_and_data_flags("test", num_prompts=32, max_tokens=128)
 flags.DEFINE_list("concurrency", ["1", "2", "4", "8", "16", "32"], "Concurrency levels.")
 flags.DEFINE_integer("repeats", 1, "Repeats per point; the median wall time is reported.")
 flags.DEFINE_string("profile", None, "Profile of THIS machine for RecGuide's switch (launch/profile.py output).")
-flags.DEFINE_string("policy_tables", None, "Fitted adaptive-B policy JSON (default: the checkpoint's, if any).")
+flags.DEFINE_string("recguide_tables", None, "RecGuide's fitted adaptive-B tables JSON (default: the checkpoint's, "
+                    "if any).")
+cli.deprecated_alias("policy_tables", "recguide_tables")
 flags.DEFINE_string("price_profile", "b200_nld8b", "Profile used to price the runs (name or path).")
-flags.DEFINE_float("delta", None, "Margin threshold of risky draft positions (default: the policy's fitted "
+flags.DEFINE_float("delta", None, "Margin threshold of risky draft positions (default: the tables' fitted "
                    "overlap_delta, else 0.5).")
 flags.DEFINE_bool("ablations", True, "Also run the Table 5 (overlap) and Table 6 (adaptive) ablation rows.")
-flags.DEFINE_enum("mode", "set", ["set", "steady"], "set: the prompt set through a closed loop of C, timed to the "
-                  "last token; steady: a held load of C requests, timed over the window with C in flight (see above).")
+flags.DEFINE_enum("mode", "set", ["set", "steady", "priced"], "set: the prompt set through a closed loop of C, timed "
+                  "to the last token; steady: a held load of C requests, timed over the window with C in flight; "
+                  "priced: every run priced with each of --price_profiles (see above).")
+flags.DEFINE_list("price_profiles", ["b200_nld8b"], "--mode=priced: the profiles (names or paths) RecGuide decides "
+                  "with and every run is priced with.")
 flags.DEFINE_integer("steady_requests_per_slot", 8, "--mode=steady: requests per level = max(--num_prompts, this * C) "
                      "(GSM8K questions, reused in turn if the file has fewer).")
 cli.define_output_flags("bench_recguide", {"out_json": "bench_recguide[_steady].json",
@@ -64,7 +77,7 @@ def main(argv):
   import numpy as np
   from recguide_jax import LLM, SamplingParams, benchmarks as bench, policies
   from recguide_jax.orchestrator import profile as prof_lib
-  from recguide_jax.orchestrator.policy import RecGuidePolicy
+  from recguide_jax.orchestrator.controller import RecGuideStrategy
   levels = cli.int_list("concurrency")
   if FLAGS.repeats < 1 or FLAGS.num_prompts < 1 or FLAGS.max_tokens < 1 or FLAGS.steady_requests_per_slot < 1:
     sys.exit("error: --repeats, --num_prompts, --max_tokens and --steady_requests_per_slot must be >= 1")
@@ -74,27 +87,31 @@ def main(argv):
   llm = LLM(FLAGS.checkpoint, policy="ar", block_sizes=(8, 16, 32), max_batch=max(levels),
             max_model_len=FLAGS.max_model_len, warmup=False, attention=FLAGS.attention, dtype=FLAGS.dtype,
             mesh=distributed.mesh_from_flags())
+  from recguide_jax.orchestrator import adaptive
   tables = None
-  tables_path = FLAGS.policy_tables
+  tables_path = FLAGS.recguide_tables
   if tables_path is None:  # the tables shipped beside the checkpoint (the bundled one by default)
     from recguide_jax import llm as llm_lib
-    cand = os.path.join(FLAGS.checkpoint or str(llm_lib.default_checkpoint()), "recguide_policy.json")
-    tables_path = cand if os.path.exists(cand) else None
+    found = adaptive.tables_path(FLAGS.checkpoint or str(llm_lib.default_checkpoint()))
+    tables_path = str(found) if found else None
   if tables_path:
-    from recguide_jax.orchestrator.adaptive import AdaptivePolicyTables
-    tables = AdaptivePolicyTables.load(tables_path)
+    tables = adaptive.load_tables(tables_path)
   params = SamplingParams(max_tokens=FLAGS.max_tokens, temperature=0.0)
 
   def recguide(profile=None, **kw):
     # on this machine's profile the switch calibrates with the wall clock; priced for another device it must not
     kw.setdefault("calibrate", profile is None)
-    return RecGuidePolicy(16, delta=FLAGS.delta, profile=profile or local, tables=tables, **kw)
+    return RecGuideStrategy(16, delta=FLAGS.delta, profile=profile or local, tables=tables, **kw)
 
-  default = recguide()  # the delta, planner and tree width the checkpoint's policy resolves to
+  default = recguide()  # the delta, planner and tree width the checkpoint's tables resolve to
   # the checkpoint's kinds plus the paper's 3-slot tree (the Table 5 rows)
-  llm.runner.warmup(default.step_kinds() + ("fused",), (8, 16, 32))
+  table5 = ("fused",) if FLAGS.ablations and FLAGS.mode == "set" else ()  # the Table 5 rows' 3-slot tree
+  if FLAGS.mode != "priced":  # priced runs are judged by their ledgers, not timed: variants compile as first used
+    llm.runner.warmup(default.step_kinds() + table5, (8, 16, 32))
   if FLAGS.mode == "steady":
     return held_load(llm, recguide, default, levels, params, data, tables_path)
+  if FLAGS.mode == "priced":
+    return priced(llm, recguide, levels, params, data, tables_path)
   prompts = bench.gsm8k_prompts(data, FLAGS.num_prompts, llm.tokenizer)
 
   results = []
@@ -121,10 +138,10 @@ def main(argv):
                         recguide(fixed_regime="overlap", planner="expected_hit", overlap_slots=slots,
                                  prefix_exponent=gamma)))
     if FLAGS.ablations and c > 1 and tables is not None:  # Table 6 rows (no bucketing = padded mixed batches)
-      configs += [("adaptive no bucketing", recguide(profile=price, fixed_regime="adaptive", overlap=False)),
-                  ("adaptive + bucketing", recguide(profile=price, fixed_regime="adaptive", overlap=False)),
-                  ("adaptive + cost-aware grouping", recguide(profile=price, fixed_regime="adaptive",
-                                                              overlap=False))]
+      # the paper's per-request rule as it is (batch_priced=False): what bucketing and grouping do to it
+      table6 = dict(profile=price, fixed_regime="adaptive", overlap=False, batch_priced=False)
+      configs += [("adaptive no bucketing", recguide(**table6)), ("adaptive + bucketing", recguide(**table6)),
+                  ("adaptive + cost-aware grouping", recguide(**table6))]
     # repeats are interleaved across configs so a slow spell of the machine hits every config alike, and the order
     # of the wall-clock rows rotates by one each repeat (A B C, B C A, C A B, ...) so that no config always runs
     # right after the same (heavier or lighter) one; rows judged by their price or tokens per forward only (greedy
@@ -188,7 +205,7 @@ def main(argv):
     pooled = bench.pooled_ratio_interval(levels_iv)
   meta = {"checkpoint": str(FLAGS.checkpoint or "bundled"), "num_prompts": FLAGS.num_prompts,
           "max_tokens": FLAGS.max_tokens, "repeats": FLAGS.repeats, "price_profile": FLAGS.price_profile,
-          "local_profile": FLAGS.profile, "policy_tables": tables_path,
+          "local_profile": FLAGS.profile, "recguide_tables": tables_path,
           "delta": default.delta, "planner": default.planner, "overlap_slots": default.overlap_slots,
           "prefix_exponent": default.prefix_exponent,
           "compiles_after_warmup": llm.runner.compiles_after_warmup}
@@ -245,7 +262,7 @@ def held_load(llm, recguide, default, levels, params, data, tables_path):
   result["meta"] = {"mode": "steady", "checkpoint": str(FLAGS.checkpoint or "bundled"), "data": data,
                     "num_prompts": FLAGS.num_prompts, "steady_requests_per_slot": FLAGS.steady_requests_per_slot,
                     "max_tokens": FLAGS.max_tokens, "repeats": FLAGS.repeats, "local_profile": FLAGS.profile,
-                    "policy_tables": tables_path, "delta": default.delta, "planner": default.planner,
+                    "recguide_tables": tables_path, "delta": default.delta, "planner": default.planner,
                     "compiles_after_warmup": llm.runner.compiles_after_warmup,
                     "window": "from the first engine step after the first cohort of C requests has finished to the "
                               "last step that starts with C requests in flight"}
@@ -261,6 +278,80 @@ def held_load(llm, recguide, default, levels, params, data, tables_path):
             "window with C requests in flight (after the first cohort, before the drain) / its wall time, on this "
             "machine.\n\n" + table)
   print(table)
+  print(f"wrote {out_json} and {out_md}")
+
+
+def priced(llm, recguide, levels, params, data, tables_path):
+  """--mode=priced: RecGuide deciding with each pricing profile against AR and every fixed-B LinearSS, all priced by
+  that profile from their forward ledgers."""
+  from recguide_jax import benchmarks as bench, policies
+  from recguide_jax.orchestrator import profile as prof_lib
+  profiles = {}
+  for spec in FLAGS.price_profiles:
+    path = spec if os.path.exists(spec) else os.path.join(ROOT, spec)
+    prof = prof_lib.load_profile(path if os.path.exists(path) else spec)
+    profiles[prof.name or os.path.splitext(os.path.basename(spec))[0]] = prof
+  prompts = bench.gsm8k_prompts(data, FLAGS.num_prompts, llm.tokenizer)
+  fixed = ("ar", "linear B=8", "linear B=16", "linear B=32")
+  rows = []
+  for c in levels:
+    configs = ([("ar", policies.ARPolicy())] + [(f"linear B={b}", policies.LinearPolicy(b)) for b in (8, 16, 32)]
+               + [(f"recguide@{name}", recguide(profile=prof)) for name, prof in profiles.items()])
+    ledgers, ar_out = {}, None
+    for name, policy in configs:
+      llm.set_policy(policy)
+      llm.engine.bucketing = "auto"
+      llm.engine.forward_log = []
+      reqs, _ = bench.run_concurrent(llm.engine, prompts, params, c)
+      outs = [r.output_ids for r in reqs]
+      ar_out = outs if name == "ar" else ar_out
+      ledgers[name] = (llm.engine.forward_log, sum(len(o) for o in outs), outs == ar_out,
+                       dict(getattr(policy, "regime_counts", {})),
+                       [b for r in reqs for b in r.stats.block_sizes])
+      llm.engine.forward_log = None
+    for pname, prof in profiles.items():
+      rates = {}
+      for name in fixed + (f"recguide@{pname}",):
+        log, tokens, lossless, regimes, blocks = ledgers[name]
+        ms = bench.priced_ms(log, prof)
+        rates[name] = tokens / ms
+        rows.append({"price_profile": pname, "concurrency": c, "policy": name, "generated_tokens": tokens,
+                     "priced_ms": ms, "priced_tokens_per_ms": tokens / ms, "lossless": lossless, "regimes": regimes,
+                     "block_size_share": {str(b): blocks.count(b) / len(blocks) for b in (1, 8, 16, 32)}
+                     if blocks else {}})
+      best = max(fixed, key=lambda n: rates[n])
+      official = f"linear B={OFFICIAL_B.get(c, 16)}"
+      for r in rows[-len(rates):]:
+        r.update(best_fixed=best, vs_best_fixed=r["priced_tokens_per_ms"] / rates[best],
+                 vs_official_fixed=r["priced_tokens_per_ms"] / rates[official])
+      rg = rows[-1]
+      print(f"C={c:<3} priced with {pname}: recguide {rg['priced_tokens_per_ms']:.3f} tok/ms, best fixed {best} "
+            f"{rates[best]:.3f} ({rg['vs_best_fixed']:.3f}x), official {official} ({rg['vs_official_fixed']:.3f}x), "
+            f"lossless={rg['lossless']}", flush=True)
+  meta = {"mode": "priced", "checkpoint": str(FLAGS.checkpoint or "bundled"), "data": data,
+          "num_prompts": FLAGS.num_prompts, "max_tokens": FLAGS.max_tokens, "price_profiles": FLAGS.price_profiles,
+          "recguide_tables": tables_path, "compiles_after_warmup": llm.runner.compiles_after_warmup}
+  lines = []
+  for pname in profiles:
+    lines += [f"\nPriced with `{pname}` (tokens per profiled ms, decode forwards only):\n",
+              "| C | AR | linear B=8 | linear B=16 | linear B=32 | RecGuide | RecGuide vs best fixed | "
+              "RecGuide vs official fixed B | RecGuide B share 1/8/16/32 | lossless |", "|" + "---|" * 10]
+    for c in levels:
+      mine = {r["policy"]: r for r in rows if r["price_profile"] == pname and r["concurrency"] == c}
+      rg = mine[f"recguide@{pname}"]
+      share = "/".join(f"{100 * rg['block_size_share'].get(str(b), 0):.0f}" for b in (1, 8, 16, 32))
+      lines.append(f"| {c} | " + " | ".join(f"{mine[n]['priced_tokens_per_ms']:.3f}" for n in fixed) +
+                   f" | {rg['priced_tokens_per_ms']:.3f} | {rg['vs_best_fixed']:.3f}x ({rg['best_fixed']}) | "
+                   f"{rg['vs_official_fixed']:.3f}x | {share} | {all(r['lossless'] for r in mine.values())} |")
+  out_json = cli.report_path("bench_recguide_priced.json", "out_json")
+  out_md = cli.report_path("bench_recguide_priced.md", "out_md")
+  with open(out_json, "w") as f:
+    json.dump({"meta": meta, "results": rows}, f, indent=2)
+  with open(out_md, "w") as f:
+    f.write(f"Priced (`--mode=priced`): GSM8K test, {FLAGS.num_prompts} prompts, greedy, max {FLAGS.max_tokens} new "
+            "tokens, a closed loop of C; each run's forward ledger priced with each profile; RecGuide decides with "
+            "the profile it is priced by (no wall-clock calibration).\n" + "\n".join(lines) + "\n")
+  print("\n".join(lines))
   print(f"wrote {out_json} and {out_md}")
 
 

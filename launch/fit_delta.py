@@ -4,8 +4,8 @@ delta of a grid, and with our expected-hit planner (`overlap.plan_expected_hit`,
 (branch slots of the fused forward) of a grid; measures decode tokens per forward, the branch outcome counters and
 the decode time priced with a hardware profile (the paper's B200 table by default, the one the adaptive tables are
 fitted with); stores the best no-P3 delta (`overlap_delta`), and the planner and tree width with the most tokens
-per priced ms (`overlap_planner`, `overlap_slots`) in the checkpoint's `recguide_policy.json`, which
-`RecGuidePolicy` uses when they are not given. A wider tree hits more often (more tokens per forward) but each
+per priced ms (`overlap_planner`, `overlap_slots`) in the checkpoint's `recguide_tables.json`, which
+`RecGuideStrategy` uses when they are not given. A wider tree hits more often (more tokens per forward) but each
 fused forward carries more query tokens; the price decides, and tokens per forward break a price tie (within
 0.1%; `overlap.best_sweep_row` says why).
 
@@ -39,8 +39,10 @@ flags.DEFINE_list("prefix_exponents", [f"{g / 20:.2f}" for g in range(2, 21)],
                   "Prefix exponents gamma replayed for the expected-hit planner (1.0 = the plain product).")
 flags.DEFINE_string("price_profile", "b200_nld8b", "Profile (shipped name or JSON path) the runs are priced with.")
 flags.DEFINE_integer("block_size", 16, "Overlap block size B.")
-flags.DEFINE_string("policy", None, "Policy JSON to update (default: the checkpoint's recguide_policy.json).")
-cli.define_output_flags("fit_delta", {"out_json": "fit_delta.json"})  # the sweep; the fit goes into --policy
+flags.DEFINE_string("recguide_tables", None, "RecGuide's tables JSON to update (default: the checkpoint's "
+                    "recguide_tables.json, or its earlier name recguide_policy.json).")
+cli.deprecated_alias("policy", "recguide_tables")
+cli.define_output_flags("fit_delta", {"out_json": "fit_delta.json"})  # the sweep; the fit goes into --recguide_tables
 
 
 def main(argv):
@@ -57,7 +59,7 @@ def main(argv):
   data = cli.data_path()
   from recguide_jax import LLM, SamplingParams, benchmarks as bench, llm as llm_lib, policies
   from recguide_jax.orchestrator import adaptive, overlap as ov, overlap_fit, profile as prof_lib
-  from recguide_jax.orchestrator.policy import RecGuidePolicy
+  from recguide_jax.orchestrator.controller import RecGuideStrategy
   from recguide_jax.runner import fused_kind
   if not FLAGS.planners or any(p not in ov.PLANNERS for p in FLAGS.planners):
     sys.exit(f"error: --planners must name some of {list(ov.PLANNERS)}, got {FLAGS.planners}")
@@ -78,13 +80,14 @@ def main(argv):
   except prof_lib.ProfileError as e:
     sys.exit(f"error: --price_profile: {e}")
   checkpoint = FLAGS.checkpoint or str(llm_lib.default_checkpoint())
-  policy_path = FLAGS.policy or os.path.join(checkpoint, adaptive.POLICY_FILENAME)
-  if not os.path.exists(policy_path):
-    sys.exit(f"error: --policy {policy_path} does not exist (fit one with launch/fit_policy.py first)")
+  tables_path = FLAGS.recguide_tables or str(adaptive.tables_path(checkpoint) or
+                                             os.path.join(checkpoint, adaptive.TABLES_FILENAME))
+  if not os.path.exists(tables_path):
+    sys.exit(f"error: --recguide_tables {tables_path} does not exist (fit them with launch/fit_tables.py first)")
   try:
-    tables = adaptive.load_policy(policy_path)
-  except adaptive.PolicyError as e:
-    sys.exit(f"error: --policy: {e}")
+    tables = adaptive.load_tables(tables_path)
+  except adaptive.TablesError as e:
+    sys.exit(f"error: --recguide_tables: {e}")
   llm = LLM(checkpoint, policy="ar", block_sizes=(FLAGS.block_size,), max_batch=1, warmup=False,
             attention=FLAGS.attention, dtype=FLAGS.dtype, max_model_len=FLAGS.max_model_len)
   llm.runner.warmup(("prefill", "draft", "verify", "fused", "gverify") + tuple(fused_kind(n) for n in slot_grid),
@@ -109,7 +112,7 @@ def main(argv):
   rows = []
 
   def sweep_row(planner, d, slots, gamma=1.0):
-    reqs, s, rate, rounds = priced_run(RecGuidePolicy(FLAGS.block_size, delta=d, planner=planner,
+    reqs, s, rate, rounds = priced_run(RecGuideStrategy(FLAGS.block_size, delta=d, planner=planner,
                                                       overlap_slots=slots, prefix_exponent=gamma,
                                                       fixed_regime="overlap", calibrate=False))
     outcomes = bench.overlap_counts(reqs)
@@ -138,15 +141,20 @@ def main(argv):
       if gamma != 1.0:
         sweep_row("expected_hit", None, n, gamma)
   if not all(r["lossless"] for r in rows):
-    sys.exit("error: an overlap run differed from greedy AR; not updating the policy")
+    sys.exit("error: an overlap run differed from greedy AR; not updating the tables")
   # the most tokens per priced ms; within 0.1% of it, the most tokens per forward (overlap.best_sweep_row)
   best = overlap_fit.best_sweep_row(rows)
   no_p3 = [r for r in rows if r["planner"] == "no_p3"]
   best_delta = overlap_fit.best_sweep_row(no_p3)["delta"] if no_p3 else tables.overlap_delta
   best_slots = best["slots"] if best["planner"] == "expected_hit" else None
+  # what the chosen planner measured: the controller's priors for overlap (a branch reused = a hit)
+  planned = sum(best["outcomes"].values())
+  hits = best["outcomes"].get("correction_hit", 0) + best["outcomes"].get("continuation_hit", 0)
+  hit_rate = hits / planned if planned else None
   updated = dataclasses.replace(tables, overlap_delta=best_delta, overlap_planner=best["planner"],
-                                overlap_slots=best_slots, overlap_prefix_exponent=best["prefix_exponent"], version="")
-  updated.save(policy_path)
+                                overlap_slots=best_slots, overlap_prefix_exponent=best["prefix_exponent"],
+                                overlap_hit_rate=hit_rate, overlap_accepted=max(1.0, best["tau"]), version="")
+  updated.save(tables_path)
   out_json = cli.report_path("fit_delta.json", "out_json")
   with open(out_json, "w") as f:
     json.dump({"checkpoint": checkpoint, "data": os.path.basename(data), "offset": FLAGS.offset,
@@ -158,7 +166,7 @@ def main(argv):
   print(f"best: {best['planner']} {best['slots']} slots, gamma {best['prefix_exponent']} "
         f"({best['priced_tokens_per_ms']:.3f} tok/ms priced, "
         f"{best['priced_vs_linear']:.2f}x LinearSS; TPF {best['tpf']:.3f}, {best['tpf_vs_linear']:.2f}x); "
-        f"best no_p3 delta {best_delta}; wrote {policy_path} version {updated.version} and {out_json}")
+        f"best no_p3 delta {best_delta}; wrote {tables_path} version {updated.version} and {out_json}")
 
 
 if __name__ == "__main__":

@@ -1,92 +1,13 @@
-"""Fits RecGuide's adaptive-B policy from shadow traces: the value model V_B(s, z) (docs/spec/recguide.md §5.2),
-then rho_C per concurrency level by the exact 1-D search (§5.4) against a hardware profile's T_C(B). Writes the
-versioned policy JSON ("recguide-policy/1") that the engine loads, and prints per level the chosen-B shares and the
-objective (macro tokens/ms/request on a replay of the traces) against every fixed B.
+"""Earlier name of launch/fit_tables.py (the fitted adaptive-B tables were called a "policy"); kept so existing
+commands keep working. Same flags, same output.
 
-  python launch/fit_policy.py --traces traces/*.jsonl --profile b200_nld8b --out checkpoints/x/recguide_policy.json
-
-Trace rows: see recguide_jax/orchestrator/value_model.py.
+  python launch/fit_tables.py --traces traces/*.jsonl --profile b200_nld8b --out checkpoints/x/recguide_tables.json
 """
 
-import glob
 import os
+import runpy
 import sys
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
-
-from absl import flags  # noqa: E402
-
-from recguide_jax.benchmarks import cli  # noqa: E402
-
-FLAGS = flags.FLAGS
-flags.DEFINE_list("traces", None, "Shadow-trace JSONL files (globs allowed).")
-flags.DEFINE_string("profile", "b200_nld8b", "Hardware profile: a shipped name or a profile JSON path.")
-flags.DEFINE_list("concurrency", ["1", "2", "4", "8", "16", "32"], "Load levels C to solve rho for.")
-cli.deprecated_alias("concurrency_levels", "concurrency")
-flags.DEFINE_integer("bins", 24, "Signal bins of the value model.")
-flags.DEFINE_bool("strata", True, "Fit per-z strata (previous B, full) where they have enough rows.")
-flags.DEFINE_string("out", None, "Output policy JSON (a checkpoint directory gets recguide_policy.json).")
-flags.DEFINE_string("version", "", "Version tag stored in the policy (default: a hash of its content).")
-flags.DEFINE_string("notes", "", "Free-text notes stored in the policy.")
-
-
-def _expand(patterns):
-  paths = []
-  for p in patterns:
-    hits = sorted(glob.glob(p))
-    if not hits:
-      sys.exit(f"error: --traces {p!r} matches no file")
-    paths.extend(hits)
-  return paths
-
-
-def main(argv):
-  del argv
-  cli.warn_deprecated()
-  from recguide_jax.orchestrator import adaptive, profile as profile_lib, rho_search, traces, value_fit
-  from recguide_jax.orchestrator import value_model as vm
-  if not FLAGS.traces:
-    sys.exit("error: --traces is required")
-  if not FLAGS.out:
-    sys.exit("error: --out is required")
-  levels = sorted(set(cli.int_list("concurrency")))
-  if FLAGS.bins < 1:
-    sys.exit("error: --bins must be >= 1")
-  try:
-    prof = profile_lib.load_profile(FLAGS.profile)
-    rows = traces.load_trace_rows(_expand(FLAGS.traces))
-    model = value_fit.fit_value_model(rows, bins=FLAGS.bins, strata=FLAGS.strata)
-    groups = rho_search.group_rows(rows)
-  except (profile_lib.ProfileError, vm.TraceError) as e:
-    sys.exit(f"error: {e}")
-  blocks = tuple(b for b in prof.block_sizes if b in model.block_sizes)
-  if not blocks:
-    sys.exit(f"error: the profile's blocks {list(prof.block_sizes)} and the traces' blocks "
-             f"{list(model.block_sizes)} do not overlap")
-  n_req = sum(len(r) for r in groups.values())
-  print(f"{len(rows)} rounds, {n_req} requests, {len(groups)} datasets; value model tables: "
-        + ", ".join(f"{name} ({t.rows} rows, {t.num_bins} bins)" for name, t in model.tables.items()))
-  out_levels = []
-  for c in levels:
-    costs = prof.costs(c, blocks)
-    cold = adaptive.cold_start_block(c)
-    if cold not in costs:
-      cold = min(costs)
-    sol = rho_search.solve_rho(groups, model, costs, cold_start=cold)
-    out_levels.append(adaptive.LevelPolicy(c, sol.rho, costs, cold, sol.objective, dict(sol.fixed_objectives),
-                                           dict(sol.shares)))
-    best_b = sol.best_fixed_block
-    best_fixed = sol.fixed_objectives[best_b]
-    shares = " / ".join(f"B{b} {100 * sol.shares[b]:.1f}%" for b in blocks)
-    print(f"C={c:<4} rho={sol.rho:.5g}  shares {shares}  objective {sol.objective:.5g} tok/ms/req  "
-          f"best fixed B={best_b} {best_fixed:.5g} ({100 * (sol.objective / best_fixed - 1):+.2f}%)  "
-          f"recipe B={cold} {sol.fixed_objectives[cold]:.5g}  [{sol.candidates} prices]", flush=True)
-  tables = adaptive.AdaptivePolicyTables(model, tuple(out_levels), prof.name or FLAGS.profile, FLAGS.version,
-                                         FLAGS.notes)
-  path = tables.save(FLAGS.out)
-  print(f"wrote {path} (version {tables.version}, profile {tables.profile})")
-
-
 if __name__ == "__main__":
-  cli.run(main)
+  print("launch/fit_policy.py is deprecated; use launch/fit_tables.py (same flags)", file=sys.stderr)
+  runpy.run_path(os.path.join(os.path.dirname(os.path.abspath(__file__)), "fit_tables.py"), run_name="__main__")

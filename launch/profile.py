@@ -1,5 +1,5 @@
 """Measures the hardware profile T_C(B) (docs/spec/recguide.md §5.3) on the current JAX backend with our Runner and
-writes a "recguide-profile/1" JSON for launch/fit_policy.py and the regime switch.
+writes a "recguide-profile/1" JSON for launch/fit_tables.py and the regime switch.
 
 For every batch bucket C up to --max_batch and every B: the median over --repeats (after warm-up, which also
 compiles) of one draft + one verify forward for a full bucket of C requests at --prefix_len committed tokens, timed

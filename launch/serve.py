@@ -55,9 +55,10 @@ _MAX_MODEL_LEN = flags.DEFINE_integer("max_model_len", 1024, "Longest prompt + o
 _MAX_QUEUE = flags.DEFINE_integer("max_queue", 256, "Most requests waiting for a batch slot; more get HTTP 429.")
 _PROFILE = flags.DEFINE_string("profile", None, "Hardware profile for the RecGuide policy: a JSON path from "
                                "launch/profile.py or a shipped profile name such as b200_nld8b (optional).")
-_POLICY_TABLES = flags.DEFINE_string("policy_tables", None, "RecGuide adaptive-B policy JSON (default: "
-                                     "<checkpoint>/recguide_policy.json when it exists; likewise the profile "
-                                     "defaults to <checkpoint>/profile.json).")
+_TABLES = flags.DEFINE_string("recguide_tables", None, "RecGuide's fitted adaptive-B tables JSON (default: "
+                              "<checkpoint>/recguide_tables.json, or its earlier name recguide_policy.json, when it "
+                              "exists; likewise the profile defaults to <checkpoint>/profile.json).")
+flags.DEFINE_alias("policy_tables", "recguide_tables")  # earlier name
 _ATTENTION = flags.DEFINE_enum("attention", "auto", ["auto", "reference", "pallas"],
                                "Attention implementation: Pallas kernels on GPU/TPU, the jnp reference on CPU.")
 _BACKGROUND_COMPILE = flags.DEFINE_boolean(
@@ -162,7 +163,7 @@ def _check_port(host: str, port: int) -> None:
 
 def _make_policy(policies, checkpoint: str):
   """Builds the policy. RecGuide takes the hardware profile (--profile, a path or a shipped profile name) and the
-  adaptive-B tables shipped beside the checkpoint (recguide_policy.json) when present."""
+  adaptive-B tables shipped beside the checkpoint (recguide_tables.json) when present."""
   name = _POLICY.value
   _check(name in policies.POLICY_NAMES, "policy", f"unknown policy {name!r}; expected one of "
          f"{', '.join(policies.POLICY_NAMES)}")
@@ -179,11 +180,11 @@ def _make_policy(policies, checkpoint: str):
         kwargs["profile"] = prof_lib.load_profile(_PROFILE.value)
       except (OSError, ValueError) as e:
         _fail(f"--profile: {e}")
-    if _POLICY_TABLES.value:
+    if _TABLES.value:
       try:
-        kwargs["tables"] = adaptive.load_policy(_POLICY_TABLES.value)
+        kwargs["tables"] = adaptive.load_tables(_TABLES.value)
       except (OSError, ValueError) as e:
-        _fail(f"--policy_tables: {e}")
+        _fail(f"--recguide_tables: {e}")
   elif _PROFILE.value is not None:
     logging.info("--profile %s is stored; the %s policy does not use a hardware profile", _PROFILE.value, name)
   try:

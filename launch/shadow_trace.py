@@ -1,6 +1,6 @@
 """Collects RecGuide shadow traces: every round runs B = 8/16/32 from the same committed state and logs the
 counterfactual accepted lengths plus the history signals (s, z). Use prompts the policy is not evaluated on (GSM8K
-train by default); then fit with launch/fit_policy.py.
+train by default); then fit with launch/fit_tables.py.
 
   python launch/shadow_trace.py --num_prompts 200 --out runs/shadow_gsm8k.jsonl
 """

@@ -26,14 +26,15 @@ def default_checkpoint() -> pathlib.Path:
 
 
 def recguide_defaults(checkpoint_dir: str | os.PathLike) -> dict:
-  """RecGuide's data shipped beside a checkpoint: the fitted adaptive-B tables (`recguide_policy.json`, which
-  also carries the overlap planner and margin threshold fitted for the model) and a hardware profile of the machine
-  class it was measured on (`profile.json`), when present."""
+  """RecGuide's data shipped beside a checkpoint: the fitted adaptive-B tables (`recguide_tables.json`, or its
+  earlier name `recguide_policy.json`; they also carry the overlap planner and margin threshold fitted for the
+  model) and a hardware profile of the machine class it was measured on (`profile.json`), when present."""
   from recguide_jax.orchestrator import adaptive, profile as prof_lib
   path = pathlib.Path(checkpoint_dir)
   out = {}
-  if (path / "recguide_policy.json").exists():
-    out["tables"] = adaptive.load_policy(path / "recguide_policy.json")
+  tables = adaptive.tables_path(path)
+  if tables is not None:
+    out["tables"] = adaptive.load_tables(tables)
   if (path / "profile.json").exists():
     out["profile"] = prof_lib.load_profile(path / "profile.json")
   return out

@@ -7,7 +7,7 @@ import pytest
 
 from recguide_jax import LLM, SamplingParams, policies
 from recguide_jax.llm import BUNDLED_CHECKPOINT
-from recguide_jax.orchestrator.policy import RecGuidePolicy
+from recguide_jax.orchestrator.controller import RecGuideStrategy
 
 QUESTIONS = [
     "Tom has 3 boxes with 12 apples in each box. He gives away 9 apples. How many apples does he have left?",
@@ -43,8 +43,8 @@ def test_bundled_greedy_speculation_equals_ar(bundled):
   bundled.set_policy(policies.ARPolicy())
   ar = bundled.chat(convs, params)
   assert all(o.text for o in ar)
-  for policy in (policies.LinearPolicy(16), policies.LinearPolicy(32), RecGuidePolicy(16, fixed_regime="overlap"),
-                 RecGuidePolicy(16)):
+  for policy in (policies.LinearPolicy(16), policies.LinearPolicy(32), RecGuideStrategy(16, fixed_regime="overlap"),
+                 RecGuideStrategy(16)):
     bundled.set_policy(policy)
     outs = bundled.chat(convs, params)
     assert [o.token_ids for o in outs] == [o.token_ids for o in ar], policy.name

@@ -136,6 +136,9 @@ ALIASES = [
      {"concurrency": ["2", "4"], "out_json": "/tmp/x.json"}),
     ("bench_recguide", ["--concurrency=1,2", "--out_md=/tmp/x.md"], {"concurrency": ["1", "2"], "out_md": "/tmp/x.md"}),
     ("fit_policy", ["--concurrency_levels=1,16"], {"concurrency": ["1", "16"]}),
+    ("fit_tables", ["--concurrency_levels=1,16"], {"concurrency": ["1", "16"]}),
+    ("fit_delta", ["--policy=/tmp/t.json"], {"recguide_tables": "/tmp/t.json"}),
+    ("bench_recguide", ["--policy_tables=/tmp/t.json"], {"recguide_tables": "/tmp/t.json"}),
     ("distill_lora", ["--base_checkpoint=ckpt/x"], {"checkpoint": "ckpt/x"}),
     ("train", ["--data_dir=/d/gsm8k"], {"gsm8k_dir": "/d/gsm8k"}),
     ("bench_peer", ["--batch_sizes=1,8", "--new_tokens=7", "--dtype=float32"],
@@ -147,6 +150,7 @@ ALIASES = [
     ("bench_kernels", ["--out_json=/tmp/k.json"], {"out_json": "/tmp/k.json"}),
     ("bench_serving", ["--data=/tmp/p.jsonl"], {"dataset_path": "/tmp/p.jsonl"}),
     ("serve", ["--max_num_seqs=4"], {"max_batch": 4}),
+    ("serve", ["--policy_tables=/tmp/t.json"], {"recguide_tables": "/tmp/t.json"}),
 ]
 # scripts that write reports (default runs/<script>), build a model (--checkpoint, --dtype) or read one GSM8K split
 REPORTS = ["bench_context", "bench_kernels", "bench_peer", "bench_recguide", "benchmark", "compile_bench",

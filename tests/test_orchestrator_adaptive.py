@@ -1,5 +1,5 @@
 """RecGuide adaptive drafting: hardware profiles, verifier signals, the value model fit, the decision rule, the rho
-search, the policy tables and the two launch scripts (profile, fit_policy)."""
+search, RecGuide's fitted tables and the launch scripts (profile, fit_tables, fit_delta)."""
 
 import dataclasses
 import json
@@ -306,7 +306,7 @@ def test_cold_start_table():
   for c, b in ((1, 32), (2, 32), (3, 32), (4, 32), (5, 32), (6, 16), (8, 16), (16, 16), (24, 16), (32, 16),
                (48, 8), (64, 8), (128, 8), (1000, 8)):
     assert ad.cold_start_block(c) == b, c
-  with pytest.raises(ad.PolicyError, match="positive"):
+  with pytest.raises(ad.TablesError, match="positive"):
     ad.cold_start_block(0)
 
 
@@ -362,16 +362,16 @@ def test_solve_rho_follows_the_price():
 
 
 # ---- policy tables ---------------------------------------------------------------------------------------------------
-def test_policy_tables_round_trip_and_runtime(model, tmp_path):
+def test_recguide_tables_round_trip_and_runtime(model, tmp_path):
   prof = pf.load_profile("b200_nld8b")
-  levels = tuple(ad.LevelPolicy(c, rho, prof.costs(c), ad.cold_start_block(c), shares={8: 0.2, 16: 0.3, 32: 0.5})
+  levels = tuple(ad.LevelTable(c, rho, prof.costs(c), ad.cold_start_block(c), shares={8: 0.2, 16: 0.3, 32: 0.5})
                  for c, rho in ((2, 0.01), (16, 0.2), (128, 0.5)))
-  tables = ad.AdaptivePolicyTables(model, levels, "b200_nld8b")
+  tables = ad.RecGuideTables(model, levels, "b200_nld8b")
   assert len(tables.version) == 12 and tables.version == tables.content_hash()
-  path = tables.save(tmp_path)  # a checkpoint directory gets recguide_policy.json
-  assert path.name == ad.POLICY_FILENAME
-  back = ad.load_policy(tmp_path)
-  assert back.to_json() == tables.to_json() and back.to_json()["schema"] == "recguide-policy/1"
+  path = tables.save(tmp_path)  # a checkpoint directory gets recguide_tables.json
+  assert path.name == ad.TABLES_FILENAME == "recguide_tables.json"
+  back = ad.load_tables(tmp_path)
+  assert back.to_json() == tables.to_json() and back.to_json()["schema"] == "recguide-tables/1"
   assert back.level(3).concurrency == 2 and back.level(6).concurrency == 16 and back.rho_for(1000) == 0.5
   assert back.costs_for(16) == prof.costs(16)
   assert back.next_block(16, []) == 16 and back.next_block(128, []) == 8
@@ -380,61 +380,61 @@ def test_policy_tables_round_trip_and_runtime(model, tmp_path):
   assert back.next_block(16, hist) == expect == back.decide(16, vm.signal_s(hist), "b32_partial")
   raw = tables.to_json()
   raw["levels"][1]["rho"] = -1
-  with pytest.raises(ad.PolicyError, match="rho"):
-    ad.AdaptivePolicyTables.from_json(raw)
+  with pytest.raises(ad.TablesError, match="rho"):
+    ad.RecGuideTables.from_json(raw)
   raw = tables.to_json()
   raw["schema"] = "recguide-policy/9"
-  with pytest.raises(ad.PolicyError, match="schema"):
-    ad.AdaptivePolicyTables.from_json(raw)
-  with pytest.raises(ad.PolicyError, match="does not exist"):
-    ad.load_policy(tmp_path / "missing.json")
+  with pytest.raises(ad.TablesError, match="schema"):
+    ad.RecGuideTables.from_json(raw)
+  with pytest.raises(ad.TablesError, match="does not exist"):
+    ad.load_tables(tmp_path / "missing.json")
 
 
 def test_policy_carries_the_fitted_overlap_delta(model, tmp_path):
-  from recguide_jax.orchestrator.policy import PAPER_DELTA, RecGuidePolicy
-  levels = (ad.LevelPolicy(1, 0.1, pf.load_profile("b200_nld8b").costs(1), 32),)
-  plain = ad.AdaptivePolicyTables(model, levels, "b200_nld8b")
-  assert "overlap_delta" not in plain.to_json() and RecGuidePolicy(16, tables=plain).delta == PAPER_DELTA
+  from recguide_jax.orchestrator.controller import PAPER_DELTA, RecGuideStrategy
+  levels = (ad.LevelTable(1, 0.1, pf.load_profile("b200_nld8b").costs(1), 32),)
+  plain = ad.RecGuideTables(model, levels, "b200_nld8b")
+  assert "overlap_delta" not in plain.to_json() and RecGuideStrategy(16, tables=plain).delta == PAPER_DELTA
   fitted = dataclasses.replace(plain, overlap_delta=0.15, version="")
   assert fitted.version != plain.version  # the threshold is part of the versioned content
-  back = ad.load_policy(fitted.save(tmp_path / "p.json"))
-  assert back.overlap_delta == 0.15 and RecGuidePolicy(16, tables=back).delta == 0.15
-  assert RecGuidePolicy(16, tables=back, delta=0.4).delta == 0.4  # an explicit delta wins
+  back = ad.load_tables(fitted.save(tmp_path / "p.json"))
+  assert back.overlap_delta == 0.15 and RecGuideStrategy(16, tables=back).delta == 0.15
+  assert RecGuideStrategy(16, tables=back, delta=0.4).delta == 0.4  # an explicit delta wins
   for bad in (1.5, "0.2", True):
     raw = fitted.to_json() | {"overlap_delta": bad}
-    with pytest.raises(ad.PolicyError, match="overlap_delta"):
-      ad.AdaptivePolicyTables.from_json(raw)
-  assert RecGuidePolicy(16, tables=back).planner == "no_p3"  # the paper's rule unless a planner was fitted
-  planned = ad.load_policy(dataclasses.replace(back, overlap_planner="expected_hit", version="").save(tmp_path / "q"))
-  assert planned.overlap_planner == "expected_hit" and RecGuidePolicy(16, tables=planned).planner == "expected_hit"
+    with pytest.raises(ad.TablesError, match="overlap_delta"):
+      ad.RecGuideTables.from_json(raw)
+  assert RecGuideStrategy(16, tables=back).planner == "no_p3"  # the paper's rule unless a planner was fitted
+  planned = ad.load_tables(dataclasses.replace(back, overlap_planner="expected_hit", version="").save(tmp_path / "q"))
+  assert planned.overlap_planner == "expected_hit" and RecGuideStrategy(16, tables=planned).planner == "expected_hit"
   for bad in ("greedy", 3):
-    with pytest.raises(ad.PolicyError, match="overlap_planner"):
-      ad.AdaptivePolicyTables.from_json(fitted.to_json() | {"overlap_planner": bad})
+    with pytest.raises(ad.TablesError, match="overlap_planner"):
+      ad.RecGuideTables.from_json(fitted.to_json() | {"overlap_planner": bad})
   # the fitted tree width: versioned, used by the expected-hit planner only, the paper's 3 slots otherwise
-  assert RecGuidePolicy(16, tables=planned).overlap_slots == 3 and "overlap_slots" not in planned.to_json()
-  wide = ad.load_policy(dataclasses.replace(planned, overlap_slots=5, version="").save(tmp_path / "w"))
+  assert RecGuideStrategy(16, tables=planned).overlap_slots == 3 and "overlap_slots" not in planned.to_json()
+  wide = ad.load_tables(dataclasses.replace(planned, overlap_slots=5, version="").save(tmp_path / "w"))
   assert wide.overlap_slots == 5 and wide.version != planned.version
-  assert RecGuidePolicy(16, tables=wide).overlap_slots == 5
-  assert "fused5" in RecGuidePolicy(16, tables=wide).step_kinds()
-  assert RecGuidePolicy(16, tables=wide, planner="no_p3").overlap_slots == 3
-  assert RecGuidePolicy(16, tables=wide, overlap_slots=4).overlap_slots == 4  # an explicit width wins
+  assert RecGuideStrategy(16, tables=wide).overlap_slots == 5
+  assert "fused5" in RecGuideStrategy(16, tables=wide).step_kinds()
+  assert RecGuideStrategy(16, tables=wide, planner="no_p3").overlap_slots == 3
+  assert RecGuideStrategy(16, tables=wide, overlap_slots=4).overlap_slots == 4  # an explicit width wins
   for bad in (0, 9, "4", True, 2.0):
-    with pytest.raises(ad.PolicyError, match="overlap_slots"):
-      ad.AdaptivePolicyTables.from_json(wide.to_json() | {"overlap_slots": bad})
+    with pytest.raises(ad.TablesError, match="overlap_slots"):
+      ad.RecGuideTables.from_json(wide.to_json() | {"overlap_slots": bad})
   with pytest.raises(ValueError, match="no-P3"):
-    RecGuidePolicy(16, planner="no_p3", overlap_slots=2)
+    RecGuideStrategy(16, planner="no_p3", overlap_slots=2)
   # the fitted prefix exponent: versioned, used by the expected-hit planner only, the plain product otherwise
-  assert RecGuidePolicy(16, tables=wide).prefix_exponent == 1.0 and "overlap_prefix_exponent" not in wide.to_json()
-  flat = ad.load_policy(dataclasses.replace(wide, overlap_prefix_exponent=0.35, version="").save(tmp_path / "g"))
+  assert RecGuideStrategy(16, tables=wide).prefix_exponent == 1.0 and "overlap_prefix_exponent" not in wide.to_json()
+  flat = ad.load_tables(dataclasses.replace(wide, overlap_prefix_exponent=0.35, version="").save(tmp_path / "g"))
   assert flat.overlap_prefix_exponent == 0.35 and flat.version != wide.version
-  assert RecGuidePolicy(16, tables=flat).prefix_exponent == 0.35
-  assert RecGuidePolicy(16, tables=flat, planner="no_p3").prefix_exponent == 1.0
-  assert RecGuidePolicy(16, tables=flat, prefix_exponent=0.8).prefix_exponent == 0.8  # an explicit value wins
+  assert RecGuideStrategy(16, tables=flat).prefix_exponent == 0.35
+  assert RecGuideStrategy(16, tables=flat, planner="no_p3").prefix_exponent == 1.0
+  assert RecGuideStrategy(16, tables=flat, prefix_exponent=0.8).prefix_exponent == 0.8  # an explicit value wins
   for bad in (0, -0.5, 2.5, "0.3", True):
-    with pytest.raises(ad.PolicyError, match="overlap_prefix_exponent"):
-      ad.AdaptivePolicyTables.from_json(flat.to_json() | {"overlap_prefix_exponent": bad})
+    with pytest.raises(ad.TablesError, match="overlap_prefix_exponent"):
+      ad.RecGuideTables.from_json(flat.to_json() | {"overlap_prefix_exponent": bad})
   with pytest.raises(ValueError, match="prefix_exponent"):
-    RecGuidePolicy(16, prefix_exponent=3.0)
+    RecGuideStrategy(16, prefix_exponent=3.0)
 
 
 def test_fused_cost_for_other_tree_widths():
@@ -457,15 +457,15 @@ def _run(args, timeout):
   return proc.stdout
 
 
-def test_fit_policy_end_to_end(tmp_path):
+def test_fit_tables_end_to_end(tmp_path):
   rows = synthetic_rows(n_datasets=2, n_requests=12, n_rounds=10, seed=7)
   trace = tmp_path / "shadow.jsonl"
   trace.write_text("".join(json.dumps(r) + "\n" for r in rows))
   out = tmp_path / "policy.json"
-  stdout = _run(["launch/fit_policy.py", f"--traces={trace}", "--profile=b200_nld8b",
+  stdout = _run(["launch/fit_tables.py", f"--traces={trace}", "--profile=b200_nld8b",
                  "--concurrency_levels=1,16,128", "--bins=4", f"--out={out}"], timeout=120)
   assert "C=16" in stdout and "best fixed B=" in stdout
-  tables = ad.load_policy(out)
+  tables = ad.load_tables(out)
   assert tables.concurrency_levels == (1, 16, 128) and tables.profile == "b200_nld8b"
   groups = rs.group_rows(rows)
   for lv in tables.levels:
@@ -473,9 +473,33 @@ def test_fit_policy_end_to_end(tmp_path):
     assert lv.rho == sol.rho and lv.objective == pytest.approx(sol.objective)
   bad = tmp_path / "bad.jsonl"
   bad.write_text(json.dumps(dict(rows[1], A={"8": 0, "16": 1, "32": 1})) + "\n")
+  # launch/fit_policy.py, the script's earlier name, runs it too
   proc = subprocess.run([sys.executable, "launch/fit_policy.py", f"--traces={bad}", f"--out={out}"], cwd=ROOT,
                         env=dict(os.environ, JAX_PLATFORMS="cpu"), capture_output=True, text=True, timeout=120)
   assert proc.returncode != 0 and "bad.jsonl:1" in proc.stderr and "A[8]" in proc.stderr
+  assert "fit_tables.py" in proc.stderr  # the deprecation note names the new script
+
+
+def test_tables_keep_their_earlier_names(model, tmp_path):
+  """Checkpoints fitted before the rename ship `recguide_policy.json` with schema "recguide-policy/1": they load
+  as before, and the earlier names of the API still work."""
+  import recguide_jax.orchestrator as orch
+  from recguide_jax import llm as llm_lib
+  levels = (ad.LevelTable(8, 0.2, pf.load_profile("b200_nld8b").costs(8), 16),)
+  tables = ad.RecGuideTables(model, levels, "b200_nld8b")
+  old = tmp_path / "recguide_policy.json"
+  old.write_text(json.dumps(dict(tables.to_json(), schema="recguide-policy/1")))
+  assert ad.tables_path(tmp_path) == old
+  for loaded in (ad.load_tables(tmp_path), ad.load_policy(old), llm_lib.recguide_defaults(tmp_path)["tables"]):
+    assert loaded.to_json() == tables.to_json() and loaded.version == tables.version
+  tables.save(tmp_path)  # the new name wins where both exist
+  assert ad.tables_path(tmp_path) == tmp_path / "recguide_tables.json"
+  assert (ad.AdaptivePolicyTables, ad.LevelPolicy, ad.PolicyError, ad.load_policy) == (
+      ad.RecGuideTables, ad.LevelTable, ad.TablesError, ad.load_tables)
+  assert orch.AdaptivePolicyTables is orch.RecGuideTables and orch.load_policy is orch.load_tables
+  from recguide_jax.orchestrator.controller import RecGuideStrategy
+  from recguide_jax.orchestrator.policy import RecGuidePolicy
+  assert RecGuidePolicy is RecGuideStrategy
 
 
 def test_profile_script_random_tiny(tmp_path):
@@ -503,18 +527,18 @@ def test_launch_profile_does_not_shadow_stdlib_profile():
 
 def test_fit_delta_end_to_end(tmp_path):
   """launch/fit_delta.py on the bundled model: sweeps delta with overlap at C=1 (lossless checked inside) and writes
-  the best one into a copy of the shipped policy."""
+  the best one into a copy of the shipped tables."""
   import shutil
   from recguide_jax.llm import BUNDLED_CHECKPOINT
-  policy = tmp_path / "policy.json"
-  shutil.copy(os.path.join(BUNDLED_CHECKPOINT, ad.POLICY_FILENAME), policy)
+  policy = tmp_path / "tables.json"
+  shutil.copy(os.path.join(BUNDLED_CHECKPOINT, ad.TABLES_FILENAME), policy)
   data = tmp_path / "train.jsonl"
   data.write_text("".join(json.dumps({"question": q, "answer": "-"}) + "\n" for q in (
       "Ann has 5 apples and buys 7 more. How many apples does she have?",
       "A pen costs $3. How much do 4 pens cost?")))
   out = tmp_path / "sweep.json"
   stdout = _run(["launch/fit_delta.py", f"--data={data}", "--num_prompts=2", "--max_tokens=24",
-                 "--deltas=0.1,0.4", "--slots=3,5", "--prefix_exponents=0.3", f"--policy={policy}",
+                 "--deltas=0.1,0.4", "--slots=3,5", "--prefix_exponents=0.3", f"--recguide_tables={policy}",
                  f"--out_json={out}"], timeout=300)
   sweep = json.loads(out.read_text())
   rows = sweep["sweep"]
@@ -531,7 +555,7 @@ def test_fit_delta_end_to_end(tmp_path):
   assert len(rows) == 2 + 2 + sum(r["replayed_correction_hits"]["0.3"] > r["replayed_correction_hits"]["1.0"]
                                   for r in plain)
   assert all(r["lossless"] and r["priced_tokens_per_ms"] > 0 for r in rows)
-  fitted = ad.load_policy(policy)
+  fitted = ad.load_tables(policy)
   best = ovf.best_sweep_row(rows)
   assert sweep["best_delta"] == ovf.best_sweep_row(rows[:2])["delta"] == fitted.overlap_delta
   assert sweep["best_planner"] == best["planner"] == fitted.overlap_planner

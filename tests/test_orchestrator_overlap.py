@@ -237,7 +237,7 @@ def test_fused_forward_is_exact(tiny_model):
 
 def test_overlap_is_lossless_and_hits_save_forwards(tiny_llm):
   from recguide_jax import policies
-  from recguide_jax.orchestrator.policy import RecGuidePolicy
+  from recguide_jax.orchestrator.controller import RecGuideStrategy
   rng = np.random.default_rng(4)
   prompts = [[int(t) for t in np.tile(rng.integers(4, 128, 2), 12)[:int(rng.integers(3, 24))]] for _ in range(6)]
   params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
@@ -247,7 +247,7 @@ def test_overlap_is_lossless_and_hits_save_forwards(tiny_llm):
   # delta 0.0: nothing is risky, so every round carries a continuation branch
   for planner, slots in (("expected_hit", 5), ("expected_hit", 3), ("no_p3", 3)):  # expected_hit: every slot
     for delta in ((None,) if planner == "expected_hit" else (0.0, 1.0)):             # filled, corrections anywhere
-      tiny_llm.set_policy(RecGuidePolicy(16, delta=delta, planner=planner, fixed_regime="overlap",
+      tiny_llm.set_policy(RecGuideStrategy(16, delta=delta, planner=planner, fixed_regime="overlap",
                                          overlap_slots=slots))
       tiny_llm.engine.forward_log = []
       outs = tiny_llm.generate(prompts, params)
@@ -257,7 +257,7 @@ def test_overlap_is_lossless_and_hits_save_forwards(tiny_llm):
                                                                                           else "fused"}
       tiny_llm.engine.forward_log = None
   # the strategy's overlap log replays to exactly the correction hits it counted with the same planner
-  strategy = RecGuidePolicy(16, planner="expected_hit", fixed_regime="overlap", overlap_slots=4, prefix_exponent=0.5)
+  strategy = RecGuideStrategy(16, planner="expected_hit", fixed_regime="overlap", overlap_slots=4, prefix_exponent=0.5)
   tiny_llm.set_policy(strategy)
   strategy.overlap_log = []
   logged = tiny_llm.generate(prompts, params)

@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 
 from recguide_jax import SamplingParams, policies
-from recguide_jax.orchestrator.policy import RecGuidePolicy
+from recguide_jax.orchestrator.controller import RecGuideStrategy
 from recguide_jax.orchestrator.profile import HardwareProfile
 
 PARAMS = SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=True)
@@ -41,7 +41,7 @@ def run_with_concurrency(llm, ps, concurrency):
 @pytest.mark.parametrize("concurrency", [1, 3, 8])
 def test_recguide_switch_is_lossless(tiny_llm, ar_reference, concurrency):
   ps, ar = ar_reference
-  pol = RecGuidePolicy(16, delta=0.6, profile=flat_profile())
+  pol = RecGuideStrategy(16, delta=0.6, profile=flat_profile())
   tiny_llm.set_policy(pol)
   reqs = run_with_concurrency(tiny_llm, ps, concurrency)
   assert [r.output_ids for r in reqs] == ar
@@ -51,7 +51,7 @@ def test_recguide_switch_is_lossless(tiny_llm, ar_reference, concurrency):
 @pytest.mark.parametrize("bucketing", [True, False])
 def test_adaptive_blocks_lossless_with_and_without_bucketing(tiny_llm, ar_reference, bucketing):
   ps, ar = ar_reference
-  pol = RecGuidePolicy(16, fixed_regime="adaptive", profile=flat_profile())
+  pol = RecGuideStrategy(16, fixed_regime="adaptive", profile=flat_profile())
   pol.stats.accepted = {8: 2.0, 16: 2.05, 32: 2.1}  # nearly tied values: every round re-decides per request
   tiny_llm.set_policy(pol)
   tiny_llm.engine.bucketing = bucketing
@@ -66,12 +66,12 @@ def test_adaptive_blocks_lossless_with_and_without_bucketing(tiny_llm, ar_refere
 
 def test_switch_prefers_ar_when_speculation_loses():
   cheap_ar = flat_profile(ar_ms=1.0)
-  pol = RecGuidePolicy(16, profile=cheap_ar)
+  pol = RecGuideStrategy(16, profile=cheap_ar)
   pol.stats.accepted = {8: 1.5, 16: 1.6, 32: 1.7}
   pol.stats.overlap_accepted = 1.6
   assert pol.regime(8) == "ar"
   costly_ar = flat_profile(ar_ms=9.0)
-  pol = RecGuidePolicy(16, profile=costly_ar)
+  pol = RecGuideStrategy(16, profile=costly_ar)
   pol.stats.accepted = {8: 6.0, 16: 9.0, 32: 12.0}
   pol.stats.overlap_accepted, pol.stats.overlap_hit = 12.0, 0.6
   assert pol.regime(1) in ("overlap", "adaptive")
@@ -99,19 +99,19 @@ def test_fitted_tables_drive_the_block_choice(tiny_llm, ar_reference, tmp_path):
   for c in (1, 8):
     costs = prof.costs(c)
     sol = rho_search.solve_rho(groups, model, costs)
-    levels.append(adaptive.LevelPolicy(concurrency=c, rho=sol.rho, cold_start_block=adaptive.cold_start_block(c),
+    levels.append(adaptive.LevelTable(concurrency=c, rho=sol.rho, cold_start_block=adaptive.cold_start_block(c),
                                        costs_ms=costs))
-  tables = adaptive.AdaptivePolicyTables(value_model=model, levels=tuple(levels), profile="flat")
+  tables = adaptive.RecGuideTables(value_model=model, levels=tuple(levels), profile="flat")
   tables.save(tmp_path)
-  loaded = adaptive.load_policy(tmp_path)
-  pol = RecGuidePolicy(16, fixed_regime="adaptive", tables=loaded, profile=prof)
+  loaded = adaptive.load_tables(tmp_path)
+  pol = RecGuideStrategy(16, fixed_regime="adaptive", tables=loaded, profile=prof)
   tiny_llm.set_policy(pol)
   reqs = run_with_concurrency(tiny_llm, ps, 8)
   assert [r.output_ids for r in reqs] == ar
   assert {b for r in reqs for b in r.stats.block_sizes} <= {8, 16, 32}
 
 
-class _AlternatingRegimes(RecGuidePolicy):
+class _AlternatingRegimes(RecGuideStrategy):
   """Per request: overlap, overlap, AR, overlap, LinearSS, ... A prefetched branch must not outlive the round
   right after the one that made it."""
   SCHEDULE = ("overlap", "overlap", "ar", "overlap", "linear")
@@ -183,7 +183,7 @@ def test_switch_re_measures_a_stale_runner_up():
   """A regime measured in a slow spell of the machine would look slow forever once it stops running; the switch
   re-runs the runner-up for a few steps when its measurement is stale and the best's is fresh."""
   t = [0.0]
-  pol = RecGuidePolicy(16, profile=flat_profile(ar_ms=9.0), overlap=False)
+  pol = RecGuideStrategy(16, profile=flat_profile(ar_ms=9.0), overlap=False)
   pol.calibrated.clock.now = lambda: t[0]
   pol.stats.accepted = {8: 4.0, 16: 4.0, 32: 4.0}
 
@@ -209,7 +209,7 @@ def test_switch_re_measures_a_stale_runner_up():
   measure("linear", 8, 6.0)
   assert pol.regime(1) == "ar" and pol.probes == 2
   # a runner-up estimated far below the best is not worth a probe
-  slow = RecGuidePolicy(16, profile=flat_profile(ar_ms=9.0), overlap=False)
+  slow = RecGuideStrategy(16, profile=flat_profile(ar_ms=9.0), overlap=False)
   slow.calibrated.clock.now = lambda: t[0]
   slow.stats.accepted = {8: 4.0, 16: 4.0, 32: 4.0}
   t[0] = 0.0
@@ -221,7 +221,7 @@ def test_switch_re_measures_a_stale_runner_up():
     slow.observe_round("ar", 1, 1, 0.002)
   assert slow.regime(1) == "ar" and slow.probes == 0
   # priced for a foreign device (no calibration): never probes
-  fixed = RecGuidePolicy(16, profile=flat_profile(ar_ms=9.0), overlap=False, calibrate=False)
+  fixed = RecGuideStrategy(16, profile=flat_profile(ar_ms=9.0), overlap=False, calibrate=False)
   assert len({fixed.regime(1) for _ in range(5)}) == 1 and fixed.probes == 0
 
 
@@ -230,7 +230,7 @@ def test_switch_judges_a_stale_runner_up_by_fresh_rounds_of_its_kind():
   rounds of its kind at another load say it is close today, it is re-measured (and not without them)."""
   def setup(fresh_linear_elsewhere):
     t = [0.0]
-    pol = RecGuidePolicy(16, profile=flat_profile(ar_ms=9.0), overlap=False)
+    pol = RecGuideStrategy(16, profile=flat_profile(ar_ms=9.0), overlap=False)
     pol.calibrated.clock.now = lambda: t[0]
     pol.stats.accepted = {8: 4.0, 16: 4.0, 32: 4.0}
     for _ in range(3):
@@ -268,7 +268,7 @@ def test_calibrated_costs_measure_then_scale_the_profile():
 
 
 def test_switch_drops_a_regime_the_profile_flatters_once_measured():
-  pol = RecGuidePolicy(16, profile=flat_profile(ar_ms=9.0))
+  pol = RecGuideStrategy(16, profile=flat_profile(ar_ms=9.0))
   pol.stats.accepted = {8: 4.0, 16: 4.5, 32: 5.0}
   pol.stats.overlap_accepted, pol.stats.overlap_hit = 4.5, 0.3
   assert pol.regime(2) != "ar"  # device times alone: speculation looks 3-4x better
@@ -280,7 +280,7 @@ def test_switch_drops_a_regime_the_profile_flatters_once_measured():
     pol.observe_round("overlap_draft", 16, 2, 0.150)
   assert pol.regime(2) == "ar"
   assert pol.regime(4) == "ar"  # other loads: the profile scaled by what each kind measured
-  uncalibrated = RecGuidePolicy(16, profile=flat_profile(ar_ms=9.0), calibrate=False)
+  uncalibrated = RecGuideStrategy(16, profile=flat_profile(ar_ms=9.0), calibrate=False)
   uncalibrated.stats.accepted = dict(pol.stats.accepted)
   for _ in range(3):
     uncalibrated.observe_round("linear", 16, 2, 0.100)
@@ -289,7 +289,7 @@ def test_switch_drops_a_regime_the_profile_flatters_once_measured():
 
 def test_engine_reports_every_round_to_the_policy(tiny_llm, ar_reference):
   ps, ar = ar_reference
-  pol = RecGuidePolicy(16, delta=0.6, profile=flat_profile())
+  pol = RecGuideStrategy(16, delta=0.6, profile=flat_profile())
   tiny_llm.set_policy(pol)
   reqs = run_with_concurrency(tiny_llm, ps, 2)
   assert [r.output_ids for r in reqs] == ar
@@ -308,16 +308,17 @@ def test_tables_priced_for_other_hardware_keep_their_values_but_not_their_prices
            "A": {"8": 6, "16": 10, "32": 14}} for r in range(30) for t in range(4)]
   model = value_fit.fit_value_model(rows, bins=2)
   flat = flat_profile()  # named "flat": B=32 costs barely more than B=8
-  levels = tuple(adaptive.LevelPolicy(c, 0.0, flat.costs(c), 32) for c in (1, 8))  # rho 0: the longest block
-  tables = adaptive.AdaptivePolicyTables(value_model=model, levels=levels, profile="flat")
+  levels = tuple(adaptive.LevelTable(c, 0.0, flat.costs(c), 32) for c in (1, 8))  # rho 0: the longest block
+  tables = adaptive.RecGuideTables(value_model=model, levels=levels, profile="flat")
 
   class Req:
     strategy_state = RecGuideState([RoundRecord(16, 5, 0.5)])
+    params, output_ids = SamplingParams(max_tokens=64), []
 
-  same = RecGuidePolicy(16, fixed_regime="adaptive", tables=tables, profile=flat, calibrate=False)
+  same = RecGuideStrategy(16, fixed_regime="adaptive", tables=tables, profile=flat, calibrate=False)
   assert same._adaptive_block(Req(), 1) == 32  # priced where they were fitted: the tables' rule
   steep = HardwareProfile(draft_verify_ms={c: {8: 10.0, 16: 40.0, 32: 160.0} for c in (1, 8)}, name="cpu-here")
-  other = RecGuidePolicy(16, fixed_regime="adaptive", tables=tables, profile=steep, calibrate=False)
+  other = RecGuideStrategy(16, fixed_regime="adaptive", tables=tables, profile=steep, calibrate=False)
   values = model.values(vm.signal_s(Req.strategy_state.history, model.window), "b16_partial")
   want = max((8, 16, 32), key=lambda b: (values[b] / steep.cost(1, b), -b))
   assert other._adaptive_block(Req(), 1) == want == 8  # this machine's costs price the tables' values

@@ -40,6 +40,12 @@ class StepView:
   max_model_len: int
   max_block: int
   eos_token_ids: frozenset[int]
+  # the requests decoding in this step, in planning order: a strategy may plan the step as a whole (the cost of a
+  # batch depends on every request's block, not on one request's alone); read-only
+  batch: tuple = ()
+  # requests admitted and not finished, decoding or still prefilling: the load a choice that lasts beyond this step
+  # is made under (a request that prefills this step decodes in the next); 0: unknown, use `decoding`
+  running: int = 0
 
 
 @dataclasses.dataclass(frozen=True)

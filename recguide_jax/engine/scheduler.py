@@ -6,12 +6,12 @@ strategy's cost model prices that cheaper)."""
 from __future__ import annotations
 
 import collections
-import itertools
 import time
 from typing import Callable, Sequence
 
 import numpy as np
 
+from recguide_jax.decoding.grouping import cheapest_runs
 from recguide_jax.decoding.strategy import Group, RoundPlan
 from recguide_jax.kv_cache import PageAllocator
 from recguide_jax.requests import Request, RequestError, SamplingParams, describe
@@ -111,27 +111,17 @@ def merge_groups(groups: list[Group], rnd, round_cost: Callable[[int, int], floa
   most its own planned B of the verified tokens. `round_cost=None` merges all of them (bucketing off, the paper's
   "+s_t"/"+z_t" rows). Otherwise every split of the B-sorted groups into consecutive runs is priced with
   round_cost(batch, B) (one round per run, at the run's largest B) and the cheapest wins, ties to separate
-  buckets; without a known cost the groups stay separate."""
+  buckets (`decoding.grouping.cheapest_runs`, which strategies price whole-step plans with); without a known cost
+  the groups stay separate."""
   mine = sorted((g for g in groups if g.round is rnd), key=lambda g: g.block)
   if len(mine) <= 1:
     return groups
-  n = len(mine)
-  best_runs = [list(range(n))] if round_cost is None else [[i] for i in range(n)]
-  if round_cost is not None:
-    best = None
-    for cuts in itertools.product((False, True), repeat=n - 1):  # cuts[i - 1]: a new run starts at group i
-      runs = [[0]]
-      for i in range(1, n):
-        if cuts[i - 1]:
-          runs.append([i])
-        else:
-          runs[-1].append(i)
-      costs = [round_cost(sum(len(mine[i].reqs) for i in run), mine[run[-1]].block) for run in runs]
-      if any(c is None for c in costs):
-        return groups
-      total = sum(costs)
-      if best is None or total < best - 1e-12 or (abs(total - best) <= 1e-12 and len(runs) > len(best_runs)):
-        best, best_runs = total, runs
+  if round_cost is None:
+    best_runs = [list(range(len(mine)))]
+  else:
+    total, best_runs = cheapest_runs([len(g.reqs) for g in mine], [g.block for g in mine], round_cost)
+    if total is None:
+      return groups
   out = [g for g in groups if g.round is not rnd]
   for run in best_runs:
     blk = mine[run[-1]].block

@@ -9,8 +9,10 @@ Offline (fitting what serving loads): `traces` (the shadow-trace schema), `shado
 Everything but `overlap_round` (which calls the runner) is numpy-only.
 """
 
-from recguide_jax.orchestrator.adaptive import (POLICY_FILENAME, AdaptivePolicyTables, LevelPolicy, PolicyError,
-                                                cold_start_block, decide, load_policy, nearest_level)
+from recguide_jax.orchestrator.adaptive import (POLICY_FILENAME, TABLES_FILENAME, AdaptivePolicyTables,  # noqa: F401
+                                                LevelPolicy, LevelTable, PolicyError, RecGuideTables, TablesError,
+                                                cold_start_block, decide, load_policy, load_tables, nearest_level,
+                                                tables_path)
 from recguide_jax.orchestrator.profile import HardwareProfile, ProfileError, available_profiles, load_profile
 from recguide_jax.orchestrator.rho_search import (RhoSolution, fixed_objective, group_rows, replay_objective,
                                                   solve_rho)
@@ -21,9 +23,11 @@ from recguide_jax.orchestrator.value_fit import fit_value_model
 from recguide_jax.orchestrator.value_model import TraceError, ValueModel
 
 __all__ = [
-    "POLICY_FILENAME", "STRATA", "AdaptivePolicyTables", "HardwareProfile", "LevelPolicy", "PolicyError",
-    "ProfileError", "RhoSolution", "RoundRecord", "TraceError", "ValueModel", "as_record", "available_profiles",
-    "cold_start_block", "decide", "fit_value_model", "fixed_objective", "group_rows", "load_policy", "load_profile",
-    "load_trace_rows", "make_record", "nearest_level", "replay_objective", "round_entropy", "signal_s",
-    "solve_rho", "stratum",
+    "STRATA", "TABLES_FILENAME", "HardwareProfile", "LevelTable", "ProfileError", "RecGuideTables", "RhoSolution",
+    "RoundRecord", "TablesError", "TraceError", "ValueModel", "as_record", "available_profiles", "cold_start_block",
+    "decide", "fit_value_model", "fixed_objective", "group_rows", "load_profile", "load_tables", "load_trace_rows",
+    "make_record", "nearest_level", "replay_objective", "round_entropy", "signal_s", "solve_rho", "stratum",
+    "tables_path",
+    # earlier names of the fitted tables (kept as aliases)
+    "AdaptivePolicyTables", "LevelPolicy", "POLICY_FILENAME", "PolicyError", "load_policy",
 ]

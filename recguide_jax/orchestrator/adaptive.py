@@ -1,12 +1,13 @@
 """RecGuide's adaptive block size (docs/spec/recguide.md §5.4-5.5): the rule B*_t = argmax_B V_B(s_t, z_t) -
-rho_C * T_C(B) and the frozen per-load tables shipped with a checkpoint (rho_C is searched offline by
-`rho_search.py`).
+rho_C * T_C(B) and the frozen per-load tables fitted for a checkpoint and shipped beside it (`RecGuideTables`;
+rho_C is searched offline by `rho_search.py`).
 
-Policy JSON, schema "recguide-policy/1" (written by launch/fit_policy.py, read by `load_policy`):
+Tables JSON `recguide_tables.json`, schema "recguide-tables/1" (written by launch/fit_tables.py, read by
+`load_tables`; files of the earlier name `recguide_policy.json` and schema "recguide-policy/1" load the same):
 
   {
-    "schema": "recguide-policy/1",
-    "version": "3f2a9c1b7d4e",        # content hash unless a tag was given: identifies the frozen policy
+    "schema": "recguide-tables/1",
+    "version": "3f2a9c1b7d4e",        # content hash unless a tag was given: identifies the frozen tables
     "profile": "b200_nld8b",          # the hardware profile the costs came from
     "notes": "...",
     "levels": [                       # one entry per fitted concurrency level C
@@ -15,7 +16,9 @@ Policy JSON, schema "recguide-policy/1" (written by launch/fit_policy.py, read b
        "objective": 0.29, "fixed_objectives": {"8": ..., "16": ..., "32": ...},   # tokens/ms/request (replay)
        "shares": {"8": 0.05, "16": 0.40, "32": 0.55}}                # macro share of rounds per chosen B
     ],
-    "value_model": { ... "recguide-value-model/1" ... }
+    "value_model": { ... "recguide-value-model/1" ... },
+    "overlap_planner": "expected_hit", "overlap_delta": 0.5, "overlap_slots": 4,   # optional (launch/fit_delta.py)
+    "overlap_prefix_exponent": 0.45, "overlap_hit_rate": 0.47, "overlap_accepted": 4.5
   }
 
 At runtime a load C uses the nearest fitted level (in log2 C, ties to the smaller level) for rho, costs and the
@@ -37,23 +40,26 @@ from typing import Any, Mapping, Sequence
 from recguide_jax.orchestrator import value_model as vm
 from recguide_jax.orchestrator.overlap import MAX_SLOTS, PLANNERS
 
-SCHEMA = "recguide-policy/1"
-POLICY_FILENAME = "recguide_policy.json"  # where a checkpoint directory ships its frozen policy
+SCHEMA = "recguide-tables/1"
+LEGACY_SCHEMAS = ("recguide-policy/1",)  # read, never written (the same content under its earlier name)
+TABLES_FILENAME = "recguide_tables.json"  # where a checkpoint directory ships its fitted tables
+LEGACY_FILENAMES = ("recguide_policy.json",)  # earlier checkpoints ship the same file under this name
 # NLD's official fixed recipe = the "Fixed Block" baseline, used for a request's first round (no history yet)
 COLD_START = types.MappingProxyType({1: 32, 2: 32, 4: 32, 8: 16, 16: 16, 32: 16, 64: 8, 128: 8})
 LINSPACE_POINTS = 33
 
 
-class PolicyError(ValueError):
-  """A policy file is malformed or a policy was asked something it cannot answer; the message names the field."""
+class TablesError(ValueError):
+  """A tables file is malformed or the tables were asked something they cannot answer; the message names the
+  field."""
 
 
 def nearest_level(c: float, levels: Sequence[int]) -> int:
   """The level closest to C in log2 (load scales multiplicatively); ties go to the smaller level."""
   if isinstance(c, bool) or not isinstance(c, (int, float)) or not c > 0:
-    raise PolicyError(f"concurrency C must be a positive number, got {c!r}")
+    raise TablesError(f"concurrency C must be a positive number, got {c!r}")
   if not levels:
-    raise PolicyError("no concurrency levels to choose from")
+    raise TablesError("no concurrency levels to choose from")
   x = math.log2(c)
   return min(sorted(levels), key=lambda level: abs(math.log2(level) - x))
 
@@ -68,9 +74,9 @@ def decide(value_model: vm.ValueModel, rho: float, costs: Mapping[int, float], s
   """argmax_B V_B(s, z) - rho * T(B) over the blocks in `costs`, scanned in increasing B with a strict ">" so an
   exact tie keeps the smaller block."""
   if not costs:
-    raise PolicyError("decide needs at least one block cost")
+    raise TablesError("decide needs at least one block cost")
   if not math.isfinite(rho):
-    raise PolicyError(f"rho must be finite, got {rho!r}")
+    raise TablesError(f"rho must be finite, got {rho!r}")
   best, best_u = None, -math.inf
   for b in sorted(costs):
     u = value_model.value(b, s, z) - rho * costs[b]
@@ -79,26 +85,26 @@ def decide(value_model: vm.ValueModel, rho: float, costs: Mapping[int, float], s
   return best
 
 
-# ---- frozen policy tables --------------------------------------------------------------------------------------------
+# ---- frozen tables ---------------------------------------------------------------------------------------------------
 def _int_keyed(raw: Any, field: str, positive_values: bool = True) -> Mapping[int, float]:
   if not isinstance(raw, Mapping) or not raw:
-    raise PolicyError(f"{field} must be a non-empty object keyed by block size")
+    raise TablesError(f"{field} must be a non-empty object keyed by block size")
   out = {}
   for k, v in raw.items():
     try:
       b = int(k)
     except (TypeError, ValueError):
-      raise PolicyError(f"{field} has a non-integer key {k!r}") from None
+      raise TablesError(f"{field} has a non-integer key {k!r}") from None
     if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or (
         positive_values and v <= 0):
-      raise PolicyError(f"{field}[{b}] must be a finite{' positive' if positive_values else ''} number, got {v!r}")
+      raise TablesError(f"{field}[{b}] must be a finite{' positive' if positive_values else ''} number, got {v!r}")
     out[b] = float(v)
   return types.MappingProxyType(dict(sorted(out.items())))
 
 
 @dataclasses.dataclass(frozen=True)
-class LevelPolicy:
-  """The adaptive rule at one load level C."""
+class LevelTable:
+  """The adaptive rule at one load level C: its price rho, the costs it was solved against, the cold start."""
   concurrency: int
   rho: float
   costs_ms: Mapping[int, float]
@@ -110,14 +116,14 @@ class LevelPolicy:
   def __post_init__(self):
     where = f"levels[C={self.concurrency}]"
     if isinstance(self.concurrency, bool) or not isinstance(self.concurrency, int) or self.concurrency < 1:
-      raise PolicyError(f"level concurrency must be a positive integer, got {self.concurrency!r}")
+      raise TablesError(f"level concurrency must be a positive integer, got {self.concurrency!r}")
     if isinstance(self.rho, bool) or not isinstance(self.rho, (int, float)) or not math.isfinite(self.rho) \
         or self.rho < 0:
-      raise PolicyError(f"{where}.rho must be a finite number >= 0, got {self.rho!r}")
+      raise TablesError(f"{where}.rho must be a finite number >= 0, got {self.rho!r}")
     object.__setattr__(self, "rho", float(self.rho))
     object.__setattr__(self, "costs_ms", _int_keyed(self.costs_ms, f"{where}.costs_ms"))
     if self.cold_start_block not in self.costs_ms:
-      raise PolicyError(f"{where}.cold_start_block {self.cold_start_block!r} is not among the cost blocks "
+      raise TablesError(f"{where}.cold_start_block {self.cold_start_block!r} is not among the cost blocks "
                         f"{list(self.costs_ms)}")
     for field in ("fixed_objectives", "shares"):
       if getattr(self, field) is not None:
@@ -135,10 +141,11 @@ class LevelPolicy:
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
-class AdaptivePolicyTables:
-  """The frozen adaptive-B policy: value model + (rho, costs, cold start) per load level, versioned JSON."""
+class RecGuideTables:
+  """RecGuide's fitted adaptive-B tables: value model + (rho, costs, cold start) per load level, and the overlap
+  planner settings fitted for the checkpoint; frozen, versioned JSON."""
   value_model: vm.ValueModel
-  levels: tuple[LevelPolicy, ...]
+  levels: tuple[LevelTable, ...]
   profile: str
   version: str = ""  # empty: filled with a hash of the content
   notes: str = ""
@@ -148,30 +155,38 @@ class AdaptivePolicyTables:
   overlap_slots: int | None = None  # branch slots of the fused tree (launch/fit_delta.py); None: the paper's 3
   # the expected-hit planner's prefix exponent gamma (launch/fit_delta.py); None: the plain product (1.0)
   overlap_prefix_exponent: float | None = None
+  # what the fitted planner measured (launch/fit_delta.py): the share of planned overlap rounds whose branch was
+  # reused and the mean accepted length; the controller's priors for overlap (None: generic priors)
+  overlap_hit_rate: float | None = None
+  overlap_accepted: float | None = None
 
   def __post_init__(self):
     if not self.levels:
-      raise PolicyError("a policy needs at least one concurrency level")
+      raise TablesError("the tables need at least one concurrency level")
     levels = tuple(sorted(self.levels, key=lambda lv: lv.concurrency))
     seen = [lv.concurrency for lv in levels]
     if len(set(seen)) != len(seen):
-      raise PolicyError(f"levels repeat a concurrency: {seen}")
+      raise TablesError(f"levels repeat a concurrency: {seen}")
     for lv in levels:
       missing = [b for b in lv.costs_ms if b not in self.value_model.block_sizes]
       if missing:
-        raise PolicyError(f"levels[C={lv.concurrency}].costs_ms has block {missing[0]}, which the value model "
+        raise TablesError(f"levels[C={lv.concurrency}].costs_ms has block {missing[0]}, which the value model "
                           f"lacks (has {list(self.value_model.block_sizes)})")
     object.__setattr__(self, "levels", levels)
     if self.overlap_planner and self.overlap_planner not in PLANNERS:
-      raise PolicyError(f"overlap_planner must be one of {PLANNERS}, got {self.overlap_planner!r}")
+      raise TablesError(f"overlap_planner must be one of {PLANNERS}, got {self.overlap_planner!r}")
     if self.overlap_delta is not None and not 0.0 <= self.overlap_delta <= 1.0:
-      raise PolicyError(f"overlap_delta must lie in [0, 1], got {self.overlap_delta}")
+      raise TablesError(f"overlap_delta must lie in [0, 1], got {self.overlap_delta}")
     if self.overlap_slots is not None and (isinstance(self.overlap_slots, bool) or
                                            not isinstance(self.overlap_slots, int) or
                                            not 1 <= self.overlap_slots <= MAX_SLOTS):
-      raise PolicyError(f"overlap_slots must be an integer in [1, {MAX_SLOTS}], got {self.overlap_slots!r}")
+      raise TablesError(f"overlap_slots must be an integer in [1, {MAX_SLOTS}], got {self.overlap_slots!r}")
     if self.overlap_prefix_exponent is not None and not 0.0 < self.overlap_prefix_exponent <= 2.0:
-      raise PolicyError(f"overlap_prefix_exponent must lie in (0, 2], got {self.overlap_prefix_exponent}")
+      raise TablesError(f"overlap_prefix_exponent must lie in (0, 2], got {self.overlap_prefix_exponent}")
+    if self.overlap_hit_rate is not None and not 0.0 <= self.overlap_hit_rate <= 1.0:
+      raise TablesError(f"overlap_hit_rate must lie in [0, 1], got {self.overlap_hit_rate}")
+    if self.overlap_accepted is not None and not (math.isfinite(self.overlap_accepted) and self.overlap_accepted >= 1):
+      raise TablesError(f"overlap_accepted must be a finite number >= 1, got {self.overlap_accepted}")
     if not self.version:
       object.__setattr__(self, "version", self.content_hash())
 
@@ -184,7 +199,7 @@ class AdaptivePolicyTables:
   def concurrency_levels(self) -> tuple[int, ...]:
     return tuple(lv.concurrency for lv in self.levels)
 
-  def level(self, c: float) -> LevelPolicy:
+  def level(self, c: float) -> LevelTable:
     target = nearest_level(c, self.concurrency_levels)
     return next(lv for lv in self.levels if lv.concurrency == target)
 
@@ -219,6 +234,9 @@ class AdaptivePolicyTables:
       out["overlap_slots"] = self.overlap_slots
     if self.overlap_prefix_exponent is not None:
       out["overlap_prefix_exponent"] = self.overlap_prefix_exponent
+    for field in ("overlap_hit_rate", "overlap_accepted"):
+      if getattr(self, field) is not None:
+        out[field] = getattr(self, field)
     return out
 
   def content_hash(self) -> str:
@@ -229,68 +247,88 @@ class AdaptivePolicyTables:
     return {"schema": SCHEMA, "version": self.version, **self._payload()}
 
   @classmethod
-  def from_json(cls, raw: Any, where: str = "policy") -> "AdaptivePolicyTables":
+  def from_json(cls, raw: Any, where: str = "tables") -> "RecGuideTables":
     if not isinstance(raw, Mapping):
-      raise PolicyError(f"{where}: a policy must be a JSON object")
-    if raw.get("schema") != SCHEMA:
-      raise PolicyError(f"{where}: field 'schema' must be {SCHEMA!r}, got {raw.get('schema')!r}")
+      raise TablesError(f"{where}: the tables must be a JSON object")
+    if raw.get("schema") != SCHEMA and raw.get("schema") not in LEGACY_SCHEMAS:
+      raise TablesError(f"{where}: field 'schema' must be {SCHEMA!r}, got {raw.get('schema')!r}")
     for key in ("levels", "value_model", "profile"):
       if key not in raw:
-        raise PolicyError(f"{where}: missing field {key!r}")
+        raise TablesError(f"{where}: missing field {key!r}")
     if not isinstance(raw["levels"], list):
-      raise PolicyError(f"{where}: field 'levels' must be a list")
+      raise TablesError(f"{where}: field 'levels' must be a list")
     try:
       model = vm.ValueModel.from_json(raw["value_model"], f"{where}: value_model")
       levels = []
       for i, lv in enumerate(raw["levels"]):
         if not isinstance(lv, Mapping):
-          raise PolicyError(f"levels[{i}] must be an object")
+          raise TablesError(f"levels[{i}] must be an object")
         for key in ("concurrency", "rho", "costs_ms", "cold_start_block"):
           if key not in lv:
-            raise PolicyError(f"levels[{i}] is missing field {key!r}")
-        levels.append(LevelPolicy(lv["concurrency"], lv["rho"], lv["costs_ms"], lv["cold_start_block"],
+            raise TablesError(f"levels[{i}] is missing field {key!r}")
+        levels.append(LevelTable(lv["concurrency"], lv["rho"], lv["costs_ms"], lv["cold_start_block"],
                                   lv.get("objective"), lv.get("fixed_objectives"), lv.get("shares")))
       delta = raw.get("overlap_delta")
       if delta is not None and (isinstance(delta, bool) or not isinstance(delta, (int, float))):
-        raise PolicyError(f"field 'overlap_delta' must be a number, got {delta!r}")
+        raise TablesError(f"field 'overlap_delta' must be a number, got {delta!r}")
       planner = raw.get("overlap_planner", "")
       if not isinstance(planner, str):
-        raise PolicyError(f"field 'overlap_planner' must be a string, got {planner!r}")
+        raise TablesError(f"field 'overlap_planner' must be a string, got {planner!r}")
       slots = raw.get("overlap_slots")
       if slots is not None and (isinstance(slots, bool) or not isinstance(slots, int)):
-        raise PolicyError(f"field 'overlap_slots' must be an integer, got {slots!r}")
-      gamma = raw.get("overlap_prefix_exponent")
-      if gamma is not None and (isinstance(gamma, bool) or not isinstance(gamma, (int, float))):
-        raise PolicyError(f"field 'overlap_prefix_exponent' must be a number, got {gamma!r}")
+        raise TablesError(f"field 'overlap_slots' must be an integer, got {slots!r}")
+      numbers = {}
+      for field in ("overlap_prefix_exponent", "overlap_hit_rate", "overlap_accepted"):
+        value = raw.get(field)
+        if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))):
+          raise TablesError(f"field {field!r} must be a number, got {value!r}")
+        numbers[field] = None if value is None else float(value)
       return cls(model, tuple(levels), str(raw["profile"]), str(raw.get("version", "")), str(raw.get("notes", "")),
-                 None if delta is None else float(delta), planner, slots, None if gamma is None else float(gamma))
-    except (PolicyError, vm.TraceError) as e:
+                 None if delta is None else float(delta), planner, slots, **numbers)
+    except (TablesError, vm.TraceError) as e:
       msg = str(e)
-      raise PolicyError(msg if msg.startswith(where) else f"{where}: {msg}") from None
+      raise TablesError(msg if msg.startswith(where) else f"{where}: {msg}") from None
 
   def save(self, path: str | os.PathLike) -> pathlib.Path:
-    """Writes the JSON; a directory path (a checkpoint) gets `recguide_policy.json` inside it."""
+    """Writes the JSON; a directory path (a checkpoint) gets `recguide_tables.json` inside it."""
     path = pathlib.Path(path)
     if path.is_dir():
-      path = path / POLICY_FILENAME
+      path = path / TABLES_FILENAME
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(self.to_json(), indent=1) + "\n")
     return path
 
   @classmethod
-  def load(cls, path: str | os.PathLike) -> "AdaptivePolicyTables":
-    return load_policy(path)
+  def load(cls, path: str | os.PathLike) -> "RecGuideTables":
+    return load_tables(path)
 
 
-def load_policy(path: str | os.PathLike) -> AdaptivePolicyTables:
-  """Loads a policy JSON file, or the `recguide_policy.json` a checkpoint directory ships."""
+def tables_path(checkpoint_dir: str | os.PathLike) -> pathlib.Path | None:
+  """The tables file a checkpoint directory ships (`recguide_tables.json`, else its earlier name), or None."""
+  for name in (TABLES_FILENAME, *LEGACY_FILENAMES):
+    path = pathlib.Path(checkpoint_dir) / name
+    if path.is_file():
+      return path
+  return None
+
+
+def load_tables(path: str | os.PathLike) -> RecGuideTables:
+  """Loads a tables JSON file, or the one a checkpoint directory ships (`tables_path`)."""
   path = pathlib.Path(path)
   if path.is_dir():
-    path = path / POLICY_FILENAME
+    path = tables_path(path) or path / TABLES_FILENAME
   if not path.is_file():
-    raise PolicyError(f"policy file {path} does not exist (fit one with launch/fit_policy.py)")
+    raise TablesError(f"tables file {path} does not exist (fit one with launch/fit_tables.py)")
   try:
     raw = json.loads(path.read_text())
   except json.JSONDecodeError as e:
-    raise PolicyError(f"{path}: not valid JSON ({e})") from None
-  return AdaptivePolicyTables.from_json(raw, str(path))
+    raise TablesError(f"{path}: not valid JSON ({e})") from None
+  return RecGuideTables.from_json(raw, str(path))
+
+
+# earlier names (the fitted tables were called a "policy"), kept so existing code keeps working
+AdaptivePolicyTables = RecGuideTables
+LevelPolicy = LevelTable
+PolicyError = TablesError
+POLICY_FILENAME = TABLES_FILENAME
+load_policy = load_tables

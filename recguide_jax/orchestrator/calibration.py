@@ -17,7 +17,7 @@ regimes not run lately stays in one unit.
 A shared machine drifts (the same round can take 1.3x as long a few seconds later), and a median measured in a
 slow spell would keep a regime that stopped running looking slow forever. So a key whose last round is older than
 `stale_after_s` starts afresh when it runs again, and `age` lets the switch see which comparisons are stale and
-re-measure the runner-up (`RecGuidePolicy.regime`).
+re-measure the runner-up (`RecGuideStrategy.regime`).
 
 Prices on a foreign profile (what a run would cost on a B200) must not be calibrated with this machine's clock:
 policies that price for another device turn calibration off.

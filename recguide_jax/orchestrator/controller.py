@@ -3,8 +3,13 @@ plain AR decoding, whichever gives the most tokens per unit of (profiled) time a
 
 - Overlap (docs/spec/recguide.md §4) runs for greedy requests; its branch plan comes from `overlap.plan_branches`.
 - Adaptive B (§5) picks B in {8, 16, 32} per request from its verification history: with fitted value
-  tables (`AdaptivePolicyTables`) by argmax_B V_B(s, z) - rho_C T_C(B); without tables, from online estimates of
+  tables (`RecGuideTables`) by argmax_B V_B(s, z) - rho_C T_C(B); without tables, from online estimates of
   the accepted length per B and the profile's cost.
+- Priced as a batch (ours): a step's requests share their rounds, and a batch of mixed blocks costs its largest
+  block (padded) or one round per block (split), not each request's share of T_C(B_i). So the per-request choices
+  are priced together, as the engine will batch them (`decoding.grouping`), against the plans that give every
+  request the same block (each fixed B, and AR), and the step runs the plan with the most expected tokens per unit
+  of (profiled) time: RecGuide never runs a step it prices below a fixed alternative.
 - The switch (§6, ours): compares the expected rate of each regime, E[tokens]/E[time], using the hardware
   profile (measured here or loaded) and the engine's observed acceptance and overlap hit rates. AR (B = 1) is a
   candidate too, so speculation never runs where it loses to plain decoding. By default the profile's device times
@@ -23,7 +28,7 @@ from typing import Callable
 import numpy as np
 
 from recguide_jax.config import BLOCK_SIZES
-from recguide_jax.decoding import rounds
+from recguide_jax.decoding import grouping, rounds
 from recguide_jax.decoding.strategy import RoundKind, RoundPlan, StepView, Strategy
 from recguide_jax.orchestrator import calibration, overlap as ov, signals
 from recguide_jax.orchestrator.overlap_round import OverlapRound
@@ -77,7 +82,7 @@ class RecGuideStrategy(Strategy):
                components=("p1", "p2", "continuation"),
                overlap: bool = True, adaptive: bool = True, switch: bool = True, profile=None, tables=None,
                fixed_regime: str | None = None, entropy_head_cap: int | None = None, calibrate: bool = True,
-               overlap_slots: int | None = None, prefix_exponent: float | None = None):
+               overlap_slots: int | None = None, prefix_exponent: float | None = None, batch_priced: bool = True):
     if block_size not in BLOCKS:
       raise ValueError(f"recguide block_size must be one of {BLOCKS}, got {block_size}")
     self.block_size = block_size
@@ -115,6 +120,10 @@ class RecGuideStrategy(Strategy):
       raise ValueError(f"fixed_regime must be one of {[r.value for r in Regime]}, got {fixed_regime!r}")
     self.fixed_regime = Regime(fixed_regime) if fixed_regime else None
     self.entropy_head_cap = entropy_head_cap
+    # True: a step's adaptive plan is priced as the batch it runs as, against every fixed-B plan and AR; False: the
+    # paper's per-request rule alone (the Table 6 ablation rows)
+    self.batch_priced = batch_priced
+    self.step_plans = collections.Counter()  # which plan the batch pricing chose, per step ("rule", "linear8", ...)
     self.stats = OnlineStats()
     # True: the profile's costs are corrected online by the engine's measured round times (this machine's wall
     # clock); False: decide by the profile alone (pricing a run for the hardware a foreign profile describes)
@@ -123,15 +132,23 @@ class RecGuideStrategy(Strategy):
     if tables is not None:  # start the online estimates from the fitted model's unconditional values
       self.stats.accepted = {b: tables.value_model.value(b, None) for b in BLOCKS}
       self.stats.overlap_accepted = self.stats.accepted[block_size]
+      # and overlap's from what the fitted planner measured, where the tables carry it: a prior that flatters
+      # overlap buys rounds of it at loads where it loses before the running averages correct it
+      if tables.overlap_accepted is not None:
+        self.stats.overlap_accepted = tables.overlap_accepted
+      if tables.overlap_hit_rate is not None:
+        self.stats.overlap_hit = tables.overlap_hit_rate
     self.regime_counts = collections.Counter()
     self._regime_memo: tuple = (None, None)
     self._step_costs: dict[int, float] | None = None  # this step's LinearSS round cost per B (all requests)
+    self._step_plan: dict[int, RoundPlan] | None = None  # this step's plan per adaptive request (by id)
     # re-measuring a stale runner-up regime (calibrated switch only): how close it must be, probes run, the one
     # in progress (regime, steps left)
     self.probe_margin = 0.7
     self.probe_budget = 0.02  # probes take at most this share of the time
     self.probes = 0
     self._probe: tuple[str, int] | None = None
+    self.probing = False  # this step's regime is a probe (then it runs as chosen, not re-priced as a batch)
     self._last_probe_at = -float("inf")
     self.overlap_round = OverlapRound(self)  # this strategy's own round kind
     self.overlap_log: list | None = None  # set to [] to record every overlap round (overlap_fit.OverlapTrace)
@@ -200,6 +217,7 @@ class RecGuideStrategy(Strategy):
     return self.stats.overlap_accepted / (fused + (1 - self.stats.overlap_hit) * (with_draft - fused))
 
   def regime(self, concurrency: int) -> Regime:
+    self.probing = False
     if self.fixed_regime:
       return self.fixed_regime
     if not self.switch:
@@ -214,6 +232,11 @@ class RecGuideStrategy(Strategy):
       if name not in basis or rate > rates[basis[name]]:
         basis[name] = key
     ranked = sorted(basis, key=lambda name: -rates[basis[name]])
+    if ranked[0] == Regime.AR and self._ar_per_step and Regime.ADAPTIVE in basis:
+      # AR is priced per step against the requests' own values (`plan_step`), which AR rounds return to the prior
+      # (`observe`); here AR would rest on engine-wide acceptance estimates that only speculative rounds update, and
+      # with nothing to re-measure them (no calibration probes) one unlucky spell would keep every later step in AR
+      return Regime.ADAPTIVE
     if not self.calibrate or len(ranked) < 2:
       return ranked[0]
     return self._probe_or_best(ranked[0], ranked[1], basis, rates, max(concurrency, 1))
@@ -238,6 +261,7 @@ class RecGuideStrategy(Strategy):
     if self._probe is not None:
       regime, left = self._probe
       self._probe = (regime, left - 1) if left > 1 else None
+      self.probing = True
       return regime
     clock = self.calibrated.clock
     runner_key = self._clock_key(basis[runner_up], c)
@@ -259,6 +283,7 @@ class RecGuideStrategy(Strategy):
     self.probes += 1
     left = clock.min_samples - 1
     self._probe = (runner_up, left) if left > 0 else None
+    self.probing = True
     return runner_up
 
   # ---- per request ---------------------------------------------------------------------------------------------------
@@ -274,53 +299,121 @@ class RecGuideStrategy(Strategy):
       req.strategy_state = RecGuideState()
     return req.strategy_state
 
-  def _adaptive_block(self, req, concurrency: int, costs: dict[int, float] | None = None) -> int:
-    """`costs`: the LinearSS round cost per B at this concurrency when the caller has them (one step's
-    requests share them)."""
+  @staticmethod
+  def _remaining(req) -> int:
+    """Tokens `req` may still emit (its max_tokens budget)."""
+    return req.params.max_tokens - len(req.output_ids)
+
+  def _values(self, req) -> dict[int, float]:
+    """Expected tokens of `req`'s next LinearSS round per B: the fitted value model V_B(s, z) from its history
+    (unconditional before its first verification), else the engine-wide online estimate; near the end of its
+    budget, of the tokens it may still emit (a longer block buys nothing past max_tokens)."""
+    left = self._remaining(req)
+    if self.tables is None:
+      return self.stats.accepted if left >= BLOCKS[-1] else {b: min(v, left) for b, v in self.stats.accepted.items()}
     hist = self.state(req).history
+    model = self.tables.value_model
+    s, z = (signals.signal_s(hist, model.window), signals.stratum(hist)) if hist else (None, None)
+    return model.values(s, z) if left >= BLOCKS[-1] else model.values_capped(s, z, left)
+
+  def _adaptive_block(self, req, concurrency: int, costs: dict[int, float] | None = None) -> int:
+    """The per-request rule. `costs`: the LinearSS round cost per B at this concurrency when the caller has them
+    (one step's requests share them)."""
     if not self.adaptive:
       return self.block_size
     c = max(concurrency, 1)
     if self.tables is not None and self._tables_priced_here:
       # the paper's rule: rho is a price against the costs it was solved with, so the tables' own costs
-      return self.tables.next_block(c, hist)
-    if self.tables is not None:
-      # tables priced for other hardware (the bundled ones: the B200 table): their rho and costs would pick blocks
-      # for that device; keep their per-request value model and price with this policy's own (calibrated) costs
-      model = self.tables.value_model
-      values = (model.values(signals.signal_s(hist, model.window), signals.stratum(hist)) if hist
-                else model.values(None))
-    else:  # no fitted tables: the engine-wide online estimate of the accepted length per B
-      values = self.stats.accepted
+      return self.tables.next_block(c, self.state(req).history)
+    # tables priced for other hardware (the bundled ones: the B200 table): their rho and costs would pick blocks for
+    # that device; keep their per-request value model and price with this policy's own (calibrated) costs
+    values = self._values(req)
     if costs is None:
       costs = self._linear_costs(c)
     scores = {b: values[b] / costs[b] for b in BLOCKS}
     return max(BLOCKS, key=lambda b: (scores[b], -b))
+
+  def plan_step(self, reqs, concurrency: int) -> tuple[str, list[int]]:
+    """The plan for a step's adaptive requests, priced as a batch: (name, block per request, 1 for AR).
+
+    Candidates: the per-request rule's blocks and the plans that give every request the same block (each B, and
+    AR unless the regime is pinned). A plan's expected tokens are the sum of its requests' values (`_values`; 1
+    per AR step), its cost the rounds the engine will run for it, mixed blocks batched the cheapest way
+    (`grouping.plan_cost`, as the engine's "auto" grouping does), every round priced by this strategy's cost model
+    (`round_cost`). The step runs the plan with the most tokens per unit time; a tie keeps the plan listed first
+    (AR, then B ascending, then the rule), so the rule runs only when it is priced strictly above every fixed
+    plan."""
+    c = max(concurrency, 1)
+    if self._step_costs is None:
+      self._step_costs = self._linear_costs(c)
+    rule = [self._adaptive_block(r, c, self._step_costs) for r in reqs]
+    if not self.batch_priced or self.probing or not reqs:
+      return "rule", rule
+    values = [self._values(r) for r in reqs]
+    n = len(reqs)
+    best_name, best_blocks, best_rate = None, rule, -1.0
+    if self.switch and not self.fixed_regime:  # AR is the switch's candidate (a pinned regime stays LinearSS)
+      best_name, best_blocks, best_rate = Regime.AR.value, [1] * n, n / self._round_cost(RoundKind.AR, 1, n)
+    for name, blocks in [*((f"linear{b}", [b] * n) for b in BLOCKS), ("rule", rule)]:
+      cost = grouping.plan_cost(blocks, self.round_cost)
+      rate = sum(v[b] for v, b in zip(values, blocks)) / cost
+      if rate > best_rate * (1 + 1e-9):
+        best_name, best_blocks, best_rate = name, blocks, rate
+    return best_name, best_blocks
+
+  @property
+  def _ar_per_step(self) -> bool:
+    """True when AR is decided per step in `plan_step` rather than by the regime switch: the batch pricing is on,
+    per-request values come from fitted tables (after AR rounds, their prior), and the costs are the profile's
+    alone (a calibrated switch instead re-measures a stale runner-up with probes)."""
+    return self.batch_priced and self.tables is not None and not self.calibrate and self.adaptive
 
   @property
   def _tables_priced_here(self) -> bool:
     """True when the tables' rho was solved against this policy's profile (same profile name)."""
     return self.profile is not None and bool(self.profile.name) and self.tables.profile == self.profile.name
 
+  def _overlaps(self, req) -> bool:
+    """Whether `req` runs an overlap round when the regime is overlap: greedy requests only (the reuse rules compare
+    argmaxes), and, where the switch decides, not one this round is expected to finish (no next round for a
+    prefetched branch to save a draft in)."""
+    if req.params.temperature > 0:
+      return False
+    return bool(self.fixed_regime) or self._remaining(req) > self.stats.overlap_accepted
+
   def plan(self, req, view: StepView) -> RoundPlan:
     concurrency = view.decoding
+    # the regime lasts beyond this step (overlap pays a draft to enter, its branches pay off in later rounds), so
+    # it is chosen for the load in flight: a step where some requests still prefill is not a lighter load (in a
+    # closed loop of 8 such steps ran overlap at 3-7 decoding rows and paid a fresh draft each time)
+    load = max(concurrency, view.running)
     # the regime depends only on the load and engine-wide estimates: decide it once per engine step, not per
     # request (per-request Python work showed up as a few % of an AR step at high concurrency)
-    key = (view.step, concurrency)
+    key = (view.step, concurrency, load)
     if self._regime_memo[0] != key:
-      self._regime_memo = (key, self.regime(concurrency))
+      self._regime_memo = (key, self.regime(load))
       self._eos = view.eos_token_ids
       self._step_costs = None
+      self._step_plan = None
     regime = self._regime_memo[1]
-    greedy = req.params.temperature <= 0
-    if regime == Regime.OVERLAP and not greedy:
-      regime = Regime.ADAPTIVE  # the reuse rules assume greedy matching
-    self.regime_counts[regime] += 1
+    if regime == Regime.OVERLAP and not self._overlaps(req):
+      regime = Regime.ADAPTIVE
     if regime in self._plans:  # overlap, ar, linear (the fixed B)
+      self.regime_counts[regime] += 1
       return self._plans[regime]
-    if self._step_costs is None:
-      self._step_costs = self._linear_costs(max(concurrency, 1))
-    return RoundPlan(rounds.LINEAR, self._adaptive_block(req, concurrency, self._step_costs))
+    if self._step_plan is None:  # the step's adaptive requests, planned together once (the engine's snapshot)
+      mine = [r for r in view.batch if self._regime_memo[1] == Regime.ADAPTIVE or not self._overlaps(r)]
+      name, blocks = self.plan_step(mine, concurrency)
+      self.step_plans[name] += bool(mine)
+      self._step_plan = {id(r): (self._plans[Regime.AR] if b == 1 else RoundPlan(rounds.LINEAR, b))
+                         for r, b in zip(mine, blocks)}
+    plan = self._step_plan.get(id(req))
+    if plan is None:  # a request outside the engine's snapshot (a caller planning by hand)
+      if self._step_costs is None:
+        self._step_costs = self._linear_costs(max(concurrency, 1))
+      plan = RoundPlan(rounds.LINEAR, self._adaptive_block(req, concurrency, self._step_costs))
+    self.regime_counts[Regime.AR if plan.block_size == 1 else Regime.ADAPTIVE] += 1
+    return plan
 
   def plan_branches(self, draft_signals: np.ndarray, blk: int, bounds: dict) -> list:
     """One request's branches from its draft signals [3, B]; `bounds` (generated, committed, max_new, max_len) are
@@ -336,6 +429,16 @@ class RecGuideStrategy(Strategy):
     # of whatever kind, moves the committed state past it (the overlap round stores its new one after this call)
     state.prefetched = None
     if block_size <= 1:
+      # an AR round is a round without a speculative verification: it carries no signal (s averages the entropies
+      # of the last rounds that have one, z is unknown after it), so two AR rounds in a row return the request to
+      # the value model's unconditional values, its prior. Without this a request that looked unsure once would be
+      # priced out of speculation for good (AR rounds would leave its history as it was). A one-token AR
+      # verification's entropy is no substitute: its distribution is not that of e_t (which includes the first
+      # rejected position), and it made the values optimistic.
+      if self.batch_priced:
+        state.history.append(signals.RoundRecord(1, 1, None))
+        if len(state.history) > HISTORY:
+          del state.history[0]
       return
     cap = self.tables.head_cap if self.tables is not None else self.entropy_head_cap
     # a set test on a short list: np.isin took ~0.1 ms per request and round, ~2% of a C = 1 round on a CPU
@@ -350,4 +453,4 @@ class RecGuideStrategy(Strategy):
     self.stats.observe_overlap(accepted, hit)
 
 
-RecGuidePolicy = RecGuideStrategy  # earlier name
+RecGuidePolicy = RecGuideStrategy  # earlier name (deprecated alias)

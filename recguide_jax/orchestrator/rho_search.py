@@ -12,7 +12,7 @@ from typing import Mapping, Sequence
 import numpy as np
 
 from recguide_jax.orchestrator import traces, value_model as vm
-from recguide_jax.orchestrator.adaptive import LINSPACE_POINTS, PolicyError
+from recguide_jax.orchestrator.adaptive import LINSPACE_POINTS, TablesError
 
 
 
@@ -36,32 +36,32 @@ class _Replay:
   def __init__(self, groups: Mapping[str, Mapping[str, Sequence[Mapping]]], value_model: vm.ValueModel | None,
                costs: Mapping[int, float], cold_start: int | None):
     if not costs:
-      raise PolicyError("costs must hold at least one block size")
+      raise TablesError("costs must hold at least one block size")
     self.blocks = tuple(sorted(costs))
     for b, t in costs.items():
       if not (isinstance(t, (int, float)) and math.isfinite(t) and t > 0):
-        raise PolicyError(f"costs[{b}] must be a finite positive number of ms, got {t!r}")
+        raise TablesError(f"costs[{b}] must be a finite positive number of ms, got {t!r}")
     if cold_start is not None and cold_start not in self.blocks:
-      raise PolicyError(f"cold_start block {cold_start} is not among the cost blocks {list(self.blocks)}")
+      raise TablesError(f"cold_start block {cold_start} is not among the cost blocks {list(self.blocks)}")
     if value_model is not None:
       missing = [b for b in self.blocks if b not in value_model.block_sizes]
       if missing:
-        raise PolicyError(f"the value model has no block size {missing[0]} (has {list(value_model.block_sizes)})")
+        raise TablesError(f"the value model has no block size {missing[0]} (has {list(value_model.block_sizes)})")
     self.T = np.array([float(costs[b]) for b in self.blocks])
     vec_ids: dict[tuple, int] = {}
     req_of, vid_of, a_rows, ds_of_req = [], [], [], []
     n_req = 0
     if not groups:
-      raise PolicyError("no trace rows to replay")
+      raise TablesError("no trace rows to replay")
     for d, (_, reqs) in enumerate(sorted(groups.items())):
       if not reqs:
-        raise PolicyError("a dataset without requests cannot be macro-averaged")
+        raise TablesError("a dataset without requests cannot be macro-averaged")
       for _, rounds in sorted(reqs.items()):
         for r in rounds:
           a = {int(b): v for b, v in r["A"].items()}  # JSON rows key A by strings, validated rows by ints
           missing = [b for b in self.blocks if b not in a]
           if missing:
-            raise PolicyError(f"row {r['dataset']}/{r['request_id']}/round {r['round']} has no A[{missing[0]}]")
+            raise TablesError(f"row {r['dataset']}/{r['request_id']}/round {r['round']} has no A[{missing[0]}]")
           a_rows.append([a[b] for b in self.blocks])
           if value_model is None or (cold_start is not None and r["round"] == 0):
             vid = -1  # the first round runs the cold-start block whatever rho is (no model: fixed-B replays only)

@@ -1,7 +1,7 @@
 """Shadow tracing for RecGuide's adaptive block size (offline; docs/spec/recguide.md §5.2): every round runs B = 8,
 16 and 32 from the same committed state and logs the counterfactual accepted lengths; the block actually committed
 follows the collector's exploration chain (cold start 16; from 8: 55/35/10; from 16: 25/50/25; from 32:
-10/35/55), so the history signals cover every stratum. Rows (schema: `traces.py`) feed `launch/fit_policy.py`."""
+10/35/55), so the history signals cover every stratum. Rows (schema: `traces.py`) feed `launch/fit_tables.py`."""
 
 from __future__ import annotations
 

@@ -71,6 +71,13 @@ class SurvivalTable:
     i = self.bin_index(s)
     return self._uncond_values[b] if i is None else self._bin_value_floats[b][i]
 
+  def values_capped(self, s: float | None, cap: int) -> dict[int, float]:
+    """E[min(A_B, cap) | s] = sum_{k <= cap} P(A_B >= k | s) for every B: the expected tokens of a round that may
+    emit at most `cap` (a request near its max_tokens)."""
+    i = self.bin_index(s)
+    rows = self.unconditional if i is None else {b: v[i] for b, v in self.survival.items()}
+    return {b: float(v[:max(cap, 0)].sum()) for b, v in rows.items()}
+
   def values(self, s: float | None) -> dict[int, float]:
     """V_B(s) for every B, with one bin lookup."""
     i = self.bin_index(s)
@@ -109,6 +116,10 @@ class ValueModel:
 
   def values(self, s: float | None, z: str | None = None) -> dict[int, float]:
     return self.table(z).values(s)  # every table covers exactly block_sizes (checked at construction)
+
+  def values_capped(self, s: float | None, z: str | None, cap: int) -> dict[int, float]:
+    """V_B(s, z) of a round that may emit at most `cap` tokens (`SurvivalTable.values_capped`)."""
+    return self.table(z).values_capped(s, cap)
 
   # ---- JSON --------------------------------------------------------------------------------------------------------
   def to_json(self) -> dict:

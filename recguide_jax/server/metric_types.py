@@ -12,7 +12,7 @@ PREFIX = "recguide:"
 LEGACY_PREFIX = "recguide_"  # the names before the vLLM-style ones; deprecated, kept for existing dashboards/tests
 FINISH_REASONS = ("stop", "length", "abort", "error")
 FORWARD_KINDS = ("prefill", "decode", "draft", "verify", "denoise", "commit")
-REGIMES = ("overlap", "adaptive", "linear", "ar")  # RecGuidePolicy.regime's answers
+REGIMES = ("overlap", "adaptive", "linear", "ar")  # RecGuideStrategy.regime's answers
 DEFAULT_LOG_STATS_INTERVAL_S = 10.0  # vLLM's VLLM_LOG_STATS_INTERVAL
 
 # vLLM's bucket boundaries, with finer sub-10 ms buckets in front: a small model on a fast device has millisecond
