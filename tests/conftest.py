@@ -24,20 +24,17 @@ def _cpu_only_jax() -> bool:
               or importlib.util.find_spec("libtpu"))
 
 
-# The suite's models are tiny, so XLA compiling their step variants, not running them, is most of its time. LLVM
-# without optimization and XLA:CPU's loop emitters (instead of its fusion emitters) compile a variant ~3x faster
-# and run it ~4x slower: a good trade at these sizes, and it changes only the machine code XLA emits, not the HLO
-# programs (results agree with XLA's defaults to float32 rounding: 6e-6 on the bundled model's logits, same argmax).
-# CPU-only (an accelerator run keeps its defaults); RECGUIDE_TEST_XLA_DEFAULTS=1 keeps XLA's defaults here too.
-# Set through XLA_FLAGS before jax starts a backend, so the scripts and servers the tests start compile the same
-# way; a test that sets XLA_FLAGS for a subprocess starts from COMPILE_FLAGS.
+# XLA_FLAGS for the subprocesses of tests whose time is compiling tiny models' variants, not running them (the
+# device check, the 8-device mesh and two-process runs, the checkpoint restore). LLVM without optimization and
+# XLA:CPU's loop emitters (instead of its fusion emitters) compile a variant ~3x faster and run it ~4x slower; they
+# change only the machine code XLA emits, not the HLO programs (results agree with XLA's defaults to float32
+# rounding: 6e-6 on the bundled model's logits, same argmax). Not for tests that run many steps (servers,
+# benchmarks, the bundled model), which they slow down. CPU-only (an accelerator run keeps its defaults);
+# RECGUIDE_TEST_XLA_DEFAULTS=1 keeps XLA's defaults everywhere.
 FAST_COMPILE_FLAGS = ("--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true "
                       "--xla_cpu_use_fusion_emitters=false")
-COMPILE_FLAGS = ""
-if _cpu_only_jax() and os.environ.get("RECGUIDE_TEST_XLA_DEFAULTS", "") in ("", "0"):
-  COMPILE_FLAGS = FAST_COMPILE_FLAGS
-  if COMPILE_FLAGS not in os.environ.get("XLA_FLAGS", ""):  # this file may be imported twice (as tests.conftest)
-    os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {COMPILE_FLAGS}".strip()
+COMPILE_FLAGS = (FAST_COMPILE_FLAGS if _cpu_only_jax() and os.environ.get("RECGUIDE_TEST_XLA_DEFAULTS", "") in ("", "0")
+                 else "")
 
 from flax import nnx  # noqa: E402
 
