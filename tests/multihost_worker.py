@@ -14,7 +14,7 @@ sys.path.insert(0, ROOT)
 
 
 def main(pid: int, port: int, out: str) -> int:
-  os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=4"
+  os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count=4".strip()
   import jax
   jax.config.update("jax_platforms", "cpu")
   from flax import nnx

@@ -13,7 +13,7 @@ import orbax.checkpoint as ocp
 import pytest
 from flax import nnx
 
-from conftest import tiny_config
+from conftest import COMPILE_FLAGS, tiny_config
 from recguide_jax import checkpoint as ckpt_lib
 from recguide_jax.model import NLDModel
 
@@ -169,7 +169,8 @@ _PORTABLE = textwrap.dedent("""
 
 
 def test_restore_targets_the_running_device_not_the_saved_one(tmp_path):
-  env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=2", JAX_PLATFORMS="cpu")
+  env = dict(os.environ, XLA_FLAGS=f"{COMPILE_FLAGS} --xla_force_host_platform_device_count=2".strip(),
+             JAX_PLATFORMS="cpu")
   proc = subprocess.run([sys.executable, "-c", _PORTABLE, str(ROOT), str(tmp_path)], env=env, capture_output=True,
                         text=True, timeout=600)
   lines = [l for l in proc.stdout.splitlines() if l.startswith("RESULT ")]

@@ -2,9 +2,12 @@
 decode table and the report files (on a GPU/TPU the same script runs NLD-8B shapes)."""
 
 import json
+import os
 import pathlib
 import subprocess
 import sys
+
+from conftest import COMPILE_FLAGS
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
@@ -13,7 +16,8 @@ def test_device_check_tiny_on_cpu(tmp_path):
   proc = subprocess.run(
       [sys.executable, str(ROOT / "launch" / "device_check.py"), "--shape=tiny", "--concurrency=1",
        "--new_tokens=4", "--num_prompts=1", "--prompt_len=16", f"--output_dir={tmp_path}"],
-      cwd=ROOT, capture_output=True, text=True, timeout=1500)
+      cwd=ROOT, env=dict(os.environ, XLA_FLAGS=f"{os.environ.get('XLA_FLAGS', '')} {COMPILE_FLAGS}".strip()),
+      capture_output=True, text=True, timeout=1500)
   assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
   report = json.loads((tmp_path / "device_check.json").read_text())
   assert report["platform"] == "cpu"

@@ -8,6 +8,8 @@ import socket
 import subprocess
 import sys
 
+from conftest import COMPILE_FLAGS
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
@@ -20,6 +22,7 @@ def _free_port() -> int:
 def test_two_processes_serve_one_request_like_one_device(tmp_path):
   port, out = _free_port(), tmp_path / "tokens.json"
   env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS")}
+  env["XLA_FLAGS"] = COMPILE_FLAGS  # the session's compile options; each worker adds its device count
   worker = os.path.join(REPO, "tests", "multihost_worker.py")
   procs = [subprocess.Popen([sys.executable, worker, str(pid), str(port), str(out)], cwd=REPO, env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for pid in (1, 0)]

@@ -17,6 +17,7 @@ import numpy as np
 import pytest
 from jax.sharding import PartitionSpec as P
 
+from conftest import COMPILE_FLAGS
 from recguide_jax import attention, attention_dispatch, checkpoint, data_parallel, memory_plan, sharding
 from recguide_jax.config import PRESETS
 from recguide_jax.model import abstract_model
@@ -162,6 +163,7 @@ def test_mesh_equality_on_eight_cpu_devices(tmp_path):
   overlap, adaptive and the chi-square test is `launch/mesh_check.py` (docs/scale_out.md)."""
   out = tmp_path / "mesh_check.json"
   env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+  env["XLA_FLAGS"] = COMPILE_FLAGS  # the session's compile options; mesh_check adds its device count
   proc = subprocess.run([sys.executable, os.path.join(REPO, "launch", "mesh_check.py"), "--model=tiny",
                          "--meshes=dp=2,tp=4", "--policies=ar,linear8", "--max_num_seqs=1", "--num_prompts=2",
                          "--max_tokens=10", f"--out={out}"],
