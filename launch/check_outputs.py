@@ -20,10 +20,11 @@ sys.path.insert(0, ROOT)
 
 from absl import flags, logging  # noqa: E402
 
+from recguide_jax.benchmarks import cli  # noqa: E402
+
 FLAGS = flags.FLAGS
 flags.DEFINE_string("checkpoint", None, "Checkpoint dir (default: the bundled model).")
-flags.DEFINE_string("data", os.path.join(ROOT, "..", "shared", "data", "gsm8k", "test.jsonl"),
-                    "GSM8K jsonl the prompts are read from (its first --num_prompts questions).")
+cli.define_data_flag("test", what="its first --num_prompts questions are the prompts")
 flags.DEFINE_integer("num_prompts", 64, "Prompts from the start of --data.")
 flags.DEFINE_integer("max_tokens", 128, "New tokens per request (greedy, stops at EOS).")
 flags.DEFINE_integer("max_num_seqs", 8, "Requests decoded together.")
@@ -82,7 +83,7 @@ def main(argv):
   if llm.tokenizer is None:
     sys.exit("error: the checkpoint has no tokenizer")
   prompts = [llm.tokenizer.encode(llm.tokenizer.apply_chat_template([{"role": "user", "content": q}]))
-             for q in gsm8k_questions(FLAGS.data, FLAGS.num_prompts)]
+             for q in gsm8k_questions(cli.data_path(), FLAGS.num_prompts)]
   params = SamplingParams(max_tokens=FLAGS.max_tokens, temperature=0.0)
   result = {"meta": {"checkpoint": str(FLAGS.checkpoint or "bundled"), "num_prompts": len(prompts),
                      "max_tokens": FLAGS.max_tokens, "max_num_seqs": FLAGS.max_num_seqs}, "outputs": {}}
