@@ -11,7 +11,7 @@ from typing import Sequence
 from recguide_jax import policies as policies_lib
 from recguide_jax.engine import EngineConfig
 from recguide_jax.model import NLDModel
-from recguide_jax.requests import Request, RequestError, SamplingParams
+from recguide_jax.requests import Request, RequestError, SamplingParams, best_samples
 from recguide_jax.tokenizer import Tokenizer
 
 REPO_ROOT = pathlib.Path(__file__).resolve().parent.parent
@@ -115,7 +115,7 @@ class RequestOutput:
     outs = [CompletionOutput(i, r.text, list(r.output_ids), list(r.logprobs) if r.params.logprobs is not None
                              else None, r.finish_reason, r.cumulative_logprob) for i, r in enumerate(reqs)]
     if n is not None and n < len(outs):
-      outs = sorted(outs, key=lambda o: -o.cumulative_logprob)[:n]
+      outs = best_samples(outs, n)
       outs = [dataclasses.replace(o, index=i) for i, o in enumerate(outs)]
     first = reqs[0]
     prompt_lps = next((r.prompt_logprobs for r in reqs if r.prompt_logprobs is not None), None)

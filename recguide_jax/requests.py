@@ -62,6 +62,12 @@ def seed_of_sample(seed: int | None, index: int) -> int | None:
   return (seed + index + 2**63) % 2**64 - 2**63
 
 
+def best_samples(samples: Sequence, n: int) -> list:
+  """`best_of`: the n of a prompt's samples (anything with a `cumulative_logprob`) of highest cumulative logprob,
+  best first (vLLM's order)."""
+  return sorted(samples, key=lambda s: -s.cumulative_logprob)[:n]
+
+
 @dataclasses.dataclass(frozen=True)
 class SamplingRow:
   """One request's row of the batch's sampling arrays, converted to their dtypes once, when the request is added,

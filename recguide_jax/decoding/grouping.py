@@ -5,6 +5,7 @@ with it, so both see the same cost of a mixed batch."""
 
 from __future__ import annotations
 
+import collections
 import itertools
 from typing import Callable, Sequence
 
@@ -39,9 +40,7 @@ def cheapest_runs(sizes: Sequence[int], blocks: Sequence[int], round_cost: Calla
 
 def plan_cost(blocks_by_row: Sequence[int], round_cost: Callable[[int, int], float | None]) -> float | None:
   """The cost of one step whose rows are planned at `blocks_by_row`, batched the cheapest way (`cheapest_runs`)."""
-  counts: dict[int, int] = {}
-  for b in blocks_by_row:
-    counts[b] = counts.get(b, 0) + 1
+  counts = collections.Counter(blocks_by_row)
   blocks = sorted(counts)
   if not blocks:
     return 0.0

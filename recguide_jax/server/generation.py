@@ -17,7 +17,7 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
 from recguide_jax.engine import EngineThread
-from recguide_jax.requests import RequestError
+from recguide_jax.requests import RequestError, best_samples
 from recguide_jax.server import protocol, responses
 from recguide_jax.server.metrics import ServerMetrics
 from recguide_jax.server.streaming import TextDeltas
@@ -136,8 +136,8 @@ class Generation:
       err = failure(final)
       if err is not None:
         raise err
-    if len(finals) > gen.n:  # best_of: the n samples of highest cumulative logprob, best first (vLLM's order)
-      finals = sorted(finals, key=lambda f: -f.cumulative_logprob)[:gen.n]
+    if len(finals) > gen.n:  # best_of
+      finals = best_samples(finals, gen.n)
     use = responses.usage(len(gen.prompt_ids), sum(len(f.output_ids) for f in finals))
     build = responses.chat if gen.chat else responses.completion
     shared_prompt_lps = next((f.prompt_logprobs for f in finals if f.prompt_logprobs is not None), None)
