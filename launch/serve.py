@@ -61,6 +61,10 @@ _TABLES = flags.DEFINE_string("recguide_tables", None, "RecGuide's fitted adapti
 flags.DEFINE_alias("policy_tables", "recguide_tables")  # earlier name
 _ATTENTION = flags.DEFINE_enum("attention", "auto", ["auto", "reference", "pallas"],
                                "Attention implementation: Pallas kernels on GPU/TPU, the jnp reference on CPU.")
+_LAYER_LOOP = flags.DEFINE_enum("layer_loop", "auto", ["auto", "scan", "unrolled"],
+                                "How the forward runs the decoder layers: scan (stacked weights, compiled once; "
+                                "GPU/TPU), unrolled (a module per layer; faster on the CPU, where XLA copies every "
+                                "weight a scan slices), auto (unrolled on a CPU device without a mesh, else scan).")
 _BACKGROUND_COMPILE = flags.DEFINE_boolean(
     "background_compile", True, "Compile only the largest batch bucket of each step variant before serving and the "
     "smaller buckets on a background thread (their batches run padded in the largest until then; no request waits "
@@ -268,7 +272,7 @@ def main(argv):
                       max_queue=_MAX_QUEUE.value, attention=_ATTENTION.value, dtype=_DTYPE.value,
                       kv_cache_memory_fraction=_KV_FRACTION.value, device_memory_gb=_DEVICE_MEMORY_GB.value,
                       background_compile=_BACKGROUND_COMPILE.value, mesh=mesh,
-                      warmup_prompt_logprobs=_WARMUP_PROMPT_LOGPROBS.value)
+                      warmup_prompt_logprobs=_WARMUP_PROMPT_LOGPROBS.value, layer_loop=_LAYER_LOOP.value)
   except (CheckpointError, ConfigError, TokenizerError, OSError) as e:
     _fail(f"--checkpoint: {e}")
   except ValueError as e:

@@ -24,6 +24,7 @@ import contextlib
 import contextvars
 
 import jax
+from flax import nnx
 from jax.sharding import PartitionSpec as P
 
 from recguide_jax import live_attention
@@ -148,5 +149,7 @@ def _per_shard(kernel, mesh, q, k_block, v_block, block_mask, *, k_pages, v_page
 def set_attention_impl(model, impl: str) -> None:
   """Sets `attention_impl` on every attention layer of an `NLDModel` (before `nnx.split` / building a runner)."""
   resolve(impl)  # validate the name early
-  # one scanned layer module holds every layer (stacked weights): its attribute is the static choice of all layers
-  model.layers.self_attn.attention_impl = impl
+  # a scanned model has one layer module for every layer (stacked weights): its attribute is the choice of all;
+  # an unrolled one (LayerLoop.UNROLLED) has a module per layer
+  for layer in (model.layers if isinstance(model.layers, nnx.List) else [model.layers]):
+    layer.self_attn.attention_impl = impl

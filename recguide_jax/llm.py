@@ -10,7 +10,7 @@ from typing import Sequence
 
 from recguide_jax import policies as policies_lib
 from recguide_jax.engine import EngineConfig
-from recguide_jax.model import NLDModel
+from recguide_jax.model import NLDModel, resolve_layer_loop, with_layer_loop
 from recguide_jax.requests import Request, RequestError, SamplingParams, best_samples
 from recguide_jax.tokenizer import Tokenizer
 
@@ -136,7 +136,8 @@ class LLM:
                attention: str = "auto", policy_kwargs: dict | None = None, max_num_seqs: int | None = None,
                kv_cache_memory_fraction: float | None = None, gpu_memory_utilization: float | None = None,
                device_memory_gb: float | None = None, background_compile: bool = False, mesh=None,
-               runner_options: dict | None = None, bucketing: bool | str = "auto", warmup_prompt_logprobs: bool = False):
+               runner_options: dict | None = None, bucketing: bool | str = "auto", warmup_prompt_logprobs: bool = False,
+               layer_loop: str = "auto"):
     """vLLM's names where they exist: `max_num_seqs` (= `max_batch`, the most requests decoded together),
     `gpu_memory_utilization` (= `kv_cache_memory_fraction`), `dtype` ("auto": the checkpoint's).
 
@@ -155,7 +156,10 @@ class LLM:
     prices cheaper per step. The options are kept as one frozen `engine_config` (`engine.EngineConfig`).
 
     `warmup_prompt_logprobs`: warm-up (and the memory plan) also covers the prefill variant that scores the prompt
-    (`SamplingParams.prompt_logprobs`); otherwise the first request that asks for prompt logprobs compiles it."""
+    (`SamplingParams.prompt_logprobs`); otherwise the first request that asks for prompt logprobs compiles it.
+
+    `layer_loop`: "auto", "scan" or "unrolled", how the forward runs the decoder layers (`model.LayerLoop`; auto:
+    unrolled on a CPU device without a mesh, where XLA copies every weight a scan slices, else scanned)."""
     from absl import logging
 
     from recguide_jax import attention_dispatch, memory_plan
@@ -199,7 +203,8 @@ class LLM:
         prefill_chunk=prefill_chunk, block_sizes=tuple(block_sizes) if block_sizes else None, dtype=dtype, rule=rule,
         compile_cache_dir=str(compile_cache_dir) if compile_cache_dir else None, warmup=warmup, max_queue=max_queue,
         attention=attention, bucketing=bucketing, kv_cache_memory_fraction=fraction, device_memory_gb=device_memory_gb,
-        runner_options={"background_compile": background_compile, **(runner_options or {})})
+        runner_options={"background_compile": background_compile, "layer_loop": layer_loop,
+                        **(runner_options or {})})
     config = self.engine_config.runner_config(sizes, num_pages=2)  # the memory plan sizes the cache
     if compile_cache_dir:  # the memory probe's compiles are cached too
       from recguide_jax.runner import enable_compile_cache
@@ -215,6 +220,8 @@ class LLM:
       if tokenizer is None and (checkpoint_dir / "tokenizer.json").exists():
         tokenizer = Tokenizer.from_dir(checkpoint_dir)
     attention_dispatch.set_attention_impl(model, attention)  # before the runner splits the model
+    # arranged here, not only in the runner, so that the stacked weights are not also kept alive by `self.model`
+    model = with_layer_loop(model, resolve_layer_loop(config.layer_loop, model, self.mesh))
     self.model = model
     self.tokenizer = tokenizer
     self.runner_config = dataclasses.replace(config, num_pages=self.memory_plan.num_pages)

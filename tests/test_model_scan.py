@@ -1,6 +1,7 @@
 """The scanned layer stack and its runner: every cache-writing step updates the stacked KV cache in place (no copy
 of the cache, whatever its size), AR decode takes no draft distribution, and warm-up compiles variants
-concurrently without changing what counts as compiled."""
+concurrently without changing what counts as compiled. The unrolled layer loop (`LayerLoop.UNROLLED`, the CPU's
+default) computes the same function over per-layer weight buffers that no step slices."""
 
 import re
 
@@ -10,6 +11,8 @@ import numpy as np
 import pytest
 
 from conftest import tiny_config
+from flax import nnx
+from recguide_jax.model import LayerLoop, NLDModel, layer_loop_of, resolve_layer_loop, with_layer_loop
 from recguide_jax.runtime import Runner, RunnerConfig, SamplingArrays, StepKey, StepKind
 
 CFG = tiny_config(lora_rank=4, lora_alpha=8.0)
@@ -21,15 +24,16 @@ def _runner_config(num_pages: int, **kw) -> RunnerConfig:
 
 
 # prefill and RecGuide's fused forward write through the same layer code as verify
-@pytest.mark.parametrize("variant", [("verify", 8, 2), ("decode", 1, 1), ("draft", 8, 1)])
-def test_steps_never_copy_the_cache(variant):
+@pytest.mark.parametrize("variant,loop", [(("verify", 8, 2), LayerLoop.SCAN), (("decode", 1, 1), LayerLoop.SCAN),
+                                          (("draft", 8, 1), LayerLoop.SCAN), (("verify", 8, 2), LayerLoop.UNROLLED)])
+def test_steps_never_copy_the_cache(variant, loop):
   """Compiled at two cache sizes, a step's temporaries are the same: nothing cache-sized is materialised (a copy
   of the cache, or of one layer's pages, would grow with num_pages). Writers alias the donated cache to their
   output and touch it only through scatters. fp32: XLA's CPU backend widens a bf16 scatter to f32 (copying the
   operand); accelerators scatter bf16 natively."""
   temps = []
   for pages in (40, 120):
-    runner = Runner.abstract(CFG, _runner_config(pages), jnp.float32)
+    runner = Runner.abstract(CFG, _runner_config(pages, layer_loop=loop), jnp.float32)
     compiled = runner.lower(*variant).compile()
     stats = compiled.memory_analysis()
     temps.append(stats.temp_size_in_bytes)
@@ -98,3 +102,70 @@ def test_parallel_warmup_compiles_every_variant_once(tiny_model):
   assert runner.warmup(("verify",), (8,), progress=False) == {}  # nothing left to compile
   runner.compiled("decode", 1, 1)
   assert runner.compiles_after_warmup == 0
+
+
+# ---- the layer loop ------------------------------------------------------------------------------------------------
+def test_layer_loop_resolves_and_round_trips(tiny_model):
+  assert layer_loop_of(tiny_model) is LayerLoop.SCAN
+  assert resolve_layer_loop("auto", tiny_model) is LayerLoop.UNROLLED  # concrete weights on the CPU, no mesh
+  mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]), ("tp",))
+  assert resolve_layer_loop(LayerLoop.AUTO, tiny_model, mesh) is LayerLoop.SCAN
+  abstract = nnx.eval_shape(lambda: NLDModel(CFG))
+  assert resolve_layer_loop("auto", abstract) is LayerLoop.SCAN  # abstract weights lower for accelerators
+  assert Runner.abstract(CFG, _runner_config(8), jnp.float32).layer_loop is LayerLoop.SCAN
+  with pytest.raises(ValueError, match="layer_loop"):
+    RunnerConfig(layer_loop="sideways")
+
+  unrolled = with_layer_loop(tiny_model, LayerLoop.UNROLLED)
+  assert layer_loop_of(unrolled) is LayerLoop.UNROLLED and layer_loop_of(tiny_model) is LayerLoop.SCAN
+  assert with_layer_loop(unrolled, "unrolled") is unrolled
+  stacked = nnx.state(tiny_model.layers, nnx.Param).to_pure_dict()
+  first = nnx.state(unrolled.layers[1], nnx.Param).to_pure_dict()
+  for a, b in zip(jax.tree.leaves(stacked), jax.tree.leaves(first)):
+    np.testing.assert_array_equal(np.asarray(a)[1], np.asarray(b))
+  back = nnx.state(with_layer_loop(unrolled, LayerLoop.SCAN).layers, nnx.Param).to_pure_dict()
+  jax.tree.map(np.testing.assert_array_equal, back, stacked)
+  abstract_unrolled = with_layer_loop(abstract, LayerLoop.UNROLLED)
+  q = abstract_unrolled.layers[0].self_attn.q_proj.kernel
+  assert q.shape == (CFG.hidden_size, CFG.num_attention_heads * CFG.head_dim)
+
+
+def test_unrolled_layers_compute_the_scanned_function(tiny_model):
+  """Same greedy tokens and logprobs (to float rounding) through prefill and AR decode, and the unrolled program
+  takes no slice of a layer weight (the copies XLA:CPU makes of a scan's per-layer weights)."""
+  runners = {loop: Runner(tiny_model, _runner_config(24, layer_loop=loop))
+             for loop in (LayerLoop.SCAN, LayerLoop.UNROLLED)}
+  page_table = np.pad(np.array([[1, 2, 3], [4, 5, 6]], np.int32), ((0, 0), (0, 7)))
+  samp = SamplingArrays.greedy(2)
+  got = {}
+  for loop, runner in runners.items():
+    tokens = np.array([[5, 6, 7, 8] + [0] * 12, [9, 10, 11, 12] + [0] * 12], np.int32)
+    valid = np.zeros((2, 16), bool)
+    valid[:, :4] = True
+    out = runner.prefill(tokens, valid, np.zeros(2, np.int32), page_table, np.array([3, 3], np.int32), samp)
+    steps = [out[0]]
+    for i in range(3):
+      res = runner.verify(np.asarray(steps[-1]).reshape(2, 1), None, np.ones(2, bool),
+                          np.full(2, 4 + i, np.int32), page_table, samp)
+      steps.append(res.tokens[:, 0])
+      got.setdefault(loop, []).append(res.logprobs)
+    got[loop] = (np.stack(steps), np.stack(got[loop]))
+  np.testing.assert_array_equal(got[LayerLoop.SCAN][0], got[LayerLoop.UNROLLED][0])
+  np.testing.assert_allclose(got[LayerLoop.SCAN][1], got[LayerLoop.UNROLLED][1], atol=2e-5)
+  weight = f"f32[{CFG.hidden_size},{CFG.intermediate_size}]"
+  sliced = r"%[\w.-]*slice[\w.-]* = " + re.escape(weight) + r"|= " + re.escape(weight) + r"\{[^}]*\} (?:dynamic-)?slice\("
+  assert not re.findall(sliced, runners[LayerLoop.UNROLLED].compiled("decode", 1, 2).as_text())
+
+
+def test_cpu_variants_of_few_rows_compile_with_eigen_dots(tiny_model):
+  runner = Runner(tiny_model, _runner_config(24, compiler_options={"xla_cpu_enable_fast_math": False}))
+  assert runner.platform == "cpu"
+  decode, verify = StepKey(StepKind.DECODE, 1, 2), StepKey(StepKind.VERIFY, 8, 2)
+  big = StepKey(StepKind.PREFILL, 64, 2)  # 128 query rows: XLA's default dots
+  assert runner.compiler_options(decode) == runner.compiler_options(verify) == {
+      "xla_cpu_enable_fast_math": False, "xla_cpu_experimental_ynn_fusion_type": ""}
+  assert runner.compiler_options(big) == {"xla_cpu_enable_fast_math": False}
+  assert "ynn_fusion" not in runner.compiled(decode).as_text()
+  # a configured value wins over the CPU default
+  own = Runner(tiny_model, _runner_config(24, compiler_options={"xla_cpu_experimental_ynn_fusion_type": "x"}))
+  assert own.compiler_options(decode) == {"xla_cpu_experimental_ynn_fusion_type": "x"}

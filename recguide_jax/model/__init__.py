@@ -1,3 +1,5 @@
-from recguide_jax.model.nld import ForwardInputs, NLDModel, abstract_model, model_from_params, shard_model
+from recguide_jax.model.nld import (ForwardInputs, LayerLoop, NLDModel, abstract_model, layer_loop_of,
+                                    model_from_params, resolve_layer_loop, shard_model, with_layer_loop)
 
-__all__ = ["ForwardInputs", "NLDModel", "abstract_model", "model_from_params", "shard_model"]
+__all__ = ["ForwardInputs", "LayerLoop", "NLDModel", "abstract_model", "layer_loop_of", "model_from_params",
+           "resolve_layer_loop", "shard_model", "with_layer_loop"]

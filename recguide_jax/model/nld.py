@@ -9,11 +9,16 @@ The decoder layers are ONE module with every weight stacked on a leading layer a
 `scan_layers`), run by `jax.lax.scan`: a layer is traced and compiled once, so start-up time does not grow with
 depth. The KV cache is stacked the same way and rides in the scan carry whole; each layer writes and reads its own
 pages in place at its layer index (see kv_cache.py), so no step copies the cache.
+
+`with_layer_loop(model, LayerLoop.UNROLLED)` holds the same layers as a list of modules with their own weight
+buffers instead, run by an unrolled loop (see `LayerLoop` for when that is faster). Checkpoints, sharding and
+training always see the stacked form.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import enum
 
 import jax
 import jax.numpy as jnp
@@ -25,6 +30,32 @@ from recguide_jax import sharding
 from recguide_jax.config import NLDConfig
 from recguide_jax.kv_cache import KVCache, write_block
 from recguide_jax.model import rope
+
+
+class LayerLoop(enum.Enum):
+  """How a forward runs the decoder layers.
+
+  SCAN: one module whose weights are stacked [L, ...], run by `lax.scan`: a layer is compiled once whatever the
+  depth. On GPU and TPU the scan's per-layer slice of a stacked weight feeds the matmul where it lies.
+  UNROLLED: one module per layer, each with its own weight buffers, run by a Python loop. XLA:CPU materialises
+  every dynamic slice a scan takes of the stacked weights, i.e. it copies every weight on every step (about 40% of
+  an AR decode step of a 26M-parameter model, measured), so on the CPU the unrolled loop is faster; it compiles
+  every layer separately (start-up grows with depth).
+  AUTO: UNROLLED for concrete weights on a CPU device without a mesh, SCAN otherwise (accelerators, meshes and the
+  abstract weights that lower or plan programs for them).
+  """
+  AUTO = "auto"
+  SCAN = "scan"
+  UNROLLED = "unrolled"
+
+  @classmethod
+  def parse(cls, value: "LayerLoop | str") -> "LayerLoop":
+    if isinstance(value, cls):
+      return value
+    try:
+      return cls(str(value).lower())
+    except ValueError:
+      raise ValueError(f"layer_loop must be one of {[m.value for m in cls]}, got {value!r}") from None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -169,6 +200,10 @@ class NLDModel(nnx.Module):
   def hidden(self, inp: ForwardInputs, cache: KVCache | None = None) -> tuple[jax.Array, KVCache | None]:
     """Final-norm hidden states [b, Q, H] and the (possibly updated) cache."""
     h = sharding.constrain(self.embed_tokens(inp.tokens), "batch", "length", "act_embed")
+    if isinstance(self.layers, nnx.List):  # LayerLoop.UNROLLED: each layer's own weights, a static layer index
+      for i, layer in enumerate(self.layers):
+        h, cache = layer(h, inp, cache, i)
+      return self.norm(h), cache
     graphdef, stacked = nnx.split(self.layers)
 
     def one_layer(carry, xs):
@@ -196,6 +231,47 @@ class NLDModel(nnx.Module):
     return KVCache.create(cfg.num_hidden_layers, num_pages, page_size, cfg.num_key_value_heads, cfg.head_dim, dtype)
 
 
+def layer_loop_of(model: NLDModel) -> LayerLoop:
+  return LayerLoop.UNROLLED if isinstance(model.layers, nnx.List) else LayerLoop.SCAN
+
+
+def resolve_layer_loop(loop: LayerLoop | str, model: NLDModel, mesh=None) -> LayerLoop:
+  """AUTO -> UNROLLED for concrete weights on a CPU device with no mesh, else SCAN (see `LayerLoop`)."""
+  loop = LayerLoop.parse(loop)
+  if loop is not LayerLoop.AUTO:
+    return loop
+  leaf = jax.tree.leaves(nnx.state(model.embed_tokens, nnx.Param))[0]
+  on_cpu = isinstance(leaf, jax.Array) and all(d.platform == "cpu" for d in leaf.devices())
+  return LayerLoop.UNROLLED if on_cpu and mesh is None else LayerLoop.SCAN
+
+
+def with_layer_loop(model: NLDModel, loop: LayerLoop | str) -> NLDModel:
+  """`model` with its decoder layers held for `loop` (AUTO resolved with no mesh): the same model when they
+  already are, else a new NLDModel sharing every other weight whose layers are split into one module per layer
+  (UNROLLED; each row copied into its own buffer, so the stacked arrays can be freed) or stacked back (SCAN). The
+  forward computes the same function either way."""
+  loop = resolve_layer_loop(loop, model)
+  if loop is layer_loop_of(model):
+    return model
+  graphdef, state = nnx.split(model.layers)
+  num_layers = model.cfg.num_hidden_layers
+  if loop is LayerLoop.UNROLLED:
+    def row(x, i):
+      return jax.ShapeDtypeStruct(x.shape[1:], x.dtype) if isinstance(x, jax.ShapeDtypeStruct) else x[i]
+    layers = nnx.List([nnx.merge(graphdef, jax.tree.map(lambda x: row(x, i), state)) for i in range(num_layers)])
+  else:
+    per_layer = [nnx.split(layer)[1] for layer in model.layers]
+    graphdef = nnx.split(model.layers[0])[0]
+    def stack(*xs):
+      if isinstance(xs[0], jax.ShapeDtypeStruct):
+        return jax.ShapeDtypeStruct((len(xs),) + xs[0].shape, xs[0].dtype)
+      return jnp.stack(xs)
+    layers = nnx.merge(graphdef, jax.tree.map(stack, *per_layer))
+  arranged = nnx.merge(*nnx.split(model))  # a new module tree over the same arrays
+  arranged.layers = layers
+  return arranged
+
+
 def model_from_params(cfg: NLDConfig, flat: dict, *, dtype, attention_impl: str | None = None) -> NLDModel:
   """An NLDModel of `cfg` holding the flat {name: array} weights as they are (wherever they live: one device or
   their mesh shards); `dtype` is the compute dtype."""
@@ -215,7 +291,9 @@ def model_from_params(cfg: NLDConfig, flat: dict, *, dtype, attention_impl: str 
 
 def shard_model(model: NLDModel, mesh: jax.sharding.Mesh) -> NLDModel:
   """The same model with its weights placed on `mesh` by sharding.py's rules (KV heads replicated when tp exceeds
-  them, the config changed to match: an exactly equivalent model). The attention choice is kept."""
+  them, the config changed to match: an exactly equivalent model, its layers stacked). The attention choice is
+  kept."""
+  model = with_layer_loop(model, LayerLoop.SCAN)  # the sharding rules name the stacked weights
   pure = nnx.state(model, nnx.Param).to_pure_dict()
 
   def flatten(tree, prefix=""):
