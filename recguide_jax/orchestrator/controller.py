@@ -260,7 +260,7 @@ class RecGuideStrategy(Strategy):
       return self.fixed_regime
     if not self.switch:
       return Regime.OVERLAP if (self.overlap and concurrency <= 1) else Regime.ADAPTIVE
-    rates = self.expected_rates(concurrency, batch)
+    rates = self.expected_rates(concurrency, batch if self.overlap else None)
     if not self.overlap:
       rates.pop(Regime.OVERLAP)
     # one rate per regime: adaptive B is as good as its best block size
