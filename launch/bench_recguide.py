@@ -69,6 +69,7 @@ BUCKETING = {"adaptive no bucketing": False, "adaptive + bucketing": True}
 BASELINE_ROWS = ("ar", "linear B=8", "linear B=16", "linear B=32")
 WALL_ROWS = BASELINE_ROWS + ("recguide",)
 OFFICIAL_B = {1: 32, 2: 32, 4: 32, 8: 16, 16: 16, 32: 16, 64: 8, 128: 8}
+NOTES_MARK = "<!-- notes: written by hand, kept when the tables above are regenerated -->"
 
 
 def main(argv):
@@ -328,9 +329,13 @@ def priced(llm, recguide, levels, params, data, tables_path):
       print(f"C={c:<3} priced with {pname}: recguide {rg['priced_tokens_per_ms']:.3f} tok/ms, best fixed {best} "
             f"{rates[best]:.3f} ({rg['vs_best_fixed']:.3f}x), official {official} ({rg['vs_official_fixed']:.3f}x), "
             f"lossless={rg['lossless']}", flush=True)
+  command = ("python launch/bench_recguide.py --mode=priced --price_profiles=" + ",".join(FLAGS.price_profiles)
+             + f" --concurrency={','.join(map(str, levels))} --num_prompts={FLAGS.num_prompts} "
+             f"--max_tokens={FLAGS.max_tokens} --output_dir=docs")
   meta = {"mode": "priced", "checkpoint": str(FLAGS.checkpoint or "bundled"), "data": data,
           "num_prompts": FLAGS.num_prompts, "max_tokens": FLAGS.max_tokens, "price_profiles": FLAGS.price_profiles,
-          "recguide_tables": tables_path, "compiles_after_warmup": llm.runner.compiles_after_warmup}
+          "recguide_tables": tables_path, "recguide_tie_margin": configs[-1][1].tie_margin, "command": command,
+          "compiles_after_warmup": llm.runner.compiles_after_warmup}
   lines = []
   for pname in profiles:
     lines += [f"\nPriced with `{pname}` (tokens per profiled ms, decode forwards only):\n",
@@ -347,10 +352,18 @@ def priced(llm, recguide, levels, params, data, tables_path):
   out_md = cli.report_path("bench_recguide_priced.md", "out_md")
   with open(out_json, "w") as f:
     json.dump({"meta": meta, "results": rows}, f, indent=2)
+  notes = ""  # hand-written notes below NOTES_MARK in an earlier report survive a re-run
+  if os.path.exists(out_md):
+    with open(out_md) as f:
+      old = f.read()
+    if NOTES_MARK in old:
+      notes = "\n" + NOTES_MARK + old.split(NOTES_MARK, 1)[1]
   with open(out_md, "w") as f:
     f.write(f"Priced (`--mode=priced`): GSM8K test, {FLAGS.num_prompts} prompts, greedy, max {FLAGS.max_tokens} new "
             "tokens, a closed loop of C; each run's forward ledger priced with each profile; RecGuide decides with "
-            "the profile it is priced by (no wall-clock calibration).\n" + "\n".join(lines) + "\n")
+            "the profile it is priced by (no wall-clock calibration). Reproduce (GSM8K from --gsm8k_dir or "
+            "$RECGUIDE_GSM8K_DIR):\n\n"
+            f"    {command}\n" + "\n".join(lines) + "\n" + notes)
   print("\n".join(lines))
   print(f"wrote {out_json} and {out_md}")
 

@@ -13,7 +13,7 @@ from recguide_jax.benchmarks import priced_ms
 from recguide_jax.decoding import rounds
 from recguide_jax.decoding.strategy import RoundPlan, StepView
 from recguide_jax.engine.scheduler import group_plans
-from recguide_jax.orchestrator import adaptive, load_profile, value_fit
+from recguide_jax.orchestrator import adaptive, load_profile, overlap as ov, value_fit
 from recguide_jax.orchestrator.controller import RecGuideState, RecGuideStrategy
 from recguide_jax.orchestrator.profile import HardwareProfile
 from recguide_jax.orchestrator.signals import RoundRecord
@@ -166,3 +166,60 @@ def test_values_stop_at_the_budget():
   assert strategy._values(req) == pytest.approx({8: 3, 16: 3, 32: 3})
   view = StepView(1, 1, 64, 4096, 32, frozenset(), (req,))
   assert strategy.plan(req, view).block_size == 8  # the same tokens for the cheapest round
+
+
+def test_overlap_is_priced_with_its_entry():
+  """An overlap round drafts unless the request holds a branch from its last round, and a branch pays off only in a
+  round that follows: a request with a round or two left must not enter overlap on its steady-state price (B200
+  table, closed loop of 32: the last request's single overlap round cost a draft and a fused forward for the
+  tokens a B = 8 round gave)."""
+  b200 = load_profile("b200_nld8b")
+  strategy = RecGuideStrategy(16, profile=b200, tables=_tables(b200, rho=0.0), calibrate=False)
+  strategy.stats.accepted = {8: 4.8, 16: 5.0, 32: 5.1}  # engine-wide: adaptive's best is B = 8
+  strategy.stats.overlap_accepted, strategy.stats.overlap_hit = 4.5, 0.47  # the bundled tables' overlap priors
+  steady = strategy.expected_rates(1)
+  assert steady["overlap"] > 1.05 * steady["linear8"]  # in its steady state overlap wins at load 1
+
+  steps = iter(range(1, 100))
+
+  def plan(left, prefetched=False):
+    req = _Req("confident", ACCEPTS)
+    req.output_ids = [0] * (req.params.max_tokens - left)
+    if prefetched:
+      req.strategy_state.prefetched = ov.Prefetched(np.zeros(16, np.int32), np.zeros((3, 16)), "p1")
+    view = StepView(next(steps), 1, 64, 4096, 32, frozenset(), (req,), 1)  # a new step: the regime is re-decided
+    return strategy.plan(req, view)
+  assert plan(100).round is strategy.overlap_round  # many rounds left: entering pays for itself
+  assert plan(7).round is not strategy.overlap_round  # ~1.5 rounds left: the entry's draft is not recovered
+  assert plan(7, prefetched=True).round is strategy.overlap_round  # it holds a branch: this round drafts nothing
+
+
+def test_near_ties_go_to_the_cheaper_plan():
+  """A value model a little off makes a near-tie a loss: it prices B = 16 0.45% above B = 8, the rounds accept 1%
+  less than it says, and a step at B = 16 falls behind fixed B = 8; within `tie_margin` the cheaper fixed plan
+  runs, and a clear gain still does."""
+  rows = {c: {8: 10.0 * c ** 0.1, 16: 11.2 * c ** 0.1, 32: 20.0 * c ** 0.1} for c in (1, 8, 32)}
+  prof = HardwareProfile(draft_verify_ms=rows, name="near_tie", ar_step_ms={c: 8.0 * c ** 0.1 for c in (1, 8, 32)})
+  fit = {"confident": {8: 8, 16: 9, 32: 9}, "unsure": {8: 3, 16: 3, 32: 3}}
+  real = {"confident": {8: 8, 16: 8.9, 32: 8.9}, "unsure": {8: 3, 16: 3, 32: 3}}
+  steps = _steps(8, 1.0, n_steps=20)
+  fixed = _fixed(steps, prof, real)
+  assert fixed["linear8"] > fixed["linear16"]
+
+  def run(accepts, **kw):
+    strategy = RecGuideStrategy(16, profile=prof, tables=_tables(prof, rho=0.0, accepts=fit), calibrate=False,
+                                overlap=False, **kw)
+    return _recguide(steps, prof, strategy, accepts), strategy.step_plans
+  exact, plans = run(real, tie_margin=0.0)
+  assert exact < fixed["linear8"] and set(plans) == {"linear16"}  # the old rule: behind fixed B = 8
+  ours, plans = run(real)
+  assert ours >= max(fixed.values()) * (1 - 1e-12) and set(plans) == {"linear8"}
+  # a gain above the margin is taken: the rounds at B = 16 accept what the model says (9 vs 8 for 12% more time
+  # would not be; 10 vs 8 is)
+  clear = {"confident": {8: 8, 16: 10, 32: 10}, "unsure": {8: 3, 16: 3, 32: 3}}
+  strategy = RecGuideStrategy(16, profile=prof, tables=_tables(prof, rho=0.0, accepts=clear), calibrate=False,
+                              overlap=False)
+  _recguide(steps, prof, strategy, clear)
+  assert set(strategy.step_plans) == {"linear16"}
+  with pytest.raises(ValueError, match="tie_margin"):
+    RecGuideStrategy(16, profile=prof, tie_margin=1.5)

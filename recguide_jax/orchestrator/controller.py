@@ -45,6 +45,11 @@ class Regime(enum.StrEnum):
 
 
 HISTORY = 4  # verification rounds a request's history keeps (the signals read the last two)
+# how much more tokens per unit time a plan must be priced at to replace a cheaper one (`plan_step`): its values are
+# estimates, and a gain below their error is a coin flip that can only add variance against the fixed plan. The
+# bundled value model's per-B mean error on GSM8K test prompts was -4% to +3% (docs/bench_recguide_priced.md), so a
+# priced gain under 1% is no gain; giving it up costs at most 1% on the steps where it applies.
+TIE_MARGIN = 0.01
 PAPER_DELTA = 0.5  # risky-position margin threshold of the paper (NLD-8B)
 
 
@@ -82,7 +87,8 @@ class RecGuideStrategy(Strategy):
                components=("p1", "p2", "continuation"),
                overlap: bool = True, adaptive: bool = True, switch: bool = True, profile=None, tables=None,
                fixed_regime: str | None = None, entropy_head_cap: int | None = None, calibrate: bool = True,
-               overlap_slots: int | None = None, prefix_exponent: float | None = None, batch_priced: bool = True):
+               overlap_slots: int | None = None, prefix_exponent: float | None = None, batch_priced: bool = True,
+               tie_margin: float = TIE_MARGIN):
     if block_size not in BLOCKS:
       raise ValueError(f"recguide block_size must be one of {BLOCKS}, got {block_size}")
     self.block_size = block_size
@@ -123,6 +129,9 @@ class RecGuideStrategy(Strategy):
     # True: a step's adaptive plan is priced as the batch it runs as, against every fixed-B plan and AR; False: the
     # paper's per-request rule alone (the Table 6 ablation rows)
     self.batch_priced = batch_priced
+    if not 0.0 <= tie_margin < 1.0:
+      raise ValueError(f"tie_margin must lie in [0, 1), got {tie_margin}")
+    self.tie_margin = tie_margin  # a plan replaces a cheaper one only when priced this much (relative) above it
     self.step_plans = collections.Counter()  # which plan the batch pricing chose, per step ("rule", "linear8", ...)
     self.stats = OnlineStats()
     # True: the profile's costs are corrected online by the engine's measured round times (this machine's wall
@@ -198,14 +207,40 @@ class RecGuideStrategy(Strategy):
       self.calibrated.clock.observe(kind, block_size, rows, seconds)
 
   # ---- regime switch -------------------------------------------------------------------------------------------------
-  def expected_rates(self, concurrency: int) -> dict[str, float]:
+  def expected_rates(self, concurrency: int, batch=None) -> dict[str, float]:
     """Tokens per unit time per request for each regime at this concurrency, keyed "ar", "linear<B>" (adaptive
-    B stands on its best block) and "overlap"."""
+    B stands on its best block) and "overlap". `batch`: the step's requests, when known; overlap is then priced
+    from their state (`overlap_draft_share`), else in its steady state."""
     c = max(concurrency, 1)
-    return {key: self._rate(key, c, self._round_cost) for key in ("ar", *(f"linear{b}" for b in BLOCKS), "overlap")}
+    share = self.overlap_draft_share(batch) if batch else None
+    return {key: self._rate(key, c, self._round_cost, share)
+            for key in ("ar", *(f"linear{b}" for b in BLOCKS), "overlap")}
 
-  def _rate(self, rate_key: str, c: int, cost: Callable[[str, int, int], float]) -> float:
-    """One regime's expected tokens per unit time per request, with round costs from `cost(kind, B, rows)`."""
+  def overlap_draft_share(self, batch) -> float | None:
+    """The share of overlap rounds that pay a draft forward, from this step to the end of `batch`'s requests that
+    would run them (None: none would).
+
+    In its steady state an overlap round drafts only on a miss (1 - hit rate: a hit's branch is the next round's
+    draft). A request that holds no prefetched branch (entering overlap, or after a miss) drafts in this round for
+    sure, and a branch pays off only in a round that follows: over its R = left / accepted remaining rounds it
+    drafts 1 + (R - 1)(1 - hit) times, so entering is worth it only when enough rounds are left to recover the
+    draft. Priced in the steady state alone, a request with a round or two left entered overlap at the end of a
+    run (B200 table, C = 32: the last request's one overlap round cost a draft and a 5-block fused forward for
+    the tokens a B = 8 round gave). A request holding a branch drafts 1 - hit per round less than that."""
+    hit, accepted = self.stats.overlap_hit, max(self.stats.overlap_accepted, 1.0)
+    shares = []
+    for req in batch:
+      if not self._overlaps(req):
+        continue
+      left = max(1.0, self._remaining(req) / accepted)
+      first = 0.0 if self.state(req).prefetched is not None else 1.0
+      shares.append((first + (left - 1.0) * (1.0 - hit)) / left)
+    return sum(shares) / len(shares) if shares else None
+
+  def _rate(self, rate_key: str, c: int, cost: Callable[[str, int, int], float],
+            draft_share: float | None = None) -> float:
+    """One regime's expected tokens per unit time per request, with round costs from `cost(kind, B, rows)`;
+    `draft_share`: the share of overlap rounds that draft (default: the steady state's, 1 - hit rate)."""
     if rate_key == Regime.AR:
       return 1.0 / cost(RoundKind.AR, 1, c)
     if rate_key.startswith(Regime.LINEAR):
@@ -214,15 +249,18 @@ class RecGuideStrategy(Strategy):
     blk = self.block_size
     fused = cost(RoundKind.OVERLAP, blk, c)
     with_draft = max(cost(RoundKind.OVERLAP_DRAFT, blk, c), fused)
-    return self.stats.overlap_accepted / (fused + (1 - self.stats.overlap_hit) * (with_draft - fused))
+    share = 1 - self.stats.overlap_hit if draft_share is None else draft_share
+    return self.stats.overlap_accepted / (fused + share * (with_draft - fused))
 
-  def regime(self, concurrency: int) -> Regime:
+  def regime(self, concurrency: int, batch=None) -> Regime:
+    """The step's regime at this load; `batch`: the step's requests, when known (overlap is then priced from
+    their state, `overlap_draft_share`)."""
     self.probing = False
     if self.fixed_regime:
       return self.fixed_regime
     if not self.switch:
       return Regime.OVERLAP if (self.overlap and concurrency <= 1) else Regime.ADAPTIVE
-    rates = self.expected_rates(concurrency)
+    rates = self.expected_rates(concurrency, batch if self.overlap else None)
     if not self.overlap:
       rates.pop(Regime.OVERLAP)
     # one rate per regime: adaptive B is as good as its best block size
@@ -340,9 +378,11 @@ class RecGuideStrategy(Strategy):
     AR unless the regime is pinned). A plan's expected tokens are the sum of its requests' values (`_values`; 1
     per AR step), its cost the rounds the engine will run for it, mixed blocks batched the cheapest way
     (`grouping.plan_cost`, as the engine's "auto" grouping does), every round priced by this strategy's cost model
-    (`round_cost`). The step runs the plan with the most tokens per unit time; a tie keeps the plan listed first
-    (AR, then B ascending, then the rule), so the rule runs only when it is priced strictly above every fixed
-    plan."""
+    (`round_cost`). The step runs the plan with the most tokens per unit time; a near-tie keeps the plan listed
+    first (AR, then B ascending, then the rule: the cheaper round, and a fixed plan before the mixed one): a later
+    plan replaces the best so far only when priced more than `tie_margin` above it. In a closed loop of 32 on the
+    B200 table, a step of 3 drain requests priced B = 16 0.2% above B = 8 on the value model's estimates; the
+    round gave the tokens B = 8 would have for 6.7% more time, and left RecGuide behind fixed B = 8 for the run."""
     c = max(concurrency, 1)
     if self._step_costs is None:
       self._step_costs = self._linear_costs(c)
@@ -357,7 +397,7 @@ class RecGuideStrategy(Strategy):
     for name, blocks in [*((f"linear{b}", [b] * n) for b in BLOCKS), ("rule", rule)]:
       cost = grouping.plan_cost(blocks, self.round_cost)
       rate = sum(v[b] for v, b in zip(values, blocks)) / cost
-      if rate > best_rate * (1 + 1e-9):
+      if rate > best_rate * (1 + max(self.tie_margin, 1e-9)):
         best_name, best_blocks, best_rate = name, blocks, rate
     return best_name, best_blocks
 
@@ -391,7 +431,7 @@ class RecGuideStrategy(Strategy):
     # request (per-request Python work showed up as a few % of an AR step at high concurrency)
     key = (view.step, concurrency, load)
     if self._regime_memo[0] != key:
-      self._regime_memo = (key, self.regime(load))
+      self._regime_memo = (key, self.regime(load, view.batch))
       self._eos = view.eos_token_ids
       self._step_costs = None
       self._step_plan = None
