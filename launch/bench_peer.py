@@ -99,6 +99,7 @@ class PeerConfig:
   prompt_source: str = "auto"  # "random" | "gsm8k" | "auto" (gsm8k for a checkpoint with a tokenizer)
   data: str | None = None  # GSM8K jsonl for prompt_source gsm8k
   attention: str = "auto"
+  layer_loop: str = "auto"  # our engine's (model.LayerLoop: auto, scan, unrolled)
   seed: int = 0
 
   def validate(self) -> "PeerConfig":
@@ -445,7 +446,7 @@ def run_peer(cfg: PeerConfig, log=print) -> dict:
         llm = LLM(ckpt_dir, policy="ar", block_sizes=blocks, max_batch=max(b for _, b, p in dcells
                                                                             if p in group_lens),
                   max_model_len=max_len, warmup=False, dtype=dtype, compile_cache_dir=None,
-                  attention=cfg.attention)
+                  attention=cfg.attention, layer_loop=cfg.layer_loop)
         load_s = time.perf_counter() - t0
         tokenizer = llm.tokenizer
         use_gsm8k = cfg.prompt_source == "gsm8k" or (cfg.prompt_source == "auto" and tokenizer is not None and
@@ -470,7 +471,8 @@ def run_peer(cfg: PeerConfig, log=print) -> dict:
       "jax": jax.__version__, "jax_backend": jax.default_backend(), "torch": torch.__version__,
       "transformers": __import__("transformers").__version__, "theirs": "Ministral3ForCausalLM.generate, greedy, "
       "DynamicCache, sdpa attention, eos_token_id=None", "ours": "LLM.generate, temperature 0, ignore_eos",
-      "load_average_start": list(load_start), "load_average_end": list(os.getloadavg()),
+      "layer_loops": sorted({c["layer_loop"] for c in results}), "load_average_start": list(load_start),
+      "load_average_end": list(os.getloadavg()),
       "time_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "code": code_version(),
       "note_linear": ("random model: no draft LoRA (lora_rank 0), the draft is the untrained base model predicting "
                       "masked tokens, so LinearSS accepts ~1 token per round and cannot win; its row checks "
@@ -530,7 +532,8 @@ def _run_cell(cfg, llm, theirs_model, ckpt_dir, dtype, batch, plen, max_len, loa
     rows[c]["equal_rows_vs_theirs"] = sum(r["equal"] for r in rows[c]["rows_vs_theirs"])
     rows[c]["equal_rows_vs_ours_ar"] = sum(r["equal"] for r in rows[c]["rows_vs_ours_ar"])
   cell = {"dtype": dtype, "batch": batch, "prompt_len": plen, "new_tokens": cfg.new_tokens, "max_model_len": max_len,
-          "prompt_source": source, "engine_load_s": load_s, "configs": rows,
+          "prompt_source": source, "engine_load_s": load_s, "layer_loop": llm.runner.layer_loop.value,
+          "configs": rows,
           "ar_equal_to_theirs": rows["ours ar"]["equal_rows_vs_theirs"] == batch}
   ar = rows["ours ar"]
   log(f"{dtype:<8} b={batch:<3} prompt={plen:<4} AR {ar['decode_tokens_per_s']:8.1f} tok/s "
@@ -553,7 +556,8 @@ def markdown(result: dict) -> str:
       f"{m['heads']} heads / {m['kv_heads']} KV heads x {m['head_dim']}, MLP {m['intermediate']}, vocab "
       f"{m['vocab']}). Same converted weights on both sides; greedy; {meta['new_tokens']} new tokens per row with "
       f"EOS ignored; median of {meta['repeats']} interleaved repeats after one warm-up run per config.",
-      f"Ours: {meta['ours']}, max_model_len {meta['max_model_len']}, jax {meta['jax']} ({meta['jax_backend']}). "
+      f"Ours: {meta['ours']}, max_model_len {meta['max_model_len']}, layer loop "
+      f"{', '.join(meta.get('layer_loops', [])) or 'scan'}, jax {meta['jax']} ({meta['jax_backend']}). "
       f"Theirs: transformers {meta['transformers']} {meta['theirs']}, torch {meta['torch']} with "
       f"{meta['torch_threads']} threads; XLA: {meta['xla_threads']} ({meta['cpu_count']} cores). Load average "
       f"{meta['load_average_start'][0]:.1f} at the start, {meta['load_average_end'][0]:.1f} at the end "
@@ -637,6 +641,8 @@ def _define_flags():
   flags.DEFINE_enum("prompt_source", "auto", ["auto", "random", "gsm8k"], "Prompt tokens (auto: GSM8K text for "
                     "a checkpoint with a tokenizer, else random ids).")
   cli.define_data_flag("test", what="--prompt_source gsm8k")
+  flags.DEFINE_enum("layer_loop", "auto", ["auto", "scan", "unrolled"], "Our engine's layer loop (auto: unrolled "
+                    "on a CPU when the weights exceed its last-level cache).")
   flags.DEFINE_enum("attention", "auto", ["auto", "reference", "pallas"], "Our attention implementation.")
   cli.define_output_flags("bench_peer")
 
@@ -674,7 +680,7 @@ def main(argv):
                    prompt_lens=_ints("prompt_lens"), new_tokens=f.max_tokens, repeats=f.repeats,
                    policies=tuple(f.policies), block_size=f.block_size, threads=f.threads,
                    max_model_len=f.max_model_len, max_cell_tokens=f.max_cell_tokens, prompt_source=f.prompt_source,
-                   data=data, attention=f.attention, seed=f.seed)
+                   data=data, attention=f.attention, layer_loop=f.layer_loop, seed=f.seed)
   try:
     cfg.validate()
   except ValueError as e:

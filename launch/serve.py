@@ -63,8 +63,9 @@ _ATTENTION = flags.DEFINE_enum("attention", "auto", ["auto", "reference", "palla
                                "Attention implementation: Pallas kernels on GPU/TPU, the jnp reference on CPU.")
 _LAYER_LOOP = flags.DEFINE_enum("layer_loop", "auto", ["auto", "scan", "unrolled"],
                                 "How the forward runs the decoder layers: scan (stacked weights, compiled once; "
-                                "GPU/TPU), unrolled (a module per layer; faster on the CPU, where XLA copies every "
-                                "weight a scan slices), auto (unrolled on a CPU device without a mesh, else scan).")
+                                "GPU/TPU), unrolled (a module per layer; faster on a CPU for weights larger than "
+                                "its cache, since XLA copies every weight a scan slices), auto (unrolled on a CPU "
+                                "device without a mesh when the weights exceed its last-level cache, else scan).")
 _BACKGROUND_COMPILE = flags.DEFINE_boolean(
     "background_compile", True, "Compile only the largest batch bucket of each step variant before serving and the "
     "smaller buckets on a background thread (their batches run padded in the largest until then; no request waits "

@@ -159,7 +159,7 @@ class LLM:
     (`SamplingParams.prompt_logprobs`); otherwise the first request that asks for prompt logprobs compiles it.
 
     `layer_loop`: "auto", "scan" or "unrolled", how the forward runs the decoder layers (`model.LayerLoop`; auto:
-    unrolled on a CPU device without a mesh, where XLA copies every weight a scan slices, else scanned)."""
+    unrolled on a CPU device without a mesh for weights larger than its last-level cache, else scanned)."""
     from absl import logging
 
     from recguide_jax import attention_dispatch, memory_plan

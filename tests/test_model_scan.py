@@ -1,7 +1,8 @@
 """The scanned layer stack and its runner: every cache-writing step updates the stacked KV cache in place (no copy
 of the cache, whatever its size), AR decode takes no draft distribution, and warm-up compiles variants
 concurrently without changing what counts as compiled. The unrolled layer loop (`LayerLoop.UNROLLED`, the CPU's
-default) computes the same function over per-layer weight buffers that no step slices."""
+default for weights larger than the host's cache) computes the same function over per-layer weight buffers that
+no step slices."""
 
 import re
 
@@ -107,11 +108,14 @@ def test_parallel_warmup_compiles_every_variant_once(tiny_model):
 # ---- the layer loop ------------------------------------------------------------------------------------------------
 def test_layer_loop_resolves_and_round_trips(tiny_model):
   assert layer_loop_of(tiny_model) is LayerLoop.SCAN
-  assert resolve_layer_loop("auto", tiny_model) is LayerLoop.UNROLLED  # concrete weights on the CPU, no mesh
+  # concrete weights on the CPU, no mesh: unrolled once they exceed the last-level cache
+  assert resolve_layer_loop("auto", tiny_model, cache_bytes=1024) is LayerLoop.UNROLLED
+  assert resolve_layer_loop("auto", tiny_model, cache_bytes=1 << 30) is LayerLoop.SCAN
+  assert resolve_layer_loop("auto", tiny_model) is LayerLoop.SCAN  # a few hundred KB fit any host's cache
   mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]), ("tp",))
-  assert resolve_layer_loop(LayerLoop.AUTO, tiny_model, mesh) is LayerLoop.SCAN
+  assert resolve_layer_loop(LayerLoop.AUTO, tiny_model, mesh, cache_bytes=1024) is LayerLoop.SCAN
   abstract = nnx.eval_shape(lambda: NLDModel(CFG))
-  assert resolve_layer_loop("auto", abstract) is LayerLoop.SCAN  # abstract weights lower for accelerators
+  assert resolve_layer_loop("auto", abstract, cache_bytes=1024) is LayerLoop.SCAN  # lowers for other devices
   assert Runner.abstract(CFG, _runner_config(8), jnp.float32).layer_loop is LayerLoop.SCAN
   with pytest.raises(ValueError, match="layer_loop"):
     RunnerConfig(layer_loop="sideways")
@@ -153,7 +157,8 @@ def test_unrolled_layers_compute_the_scanned_function(tiny_model):
   np.testing.assert_array_equal(got[LayerLoop.SCAN][0], got[LayerLoop.UNROLLED][0])
   np.testing.assert_allclose(got[LayerLoop.SCAN][1], got[LayerLoop.UNROLLED][1], atol=2e-5)
   weight = f"f32[{CFG.hidden_size},{CFG.intermediate_size}]"
-  sliced = r"%[\w.-]*slice[\w.-]* = " + re.escape(weight) + r"|= " + re.escape(weight) + r"\{[^}]*\} (?:dynamic-)?slice\("
+  w = re.escape(weight)
+  sliced = r"%[\w.-]*slice[\w.-]* = " + w + r"|= " + w + r"\{[^}]*\} (?:dynamic-)?slice\("
   assert not re.findall(sliced, runners[LayerLoop.UNROLLED].compiled("decode", 1, 2).as_text())
 
 

@@ -5,11 +5,11 @@ pads a batch to its bucket (padding rows use the trash page and never write real
 results back (tokens, accepted lengths, logprobs); logits and draft distributions stay on the device. Every
 device call goes through `execute`, the one point a multi-host leader mirrors to its followers.
 
-Start-up: the layers are one scanned module, so a variant's compile time does not grow with depth; `warmup`
-compiles variants concurrently (XLA compiles outside the GIL), and with `background` it compiles only the largest
-batch bucket of each variant before returning (every batch fits it) and builds the smaller buckets on a
-background thread; `bucket_for` routes a batch to the smallest bucket that is ready, so no request waits on a
-compile.
+Start-up: the layers are one scanned module, so a variant's compile time does not grow with depth (on a CPU
+device, weights larger than its cache run unrolled by default: `RunnerConfig.layer_loop`); `warmup` compiles
+variants concurrently (XLA compiles outside the GIL), and with `background` it compiles only the largest batch
+bucket of each variant before returning (every batch fits it) and builds the smaller buckets on a background
+thread; `bucket_for` routes a batch to the smallest bucket that is ready, so no request waits on a compile.
 
 With a mesh, every variant is jitted with explicit shardings: the state's own, the cache's (`cache_sharding`), and
 replicated small host inputs and results.
@@ -23,7 +23,7 @@ import math
 import os
 import threading
 import time
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any, Callable, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -33,19 +33,14 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from recguide_jax import sampling, sharding
 from recguide_jax.kv_cache import KVCache
-from recguide_jax.model import LayerLoop, NLDModel, resolve_layer_loop, with_layer_loop
-from recguide_jax.runtime.compilation import BackgroundCompiler, CompileCounter, enable_compile_cache
-from recguide_jax.runtime.step_key import (BLOCK_SIZES, StepKey, StepKind, batch_buckets, kind_label,
-                                           parse_kind_label)
+from recguide_jax.model import LayerLoop, NLDModel, resolve_layer_loop, weights_platform, with_layer_loop
+from recguide_jax.runtime.compilation import (BackgroundCompiler, CompileCounter, compile_with_options,
+                                              enable_compile_cache, variant_compiler_options)
+from recguide_jax.runtime.step_key import (BLOCK_SIZES, StepKey, StepKind, batch_buckets, fused_kind,  # noqa: F401
+                                           fused_slots, parse_kind_label)
 from recguide_jax.runtime.steps import SamplingArrays, StepFunctions, example_host_args
 
 MAX_COMPILE_WORKERS = 8  # default bound on concurrent variant compiles in `Runner.warmup`
-# XLA:CPU sends dots to YNNPACK fusions by default. For products of few rows (AR decode at any batch up to this
-# many rows, small verifies) its own Eigen dot is faster: an AR decode step of a 26M-parameter fp32 model at batch 8
-# took 1.22x less time without them, while verify and draft steps of 128 rows were 4-9% slower (2-core x86 VM,
-# interleaved medians; docs/bench_peer.md). So CPU variants of at most this many query rows compile without them.
-CPU_EIGEN_DOT_MAX_ROWS = 64
-_NO_YNN_DOTS = ("xla_cpu_experimental_ynn_fusion_type", "")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -60,17 +55,15 @@ class RunnerConfig:
   compile_cache_dir: str | None = None
   # warm up only the largest batch bucket and compile the smaller ones on a background thread (see module doc)
   background_compile: bool = False
-  # how the forward runs the decoder layers (model/nld.py `LayerLoop`; AUTO: unrolled on a CPU device, else scanned)
+  # how the forward runs the decoder layers (model/nld.py `LayerLoop`; AUTO: see there)
   layer_loop: LayerLoop = LayerLoop.AUTO
-  # XLA debug options for every step variant this runner compiles ({name: value}, e.g. an xla_gpu_* option); they
-  # are part of each executable (and of its compilation-cache key), not of the process
+  # XLA options ({name: value} or pairs) of every variant this runner compiles: per executable, not per process
   compiler_options: tuple[tuple[str, Any], ...] = ()
 
   def __post_init__(self):
     object.__setattr__(self, "layer_loop", LayerLoop.parse(self.layer_loop))
-    opts = self.compiler_options
-    items = opts.items() if isinstance(opts, Mapping) else opts
-    object.__setattr__(self, "compiler_options", tuple(sorted((str(k), v) for k, v in items)))
+    opts = dict(self.compiler_options)  # a mapping or (name, value) pairs
+    object.__setattr__(self, "compiler_options", tuple(sorted((str(k), v) for k, v in opts.items())))
     for name in ("num_pages", "page_size", "max_model_len", "max_batch", "prefill_chunk"):
       if getattr(self, name) <= 0:
         raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
@@ -102,11 +95,6 @@ class VerifyResult:
   draft_signals: np.ndarray | None = None  # [b, 3, B]
 
 
-def _weights_platform(model: NLDModel) -> str | None:
-  leaf = jax.tree.leaves(nnx.state(model.embed_tokens, nnx.Param))[0]
-  return next(iter(leaf.devices())).platform if isinstance(leaf, jax.Array) else None
-
-
 def _spec_of(x) -> jax.ShapeDtypeStruct:
   return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=getattr(x, "sharding", None))
 
@@ -131,7 +119,7 @@ class Runner:
     self.mesh = mesh
     self.layer_loop = resolve_layer_loop(config.layer_loop, model, mesh)
     self.platform = (mesh.devices.flat[0].platform if mesh is not None else
-                     _weights_platform(model) or jax.default_backend())
+                     weights_platform(model) or jax.default_backend())
     self.graphdef, self.state = nnx.split(with_layer_loop(model, self.layer_loop))
     self.steps = StepFunctions(self.cfg, self.graphdef, config.rule)
     embedding = jax.tree.leaves(nnx.state(model.embed_tokens, nnx.Param))[0]
@@ -243,23 +231,12 @@ class Runner:
     return fn
 
   def compiler_options(self, key: StepKey) -> dict[str, Any]:
-    """The XLA options variant `key` compiles with: the configured ones, plus on the CPU Eigen dots for variants
-    of at most `CPU_EIGEN_DOT_MAX_ROWS` query rows (unless the configuration names the option itself)."""
-    opts = dict(self.config.compiler_options)
-    if self.platform == "cpu" and key.batch * key.query_tokens <= CPU_EIGEN_DOT_MAX_ROWS:
-      opts.setdefault(*_NO_YNN_DOTS)
-    return opts
+    """The XLA options variant `key` compiles with (compilation.py `variant_compiler_options`)."""
+    return variant_compiler_options(dict(self.config.compiler_options), self.platform,
+                                    key.batch * key.query_tokens)
 
   def _compile(self, key: StepKey):
-    lowered = self.lower(key)
-    opts = self.compiler_options(key)
-    try:
-      return lowered.compile(compiler_options=opts or None)
-    except Exception as e:  # a jaxlib without the CPU option: compile with XLA's defaults (only a speed choice)
-      if _NO_YNN_DOTS[0] not in str(e) or _NO_YNN_DOTS[0] in dict(self.config.compiler_options):
-        raise
-      opts.pop(_NO_YNN_DOTS[0])
-      return lowered.compile(compiler_options=opts or None)
+    return compile_with_options(self.lower(key), self.compiler_options(key), dict(self.config.compiler_options))
 
   def variants(self, kinds: Sequence[str | StepKind], block_sizes: tuple[int, ...] | None = None) -> list[StepKey]:
     """Every variant the given step kinds (labels such as "fused2" allowed) need for `block_sizes` (default: the
@@ -412,17 +389,3 @@ class Runner:
                         (seed, prefix_len, page_table, threshold) + samp.args() + (active,))
     return jax.device_get(outs)
 
-
-def fused_kind(slots: int) -> str:
-  """The step-kind label of a fused verify+branches forward with `slots` branch slots."""
-  if slots < 1:
-    raise ValueError(f"a fused forward needs at least one branch slot, got {slots}")
-  return kind_label(StepKind.FUSED, slots)
-
-
-def fused_slots(kind: str) -> int:
-  """Inverse of `fused_kind`."""
-  kind_enum, slots = parse_kind_label(kind)
-  if kind_enum != StepKind.FUSED:
-    raise ValueError(f"{kind!r} is not a fused step kind")
-  return slots

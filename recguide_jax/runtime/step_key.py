@@ -104,3 +104,18 @@ def batch_buckets(max_batch: int) -> tuple[int, ...]:
     b *= 2
   out.append(max_batch)
   return tuple(out)
+
+
+def fused_kind(slots: int) -> str:
+  """The step-kind label of a fused verify+branches forward with `slots` branch slots."""
+  if slots < 1:
+    raise ValueError(f"a fused forward needs at least one branch slot, got {slots}")
+  return kind_label(StepKind.FUSED, slots)
+
+
+def fused_slots(kind: str) -> int:
+  """Inverse of `fused_kind`."""
+  kind_enum, slots = parse_kind_label(kind)
+  if kind_enum != StepKind.FUSED:
+    raise ValueError(f"{kind!r} is not a fused step kind")
+  return slots
