@@ -25,8 +25,8 @@ import jax.numpy as jnp
 from flax import nnx
 
 from recguide_jax import attention as attn_lib
-from recguide_jax import host_cpu
 from recguide_jax import attention_dispatch
+from recguide_jax import host_cpu
 from recguide_jax import sharding
 from recguide_jax.config import NLDConfig
 from recguide_jax.kv_cache import KVCache, write_block
@@ -41,7 +41,7 @@ class LayerLoop(enum.Enum):
   UNROLLED: one module per layer, each with its own weight buffers, run by a Python loop. XLA:CPU materialises
   every dynamic slice a scan takes of the stacked weights, i.e. it copies every weight on every step. Weights
   larger than the last-level cache make that copy a second trip to memory: an AR decode step of a 26M-parameter
-  fp32 model (106 MB, 32 MB cache) ran 1.1-1.5x faster unrolled; the bundled 4M model (16 MB) ran 7-20% slower.
+  fp32 model (106 MB, 32 MB cache) ran 1.1-1.8x faster unrolled; the bundled 4M model (16 MB) ran 7-21% slower.
   It compiles every layer separately (start-up grows with depth).
   AUTO: UNROLLED for concrete weights on a CPU device without a mesh whose bytes exceed the host's last-level
   cache; SCAN otherwise (accelerators, meshes, models that fit the cache, and the abstract weights that lower or

@@ -95,6 +95,14 @@ class VerifyResult:
   draft_signals: np.ndarray | None = None  # [b, 3, B]
 
 
+def _mesh_platform(mesh) -> str | None:
+  """The platform a mesh's variants compile for; None for an AbstractMesh (it lowers for a platform named then)."""
+  try:
+    return mesh.devices.flat[0].platform
+  except ValueError:
+    return None
+
+
 def _spec_of(x) -> jax.ShapeDtypeStruct:
   return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=getattr(x, "sharding", None))
 
@@ -118,8 +126,7 @@ class Runner:
     self.config = config
     self.mesh = mesh
     self.layer_loop = resolve_layer_loop(config.layer_loop, model, mesh)
-    self.platform = (mesh.devices.flat[0].platform if mesh is not None else
-                     weights_platform(model) or jax.default_backend())
+    self.platform = _mesh_platform(mesh) if mesh is not None else weights_platform(model) or jax.default_backend()
     self.graphdef, self.state = nnx.split(with_layer_loop(model, self.layer_loop))
     self.steps = StepFunctions(self.cfg, self.graphdef, config.rule)
     embedding = jax.tree.leaves(nnx.state(model.embed_tokens, nnx.Param))[0]
