@@ -221,10 +221,11 @@ class LLM:
         tokenizer = Tokenizer.from_dir(checkpoint_dir)
     attention_dispatch.set_attention_impl(model, attention)  # before the runner splits the model
     # arranged here, not only in the runner, so that the stacked weights are not also kept alive by `self.model`
-    model = with_layer_loop(model, resolve_layer_loop(config.layer_loop, model, self.mesh))
+    loop = resolve_layer_loop(config.layer_loop, model, self.mesh)
+    model = with_layer_loop(model, loop)
     self.model = model
     self.tokenizer = tokenizer
-    self.runner_config = dataclasses.replace(config, num_pages=self.memory_plan.num_pages)
+    self.runner_config = dataclasses.replace(config, num_pages=self.memory_plan.num_pages, layer_loop=loop)
     self.engine = data_parallel.build_engine(model, self.runner_config, self.policy, mesh=self.mesh,
                                              tokenizer=tokenizer, max_queue=max_queue,
                                              bucketing=self.engine_config.bucketing)
