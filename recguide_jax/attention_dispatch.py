@@ -27,6 +27,7 @@ import jax
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 
+from recguide_jax import kv_cache
 from recguide_jax import live_attention
 from recguide_jax import sharding
 
@@ -98,6 +99,11 @@ def block_attention(q: jax.Array, k_block: jax.Array, v_block: jax.Array, block_
                 layer=layer)
   if path == "reference":
     return live_attention.block_attention(q, k_block, v_block, block_mask, **kwargs)
+  if k_pages is not None and kv_cache.holds_bits(k_pages.dtype):
+    # a CPU cache of raw bits (kv_cache.storage_dtype) reaches a kernel only when interpreted on the CPU (tests,
+    # debugging): view all of it as the float it holds, a copy the native kernels never make
+    kwargs.update(k_pages=kv_cache.from_storage(k_pages, k_block.dtype),
+                  v_pages=kv_cache.from_storage(v_pages, v_block.dtype))
   # imported here: Pallas (and its backends) load only when a kernel is wanted
   if variant == "tpu":
     from pallas_kernels import block_attention_tpu as kernel

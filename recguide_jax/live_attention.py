@@ -61,8 +61,8 @@ def block_attention(q: jax.Array, k_block: jax.Array, v_block: jax.Array, block_
     def body(i, carry):
       m, denom, acc = carry
       pages = jax.lax.dynamic_slice_in_dim(page_table, i * per_chunk, per_chunk, axis=1)
-      k = gather_prefix(k_pages, pages, layer).astype(q.dtype)
-      v = gather_prefix(v_pages, pages, layer).astype(v_block.dtype)
+      k = gather_prefix(k_pages, pages, layer, k_block.dtype).astype(q.dtype)
+      v = gather_prefix(v_pages, pages, layer, v_block.dtype).astype(v_block.dtype)
       sc = jnp.einsum("bqhgd,bkhd->bhgqk", qf, k, preferred_element_type=jnp.float32) * scale
       pos = i * chunk_len + jnp.arange(chunk_len)
       sc = jnp.where((pos[None, :] < prefix_len[:, None])[:, None, None, None, :], sc, NEG_INF)

@@ -27,6 +27,7 @@ import hf_reference as ref  # noqa: E402
 from recguide_jax import SamplingParams, checkpoint  # noqa: E402
 from recguide_jax.attention import causal_mask  # noqa: E402
 from recguide_jax.convert import convert_hf_checkpoint  # noqa: E402
+from recguide_jax.kv_cache import storage_dtype  # noqa: E402
 from recguide_jax.llm import LLM  # noqa: E402
 from recguide_jax.model import ForwardInputs  # noqa: E402
 
@@ -91,7 +92,8 @@ def test_bf16_serving_greedy_agrees_with_fp32_away_from_near_ties(converted):
   torch_model, ours = converted
   llm = LLM(ours, policy="linear", block_size=8, dtype="bfloat16", max_batch=1, max_model_len=128,
             compile_cache_dir=None)
-  assert {x.dtype for x in jax.tree.leaves(llm.runner.cache)} == {jnp.dtype(jnp.bfloat16)}
+  # a bf16 cache (on the CPU its bits, as uint16: kv_cache.storage_dtype)
+  assert {x.dtype for x in jax.tree.leaves(llm.runner.cache)} == {storage_dtype(jnp.bfloat16, llm.runner.platform)}
   assert llm.memory_plan.dtype == "bfloat16"
   rng = np.random.RandomState(1)
   for policy in ("ar", "linear"):

@@ -1,9 +1,11 @@
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from recguide_jax.kv_cache import TRASH_PAGE, OutOfPages, PageAllocator, write_block, gather_prefix
+from recguide_jax.kv_cache import (TRASH_PAGE, OutOfPages, PageAllocator, gather_prefix, storage_dtype,
+                                   write_block)
 
 
 @settings(max_examples=200, deadline=None)
@@ -153,3 +155,36 @@ def test_fork_refuses_what_it_cannot_share():
   alloc.free("a")  # the source goes first: the shared pages stay with b
   alloc.check()
   assert alloc.num_used == 2 and alloc.num_shared == 0
+
+
+def test_narrow_float_caches_hold_bits_on_the_cpu_only():
+  assert storage_dtype(jnp.bfloat16, "cpu") == np.uint16 and storage_dtype(jnp.float16, "cpu") == np.uint16
+  assert storage_dtype(jnp.float8_e4m3fn, "cpu") == np.uint8
+  assert storage_dtype(jnp.float32, "cpu") == np.float32  # XLA:CPU gathers f32 natively
+  for platform in ("gpu", "tpu", None):  # accelerators (and an unknown platform) keep the float
+    assert storage_dtype(jnp.bfloat16, platform) == jnp.bfloat16
+
+
+def test_a_cache_of_bits_writes_and_reads_what_a_float_cache_does():
+  """Write then gather through a bf16 cache and through its uint16 twin: the same bits in the pages, the same
+  bf16 values read back (bit-exact, no rounding on the way), and the pages read as floats only with a dtype."""
+  rng = np.random.default_rng(0)
+  shape = (2, 6, 4, 2, 8)  # [L, num_pages, page_size, H, D]
+  floats = jnp.asarray(rng.standard_normal(shape), jnp.bfloat16)
+  bits = jax.lax.bitcast_convert_type(floats, jnp.uint16)
+  k_new = jnp.asarray(rng.standard_normal((2, 3, 2, 8)) * 1e3, jnp.bfloat16)  # values far from the old ones
+  page_table = jnp.asarray([[1, 2], [3, 4]], jnp.int32)
+  positions = jnp.asarray([[1, 2, 3], [4, 5, 6]], jnp.int32)
+  write = jnp.asarray([[True, True, False], [True, True, True]])
+  fk, _ = write_block(floats, floats, k_new, k_new, page_table, positions, write, layer=1)
+  bk, _ = write_block(bits, bits, k_new, k_new, page_table, positions, write, layer=1)
+  assert bk.dtype == jnp.uint16
+  np.testing.assert_array_equal(np.asarray(jax.lax.bitcast_convert_type(fk, jnp.uint16)), np.asarray(bk))
+  read_f = gather_prefix(fk, page_table, 1)
+  read_b = gather_prefix(bk, page_table, 1, jnp.bfloat16)
+  assert read_b.dtype == jnp.bfloat16
+  np.testing.assert_array_equal(np.asarray(read_f, np.float32), np.asarray(read_b, np.float32))
+  with pytest.raises(ValueError, match="read as a float"):
+    gather_prefix(bk, page_table, 1)
+  with pytest.raises(ValueError, match="bits takes K/V"):
+    write_block(bits, bits, k_new.astype(jnp.float32), k_new, page_table, positions, write, layer=1)

@@ -162,15 +162,16 @@ def test_unrolled_layers_compute_the_scanned_function(tiny_model):
   assert not re.findall(sliced, runners[LayerLoop.UNROLLED].compiled("decode", 1, 2).as_text())
 
 
-def test_cpu_variants_of_few_rows_compile_with_eigen_dots(tiny_model):
+def test_cpu_variants_compile_with_the_memory_scheduler_and_few_rows_with_eigen_dots(tiny_model):
   runner = Runner(tiny_model, _runner_config(24, compiler_options={"xla_cpu_enable_fast_math": False}))
   assert runner.platform == "cpu"
   decode, verify = StepKey(StepKind.DECODE, 1, 2), StepKey(StepKind.VERIFY, 8, 2)
   big = StepKey(StepKind.PREFILL, 64, 2)  # 128 query rows: XLA's default dots
+  scheduler = {"xla_cpu_scheduler_type": "CPU_SCHEDULER_TYPE_MEMORY_OPTIMIZED"}
   assert runner.compiler_options(decode) == runner.compiler_options(verify) == {
-      "xla_cpu_enable_fast_math": False, "xla_cpu_experimental_ynn_fusion_type": ""}
-  assert runner.compiler_options(big) == {"xla_cpu_enable_fast_math": False}
+      "xla_cpu_enable_fast_math": False, "xla_cpu_experimental_ynn_fusion_type": "", **scheduler}
+  assert runner.compiler_options(big) == {"xla_cpu_enable_fast_math": False, **scheduler}
   assert "ynn_fusion" not in runner.compiled(decode).as_text()
   # a configured value wins over the CPU default
   own = Runner(tiny_model, _runner_config(24, compiler_options={"xla_cpu_experimental_ynn_fusion_type": "x"}))
-  assert own.compiler_options(decode) == {"xla_cpu_experimental_ynn_fusion_type": "x"}
+  assert own.compiler_options(decode) == {"xla_cpu_experimental_ynn_fusion_type": "x", **scheduler}

@@ -2,6 +2,7 @@
 bucket, routing never picks a bucket whose variants are not built, background compiles do not count as compiles
 after warm-up, and a batch padded into a larger bucket decodes the same tokens."""
 
+import dataclasses
 import pickle
 
 import numpy as np
@@ -100,3 +101,40 @@ def test_score_prefill_compiles_on_first_use_and_writes_what_prefill_writes(tiny
   np.testing.assert_allclose(k[:, 3:5], k[:, 1:3], atol=1e-6)
   assert scored[4].shape == (1, 16) and scored[5].shape == (1, 16, 5) and scored[6].shape == (1, 16, 5)
   assert np.all(scored[4] <= 0) and np.all(scored[5][..., :1] >= scored[4][..., None] - 1e-6)
+
+
+def test_a_bf16_runner_on_the_cpu_keeps_its_cache_as_bits_and_never_converts_it():
+  """XLA:CPU cannot gather or scatter bf16, so a bf16 cache was converted to f32 whole, per layer and step. The
+  runner's CPU cache holds the bf16 bits as uint16 instead: the prefill writes exactly the bits a bf16 float cache
+  gets and samples the same token, a decode program holds no f32 array of the cache's shape, and with the memory
+  scheduler its temporaries (the f32 copies of the weights XLA:CPU multiplies with) are fewer than XLA's default
+  scheduler keeps live at once."""
+  import jax
+  import jax.numpy as jnp
+  from flax import nnx
+
+  from conftest import tiny_config
+  from recguide_jax.attention import causal_mask
+  from recguide_jax.model import ForwardInputs, NLDModel
+  model = NLDModel(tiny_config(), dtype=jnp.bfloat16, param_dtype=jnp.bfloat16, rngs=nnx.Rngs(7))
+  runner = Runner(model, RunnerConfig(num_pages=8, page_size=8, max_model_len=32, max_batch=1, block_sizes=(8,),
+                                      prefill_chunk=16, compile_cache_dir=None))
+  assert runner.platform == "cpu" and runner.cache.k.dtype == jnp.uint16
+  tokens = np.random.default_rng(0).integers(4, 128, (1, 16)).astype(np.int32)
+  page_table = np.zeros((1, runner.config.pages_per_seq), np.int32)
+  page_table[0, :2] = (1, 2)
+  sampled = runner.prefill(tokens, np.ones((1, 16), bool), np.zeros(1, np.int32), page_table, np.full(1, 15, np.int32),
+                           SamplingArrays.greedy(1))
+  inp = ForwardInputs(tokens=jnp.asarray(tokens), positions=jnp.arange(16)[None], block_mask=causal_mask(16),
+                      prefix_len=jnp.zeros(1, jnp.int32), page_table=jnp.asarray(page_table),
+                      kv_write=jnp.ones((1, 16), bool))
+  logits, cache = nnx.jit(lambda m, c: m(inp, c))(model, model.new_cache(8, 8))
+  assert cache.k.dtype == jnp.bfloat16
+  for floats, bits in ((cache.k, runner.cache.k), (cache.v, runner.cache.v)):
+    np.testing.assert_array_equal(np.asarray(jax.lax.bitcast_convert_type(floats, jnp.uint16)), np.asarray(bits))
+  assert int(sampled[0][0]) == int(jnp.argmax(logits[0, 15]))
+  decode = runner.compiled(StepKey(StepKind.DECODE, 1, 1))
+  assert f"f32[{','.join(map(str, runner.cache.k.shape))}]" not in decode.as_text()
+  default = Runner(model, dataclasses.replace(runner.config, compiler_options={
+      "xla_cpu_scheduler_type": "CPU_SCHEDULER_TYPE_DEFAULT"})).compiled(StepKey(StepKind.DECODE, 1, 1))
+  assert decode.memory_analysis().temp_size_in_bytes < default.memory_analysis().temp_size_in_bytes

@@ -32,7 +32,7 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from recguide_jax import sampling, sharding
-from recguide_jax.kv_cache import KVCache
+from recguide_jax.kv_cache import KVCache, storage_dtype
 from recguide_jax.model import LayerLoop, NLDModel, resolve_layer_loop, weights_platform, with_layer_loop
 from recguide_jax.runtime.compilation import (BackgroundCompiler, CompileCounter, compile_with_options,
                                               enable_compile_cache, variant_compiler_options)
@@ -139,7 +139,9 @@ class Runner:
     else:
       # the cache lives with the weights (the devices the checkpoint was restored onto) unless told otherwise
       placed = isinstance(embedding, jax.Array) and not isinstance(embedding, jax.core.Tracer)
-      self.cache = KVCache.create(*cache_args, sharding=cache_sharding or (embedding.sharding if placed else None))
+      # on the CPU a bf16/fp16 cache holds raw bits (kv_cache.storage_dtype: XLA:CPU moves those natively)
+      self.cache = KVCache.create(*cache_args[:-1], storage_dtype(embedding.dtype, self.platform),
+                                  sharding=cache_sharding or (embedding.sharding if placed else None))
     # what a variant is lowered against: shapes, dtypes and shardings only (never the live arrays, which a step
     # running concurrently with a background compile may have donated)
     self._state_spec = jax.tree.map(_spec_of, self.state)
