@@ -175,3 +175,31 @@ def test_cpu_variants_compile_with_the_memory_scheduler_and_few_rows_with_eigen_
   # a configured value wins over the CPU default
   own = Runner(tiny_model, _runner_config(24, compiler_options={"xla_cpu_experimental_ynn_fusion_type": "x"}))
   assert own.compiler_options(decode) == {"xla_cpu_experimental_ynn_fusion_type": "x", **scheduler}
+
+
+def test_an_xla_without_a_speed_option_compiles_with_its_default_but_a_configured_option_must_exist(caplog):
+  """`compile_with_options` drops an option it added for speed when this jaxlib does not know it (the name is in
+  the error) and compiles with XLA's default, with a warning; an option the user configured is never dropped."""
+  from recguide_jax.runtime.compilation import compile_with_options, variant_compiler_options
+
+  class Lowered:  # an XLA that knows no CPU option but fast math
+    def __init__(self):
+      self.tried = []
+
+    def compile(self, compiler_options=None):
+      self.tried.append(dict(compiler_options or {}))
+      unknown = [k for k in (compiler_options or {}) if k != "xla_cpu_enable_fast_math"]
+      if unknown:
+        raise RuntimeError(f"INVALID_ARGUMENT: No such compile option: '{unknown[0]}'")
+      return "compiled"
+
+  opts = variant_compiler_options({"xla_cpu_enable_fast_math": False}, "cpu", 8)
+  lowered = Lowered()
+  with caplog.at_level("WARNING"):
+    assert compile_with_options(lowered, opts, {"xla_cpu_enable_fast_math": False}) == "compiled"
+  assert lowered.tried[-1] == {"xla_cpu_enable_fast_math": False} and len(lowered.tried) == 3
+  assert "does not take" in caplog.text
+  configured = {"xla_cpu_scheduler_type": "CPU_SCHEDULER_TYPE_DEFAULT"}
+  with pytest.raises(RuntimeError, match="xla_cpu_scheduler_type"):
+    compile_with_options(Lowered(), variant_compiler_options(configured, "cpu", 8), configured)
+  assert variant_compiler_options({}, "gpu", 8) == {}  # accelerators get none of them
