@@ -3,10 +3,12 @@
 Device side: K and V arrays with every layer stacked, [num_layers, num_pages, page_size, kv_heads, head_dim], so the
 scanned layer stack carries the whole cache and each layer writes and reads its own pages in place at its layer
 index (a scatter at [layer, page, offset], a gather at [layer, page_table]): no step ever slices a layer out, which
-would copy it. Page 0 (of every layer) is never handed out: it is the trash page that padded batch slots and uncommitted tokens write into, so a step never needs a branch
-on "is this slot real". A request's page table maps its logical page i (token positions i*page_size ..) to a
-physical page. Host side: `PageAllocator` owns which pages are free; commit, crop and free only change the host's
-tables and per-request lengths (a crop is a length change; pages past the new length are returned).
+would copy it. Page 0 (of every layer) is never handed out: it is the trash page that padded batch slots and
+uncommitted tokens write into, so a step never needs a branch on "is this slot real". A request's page table maps
+its logical page i (token positions i*page_size ..) to a physical page. On the CPU a bf16/fp16 cache holds the
+floats' bits as unsigned integers (`storage_dtype`). Host side: `PageAllocator` owns which pages are free; commit,
+crop and free only change the host's tables and per-request lengths (a crop is a length change; pages past the new
+length are returned).
 
 Samples of one prompt (`n > 1`) share its prefill: `fork` gives a sibling the full pages of the prompt another
 request already wrote, reference-counted, so a page returns to the free list only when its last owner lets go of
@@ -29,7 +31,7 @@ TRASH_PAGE = 0
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass
 class KVCache:
-  k: jax.Array  # [num_layers, num_pages, page_size, kv_heads, head_dim]
+  k: jax.Array  # [num_layers, num_pages, page_size, kv_heads, head_dim], the model's dtype (on the CPU: its bits)
   v: jax.Array
 
   @property

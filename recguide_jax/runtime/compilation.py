@@ -30,7 +30,7 @@ _NO_YNN_DOTS = ("xla_cpu_experimental_ynn_fusion_type", "")
 # XLA:CPU's default scheduler lets independent temporaries live at once: a bf16 step converts every weight to f32
 # for its dots (XLA:CPU has no bf16 matmul), all of them live together, 85 MB of temporaries for a 26M-parameter
 # model, which the allocator maps fresh, and the kernel zero-fills page by page, on every step (~21,800 page faults,
-# 55 ms of a 60 ms step). The memory-optimized scheduler reuses them: 16 MB, no faults, the step at 9-11 ms like
+# most of a 55-60 ms step). The memory-optimized scheduler reuses them: 16 MB, no faults, the step at 9-11 ms like
 # f32's. In f32 (temporaries well under 1 MB) the two steps measured the same. So every CPU variant uses it.
 _MEMORY_SCHEDULER = ("xla_cpu_scheduler_type", "CPU_SCHEDULER_TYPE_MEMORY_OPTIMIZED")
 _SPEED_ONLY = dict((_NO_YNN_DOTS, _MEMORY_SCHEDULER))  # options this module adds; none changes a result
