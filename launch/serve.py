@@ -66,6 +66,11 @@ _LAYER_LOOP = flags.DEFINE_enum("layer_loop", "auto", ["auto", "scan", "unrolled
                                 "GPU/TPU), unrolled (a module per layer; faster on a CPU for weights larger than "
                                 "its cache, since XLA copies every weight a scan slices), auto (unrolled on a CPU "
                                 "device without a mesh when the weights exceed its last-level cache, else scan).")
+_KERNEL_LAYOUT = flags.DEFINE_enum("kernel_layout", "auto", ["auto", "in_out", "out_in"],
+                                   "How the dense layers hold their kernels: in_out (the checkpoint's; GPU/TPU, "
+                                   "meshes), out_in (transposed at load; XLA:CPU runs decode-sized matmuls with "
+                                   "the weight on the left ~2x faster), auto (out_in on a CPU device without a "
+                                   "mesh, else in_out).")
 _BACKGROUND_COMPILE = flags.DEFINE_boolean(
     "background_compile", True, "Compile only the largest batch bucket of each step variant before serving and the "
     "smaller buckets on a background thread (their batches run padded in the largest until then; no request waits "
@@ -273,7 +278,8 @@ def main(argv):
                       max_queue=_MAX_QUEUE.value, attention=_ATTENTION.value, dtype=_DTYPE.value,
                       kv_cache_memory_fraction=_KV_FRACTION.value, device_memory_gb=_DEVICE_MEMORY_GB.value,
                       background_compile=_BACKGROUND_COMPILE.value, mesh=mesh,
-                      warmup_prompt_logprobs=_WARMUP_PROMPT_LOGPROBS.value, layer_loop=_LAYER_LOOP.value)
+                      warmup_prompt_logprobs=_WARMUP_PROMPT_LOGPROBS.value, layer_loop=_LAYER_LOOP.value,
+                      kernel_layout=_KERNEL_LAYOUT.value)
   except (CheckpointError, ConfigError, TokenizerError, OSError) as e:
     _fail(f"--checkpoint: {e}")
   except ValueError as e:

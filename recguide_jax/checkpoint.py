@@ -27,7 +27,7 @@ import orbax.checkpoint as ocp
 from flax import nnx
 
 from recguide_jax.config import NLDConfig
-from recguide_jax.model import NLDModel
+from recguide_jax.model import KernelLayout, LayerLoop, NLDModel, with_kernel_layout, with_layer_loop
 
 PARAMS_DIR = "params"
 CONFIG_FILE = "config.json"
@@ -147,6 +147,8 @@ def save_params(directory: str | os.PathLike, flat: dict[str, np.ndarray | jax.A
 
 
 def save_model(directory: str | os.PathLike, model: NLDModel) -> None:
+  """Writes `model` in the checkpoint form (stacked layers, [in, out] kernels), however the runner arranged it."""
+  model = with_kernel_layout(with_layer_loop(model, LayerLoop.SCAN), KernelLayout.IN_OUT)
   directory = pathlib.Path(directory)
   directory.mkdir(parents=True, exist_ok=True)
   model.cfg.save_json(directory / CONFIG_FILE)

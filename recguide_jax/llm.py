@@ -10,7 +10,8 @@ from typing import Sequence
 
 from recguide_jax import policies as policies_lib
 from recguide_jax.engine import EngineConfig
-from recguide_jax.model import NLDModel, resolve_layer_loop, with_layer_loop
+from recguide_jax.model import (NLDModel, resolve_kernel_layout, resolve_layer_loop, with_kernel_layout,
+                                with_layer_loop)
 from recguide_jax.requests import Request, RequestError, SamplingParams, best_samples
 from recguide_jax.tokenizer import Tokenizer
 
@@ -137,7 +138,7 @@ class LLM:
                kv_cache_memory_fraction: float | None = None, gpu_memory_utilization: float | None = None,
                device_memory_gb: float | None = None, background_compile: bool = False, mesh=None,
                runner_options: dict | None = None, bucketing: bool | str = "auto", warmup_prompt_logprobs: bool = False,
-               layer_loop: str = "auto"):
+               layer_loop: str = "auto", kernel_layout: str = "auto"):
     """vLLM's names where they exist: `max_num_seqs` (= `max_batch`, the most requests decoded together),
     `gpu_memory_utilization` (= `kv_cache_memory_fraction`), `dtype` ("auto": the checkpoint's).
 
@@ -159,7 +160,9 @@ class LLM:
     (`SamplingParams.prompt_logprobs`); otherwise the first request that asks for prompt logprobs compiles it.
 
     `layer_loop`: "auto", "scan" or "unrolled", how the forward runs the decoder layers (`model.LayerLoop`; auto:
-    unrolled on a CPU device without a mesh for weights larger than its last-level cache, else scanned)."""
+    unrolled on a CPU device without a mesh for weights larger than its last-level cache, else scanned).
+    `kernel_layout`: "auto", "in_out" or "out_in", how the dense layers hold their kernels (`model.KernelLayout`;
+    auto: out_in, whose small matmuls XLA:CPU runs faster, on a CPU device without a mesh, else in_out)."""
     from absl import logging
 
     from recguide_jax import attention_dispatch, memory_plan
@@ -204,6 +207,7 @@ class LLM:
         compile_cache_dir=str(compile_cache_dir) if compile_cache_dir else None, warmup=warmup, max_queue=max_queue,
         attention=attention, bucketing=bucketing, kv_cache_memory_fraction=fraction, device_memory_gb=device_memory_gb,
         runner_options={"background_compile": background_compile, "layer_loop": layer_loop,
+                        "kernel_layout": kernel_layout,
                         **(runner_options or {})})
     config = self.engine_config.runner_config(sizes, num_pages=2)  # the memory plan sizes the cache
     if compile_cache_dir:  # the memory probe's compiles are cached too
@@ -222,10 +226,12 @@ class LLM:
     attention_dispatch.set_attention_impl(model, attention)  # before the runner splits the model
     # arranged here, not only in the runner, so that the stacked weights are not also kept alive by `self.model`
     loop = resolve_layer_loop(config.layer_loop, model, self.mesh)
-    model = with_layer_loop(model, loop)
+    layout = resolve_kernel_layout(config.kernel_layout, model, self.mesh)
+    model = with_kernel_layout(with_layer_loop(model, loop), layout)
     self.model = model
     self.tokenizer = tokenizer
-    self.runner_config = dataclasses.replace(config, num_pages=self.memory_plan.num_pages, layer_loop=loop)
+    self.runner_config = dataclasses.replace(config, num_pages=self.memory_plan.num_pages, layer_loop=loop,
+                                             kernel_layout=layout)
     self.engine = data_parallel.build_engine(model, self.runner_config, self.policy, mesh=self.mesh,
                                              tokenizer=tokenizer, max_queue=max_queue,
                                              bucketing=self.engine_config.bucketing)

@@ -60,6 +60,27 @@ def tiny_checkpoint(tmp_path_factory):
   return bench_peer.random_twin(TINY, tmp_path_factory.mktemp("tiny_peer"))
 
 
+def test_a_difference_counts_as_a_near_tie_only_where_transformers_own_logits_tie():
+  """fp32 programs that sum in different orders may take either side of a near-tie; anything else is a mismatch
+  the benchmark exits on."""
+
+  class Logits:  # transformers' output at every call: tokens 5 and 6 within rounding, token 7 far below
+    def __call__(self, input_ids):
+      logits = torch.zeros((1, input_ids.shape[1], 16))
+      logits[0, -1, 5], logits[0, -1, 6], logits[0, -1, 7] = 8.0, 8.0 - 2e-5, 3.0
+      return type("Out", (), {"logits": logits})()
+
+  theirs = [[5, 9, 9], [5, 9, 9], [5, 9, 9]]
+  ours = [[6, 1, 1], [7, 1, 1], [5, 9, 9]]
+  rows = bench_peer.compare_rows(ours, theirs)
+  bench_peer.tie_gaps(Logits(), [[1, 2], [1, 2], [1, 2]], ours, theirs, rows)
+  assert rows[0]["near_tie"] and rows[0]["tie_gap"] == pytest.approx(2e-5 / 8, rel=0.01)  # fp32 logits
+  assert not rows[1]["near_tie"] and rows[1]["tie_gap"] > bench_peer.NEAR_TIE_RELATIVE
+  assert rows[2] == {"equal": True, "first_diff": None}
+  cell = {"dtype": "float32", "batch": 3, "prompt_len": 2, "ar_equal_to_theirs": False}
+  assert bench_peer.fp32_mismatches({"cells": [cell]}) == ["b=3 prompt=2"]
+
+
 def test_checkpoint_export_inverts_the_converter(tiny_checkpoint):
   """The transformers twin of a converted checkpoint holds exactly the weights the checkpoint came from."""
   torch_model, ours = tiny_checkpoint

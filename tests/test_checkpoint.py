@@ -15,7 +15,7 @@ from flax import nnx
 
 from conftest import COMPILE_FLAGS, tiny_config
 from recguide_jax import checkpoint as ckpt_lib
-from recguide_jax.model import NLDModel
+from recguide_jax.model import NLDModel, with_kernel_layout, with_layer_loop
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 BUNDLED = ROOT / "checkpoints" / "nld-tiny-gsm8k"
@@ -50,6 +50,15 @@ def test_saved_layout_is_stacked_and_round_trips(model, tmp_path):
   assert "layers.self_attn.q_proj.kernel" in stored and not ckpt_lib.is_legacy_layout(stored)
   assert tuple(stored["layers.mlp.down_proj.kernel"].shape) == (2, 128, 64)
   assert not (tmp_path / ckpt_lib.PARAMS_DIR / "_sharding").exists()  # no save-time device in the files
+  want, got = _flat(model), _flat(ckpt_lib.load_model(tmp_path))
+  assert want.keys() == got.keys()
+  for name in want:
+    np.testing.assert_array_equal(got[name], want[name], err_msg=name)
+
+
+def test_a_model_arranged_for_the_cpu_saves_in_the_checkpoint_form(model, tmp_path):
+  """The runner's CPU arrangement (one module per layer, [out, in] kernels) never reaches the files."""
+  ckpt_lib.save_model(tmp_path, with_kernel_layout(with_layer_loop(model, "unrolled"), "out_in"))
   want, got = _flat(model), _flat(ckpt_lib.load_model(tmp_path))
   assert want.keys() == got.keys()
   for name in want:
@@ -114,7 +123,7 @@ _PORTABLE = textwrap.dedent("""
     sys.path.insert(0, sys.argv[1]); sys.path.insert(0, sys.argv[1] + "/tests")
     from conftest import tiny_config
     from recguide_jax import checkpoint as ckpt_lib
-    from recguide_jax.model import NLDModel
+    from recguide_jax.model import NLDModel, with_kernel_layout, with_layer_loop
     tmp = pathlib.Path(sys.argv[2])
     d0, d1 = jax.devices()[:2]
     cfg = tiny_config(lora_rank=4, lora_alpha=8.0)

@@ -2,7 +2,8 @@
 of the cache, whatever its size), AR decode takes no draft distribution, and warm-up compiles variants
 concurrently without changing what counts as compiled. The unrolled layer loop (`LayerLoop.UNROLLED`, the CPU's
 default for weights larger than the host's cache) computes the same function over per-layer weight buffers that
-no step slices."""
+no step slices. The CPU's dense kernels held [out, in] (`KernelLayout.OUT_IN`) compute the same function, with the
+weight on the left of every decode-sized matmul."""
 
 import re
 
@@ -13,7 +14,10 @@ import pytest
 
 from conftest import tiny_config
 from flax import nnx
-from recguide_jax.model import LayerLoop, NLDModel, layer_loop_of, resolve_layer_loop, with_layer_loop
+from recguide_jax.model import (ForwardInputs, KernelLayout, LayerLoop, NLDModel, kernel_layout_of, layer_loop_of,
+                                resolve_kernel_layout, resolve_layer_loop, shard_model, with_kernel_layout,
+                                with_layer_loop)
+from recguide_jax.model.nld import SWAPPED_MATMUL_MAX_ROWS
 from recguide_jax.runtime import Runner, RunnerConfig, SamplingArrays, StepKey, StepKind
 
 CFG = tiny_config(lora_rank=4, lora_alpha=8.0)
@@ -156,25 +160,110 @@ def test_unrolled_layers_compute_the_scanned_function(tiny_model):
     got[loop] = (np.stack(steps), np.stack(got[loop]))
   np.testing.assert_array_equal(got[LayerLoop.SCAN][0], got[LayerLoop.UNROLLED][0])
   np.testing.assert_allclose(got[LayerLoop.SCAN][1], got[LayerLoop.UNROLLED][1], atol=2e-5)
-  weight = f"f32[{CFG.hidden_size},{CFG.intermediate_size}]"
-  w = re.escape(weight)
-  sliced = r"%[\w.-]*slice[\w.-]* = " + w + r"|= " + w + r"\{[^}]*\} (?:dynamic-)?slice\("
-  assert not re.findall(sliced, runners[LayerLoop.UNROLLED].compiled("decode", 1, 2).as_text())
+  hlo = runners[LayerLoop.UNROLLED].compiled("decode", 1, 2).as_text()
+  for weight in (f"f32[{CFG.hidden_size},{CFG.intermediate_size}]", f"f32[{CFG.intermediate_size},{CFG.hidden_size}]"):
+    w = re.escape(weight)  # either kernel layout
+    sliced = r"%[\w.-]*slice[\w.-]* = " + w + r"|= " + w + r"\{[^}]*\} (?:dynamic-)?slice\("
+    assert not re.findall(sliced, hlo)
+
+
+# ---- the kernel layout ---------------------------------------------------------------------------------------------
+def test_kernel_layout_resolves_and_round_trips(tiny_model):
+  assert kernel_layout_of(tiny_model) is KernelLayout.IN_OUT  # as built, loaded and saved
+  assert resolve_kernel_layout("auto", tiny_model) is KernelLayout.OUT_IN  # concrete weights on the CPU
+  mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]), ("tp",))
+  assert resolve_kernel_layout(KernelLayout.AUTO, tiny_model, mesh) is KernelLayout.IN_OUT  # sharding rules' form
+  abstract = nnx.eval_shape(lambda: NLDModel(CFG))
+  assert resolve_kernel_layout("auto", abstract) is KernelLayout.IN_OUT  # lowers for accelerators
+  assert Runner.abstract(CFG, _runner_config(8), jnp.float32).kernel_layout is KernelLayout.IN_OUT
+  assert Runner(tiny_model, _runner_config(8)).kernel_layout is KernelLayout.OUT_IN
+  with pytest.raises(ValueError, match="kernel_layout"):
+    RunnerConfig(kernel_layout="diagonal")
+
+  out_in = with_kernel_layout(tiny_model, "out_in")
+  assert kernel_layout_of(out_in) is KernelLayout.OUT_IN and kernel_layout_of(tiny_model) is KernelLayout.IN_OUT
+  assert with_kernel_layout(out_in, KernelLayout.OUT_IN) is out_in
+  q = np.asarray(tiny_model.layers.self_attn.q_proj.kernel[...])  # [L, in, out]
+  np.testing.assert_array_equal(np.asarray(out_in.layers.self_attn.q_proj.kernel[...]), np.swapaxes(q, -1, -2))
+  head = np.asarray(out_in.diffusion_head.kernel[...])
+  assert head.shape == (CFG.vocab_size, CFG.hidden_size)
+  # LoRA factors, norms and the embedding are not dense layers: shared as they are
+  assert out_in.layers.input_layernorm.weight[...] is tiny_model.layers.input_layernorm.weight[...]
+  back = with_kernel_layout(out_in, KernelLayout.IN_OUT)
+  jax.tree.map(np.testing.assert_array_equal, nnx.state(back, nnx.Param).to_pure_dict(),
+               nnx.state(tiny_model, nnx.Param).to_pure_dict())
+  # either arrangement composes with the layer loop, in either order
+  unrolled = with_layer_loop(out_in, LayerLoop.UNROLLED)
+  assert kernel_layout_of(unrolled) is KernelLayout.OUT_IN
+  assert unrolled.layers[1].mlp.down_proj.kernel[...].shape == (CFG.hidden_size, CFG.intermediate_size)
+  stacked = with_layer_loop(unrolled, LayerLoop.SCAN)
+  np.testing.assert_array_equal(np.asarray(stacked.layers.self_attn.q_proj.kernel[...]), np.swapaxes(q, -1, -2))
+  abstract_out_in = with_kernel_layout(abstract, KernelLayout.OUT_IN)
+  assert abstract_out_in.layers.mlp.gate_proj.kernel.shape == (CFG.num_hidden_layers, CFG.intermediate_size,
+                                                               CFG.hidden_size)
+
+
+@pytest.mark.parametrize("loop", [LayerLoop.SCAN, LayerLoop.UNROLLED])
+@pytest.mark.parametrize("rows_per_request", [1, 40])  # 2 and 80 matmul rows: the weight on the left, then not
+def test_out_in_kernels_compute_the_same_function(tiny_model, loop, rows_per_request):
+  assert 2 <= SWAPPED_MATMUL_MAX_ROWS < 80
+  tokens = jnp.asarray(np.random.default_rng(0).integers(4, CFG.vocab_size, (2, rows_per_request)), jnp.int32)
+  inp = ForwardInputs(tokens=tokens, positions=jnp.broadcast_to(jnp.arange(rows_per_request), tokens.shape),
+                      block_mask=jnp.tril(jnp.ones((rows_per_request,) * 2, bool)))
+  want, _ = tiny_model(inp)
+  got, _ = with_kernel_layout(with_layer_loop(tiny_model, loop), KernelLayout.OUT_IN)(inp)
+  np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5)
+
+
+def test_out_in_runner_puts_the_weight_left_of_few_rows_and_right_of_many(tiny_model):
+  """The point of OUT_IN: XLA:CPU's GEMM fills its register panels from the left operand, so a decode's matmuls
+  take the weight there ([out, rows] results); a prefill chunk of more rows than SWAPPED_MATMUL_MAX_ROWS keeps the
+  activations there ([rows, out])."""
+  runner = Runner(tiny_model, _runner_config(24, layer_loop=LayerLoop.UNROLLED, kernel_layout="out_in"))
+
+  def dense_dots(hlo):  # result shapes of the 2-D (unbatched) dots: the dense layers'
+    return [(int(m), int(n)) for m, n in re.findall(r"= f32\[(\d+),(\d+)\]\{1,0\} dot\(", hlo)]
+
+  decode = dense_dots(runner.compiled("decode", 1, 2).as_text())
+  assert len(decode) == 7 * CFG.num_hidden_layers + 1 and all(n == 2 for _, n in decode), decode
+  rows = 48 * 2
+  assert rows > SWAPPED_MATMUL_MAX_ROWS
+  prefill = dense_dots(runner.compiled("prefill", 48, 2).as_text())
+  assert sum(m == rows for m, _ in prefill) == 7 * CFG.num_hidden_layers, prefill  # the head reads 2 rows
+  assert not any(n == rows for _, n in prefill), prefill
+
+
+def test_shard_model_takes_a_model_of_either_kernel_layout(tiny_model):
+  mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]), ("tp",))
+  sharded = shard_model(with_kernel_layout(with_layer_loop(tiny_model, "unrolled"), "out_in"), mesh)
+  assert kernel_layout_of(sharded) is KernelLayout.IN_OUT and layer_loop_of(sharded) is LayerLoop.SCAN
+  jax.tree.map(np.testing.assert_array_equal, nnx.state(sharded, nnx.Param).to_pure_dict(),
+               nnx.state(tiny_model, nnx.Param).to_pure_dict())
 
 
 def test_cpu_variants_compile_with_the_memory_scheduler_and_few_rows_with_eigen_dots(tiny_model):
-  runner = Runner(tiny_model, _runner_config(24, compiler_options={"xla_cpu_enable_fast_math": False}))
-  assert runner.platform == "cpu"
-  decode, verify = StepKey(StepKind.DECODE, 1, 2), StepKey(StepKind.VERIFY, 8, 2)
-  big = StepKey(StepKind.PREFILL, 64, 2)  # 128 query rows: XLA's default dots
+  """Eigen dots for few rows: up to CPU_EIGEN_DOT_MAX_ROWS with the weight on the right (in_out), only the matrix-
+  vector products of one row with the weight on the left (out_in, the CPU default), where YNNPACK's were faster."""
   scheduler = {"xla_cpu_scheduler_type": "CPU_SCHEDULER_TYPE_MEMORY_OPTIMIZED"}
-  assert runner.compiler_options(decode) == runner.compiler_options(verify) == {
-      "xla_cpu_enable_fast_math": False, "xla_cpu_experimental_ynn_fusion_type": "", **scheduler}
-  assert runner.compiler_options(big) == {"xla_cpu_enable_fast_math": False, **scheduler}
-  assert "ynn_fusion" not in runner.compiled(decode).as_text()
+  eigen = {"xla_cpu_experimental_ynn_fusion_type": ""}
+  one, decode, verify = StepKey(StepKind.DECODE, 1, 1), StepKey(StepKind.DECODE, 1, 2), StepKey(StepKind.VERIFY, 8, 2)
+  big = StepKey(StepKind.PREFILL, 64, 2)  # 128 query rows: XLA's default dots
+  runners = {layout: Runner(tiny_model, _runner_config(24, kernel_layout=layout,
+                                                       compiler_options={"xla_cpu_enable_fast_math": False}))
+             for layout in ("in_out", "out_in")}
+  fast_math = {"xla_cpu_enable_fast_math": False}
+  for layout, runner in runners.items():
+    assert runner.platform == "cpu"
+    assert runner.compiler_options(one) == {**fast_math, **eigen, **scheduler}
+    assert runner.compiler_options(big) == {**fast_math, **scheduler}
+  assert runners["in_out"].compiler_options(decode) == runners["in_out"].compiler_options(verify) == {
+      **fast_math, **eigen, **scheduler}
+  assert "ynn_fusion" not in runners["in_out"].compiled(decode).as_text()
+  assert runners["out_in"].compiler_options(decode) == runners["out_in"].compiler_options(verify) == {
+      **fast_math, **scheduler}
   # a configured value wins over the CPU default
   own = Runner(tiny_model, _runner_config(24, compiler_options={"xla_cpu_experimental_ynn_fusion_type": "x"}))
-  assert own.compiler_options(decode) == {"xla_cpu_experimental_ynn_fusion_type": "x", **scheduler}
+  assert own.compiler_options(one) == {"xla_cpu_experimental_ynn_fusion_type": "x", **scheduler}
 
 
 def test_an_xla_without_a_speed_option_compiles_with_its_default_but_a_configured_option_must_exist(caplog):

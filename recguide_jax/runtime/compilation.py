@@ -26,6 +26,11 @@ _background = threading.local()
 # took 1.22x less time without them, while verify and draft steps of 128 rows were 4-9% slower (2-core x86 VM,
 # interleaved medians). So CPU variants of at most this many query rows compile without them.
 CPU_EIGEN_DOT_MAX_ROWS = 64
+# With the weight on the left of a decode's dots (model.KernelLayout.OUT_IN, the CPU default) YNNPACK is the faster
+# one from 2 rows on: the same AR decode step at batch 8 took 16.6 ms with YNNPACK, 18.8 with Eigen (22.2 with the
+# weight on the right and Eigen), at batch 32 35.5 vs 40.2 ms; at batch 1 (a matrix-vector product) Eigen's was a
+# little faster (9.7 vs 10.2 ms).
+CPU_EIGEN_DOT_MAX_ROWS_WEIGHT_LEFT = 1
 _NO_YNN_DOTS = ("xla_cpu_experimental_ynn_fusion_type", "")
 # XLA:CPU's default scheduler lets independent temporaries live at once: a bf16 step converts every weight to f32
 # for its dots (XLA:CPU has no bf16 matmul), all of them live together, 85 MB of temporaries for a 26M-parameter
@@ -36,14 +41,16 @@ _MEMORY_SCHEDULER = ("xla_cpu_scheduler_type", "CPU_SCHEDULER_TYPE_MEMORY_OPTIMI
 _SPEED_ONLY = dict((_NO_YNN_DOTS, _MEMORY_SCHEDULER))  # options this module adds; none changes a result
 
 
-def variant_compiler_options(configured: Mapping[str, Any], platform: str, query_rows: int) -> dict[str, Any]:
+def variant_compiler_options(configured: Mapping[str, Any], platform: str, query_rows: int,
+                             weight_left: bool = False) -> dict[str, Any]:
   """The XLA options a step variant of `query_rows` rows (batch x query tokens) compiles with on `platform`: the
   configured ones, plus on the CPU the memory-optimized scheduler and, for at most `CPU_EIGEN_DOT_MAX_ROWS` rows,
-  Eigen dots (each unless configured)."""
+  Eigen dots (each unless configured). `weight_left`: the model puts the weight on the left of its few-row dots
+  (model.KernelLayout.OUT_IN); then only up to `CPU_EIGEN_DOT_MAX_ROWS_WEIGHT_LEFT` rows take Eigen dots."""
   opts = dict(configured)
   if platform == "cpu":
     opts.setdefault(*_MEMORY_SCHEDULER)
-    if query_rows <= CPU_EIGEN_DOT_MAX_ROWS:
+    if query_rows <= (CPU_EIGEN_DOT_MAX_ROWS_WEIGHT_LEFT if weight_left else CPU_EIGEN_DOT_MAX_ROWS):
       opts.setdefault(*_NO_YNN_DOTS)
   return opts
 

@@ -33,7 +33,8 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from recguide_jax import sampling, sharding
 from recguide_jax.kv_cache import KVCache, storage_dtype
-from recguide_jax.model import LayerLoop, NLDModel, resolve_layer_loop, weights_platform, with_layer_loop
+from recguide_jax.model import (KernelLayout, LayerLoop, NLDModel, resolve_kernel_layout, resolve_layer_loop,
+                                weights_platform, with_kernel_layout, with_layer_loop)
 from recguide_jax.runtime.compilation import (BackgroundCompiler, CompileCounter, compile_with_options,
                                               enable_compile_cache, variant_compiler_options)
 from recguide_jax.runtime.step_key import (BLOCK_SIZES, StepKey, StepKind, batch_buckets, fused_kind,  # noqa: F401
@@ -57,11 +58,14 @@ class RunnerConfig:
   background_compile: bool = False
   # how the forward runs the decoder layers (model/nld.py `LayerLoop`; AUTO: see there)
   layer_loop: LayerLoop = LayerLoop.AUTO
+  # how the dense layers hold their kernels (model/nld.py `KernelLayout`; AUTO: [out, in] on a CPU without a mesh)
+  kernel_layout: KernelLayout = KernelLayout.AUTO
   # XLA options ({name: value} or pairs) of every variant this runner compiles: per executable, not per process
   compiler_options: tuple[tuple[str, Any], ...] = ()
 
   def __post_init__(self):
     object.__setattr__(self, "layer_loop", LayerLoop.parse(self.layer_loop))
+    object.__setattr__(self, "kernel_layout", KernelLayout.parse(self.kernel_layout))
     opts = dict(self.compiler_options)  # a mapping or (name, value) pairs
     object.__setattr__(self, "compiler_options", tuple(sorted((str(k), v) for k, v in opts.items())))
     for name in ("num_pages", "page_size", "max_model_len", "max_batch", "prefill_chunk"):
@@ -127,7 +131,9 @@ class Runner:
     self.mesh = mesh
     self.layer_loop = resolve_layer_loop(config.layer_loop, model, mesh)
     self.platform = _mesh_platform(mesh) if mesh is not None else weights_platform(model) or jax.default_backend()
-    self.graphdef, self.state = nnx.split(with_layer_loop(model, self.layer_loop))
+    self.kernel_layout = resolve_kernel_layout(config.kernel_layout, model, mesh)
+    self.graphdef, self.state = nnx.split(with_kernel_layout(with_layer_loop(model, self.layer_loop),
+                                                             self.kernel_layout))
     self.steps = StepFunctions(self.cfg, self.graphdef, config.rule)
     embedding = jax.tree.leaves(nnx.state(model.embed_tokens, nnx.Param))[0]
     if cache_sharding is None and mesh is not None:
@@ -242,7 +248,7 @@ class Runner:
   def compiler_options(self, key: StepKey) -> dict[str, Any]:
     """The XLA options variant `key` compiles with (compilation.py `variant_compiler_options`)."""
     return variant_compiler_options(dict(self.config.compiler_options), self.platform,
-                                    key.batch * key.query_tokens)
+                                    key.batch * key.query_tokens, self.kernel_layout is KernelLayout.OUT_IN)
 
   def _compile(self, key: StepKey):
     return compile_with_options(self.lower(key), self.compiler_options(key), dict(self.config.compiler_options))
