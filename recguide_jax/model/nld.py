@@ -362,7 +362,7 @@ def with_kernel_layout(model: NLDModel, layout: KernelLayout | str) -> NLDModel:
   def transpose(x):
     if isinstance(x, jax.ShapeDtypeStruct):
       return jax.ShapeDtypeStruct(x.shape[:-2] + x.shape[-2:][::-1], x.dtype)
-    return jnp.swapaxes(x, -1, -2).copy()
+    return jnp.swapaxes(x, -1, -2)  # a new buffer: the old one is freed with the model it came from
 
   arranged = nnx.merge(*nnx.split(model))  # a new module tree over the same arrays
   for _, module in list(nnx.iter_modules(arranged)):
