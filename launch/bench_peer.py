@@ -550,11 +550,11 @@ def _run_cell(cfg, llm, theirs_model, ckpt_dir, dtype, batch, plen, max_len, loa
     if c != "theirs":
       entry["mean_accepted_length"] = runs[c][-1]["mean_accepted_length"]
       entry["rows_vs_theirs"] = compare_rows(tokens, theirs_tokens)
+      entry["rows_vs_ours_ar"] = compare_rows(tokens, ar_tokens)
       if dtype == "float32":  # bf16 rounds each side its own way: its rows are not expected to agree
         tie_gaps(theirs_model, prompts, tokens, theirs_tokens, entry["rows_vs_theirs"])
         # a verify of many rows and an AR decode of few sum in different orders too (same arbiter: the twin)
         tie_gaps(theirs_model, prompts, tokens, ar_tokens, entry["rows_vs_ours_ar"])
-      entry["rows_vs_ours_ar"] = compare_rows(tokens, ar_tokens)
       # the same config must repeat itself: a lossless engine is deterministic under greedy decoding
       entry["repeats_identical"] = all(r["tokens"] == tokens for r in runs[c] + [warm[c]])
     rows[c] = entry
