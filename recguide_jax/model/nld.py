@@ -20,6 +20,7 @@ from __future__ import annotations
 import dataclasses
 import enum
 import math
+import re
 
 import jax
 import jax.numpy as jnp
@@ -34,7 +35,22 @@ from recguide_jax.kv_cache import KVCache, write_block
 from recguide_jax.model import rope
 
 
-class LayerLoop(enum.Enum):
+class _WeightArrangement(enum.Enum):
+  """An option of how the runner holds the weights, named by its value in flags and keywords (the option's name
+  is the class name in snake case: LayerLoop -> layer_loop)."""
+
+  @classmethod
+  def parse(cls, value):
+    if isinstance(value, cls):
+      return value
+    try:
+      return cls(str(value).lower())
+    except ValueError:
+      option = re.sub(r"(?<!^)(?=[A-Z])", "_", cls.__name__).lower()
+      raise ValueError(f"{option} must be one of {[m.value for m in cls]}, got {value!r}") from None
+
+
+class LayerLoop(_WeightArrangement):
   """How a forward runs the decoder layers.
 
   SCAN: one module whose weights are stacked [L, ...], run by `lax.scan`: a layer is compiled once whatever the
@@ -52,17 +68,8 @@ class LayerLoop(enum.Enum):
   SCAN = "scan"
   UNROLLED = "unrolled"
 
-  @classmethod
-  def parse(cls, value: "LayerLoop | str") -> "LayerLoop":
-    if isinstance(value, cls):
-      return value
-    try:
-      return cls(str(value).lower())
-    except ValueError:
-      raise ValueError(f"layer_loop must be one of {[m.value for m in cls]}, got {value!r}") from None
 
-
-class KernelLayout(enum.Enum):
+class KernelLayout(_WeightArrangement):
   """How the dense layers hold their kernels.
 
   IN_OUT: [in, out] (nnx.Linear's), what checkpoints, sharding rules, training and accelerators see.
@@ -78,15 +85,6 @@ class KernelLayout(enum.Enum):
   AUTO = "auto"
   IN_OUT = "in_out"
   OUT_IN = "out_in"
-
-  @classmethod
-  def parse(cls, value: "KernelLayout | str") -> "KernelLayout":
-    if isinstance(value, cls):
-      return value
-    try:
-      return cls(str(value).lower())
-    except ValueError:
-      raise ValueError(f"kernel_layout must be one of {[m.value for m in cls]}, got {value!r}") from None
 
 
 # Rows up to which an OUT_IN matmul puts the weight on the left (XLA:CPU, the peer model's dots: 64 rows 5% faster
