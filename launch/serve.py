@@ -69,8 +69,8 @@ _LAYER_LOOP = flags.DEFINE_enum("layer_loop", "auto", ["auto", "scan", "unrolled
 _KERNEL_LAYOUT = flags.DEFINE_enum("kernel_layout", "auto", ["auto", "in_out", "out_in"],
                                    "How the dense layers hold their kernels: in_out (the checkpoint's; GPU/TPU, "
                                    "meshes), out_in (transposed at load; XLA:CPU runs decode-sized matmuls with "
-                                   "the weight on the left about 2x faster, a batch-8 decode step 1.3x), auto (out_in on a CPU device without a "
-                                   "mesh, else in_out).")
+                                   "the weight on the left about 2x faster, a batch-8 decode step 1.3x), auto "
+                                   "(out_in on a CPU device without a mesh, else in_out).")
 _BACKGROUND_COMPILE = flags.DEFINE_boolean(
     "background_compile", True, "Compile only the largest batch bucket of each step variant before serving and the "
     "smaller buckets on a background thread (their batches run padded in the largest until then; no request waits "
