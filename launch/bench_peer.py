@@ -102,6 +102,7 @@ class PeerConfig:
   attention: str = "auto"
   layer_loop: str = "auto"  # our engine's (model.LayerLoop: auto, scan, unrolled)
   kernel_layout: str = "auto"  # our engine's (model.KernelLayout: auto, in_out, out_in)
+  decode_steps: int | None = None  # our engine's AR decode steps per device call (None: LLM's default)
   seed: int = 0
 
   def validate(self) -> "PeerConfig":
@@ -120,6 +121,8 @@ class PeerConfig:
         raise ValueError(f"--{flag} must be positive, got {getattr(self, name)}")
     if self.new_tokens < 2:
       raise ValueError("--max_tokens must be at least 2 (decode throughput needs a token after the first)")
+    if self.decode_steps is not None and self.decode_steps < 1:
+      raise ValueError(f"--decode_steps must be positive, got {self.decode_steps}")
     if self.block_size not in (8, 16, 32):
       raise ValueError(f"--block_size must be 8, 16 or 32, got {self.block_size}")
     if self.max_model_len < 0 or self.max_cell_tokens < 0:
@@ -471,7 +474,8 @@ def run_peer(cfg: PeerConfig, log=print) -> dict:
                                                                             if p in group_lens),
                   max_model_len=max_len, warmup=False, dtype=dtype, compile_cache_dir=None,
                   attention=cfg.attention, layer_loop=cfg.layer_loop,
-                  kernel_layout=cfg.kernel_layout)
+                  kernel_layout=cfg.kernel_layout,
+                  **({} if cfg.decode_steps is None else {"decode_steps": cfg.decode_steps}))
         load_s = time.perf_counter() - t0
         tokenizer = llm.tokenizer
         use_gsm8k = cfg.prompt_source == "gsm8k" or (cfg.prompt_source == "auto" and tokenizer is not None and
@@ -498,6 +502,7 @@ def run_peer(cfg: PeerConfig, log=print) -> dict:
       "DynamicCache, sdpa attention, eos_token_id=None", "ours": "LLM.generate, temperature 0, ignore_eos",
       "layer_loops": sorted({c["layer_loop"] for c in results}),
       "kernel_layouts": sorted({c.get("kernel_layout", "in_out") for c in results}),
+      "decode_steps": sorted({c.get("decode_steps", 1) for c in results}),
       "load_average_start": list(load_start),
       "load_average_end": list(os.getloadavg()),
       "time_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "code": code_version(),
@@ -571,7 +576,7 @@ def _run_cell(cfg, llm, theirs_model, ckpt_dir, dtype, batch, plen, max_len, loa
     rows[c]["equal_rows_vs_ours_ar"] = sum(r["equal"] for r in rows[c]["rows_vs_ours_ar"])
   cell = {"dtype": dtype, "batch": batch, "prompt_len": plen, "new_tokens": cfg.new_tokens, "max_model_len": max_len,
           "prompt_source": source, "engine_load_s": load_s, "layer_loop": llm.runner.layer_loop.value,
-          "kernel_layout": llm.runner.kernel_layout.value,
+          "kernel_layout": llm.runner.kernel_layout.value, "decode_steps": llm.runner.config.decode_steps,
           "configs": rows,
           # equal, or first apart at a near-tie of fp32 rounding
           "ar_equal_to_theirs": (rows["ours ar"]["equal_rows_vs_theirs"] +
@@ -600,7 +605,8 @@ def markdown(result: dict) -> str:
       "and one warm-up run per config.",
       f"Ours: {meta['ours']}, max_model_len {meta['max_model_len']}, layer loop "
       f"{', '.join(meta.get('layer_loops', [])) or 'scan'}, dense kernels "
-      f"{', '.join(meta.get('kernel_layouts', [])) or 'in_out'}, jax {meta['jax']} ({meta['jax_backend']}). "
+      f"{', '.join(meta.get('kernel_layouts', [])) or 'in_out'}, AR decode steps per call "
+      f"{', '.join(str(n) for n in meta.get('decode_steps', [])) or '1'}, jax {meta['jax']} ({meta['jax_backend']}). "
       f"Theirs: transformers {meta['transformers']} {meta['theirs']}, torch {meta['torch']} with "
       f"{meta['torch_threads']} threads; XLA: {meta['xla_threads']} ({meta['cpu_count']} cores). Load average "
       f"{meta['load_average_start'][0]:.1f} at the start, {meta['load_average_end'][0]:.1f} at the end "
@@ -695,6 +701,8 @@ def _define_flags():
                     "on a CPU when the weights exceed its last-level cache).")
   flags.DEFINE_enum("kernel_layout", "auto", ["auto", "in_out", "out_in"], "How our dense layers hold their "
                     "kernels (auto: out_in, [out, in], on a CPU without a mesh).")
+  flags.DEFINE_integer("decode_steps", None, "Our engine's AR decode steps per device call when nothing waits "
+                       "(LLM(decode_steps); default: the LLM's; 1: one call per token).", lower_bound=1)
   flags.DEFINE_enum("attention", "auto", ["auto", "reference", "pallas"], "Our attention implementation.")
   cli.define_output_flags("bench_peer")
 
@@ -733,7 +741,7 @@ def main(argv):
                    policies=tuple(f.policies), block_size=f.block_size, threads=f.threads,
                    max_model_len=f.max_model_len, max_cell_tokens=f.max_cell_tokens, prompt_source=f.prompt_source,
                    data=data, attention=f.attention, layer_loop=f.layer_loop,
-                   kernel_layout=f.kernel_layout, seed=f.seed)
+                   kernel_layout=f.kernel_layout, decode_steps=f.decode_steps, seed=f.seed)
   try:
     cfg.validate()
   except ValueError as e:

@@ -75,13 +75,14 @@ def model_config():
 def policy_runner_config(name: str):
   """(policy, RunnerConfig) exactly as `LLM` builds them for `policy=name` (no block_sizes override)."""
   from recguide_jax import policies
+  from recguide_jax.llm import DEFAULT_DECODE_STEPS
   from recguide_jax.runner import RunnerConfig
   policy = policies.make_policy(name, _BLOCK_SIZE.value)
   sizes = tuple(sorted(set(policy.block_sizes()))) or (_BLOCK_SIZE.value,)
   pages_per_seq = -(-(_MAX_MODEL_LEN.value + max(sizes + (_PREFILL_CHUNK.value,))) // _PAGE_SIZE.value)
   rc = RunnerConfig(num_pages=_NUM_PAGES.value or _MAX_BATCH.value * pages_per_seq + 1, page_size=_PAGE_SIZE.value,
                     max_model_len=_MAX_MODEL_LEN.value, max_batch=_MAX_BATCH.value, block_sizes=sizes,
-                    prefill_chunk=_PREFILL_CHUNK.value, compile_cache_dir=None)
+                    prefill_chunk=_PREFILL_CHUNK.value, compile_cache_dir=None, decode_steps=DEFAULT_DECODE_STEPS)
   return policy, rc
 
 

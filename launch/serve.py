@@ -71,6 +71,12 @@ _KERNEL_LAYOUT = flags.DEFINE_enum("kernel_layout", "auto", ["auto", "in_out", "
                                    "meshes), out_in (transposed at load; XLA:CPU runs decode-sized matmuls with "
                                    "the weight on the left about 2x faster, a batch-8 decode step 1.3x), auto "
                                    "(out_in on a CPU device without a mesh, else in_out).")
+_DECODE_STEPS = flags.DEFINE_integer(
+    "decode_steps", 4,  # llm.DEFAULT_DECODE_STEPS (not imported here: --help stays light)
+    "AR decode steps one device call may run while no request waits to be admitted or prefilled (vLLM's multi-step "
+    "scheduling): one dispatch, one read-back and one round of host work per that many tokens; streams then get "
+    "tokens in groups of up to that many. 1 turns it off; at most the largest block size or prefill chunk.",
+    lower_bound=1)
 _BACKGROUND_COMPILE = flags.DEFINE_boolean(
     "background_compile", True, "Compile only the largest batch bucket of each step variant before serving and the "
     "smaller buckets on a background thread (their batches run padded in the largest until then; no request waits "
@@ -279,7 +285,7 @@ def main(argv):
                       kv_cache_memory_fraction=_KV_FRACTION.value, device_memory_gb=_DEVICE_MEMORY_GB.value,
                       background_compile=_BACKGROUND_COMPILE.value, mesh=mesh,
                       warmup_prompt_logprobs=_WARMUP_PROMPT_LOGPROBS.value, layer_loop=_LAYER_LOOP.value,
-                      kernel_layout=_KERNEL_LAYOUT.value)
+                      kernel_layout=_KERNEL_LAYOUT.value, decode_steps=_DECODE_STEPS.value)
   except (CheckpointError, ConfigError, TokenizerError, OSError) as e:
     _fail(f"--checkpoint: {e}")
   except ValueError as e:

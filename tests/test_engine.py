@@ -85,6 +85,73 @@ def test_ar_batch_invariance(tiny_llm, ar_outputs):
   assert [r.output_ids for r in rs[::2]] == expected[:6]
 
 
+def test_multi_step_decode_equals_one_step_calls(tiny_llm, tiny_model, ar_outputs):
+  """AR decode calls of 4 steps (the LLM default) give the tokens and logprobs of one-step calls: greedy, sampled
+  (step s draws with the request's round counter + s), and through a stop token or max_tokens inside a call, whose
+  later steps' pages are freed with the request."""
+  from recguide_jax import LLM
+  from recguide_jax.runtime import StepKind
+  single = LLM(model=tiny_model, policy="ar", max_batch=8, max_model_len=256, page_size=8, prefill_chunk=16,
+               warmup=False, compile_cache_dir=None, decode_steps=1)
+  assert tiny_llm.runner.config.decode_steps == 4 and single.runner.config.decode_steps == 1
+  prompts, expected = ar_outputs
+  stop_tok = expected[1][10]
+  cases = [SamplingParams(max_tokens=23, temperature=0.0, ignore_eos=True, logprobs=2),
+           SamplingParams(max_tokens=30, temperature=0.9, top_p=0.9, seed=5, logprobs=1),
+           SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True, stop_token_ids=[stop_tok])]
+  steps_seen = []
+  tiny_llm.runner.before_execute = lambda key, args: steps_seen.append(key.steps)
+  try:
+    for params in cases:
+      outs = []
+      for llm in (single, tiny_llm):
+        llm.set_policy(policies.ARPolicy())
+        outs.append(llm.generate(prompts[:6], params, use_tqdm=False))
+        assert llm.engine.allocator.num_used == 0
+        llm.engine.allocator.check()
+      for one, multi in zip(*outs):
+        assert multi.token_ids == one.token_ids and multi.finish_reason == one.finish_reason
+        assert (multi.logprobs is None) == (one.logprobs is None) == (params.logprobs is None)
+        for a, b in zip(multi.logprobs or [], one.logprobs or [], strict=True):
+          assert a["token_id"] == b["token_id"] and a["logprob"] == pytest.approx(b["logprob"], abs=1e-5)
+          assert a.get("top_logprobs", {}).keys() == b.get("top_logprobs", {}).keys()
+  finally:
+    tiny_llm.runner.before_execute = None
+  assert 4 in steps_seen and 1 in steps_seen  # multi-step calls ran, and single steps where fewer tokens were left
+  assert outs[1][1].token_ids == expected[1][:expected[1].index(stop_tok) + 1]
+
+
+def test_multi_step_decode_waits_for_nothing_queued(tiny_llm):
+  """A multi-step call runs only while no request waits to be admitted or prefilled, and only when some request
+  of the batch has that many tokens left; its wall time counts as that many AR rounds."""
+  tiny_llm.set_policy(policies.ARPolicy())
+  eng = tiny_llm.engine
+  calls = []
+
+  def record(key, args):
+    if key.kind == "decode":
+      prefilling = any(r.prefilled < len(r.prompt_ids) for r in eng.running if not r.finished)
+      calls.append((key.steps, len(eng.waiting), prefilling))
+
+  rounds = []
+  observe = eng.strategy.observe_round
+  eng.strategy.observe_round = lambda kind, blk, rows, seconds: rounds.append((kind, blk))
+  tiny_llm.runner.before_execute = record
+  try:
+    # 9 requests for 8 slots: one waits until the shortest (11 tokens) finishes, then prefills (a 40-token prompt)
+    reqs = [eng.add_request([5 + i] * (3 if i < 8 else 40), SamplingParams(max_tokens=11 + 3 * i, temperature=0.0,
+                                                                           ignore_eos=True)) for i in range(9)]
+    eng.run_until_done()
+  finally:
+    tiny_llm.runner.before_execute = None
+    eng.strategy.observe_round = observe
+  assert [len(r.output_ids) for r in reqs] == [11 + 3 * i for i in range(9)]
+  assert all(steps == 1 for steps, waiting, prefilling in calls if waiting or prefilling)
+  assert any(steps == 4 for steps, _, _ in calls) and any(w for _, w, _ in calls) and any(p for _, _, p in calls)
+  assert eng.allocator.num_used == 0
+  assert rounds and all(r == ("ar", 1) for r in rounds)
+
+
 def test_diffusion_commit_seeds_are_ar_predictions(tiny_llm, tiny_model):
   """Block diffusion is not AR-equivalent, but every committed block's seed is the AR argmax after it."""
   import jax.numpy as jnp

@@ -322,3 +322,52 @@ def test_tables_priced_for_other_hardware_keep_their_values_but_not_their_prices
   values = model.values(vm.signal_s(Req.strategy_state.history, model.window), "b16_partial")
   want = max((8, 16, 32), key=lambda b: (values[b] / steep.cost(1, b), -b))
   assert other._adaptive_block(Req(), 1) == want == 8  # this machine's costs price the tables' values
+
+
+def test_value_calibration_scales_predictions_by_what_verification_returned():
+  from recguide_jax.orchestrator.estimates import ValueCalibration
+  cal = ValueCalibration(min_rounds=4)
+  for _ in range(3):
+    cal.observe(8, 4.0, 2)
+  assert cal.scale(8) == 1.0  # too few rounds to say
+  cal.observe(16, 6.0, 3)
+  assert cal.scale(8) == pytest.approx(0.5) and cal.scale(32) == pytest.approx(0.5)  # pooled over every B so far
+  cal.observe(8, 4.0, 2)
+  for _ in range(8):
+    cal.observe(32, 2.0, 2)
+  assert cal.scale(32) == pytest.approx(1.0) and cal.scale(8) == pytest.approx(0.5)  # each B by its own rounds
+  assert 0.5 < cal.scale(16) < 1.0  # still pooled
+  for _ in range(200):
+    cal.observe(16, 1.0, 9)
+  assert cal.scale(16) == cal.hi  # clamped: a prediction is corrected, never replaced
+
+
+def test_recguide_corrects_fitted_values_that_over_promise_on_this_workload():
+  """Tables fitted where B = 8 rounds accept 6 tokens, served where they accept 2: a calibrating switch scales the
+  fitted values by what its verifications returned; one pricing for a foreign device keeps the tables' values."""
+  import types
+
+  from recguide_jax.orchestrator import adaptive, value_fit
+  from recguide_jax.orchestrator.controller import RecGuideState
+  rows = [{"dataset": "syn", "request_id": r, "round": t, "s": None, "z": None, "A": {"8": 6, "16": 8, "32": 9}}
+          for r in range(30) for t in range(4)]
+  model = value_fit.fit_value_model(rows, bins=2)
+  prof = flat_profile(ar_ms=4.0)
+  tables = adaptive.RecGuideTables(value_model=model, levels=(adaptive.LevelTable(1, 0.0, prof.costs(1), 8),),
+                                   profile="elsewhere")
+
+  def request():
+    req = types.SimpleNamespace(strategy_state=RecGuideState(), params=SamplingParams(max_tokens=512), output_ids=[])
+    return req
+
+  result = types.SimpleNamespace(tokens=np.full((1, 8), 7), entropy=np.full((1, 8), 0.5, np.float32))
+  here = RecGuideStrategy(16, tables=tables, profile=prof, overlap=False)
+  foreign = RecGuideStrategy(16, tables=tables, profile=prof, overlap=False, calibrate=False)
+  for pol in (here, foreign):
+    before = pol._values(request())
+    assert before[8] == pytest.approx(6.0, rel=0.05)
+    for _ in range(20):
+      pol.observe(request(), 8, 2, result, 0)
+  assert here._values(request())[8] == pytest.approx(2.0, rel=0.05)
+  assert here._values(request())[16] == pytest.approx(8.0 / 3, rel=0.05)  # not run here yet: the pooled scale
+  assert foreign._values(request())[8] == pytest.approx(6.0, rel=0.05)

@@ -25,12 +25,31 @@ def test_step_key_labels_round_trip():
   assert StepKind.VERIFY == "verify" and StepKey("verify", 8, 1).kind is StepKind.VERIFY
   assert StepKind.DRAFT.writes_cache is False and StepKind.DECODE.writes_cache is True
   assert StepKey(StepKind.SCORE, 64, 2).name == "score/64/2" and StepKind.SCORE.writes_cache
+  multi = StepKey(StepKind.DECODE, 1, 8, steps=4)  # four AR steps per call: its own variant, one row per step
+  assert multi.name == "decode/1/8x4" and multi.query_tokens == 1 and multi != StepKey(StepKind.DECODE, 1, 8)
+  assert pickle.loads(pickle.dumps(multi)) == multi
 
 
 @pytest.mark.parametrize("bad", [("decode", 4, 1), ("verify", 8, 0)])
 def test_step_key_refuses_impossible_shapes(bad):
   with pytest.raises(ValueError):
     StepKey.parse(*bad)
+  with pytest.raises(ValueError, match="several steps"):
+    StepKey(StepKind.VERIFY, 8, 1, steps=2)
+  with pytest.raises(ValueError, match="several steps"):
+    StepKey(StepKind.DECODE, 1, 1, steps=0)
+
+
+def test_decode_steps_option_is_bounded_by_what_a_request_may_write_past_its_end(tiny_model):
+  with pytest.raises(ValueError, match="decode_steps must be positive"):
+    RunnerConfig(decode_steps=0)
+  # a request's pages hold one block (or prefill chunk) past its last token: a decode call may not write further
+  with pytest.raises(ValueError, match="decode_steps must be at most 32"):
+    RunnerConfig(block_sizes=(8, 32), prefill_chunk=16, decode_steps=33)
+  runner = Runner(tiny_model, RunnerConfig(num_pages=8, page_size=8, max_model_len=32, max_batch=2, block_sizes=(8,),
+                                           prefill_chunk=8, decode_steps=4))
+  decodes = [k for k in runner.variants(("prefill", "verify")) if k.kind == StepKind.DECODE]
+  assert sorted((k.batch, k.steps) for k in decodes) == [(1, 1), (1, 4), (2, 1), (2, 4)]
 
 
 @pytest.mark.parametrize("label", ["fusedx", "fused0", "sample"])

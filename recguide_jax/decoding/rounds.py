@@ -21,19 +21,23 @@ def draft_verify(ctx: RoundContext, blk: int, seed, write, prefix_len, page_tabl
 
 
 class ARRound(Round):
-  """One token per request: a decode forward of the seed token."""
+  """One token per request and step: decode forwards from the seed token, `ctx.decode_steps` of them in one device
+  call (each step's token is the next step's input on the device)."""
   kind = RoundKind.AR
 
-  def run(self, ctx: RoundContext, group: Group) -> None:
+  def run(self, ctx: RoundContext, group: Group) -> tuple[str, int]:
     reqs = group.reqs
-    ctx.reserve(reqs, 1)
-    b, page_table, prefix_len, samp = ctx.batch_arrays(reqs)
+    steps = ctx.decode_steps(reqs)
+    ctx.reserve(reqs, steps)
+    b, page_table, prefix_len, samp = ctx.batch_arrays(reqs, steps)
     seed, write = ctx.seeds(reqs, b)
-    res = ctx.runner.verify(seed[:, None], None, write, prefix_len, page_table, samp)
-    ctx.count_forward(Forward.DECODE, 1, len(reqs))
+    res = ctx.runner.verify(seed[:, None], None, write, prefix_len, page_table, samp, steps=steps)
+    for _ in range(steps):
+      ctx.count_forward(Forward.DECODE, 1, len(reqs))
     for i, r in enumerate(reqs):
-      r.stats.forwards[Forward.DECODE] += 1
-      ctx.verified(r, 1, 1, res, i)
+      r.stats.forwards[Forward.DECODE] += steps
+      ctx.decoded(r, steps, res, i)
+    return self.kind, steps
 
 
 class LinearRound(Round):

@@ -72,8 +72,9 @@ class Round:
   # True: requests planned at different blocks may share one batch padded to the largest (LinearSS rounds)
   pads_to_largest: bool = False
 
-  def run(self, ctx: "RoundContext", group: Group) -> str | None:
-    """Runs one round for `group`; returns the label to record its wall time under (None: `kind`)."""
+  def run(self, ctx: "RoundContext", group: Group) -> str | tuple[str, int] | None:
+    """Runs one round for `group`; returns the label to record its wall time under (None: `kind`), or (label,
+    rounds) when one call ran several rounds (multi-step AR decode: each is recorded at its share of the time)."""
     raise NotImplementedError
 
   def __repr__(self) -> str:
@@ -89,9 +90,12 @@ class RoundContext(Protocol):
   totals: Any  # engine-wide counters (collections.Counter) the server's /metrics reads
   signal_log: list | None  # analysis: per-round draft signals, when a caller asked for them
 
-  def batch_arrays(self, reqs: Sequence) -> tuple:
+  def batch_arrays(self, reqs: Sequence, rounds: int = 1) -> tuple:
     """(bucket b, page_table [b, P], prefix_len [b], SamplingArrays) of a padded batch; advances each request's
-    round counter (its sampling key)."""
+    round counter (its sampling key) by `rounds` (a multi-step decode's steps count up from it)."""
+
+  def decode_steps(self, reqs: Sequence) -> int:
+    """AR decode steps the next decode call of `reqs` runs (1, or the runner's `decode_steps`)."""
 
   def seeds(self, reqs: Sequence, b: int) -> tuple:
     """(seed tokens [b], live-row flags [b]) of a padded batch."""
@@ -113,6 +117,9 @@ class RoundContext(Protocol):
 
   def verified(self, req, blk: int, accepted: int, result, row: int) -> None:
     """After a verification: stats, pages (commit `accepted`, drop the rest), `strategy.observe`, emission."""
+
+  def decoded(self, req, steps: int, result, row: int) -> None:
+    """After an AR decode call of `steps` steps: stats and `strategy.observe` per step, pages, emission."""
 
   def emit(self, req, tokens: list[int], logprobs, top_logprobs, top_ids) -> None:
     """Appends tokens to `req` (stop conditions, logprobs, its update callback)."""

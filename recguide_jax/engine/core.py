@@ -181,15 +181,16 @@ class Engine:
           continue
         chunk = Group(group.round, group.block, [r for r, _ in rows], [p for _, p in rows])
         t0 = time.perf_counter()
-        ok, label = self._isolated(chunk.reqs, f"{group.round.kind} round (block {group.block})", group.round.run,
-                                   self, chunk)
+        ok, ran = self._isolated(chunk.reqs, f"{group.round.kind} round (block {group.block})", group.round.run,
+                                 self, chunk)
         if not ok:
           continue
+        label, rounds = ran if isinstance(ran, tuple) else (ran, 1)
         # the whole round on the wall clock (batch assembly, forwards, acceptance, emission): what a strategy that
-        # calibrates its cost model online compares regimes by
+        # calibrates its cost model online compares regimes by (a multi-step AR call: each step at its share)
         try:
           self.strategy.observe_round(label or group.round.kind, group.block, len(chunk.reqs),
-                                      time.perf_counter() - t0)
+                                      (time.perf_counter() - t0) / rounds)
         except Exception:
           log.exception("the strategy's observe_round failed")
     return self.scheduler.take_finished()
@@ -245,7 +246,7 @@ class Engine:
     if self.forward_log is not None:
       self.forward_log.append((str(kind), blk, rows))
 
-  def batch_arrays(self, reqs: Sequence[Request]):
+  def batch_arrays(self, reqs: Sequence[Request], rounds: int = 1):
     n = len(reqs)
     b = self.runner.bucket_for(n)
     width = self.rc.pages_per_seq
@@ -261,8 +262,17 @@ class Engine:
       samp.top_k[i] = row.top_k
       samp.top_p[i] = row.top_p
       samp.keys[i] = (row.seed, r.round_counter & 0xFFFFFFFF)
-      r.round_counter += 1
+      r.round_counter += rounds
     return b, page_table, prefix_len, samp
+
+  def decode_steps(self, reqs: Sequence[Request]) -> int:
+    """AR steps the next decode call of `reqs` runs: the runner's `decode_steps` when no request waits to be
+    admitted or prefilled (a multi-step call would hold either back for its length) and some request of `reqs` has
+    that many tokens left to generate, else 1."""
+    n = self.rc.decode_steps
+    if n <= 1 or self.waiting or any(r.prefilled < len(r.prompt_ids) and not r.finished for r in self.running):
+      return 1
+    return n if max(r.params.max_tokens - len(r.output_ids) for r in reqs) >= n else 1
 
   def seeds(self, reqs: Sequence[Request], b: int) -> tuple[np.ndarray, np.ndarray]:
     """Per-row seed tokens and the live-row flag of a padded batch."""
@@ -311,6 +321,18 @@ class Engine:
                               "conf": res.draft_signals[i, 0].tolist(), "margin": res.draft_signals[i, 1].tolist(),
                               "alt": res.draft_signals[i, 2].astype(int).tolist()})
     self.emit(r, toks, list(res.logprobs[i, :accepted]), res.top_logprobs[i, :accepted], res.top_ids[i, :accepted])
+
+  def decoded(self, r: Request, steps: int, res, i: int) -> None:
+    """After an AR decode call of `steps` steps (`res` [b, steps]): each step is one round of one token in the
+    stats and for `strategy.observe`; the K/V of all steps are committed and the tokens emitted up to the request's
+    stop condition (a request that stops inside the call frees its pages, what later steps wrote with them)."""
+    c = self.allocator.length(r.request_id)
+    for _ in range(steps):
+      self.count_block(r, 1, 1)
+      self.strategy.observe(r, 1, 1, res, i)
+    self.allocator.commit(r.request_id, c + steps)
+    self.emit(r, [int(t) for t in res.tokens[i, :steps]], list(res.logprobs[i, :steps]), res.top_logprobs[i, :steps],
+              res.top_ids[i, :steps])
 
   # ---- emission and finishing ----------------------------------------------------------------------------------------
   def emit(self, r: Request, toks: list[int], lps, top_lp, top_ids) -> None:

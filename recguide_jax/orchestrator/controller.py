@@ -31,6 +31,7 @@ from recguide_jax.config import BLOCK_SIZES
 from recguide_jax.decoding import grouping, rounds
 from recguide_jax.decoding.strategy import RoundKind, RoundPlan, StepView, Strategy
 from recguide_jax.orchestrator import calibration, overlap as ov, signals
+from recguide_jax.orchestrator.estimates import OnlineStats, ValueCalibration  # noqa: F401  (OnlineStats: re-exported)
 from recguide_jax.orchestrator.overlap_round import OverlapRound
 
 BLOCKS = BLOCK_SIZES  # earlier name
@@ -51,25 +52,6 @@ HISTORY = 4  # verification rounds a request's history keeps (the signals read t
 # priced gain under 1% is no gain; giving it up costs at most 1% on the steps where it applies.
 TIE_MARGIN = 0.01
 PAPER_DELTA = 0.5  # risky-position margin threshold of the paper (NLD-8B)
-
-
-@dataclasses.dataclass
-class OnlineStats:
-  """Engine-wide running estimates the switch needs (exponential moving averages)."""
-  decay: float = 0.98
-  accepted: dict = dataclasses.field(default_factory=lambda: {8: 4.0, 16: 5.0, 32: 6.0})
-  overlap_accepted: float = 5.0
-  overlap_hit: float = 0.5
-  overlap_rounds: int = 0
-
-  def observe_linear(self, blk: int, accepted: int) -> None:
-    self.accepted[blk] = self.decay * self.accepted.get(blk, accepted) + (1 - self.decay) * accepted
-
-  def observe_overlap(self, accepted: int, hit: bool) -> None:
-    d = self.decay
-    self.overlap_accepted = d * self.overlap_accepted + (1 - d) * accepted
-    self.overlap_hit = d * self.overlap_hit + (1 - d) * float(hit)
-    self.overlap_rounds += 1
 
 
 @dataclasses.dataclass
@@ -138,6 +120,8 @@ class RecGuideStrategy(Strategy):
     # clock); False: decide by the profile alone (pricing a run for the hardware a foreign profile describes)
     self.calibrate = calibrate
     self.calibrated = calibration.CalibratedCosts(self._profiled_round_cost)
+    # with calibration on, the fitted values are corrected online too: by what verification returns here
+    self.value_calibration = ValueCalibration()
     if tables is not None:  # start the online estimates from the fitted model's unconditional values
       self.stats.accepted = {b: tables.value_model.value(b, None) for b in BLOCKS}
       self.stats.overlap_accepted = self.stats.accepted[block_size]
@@ -344,11 +328,19 @@ class RecGuideStrategy(Strategy):
 
   def _values(self, req) -> dict[int, float]:
     """Expected tokens of `req`'s next LinearSS round per B: the fitted value model V_B(s, z) from its history
-    (unconditional before its first verification), else the engine-wide online estimate; near the end of its
-    budget, of the tokens it may still emit (a longer block buys nothing past max_tokens)."""
+    (unconditional before its first verification), scaled by how it has matched verification on this workload when
+    calibrating (`ValueCalibration`), else the engine-wide online estimate; near the end of its budget, of the
+    tokens it may still emit (a longer block buys nothing past max_tokens)."""
     left = self._remaining(req)
     if self.tables is None:
       return self.stats.accepted if left >= BLOCKS[-1] else {b: min(v, left) for b, v in self.stats.accepted.items()}
+    values = self._model_values(req, left)
+    if not self.calibrate:
+      return values
+    return {b: v * self.value_calibration.scale(b) for b, v in values.items()}
+
+  def _model_values(self, req, left: int) -> dict[int, float]:
+    """The fitted value model's V_B(s, z) of `req`'s next round (capped at `left` tokens)."""
     hist = self.state(req).history
     model = self.tables.value_model
     s, z = (signals.signal_s(hist, model.window), signals.stratum(hist)) if hist else (None, None)
@@ -480,6 +472,10 @@ class RecGuideStrategy(Strategy):
         if len(state.history) > HISTORY:
           del state.history[0]
       return
+    if self.calibrate and self.tables is not None and block_size in BLOCKS and not self.overlap_round.running:
+      # what the value model predicted for this round (the history before it) against what it returned
+      predicted = self._model_values(req, self._remaining(req))[block_size]  # observe runs before emission
+      self.value_calibration.observe(block_size, predicted, accepted)
     cap = self.tables.head_cap if self.tables is not None else self.entropy_head_cap
     # a set test on a short list: np.isin took ~0.1 ms per request and round, ~2% of a C = 1 round on a CPU
     eos = not self._eos.isdisjoint(result.tokens[row, :accepted].tolist())

@@ -62,13 +62,16 @@ class RunnerConfig:
   kernel_layout: KernelLayout = KernelLayout.AUTO
   # XLA options ({name: value} or pairs) of every variant this runner compiles: per executable, not per process
   compiler_options: tuple[tuple[str, Any], ...] = ()
+  # AR decode steps one device call may run (vLLM's multi-step scheduling): the host dispatches and reads back once
+  # per `decode_steps` tokens; the engine uses it when nothing waits to be admitted or prefilled (engine/core.py)
+  decode_steps: int = 1
 
   def __post_init__(self):
     object.__setattr__(self, "layer_loop", LayerLoop.parse(self.layer_loop))
     object.__setattr__(self, "kernel_layout", KernelLayout.parse(self.kernel_layout))
     opts = dict(self.compiler_options)  # a mapping or (name, value) pairs
     object.__setattr__(self, "compiler_options", tuple(sorted((str(k), v) for k, v in opts.items())))
-    for name in ("num_pages", "page_size", "max_model_len", "max_batch", "prefill_chunk"):
+    for name in ("num_pages", "page_size", "max_model_len", "max_batch", "prefill_chunk", "decode_steps"):
       if getattr(self, name) <= 0:
         raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
     if self.rule not in sampling.RULES:
@@ -76,6 +79,9 @@ class RunnerConfig:
     bad = [b for b in self.block_sizes if b < 2]
     if bad:
       raise ValueError(f"block sizes must be >= 2, got {bad}")
+    if self.decode_steps > self.max_block:  # a request may write this far past its last token (pages_per_seq)
+      raise ValueError(f"decode_steps must be at most {self.max_block} (the largest block or prefill chunk), got "
+                       f"{self.decode_steps}")
 
   @property
   def max_block(self) -> int:
@@ -268,6 +274,8 @@ class Runner:
         out.append(StepKey(StepKind.SCORE, self.config.prefill_chunk, b))
       if StepKind.VERIFY in kind_set:
         out.append(StepKey(StepKind.DECODE, 1, b))  # AR decode, the regime every speculative policy may fall back to
+        if self.config.decode_steps > 1:
+          out.append(StepKey(StepKind.DECODE, 1, b, steps=self.config.decode_steps))
       for blk in sizes:
         for kind in (StepKind.DRAFT, StepKind.VERIFY, StepKind.DENOISE, StepKind.GVERIFY):
           if kind in kind_set:
@@ -373,12 +381,17 @@ class Runner:
     signals [b, 3, B] (confidence, top-1/top-2 margin, runner-up token)."""
     return self.execute(StepKey(StepKind.DRAFT, blk, seed.shape[0]), (seed, prefix_len, page_table) + samp.args())
 
-  def verify(self, tokens, q, write, prefix_len, page_table, samp: SamplingArrays) -> VerifyResult:
+  def verify(self, tokens, q, write, prefix_len, page_table, samp: SamplingArrays, steps: int = 1) -> VerifyResult:
+    """A verify of `tokens` [b, B] against the draft distributions `q`, or with `q` None an AR decode of the seed
+    tokens [b, 1] for `steps` steps (results [b, steps]; the steps' sampling keys count up from samp.keys)."""
     b, blk = tokens.shape
     if q is None:  # AR decode: nothing to accept; its variant takes no draft distribution at all
       if blk != 1:
         raise ValueError("verify without draft distributions is only AR decode (block of 1)")
-      outs = self.execute(StepKey(StepKind.DECODE, 1, b), (tokens, write, prefix_len, page_table) + samp.args())
+      outs = self.execute(StepKey(StepKind.DECODE, 1, b, steps=steps),
+                          (tokens, write, prefix_len, page_table) + samp.args())
+    elif steps != 1:
+      raise ValueError("only an AR decode (q None) runs several steps per call")
     else:
       outs = self.execute(StepKey(StepKind.VERIFY, blk, b),
                           (tokens, q, write, prefix_len, page_table) + samp.args())

@@ -18,7 +18,7 @@ class StepKind(str, enum.Enum):
   PREFILL = "prefill"  # causal chunk: writes K/V of its valid tokens, samples the next token at each row's last one
   DRAFT = "draft"  # bidirectional block [seed, MASK...] over the cached prefix, draft LoRA on; cache untouched
   VERIFY = "verify"  # causal block: writes its K/V, speculative acceptance against the draft distributions
-  DECODE = "decode"  # plain AR decode: a verify of a block of 1 that takes no draft distribution
+  DECODE = "decode"  # plain AR decode: a verify of a block of 1 that takes no draft distribution (`steps` of them)
   FUSED = "fused"  # greedy verify of a block plus `slots` tree branches drafted in the same forward
   GVERIFY = "gverify"  # greedy verify of host-provided draft tokens (a fused forward with no branch slots)
   DENOISE = "denoise"  # NLD's block-diffusion loop (confidence threshold) as one on-device while loop
@@ -37,11 +37,13 @@ class StepKind(str, enum.Enum):
 @dataclasses.dataclass(frozen=True, order=True)
 class StepKey:
   """One compiled variant: `kind` at query block `block` (the prefill chunk for PREFILL and SCORE, 1 for DECODE), batch
-  bucket `batch`, and for FUSED its number of branch slots."""
+  bucket `batch`, for FUSED its number of branch slots, and for DECODE the AR steps one call runs (each step feeds
+  the token it sampled to the next on the device: one dispatch and one read-back for `steps` tokens)."""
   kind: StepKind
   block: int
   batch: int
   slots: int = 0
+  steps: int = 1
 
   def __post_init__(self):
     object.__setattr__(self, "kind", StepKind(self.kind))
@@ -51,6 +53,8 @@ class StepKey:
       raise ValueError(f"decode is a block of 1, got {self.block}")
     if (self.kind == StepKind.FUSED) != (self.slots > 0):
       raise ValueError(f"only a fused step has branch slots (and it has at least one): {self}")
+    if self.steps < 1 or (self.steps > 1 and self.kind != StepKind.DECODE):
+      raise ValueError(f"only a decode step runs several steps per call (and at least one): {self}")
 
   @property
   def query_tokens(self) -> int:
@@ -64,8 +68,8 @@ class StepKey:
 
   @property
   def name(self) -> str:
-    """"kind/block/batch", as reports and tables name a variant ("fused2/16/8")."""
-    return f"{self.label}/{self.block}/{self.batch}"
+    """"kind/block/batch", as reports and tables name a variant ("fused2/16/8"; "decode/1/8x4": 4 steps a call)."""
+    return f"{self.label}/{self.block}/{self.batch}" + (f"x{self.steps}" if self.steps > 1 else "")
 
   @classmethod
   def parse(cls, kind: str | StepKind, block: int, batch: int) -> "StepKey":

@@ -59,7 +59,7 @@ class StepFunctions:
     if key.kind == StepKind.VERIFY:
       return self._verify(key.block)
     if key.kind == StepKind.DECODE:
-      return self._decode()
+      return self._decode(key.steps)
     if key.kind in (StepKind.FUSED, StepKind.GVERIFY):
       return self._fused(key.block, key.slots)
     if key.kind == StepKind.DENOISE:
@@ -134,11 +134,29 @@ class StepFunctions:
 
     return fn
 
-  def _decode(self):
+  def _decode(self, steps: int = 1):
+    """`steps` AR decode forwards in one call: each writes its input token's K/V and samples the next one, which
+    the next step takes as input on the device. Step s samples with round counter keys[:, 1] + s, so the tokens are
+    those of `steps` single-step calls whose counters advance by one (sampled or greedy). Results are [b, steps]
+    (top entries [b, steps, K]); `accepted` is `steps` for every row (the host stops each request at its own stop
+    condition and drops what the later steps wrote)."""
     verify = self._verify(1)
 
     def fn(state, cache, tokens, write, prefix_len, page_table, temperature, top_k, top_p, keys):
-      return verify(state, cache, tokens, None, write, prefix_len, page_table, temperature, top_k, top_p, keys)
+      if steps == 1:
+        return verify(state, cache, tokens, None, write, prefix_len, page_table, temperature, top_k, top_p, keys)
+
+      def step(carry, s):
+        cache, tok = carry
+        step_keys = keys.at[:, 1].add(s.astype(keys.dtype))
+        cache, _, out, lp, top_lp, top_ids, ent = verify(state, cache, tok, None, write, prefix_len + s, page_table,
+                                                         temperature, top_k, top_p, step_keys)
+        return (cache, out), (out[:, 0], lp[:, 0], top_lp[:, 0], top_ids[:, 0], ent[:, 0])
+
+      (cache, _), per_step = jax.lax.scan(step, (cache, tokens), jnp.arange(steps, dtype=jnp.int32))
+      out, lp, top_lp, top_ids, ent = (jnp.moveaxis(y, 0, 1) for y in per_step)
+      accepted = jnp.full(tokens.shape[:1], steps, jnp.int32)
+      return cache, accepted, out, lp, top_lp, top_ids, ent
 
     return fn
 

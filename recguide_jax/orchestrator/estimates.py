@@ -1,0 +1,59 @@
+"""The running estimates RecGuide's switch prices with, kept engine-wide: accepted lengths and overlap hit rates
+(`OnlineStats`), and how far the fitted value model's predictions sit from what verification returns on the
+workload being served (`ValueCalibration`)."""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+
+
+@dataclasses.dataclass
+class OnlineStats:
+  """Engine-wide running estimates the switch needs (exponential moving averages)."""
+  decay: float = 0.98
+  accepted: dict = dataclasses.field(default_factory=lambda: {8: 4.0, 16: 5.0, 32: 6.0})
+  overlap_accepted: float = 5.0
+  overlap_hit: float = 0.5
+  overlap_rounds: int = 0
+
+  def observe_linear(self, blk: int, accepted: int) -> None:
+    self.accepted[blk] = self.decay * self.accepted.get(blk, accepted) + (1 - self.decay) * accepted
+
+  def observe_overlap(self, accepted: int, hit: bool) -> None:
+    d = self.decay
+    self.overlap_accepted = d * self.overlap_accepted + (1 - d) * accepted
+    self.overlap_hit = d * self.overlap_hit + (1 - d) * float(hit)
+    self.overlap_rounds += 1
+
+
+@dataclasses.dataclass
+class ValueCalibration:
+  """How far the fitted value model's predictions sit from what verification returns on this workload, per B.
+
+  The tables are fitted on one prompt set (the bundled ones: GSM8K answers that stop at EOS); served prompts can
+  accept far less (on GSM8K question windows decoded past EOS the model predicted 4.1 tokens per B = 8 round where
+  2.6 came back) and a switch that trusts the prediction keeps running rounds that lose to AR. Each LinearSS
+  verification adds its predicted and realized accepted length to decayed sums; `scale(B)` = realized / predicted
+  once `min_rounds` rounds of B (or, until then, of all B together) were seen, clamped to [`lo`, `hi`]."""
+  decay: float = 0.98
+  min_rounds: int = 8
+  lo: float = 0.2
+  hi: float = 1.5
+  predicted: dict = dataclasses.field(default_factory=lambda: collections.defaultdict(float))
+  realized: dict = dataclasses.field(default_factory=lambda: collections.defaultdict(float))
+  rounds: collections.Counter = dataclasses.field(default_factory=collections.Counter)
+
+  def observe(self, blk: int, predicted: float, realized: int) -> None:
+    self.predicted[blk] = self.decay * self.predicted[blk] + predicted
+    self.realized[blk] = self.decay * self.realized[blk] + realized
+    self.rounds[blk] += 1
+
+  def scale(self, blk: int) -> float:
+    if self.rounds[blk] >= self.min_rounds:
+      pred, real = self.predicted[blk], self.realized[blk]
+    elif sum(self.rounds.values()) >= self.min_rounds:
+      pred, real = sum(self.predicted.values()), sum(self.realized.values())
+    else:
+      return 1.0
+    return min(max(real / pred, self.lo), self.hi) if pred > 0 else 1.0
