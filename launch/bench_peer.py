@@ -436,7 +436,7 @@ def run_peer(cfg: PeerConfig, log=print) -> dict:
   torch.set_num_threads(cfg.threads)
   import jax
 
-  from recguide_jax import LLM
+  from recguide_jax import LLM, host_cpu
   load_start = os.getloadavg()
   with tempfile.TemporaryDirectory(prefix="bench_peer_") as tmp:
     if cfg.checkpoint is None:
@@ -495,7 +495,7 @@ def run_peer(cfg: PeerConfig, log=print) -> dict:
       "prompt_lens": list(cfg.prompt_lens), "new_tokens": cfg.new_tokens, "repeats": cfg.repeats,
       "policies": [_label(p, cfg) for p in cfg.policies], "max_model_len": cfg.max_model_len or "tight",
       "max_cell_tokens": cfg.max_cell_tokens, "skipped_cells": [list(c) for c in _all_cells(cfg) if c not in cells],
-      "torch_threads": torch.get_num_threads(), "cpu_count": os.cpu_count(),
+      "torch_threads": torch.get_num_threads(), "cpu_count": os.cpu_count(), "cpu_model": host_cpu.cpu_model(),
       "xla_threads": "XLA CPU client default (one intra-op pool over all cores)",
       "jax": jax.__version__, "jax_backend": jax.default_backend(), "torch": torch.__version__,
       "transformers": __import__("transformers").__version__, "theirs": "Ministral3ForCausalLM.generate, greedy, "
@@ -608,7 +608,8 @@ def markdown(result: dict) -> str:
       f"{', '.join(meta.get('kernel_layouts', [])) or 'in_out'}, AR decode steps per call "
       f"{', '.join(str(n) for n in meta.get('decode_steps', [])) or '1'}, jax {meta['jax']} ({meta['jax_backend']}). "
       f"Theirs: transformers {meta['transformers']} {meta['theirs']}, torch {meta['torch']} with "
-      f"{meta['torch_threads']} threads; XLA: {meta['xla_threads']} ({meta['cpu_count']} cores). Load average "
+      f"{meta['torch_threads']} threads; XLA: {meta['xla_threads']} ({meta['cpu_count']} cores of "
+      f"{meta.get('cpu_model', 'an unrecorded CPU')}). Load average "
       f"{meta['load_average_start'][0]:.1f} at the start, {meta['load_average_end'][0]:.1f} at the end "
       f"({meta['time_utc']}, code {meta['code']}).", "",
       "Decode tok/s: tokens after each row's first / (wall - time to the first token), median over repeats; e2e: "

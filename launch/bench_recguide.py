@@ -209,7 +209,7 @@ def main(argv):
           "local_profile": FLAGS.profile, "recguide_tables": tables_path,
           "delta": default.delta, "planner": default.planner, "overlap_slots": default.overlap_slots,
           "prefix_exponent": default.prefix_exponent,
-          "compiles_after_warmup": llm.runner.compiles_after_warmup}
+          "compiles_after_warmup": llm.runner.compiles_after_warmup, **_host_meta(llm)}
   out_json, out_md = cli.report_path("bench_recguide.json", "out_json"), cli.report_path("bench_recguide.md", "out_md")
   with open(out_json, "w") as f:
     json.dump({"meta": meta, "results": results, "recguide_vs_best_baseline_wall_pooled": pooled}, f, indent=2)
@@ -240,6 +240,19 @@ def main(argv):
   print(f"wrote {out_json} and {out_md}")
 
 
+def _host_meta(llm) -> dict:
+  """Where and when the figures were taken: wall-clock ratios compare only within a run, absolute tok/s only on
+  the same CPU model (this repo's VMs have changed model and speed between sessions)."""
+  import time
+
+  import jax
+
+  from recguide_jax import host_cpu
+  return {"cpu_model": host_cpu.cpu_model(), "cpu_count": os.cpu_count(), "jax": jax.__version__,
+          "jax_backend": jax.default_backend(), "decode_steps": llm.runner.config.decode_steps,
+          "time_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+
+
 def held_load(llm, recguide, default, levels, params, data, tables_path):
   """--mode=steady: RecGuide vs AR and fixed-B LinearSS under a held load of C requests per level."""
   from recguide_jax import benchmarks as bench, policies
@@ -264,7 +277,7 @@ def held_load(llm, recguide, default, levels, params, data, tables_path):
                     "num_prompts": FLAGS.num_prompts, "steady_requests_per_slot": FLAGS.steady_requests_per_slot,
                     "max_tokens": FLAGS.max_tokens, "repeats": FLAGS.repeats, "local_profile": FLAGS.profile,
                     "recguide_tables": tables_path, "delta": default.delta, "planner": default.planner,
-                    "compiles_after_warmup": llm.runner.compiles_after_warmup,
+                    "compiles_after_warmup": llm.runner.compiles_after_warmup, **_host_meta(llm),
                     "window": "from the first engine step after the first cohort of C requests has finished to the "
                               "last step that starts with C requests in flight"}
   table = steady.markdown(result, "recguide")

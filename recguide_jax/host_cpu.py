@@ -1,9 +1,11 @@
-"""What the host CPU offers that an engine choice depends on: the size of its last-level cache (Linux sysfs)."""
+"""What the host CPU offers that an engine choice depends on (the size of its last-level cache, Linux sysfs) and what
+benchmarks record of it (its model name: CPU figures of two runs compare only on the same model)."""
 
 from __future__ import annotations
 
 import functools
 import pathlib
+import platform
 
 _CACHES = pathlib.Path("/sys/devices/system/cpu/cpu0/cache")
 _UNITS = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
@@ -25,3 +27,15 @@ def last_level_cache_bytes() -> int | None:
     if level > best_level:
       best_level, best_size = level, size
   return best_size
+
+
+@functools.cache
+def cpu_model() -> str:
+  """The CPU's model name (/proc/cpuinfo on Linux, else what `platform` says; "unknown" where neither does)."""
+  try:
+    for line in pathlib.Path("/proc/cpuinfo").read_text().splitlines():
+      if line.startswith("model name"):
+        return line.split(":", 1)[1].strip()
+  except OSError:
+    pass
+  return platform.processor() or platform.machine() or "unknown"
