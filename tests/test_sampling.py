@@ -88,6 +88,35 @@ def test_speculative_sampling_matches_ar(small_vocab_model, samplers, params):
   assert results["leviathan"][1] >= results["reference"][1] - 0.05
 
 
+@pytest.mark.parametrize("special", [None, "ties", "nan", "nan_after_max", "all_neg_inf", "inf"])
+def test_argmax_is_jnp_argmax(special):
+  """The CPU's two-pass argmax names the same index as jnp.argmax: the first maximum, the first NaN of a row that
+  holds one (wherever the maximum is), index 0 of an all -inf row; other platforms lower XLA's argmax itself."""
+  rng = np.random.default_rng(1)
+  x = rng.standard_normal((3, 4, 37)).astype(np.float32)
+  rows = x.reshape(-1, 37)
+  if special == "ties":
+    rows[:, 20] = rows[:, 6] = rows.max(-1) + 1
+  elif special == "nan":
+    rows[1, [30, 8]] = np.nan
+  elif special == "nan_after_max":
+    rows[2, 5] = 100.0
+    rows[2, 36] = np.nan
+  elif special == "all_neg_inf":
+    rows[0] = -np.inf
+  elif special == "inf":
+    rows[3, [9, 2]] = np.inf
+  got = jax.jit(sampling.argmax)(x)
+  assert got.dtype == jnp.int32
+  np.testing.assert_array_equal(np.asarray(got), np.asarray(jnp.argmax(x, axis=-1)))
+
+
+def test_argmax_lowers_to_one_reduction_off_the_cpu():
+  for platform, reductions in (("cpu", 3), ("cuda", 1), ("tpu", 1)):
+    text = jax.jit(sampling.argmax).trace(jnp.zeros((2, 8))).lower(lowering_platforms=(platform,)).as_text()
+    assert text.count("stablehlo.reduce") == reductions, (platform, text)
+
+
 def test_accept_greedy_is_leading_argmax_match():
   rng = np.random.default_rng(0)
   b, blk, v = 4, 6, 10

@@ -185,7 +185,7 @@ class StepFunctions:
         return cache, accepted, out, lp, top_lp, top_ids, ent
       br_logits = logits[:, blk:].reshape(b * branches, blk, -1)
       br_in = tokens[:, blk:].reshape(b * branches, blk)
-      br_tok = jnp.argmax(sampling.exclude_token(br_logits, cfg.mask_token_id), axis=-1).astype(jnp.int32)
+      br_tok = sampling.argmax(sampling.exclude_token(br_logits, cfg.mask_token_id))
       # a correction block keeps its alt token in slot 0; the continuation's slot 0 is the guessed bonus
       br_tok = br_tok.at[:, 0].set(jnp.where(br_in[:, 0] != cfg.mask_token_id, br_in[:, 0], br_tok[:, 0]))
       sig = draft_signals(br_logits, br_tok, cfg)

@@ -20,7 +20,7 @@ def draft_signals(logits: jax.Array, drafted: jax.Array, cfg) -> jax.Array:
   for e in cfg.eos_token_ids:
     excl = excl.at[..., e].set(-1.0)
   excl = jnp.where(jax.nn.one_hot(drafted, probs.shape[-1], dtype=bool), -1.0, excl)
-  alt = jnp.argmax(excl, axis=-1)
+  alt = sampling.argmax(excl)
   alt = jnp.where(jnp.max(excl, axis=-1) > 0, alt, -1)
   return jnp.stack([conf, margin, alt.astype(jnp.float32)], axis=1)
 
