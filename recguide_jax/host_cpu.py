@@ -30,10 +30,10 @@ def last_level_cache_bytes() -> int | None:
 
 
 @functools.cache
-def cpu_model() -> str:
-  """The CPU's model name (/proc/cpuinfo on Linux, else what `platform` says; "unknown" where neither does)."""
+def cpu_model(cpuinfo: str = "/proc/cpuinfo") -> str:
+  """The CPU's model name (`cpuinfo` on Linux, else what `platform` says; "unknown" where neither does)."""
   try:
-    for line in pathlib.Path("/proc/cpuinfo").read_text().splitlines():
+    for line in pathlib.Path(cpuinfo).read_text().splitlines():
       if line.startswith("model name"):
         return line.split(":", 1)[1].strip()
   except OSError:

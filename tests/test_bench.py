@@ -104,5 +104,6 @@ def test_bench_recguide_steady_mode_bookkeeping(tmp_path):
   for iv in (level["interval"], level["vs_official_interval"], res["pooled"]):
     assert iv["ci95"][0] <= iv["geomean"] <= iv["ci95"][1] and iv["repeats"] == 2
   assert res["meta"]["compiles_after_warmup"] == 0
+  assert res["meta"]["cpu_model"] and res["meta"]["decode_steps"] == 4 and res["meta"]["jax_backend"] == "cpu"
   md = (tmp_path / "bench_recguide_steady.md").read_text()
   assert "| 2 | recguide |" in md and "pooled over 1 levels" in md

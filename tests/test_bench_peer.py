@@ -36,6 +36,7 @@ def test_peer_tiny_random_model_matches_transformers(tmp_path):
   assert meta["model"]["kind"] == "random" and meta["model"]["layers"] == 2 and meta["model"]["parameters"] > 0
   assert meta["torch_threads"] == 1 and meta["new_tokens"] == 6 and meta["policies"] == ["ar", "linear B=8"]
   assert meta["layer_loops"] == ["scan"]  # a model this small fits the host cache: the scanned layers
+  assert meta["decode_steps"] == [4] and meta["cpu_model"]  # the LLM's default; where the figures were taken
   assert len(data["cells"]) == 1
   cell = data["cells"][0]
   assert (cell["dtype"], cell["batch"], cell["prompt_len"], cell["max_model_len"]) == ("float32", 2, 12, 64)
