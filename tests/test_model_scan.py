@@ -77,7 +77,7 @@ def test_decode_takes_no_draft_distribution_and_equals_verify(runner):
   lowered = runner.lower("decode", 1, 2)
   per_call = lowered.args_info[0][2:]  # after (weights, cache): what is uploaded per step
   shapes = [tuple(x.shape) for x in jax.tree.leaves(per_call)]
-  assert len(shapes) == 8 and max(int(np.prod(s)) for s in shapes) <= 2 * runner.config.pages_per_seq, shapes
+  assert len(shapes) == 9 and max(int(np.prod(s)) for s in shapes) <= 2 * runner.config.pages_per_seq, shapes
   tokens = np.array([[5], [9]], np.int32)
   write = np.array([True, True])
   prefix_len = np.array([0, 0], np.int32)

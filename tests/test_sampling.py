@@ -146,3 +146,31 @@ def test_top_k_top_p_filter():
   probs = sampling.processed_probs(logits, jnp.ones(1), jnp.zeros(1, jnp.int32), jnp.asarray([0.5]), 5)
   # softmax of [3,2,1,0,-1]: the top entry already holds > 0.5 of the mass
   assert np.count_nonzero(np.asarray(probs)) == 1
+
+
+def test_processed_probs_of_a_mixed_batch_match_its_rows_alone():
+  # the all-greedy batch skips the softmax; a mixed batch takes the full path; every row is what it is alone
+  rng = np.random.default_rng(1)
+  logits = jnp.asarray(rng.normal(size=(3, 2, 12)), jnp.float32)
+  temperature, top_k, top_p = jnp.asarray([0.0, 0.7, 0.0]), jnp.asarray([0, 3, 0]), jnp.asarray([1.0, 0.9, 1.0])
+  mixed = np.asarray(sampling.processed_probs(logits, temperature, top_k, top_p, mask_token_id=4))
+  for r in range(3):
+    alone = sampling.processed_probs(logits[r:r + 1], temperature[r:r + 1], top_k[r:r + 1], top_p[r:r + 1], 4)
+    np.testing.assert_array_equal(mixed[r], np.asarray(alone)[0])
+  greedy = np.asarray(sampling.processed_probs(logits, jnp.zeros(3), top_k, top_p, mask_token_id=4))
+  np.testing.assert_array_equal(greedy, np.asarray(jax.nn.one_hot(jnp.argmax(
+    sampling.exclude_token(logits, 4), -1), 12)))
+
+
+def test_raw_logprobs_skip_the_top_entries_only_when_no_row_asks():
+  rng = np.random.default_rng(2)
+  logits = jnp.asarray(rng.normal(size=(2, 3, 16)), jnp.float32)
+  tokens = jnp.asarray(rng.integers(0, 16, size=(2, 3)), jnp.int32)
+  always = sampling.raw_logprobs(logits, tokens, 7)
+  asked = sampling.raw_logprobs(logits, tokens, 7, jnp.asarray([0, 2], jnp.int32))
+  unasked = sampling.raw_logprobs(logits, tokens, 7, jnp.zeros(2, jnp.int32))
+  for a, b in zip(always, asked):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+  np.testing.assert_array_equal(np.asarray(unasked[0]), np.asarray(always[0]))  # the chosen tokens' logprobs stay
+  assert not np.any(np.asarray(unasked[1])) and not np.any(np.asarray(unasked[2]))
+  assert np.asarray(always[2]).shape == (2, 3, sampling.NUM_TOP_LOGPROBS) and np.all(np.asarray(always[2]) != 7)

@@ -262,6 +262,7 @@ class Engine:
       samp.top_k[i] = row.top_k
       samp.top_p[i] = row.top_p
       samp.keys[i] = (row.seed, r.round_counter & 0xFFFFFFFF)
+      samp.top_logprobs[i] = r.params.logprobs or 0
       r.round_counter += rounds
     return b, page_table, prefix_len, samp
 

@@ -30,13 +30,20 @@ class SamplingArrays:
   top_k: np.ndarray  # [b] int32
   top_p: np.ndarray  # [b] float32
   keys: np.ndarray  # [b, 2] uint32
+  # [b] int32: top logprobs each row reads (SamplingParams.logprobs; 0 none): a step computes the top entries only
+  # when some row does (None: no row)
+  top_logprobs: np.ndarray | None = None
+
+  def __post_init__(self):
+    if self.top_logprobs is None:
+      self.top_logprobs = np.zeros(self.temperature.shape, np.int32)
 
   @classmethod
   def greedy(cls, b: int) -> "SamplingArrays":
     return cls(np.zeros(b, np.float32), np.zeros(b, np.int32), np.ones(b, np.float32), np.zeros((b, 2), np.uint32))
 
   def args(self):
-    return (self.temperature, self.top_k, self.top_p, self.keys)
+    return (self.temperature, self.top_k, self.top_p, self.keys, self.top_logprobs)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -77,7 +84,7 @@ class StepFunctions:
     mask = jnp.tril(jnp.ones((chunk, chunk), bool))
 
     def fn(state, cache, tokens, valid, prefix_len, page_table, last_idx, *rest):
-      targets, (temperature, top_k, top_p, keys) = (rest[0], rest[1:]) if score else (None, rest)
+      targets, (temperature, top_k, top_p, keys, top_logprobs) = (rest[0], rest[1:]) if score else (None, rest)
       positions = prefix_len[:, None] + jnp.arange(chunk)[None, :]
       inp = ForwardInputs(tokens=tokens, positions=positions, block_mask=mask, prefix_len=prefix_len,
                           page_table=page_table, kv_write=valid)
@@ -88,7 +95,7 @@ class StepFunctions:
       probs = sampling.processed_probs(logits, temperature, top_k, top_p, cfg.mask_token_id)
       (k,) = sampling.split_keys(keys, 1)
       tok = sampling.draw(k, probs, temperature <= 0)  # [b, 1]
-      lp, top_lp, top_ids = sampling.raw_logprobs(logits, tok, cfg.mask_token_id)
+      lp, top_lp, top_ids = sampling.raw_logprobs(logits, tok, cfg.mask_token_id, top_logprobs)
       out = (cache, tok[:, 0], lp[:, 0], top_lp[:, 0], top_ids[:, 0])
       if not score:
         return out
@@ -100,7 +107,8 @@ class StepFunctions:
     cfg = self.cfg
     mask = jnp.ones((blk, blk), bool)
 
-    def fn(state, cache, seed, prefix_len, page_table, temperature, top_k, top_p, keys):
+    def fn(state, cache, seed, prefix_len, page_table, temperature, top_k, top_p, keys, top_logprobs):
+      del top_logprobs  # a draft reports no logprobs
       b = seed.shape[0]
       tokens = jnp.full((b, blk), cfg.mask_token_id, jnp.int32).at[:, 0].set(seed)
       positions = prefix_len[:, None] + jnp.arange(blk)[None, :]
@@ -120,7 +128,7 @@ class StepFunctions:
     cfg, rule = self.cfg, self.rule
     mask = jnp.tril(jnp.ones((blk, blk), bool))
 
-    def fn(state, cache, tokens, q, write, prefix_len, page_table, temperature, top_k, top_p, keys):
+    def fn(state, cache, tokens, q, write, prefix_len, page_table, temperature, top_k, top_p, keys, top_logprobs):
       positions = prefix_len[:, None] + jnp.arange(blk)[None, :]
       inp = ForwardInputs(tokens=tokens, positions=positions, block_mask=mask, prefix_len=prefix_len,
                           page_table=page_table, kv_write=jnp.broadcast_to(write[:, None], tokens.shape))
@@ -129,7 +137,7 @@ class StepFunctions:
       # AR decode (q None): a block of 1 has no draft token, so acceptance only draws the bonus token from p and
       # never reads q; p stands in for it (the same draw as with any q, and nothing is uploaded for it)
       accepted, out = sampling.accept(rule, keys, p, p if q is None else q, tokens, temperature <= 0)
-      lp, top_lp, top_ids = sampling.raw_logprobs(logits, out, cfg.mask_token_id)
+      lp, top_lp, top_ids = sampling.raw_logprobs(logits, out, cfg.mask_token_id, top_logprobs)
       return cache, accepted, out, lp, top_lp, top_ids, verifier_entropy(logits, cfg)
 
     return fn
@@ -142,15 +150,16 @@ class StepFunctions:
     condition and drops what the later steps wrote)."""
     verify = self._verify(1)
 
-    def fn(state, cache, tokens, write, prefix_len, page_table, temperature, top_k, top_p, keys):
+    def fn(state, cache, tokens, write, prefix_len, page_table, temperature, top_k, top_p, keys, top_logprobs):
       if steps == 1:
-        return verify(state, cache, tokens, None, write, prefix_len, page_table, temperature, top_k, top_p, keys)
+        return verify(state, cache, tokens, None, write, prefix_len, page_table, temperature, top_k, top_p, keys,
+                      top_logprobs)
 
       def step(carry, s):
         cache, tok = carry
         step_keys = keys.at[:, 1].add(s.astype(keys.dtype))
         cache, _, out, lp, top_lp, top_ids, ent = verify(state, cache, tok, None, write, prefix_len + s, page_table,
-                                                         temperature, top_k, top_p, step_keys)
+                                                         temperature, top_k, top_p, step_keys, top_logprobs)
         return (cache, out), (out[:, 0], lp[:, 0], top_lp[:, 0], top_ids[:, 0], ent[:, 0])
 
       (cache, _), per_step = jax.lax.scan(step, (cache, tokens), jnp.arange(steps, dtype=jnp.int32))
@@ -167,7 +176,7 @@ class StepFunctions:
     cfg = self.cfg
 
     def fn(state, cache, tokens, positions, mask, lora, write, prefix_len, page_table, temperature, top_k, top_p,
-           keys):
+           keys, top_logprobs):
       b = tokens.shape[0]
       inp = ForwardInputs(tokens=tokens, positions=positions, block_mask=mask, prefix_len=prefix_len,
                           page_table=page_table, kv_write=write, lora_mask=lora if cfg.lora_rank else None)
@@ -179,7 +188,7 @@ class StepFunctions:
       # distribution, so no [b, B, V] point mass is built; for greedy rows it is "accept while the verifier's
       # argmax equals the draft", the same as every other rule
       accepted, out = sampling.accept("reference", keys, p, p, drafted, temperature <= 0)
-      lp, top_lp, top_ids = sampling.raw_logprobs(v_logits, out, cfg.mask_token_id)
+      lp, top_lp, top_ids = sampling.raw_logprobs(v_logits, out, cfg.mask_token_id, top_logprobs)
       ent = verifier_entropy(v_logits, cfg)
       if not branches:
         return cache, accepted, out, lp, top_lp, top_ids, ent
@@ -202,7 +211,9 @@ class StepFunctions:
     mask = jnp.ones((blk, blk), bool)
     eos = jnp.asarray(cfg.eos_token_ids, jnp.int32)
 
-    def fn(state, cache, seed, prefix_len, page_table, threshold, temperature, top_k, top_p, keys, active):
+    def fn(state, cache, seed, prefix_len, page_table, threshold, temperature, top_k, top_p, keys, top_logprobs,
+           active):
+      del top_logprobs  # diffusion decoding reports no logprobs
       b = seed.shape[0]
       model = self._model(state)
       positions = prefix_len[:, None] + jnp.arange(blk)[None, :]
