@@ -5,7 +5,8 @@ For every `--max_model_lens` value an engine is built (`LLM(..., max_model_len=M
 size), `C` requests with prompts of exactly `--context` tokens run greedy, and the engine's own per-round wall times
 are recorded: the engine hands every decode round's wall time (batch assembly, the forward(s), acceptance,
 emission) to its policy (`Policy.observe_round`), and a thin subclass of the fixed policies keeps them. A round is
-one AR step (one verify of a block of 1) or one LinearSS round (one draft + one verify of a block of B). Each point
+one AR step (a call of `--decode_steps` AR steps, reported per step) or one LinearSS round (one draft + one verify
+of a block of B). Each point
 first runs one untimed generation (compiles), then `--repeats` timed ones; the median over the first `--rounds`
 decode rounds of every timed generation is reported, so every point is measured at the same live contexts
 (`--context` tokens plus what those rounds add). A step whose attention follows the live context is flat across a
@@ -46,6 +47,9 @@ class ContextConfig:
   prompt_source: str = "auto"  # "auto": GSM8K text when the checkpoint has a tokenizer, else random ids
   data: str | None = None
   attention: str = "auto"
+  # AR decode steps per device call (LLM's decode_steps, its default); a multi-step call is one timed round, whose
+  # time the engine reports per step
+  decode_steps: int = 4
   seed: int = 0
 
   def validate(self) -> "ContextConfig":
@@ -53,7 +57,7 @@ class ContextConfig:
       vals = getattr(self, name)
       if not vals or any(v <= 0 for v in vals):
         raise ValueError(f"--{name} must be positive integers, got {list(vals)}")
-    for name in ("context", "rounds", "repeats", "page_size"):
+    for name in ("context", "rounds", "repeats", "page_size", "decode_steps"):
       if getattr(self, name) <= 0:
         raise ValueError(f"--{name} must be positive, got {getattr(self, name)}")
     bad = [p for p in self.policies if p not in POLICIES]
@@ -70,9 +74,14 @@ class ContextConfig:
     return self
 
   def max_new_tokens(self) -> int:
-    """Enough tokens that no request ends before the last timed round, whatever the drafts accept."""
-    per_round = self.block_size if "linear" in self.policies else 1
+    """Enough tokens that no request ends before the last timed round, whatever the drafts accept (an AR round is a
+    call of `decode_steps` steps)."""
+    per_round = max(self.block_size if "linear" in self.policies else 1, self.decode_steps)
     return self.rounds * per_round + 1
+
+  def tokens_per_round(self, name: str) -> int | None:
+    """Tokens a round commits: an AR call's steps; None for LinearSS (what its verify accepts)."""
+    return self.decode_steps if name == "ar" else None
 
 
 def _timed_policy(name: str, block_size: int):
@@ -114,9 +123,11 @@ def measure_point(llm, name: str, cfg: ContextConfig, prompts: list) -> dict:
       continue  # compiles
     samples += [s for _, _, s in timed]
     # cached tokens at the last timed round: the prompt plus what the earlier rounds committed (the first round
-    # runs over the prompt alone)
+    # runs over the prompt alone; the stats list every step of a multi-step AR call as a round of 1)
+    per_round = cfg.tokens_per_round(name)
     for o in outs:
-      contexts.append(cfg.context + sum(o.stats["accepted_lengths"][:cfg.rounds - 1]))
+      accepted = o.stats["accepted_lengths"]
+      contexts.append(cfg.context + (per_round * (cfg.rounds - 1) if per_round else sum(accepted[:cfg.rounds - 1])))
   ms = [s * 1e3 for s in samples]
   return {"policy": _label(name, cfg.block_size), "concurrency": len(prompts), "round_ms": statistics.median(ms),
           "round_ms_min": min(ms), "round_ms_all": ms, "rounds": len(ms),
@@ -136,7 +147,8 @@ def run_context(cfg: ContextConfig, log=print) -> dict:
   for max_len in cfg.max_model_lens:
     t0 = time.perf_counter()
     llm = LLM(ckpt, policy="ar", block_sizes=(cfg.block_size,), max_batch=max(cfg.concurrency),
-              max_model_len=max_len, page_size=cfg.page_size, warmup=False, attention=cfg.attention)
+              max_model_len=max_len, page_size=cfg.page_size, warmup=False, attention=cfg.attention,
+              decode_steps=cfg.decode_steps)
     load_s = time.perf_counter() - t0
     use_gsm8k = cfg.prompt_source == "gsm8k" or (cfg.prompt_source == "auto" and llm.tokenizer is not None)
     for name in cfg.policies:
@@ -158,7 +170,8 @@ def run_context(cfg: ContextConfig, log=print) -> dict:
     p["min_vs_smallest_max_model_len"] = p["round_ms_min"] / ref["round_ms_min"]
   meta = {"checkpoint": str(ckpt), "max_model_lens": list(cfg.max_model_lens), "concurrency": list(cfg.concurrency),
           "context": cfg.context, "block_size": cfg.block_size, "rounds": cfg.rounds, "repeats": cfg.repeats,
-          "page_size": cfg.page_size, "prompt_source": "gsm8k" if use_gsm8k else "random",
+          "page_size": cfg.page_size, "decode_steps": cfg.decode_steps,
+          "prompt_source": "gsm8k" if use_gsm8k else "random",
           "timing": "engine round wall time as reported to Policy.observe_round (host + device), median over the "
                     "first `rounds` decode rounds of each timed generation",
           "jax": jax.__version__, "jax_backend": jax.default_backend(), "cpu_count": os.cpu_count(),
@@ -178,7 +191,8 @@ def markdown(result: dict) -> str:
       f"point, after one warm-up generation). jax {meta['jax']} ({meta['jax_backend']}, {meta['cpu_count']} cores); "
       f"load average {meta['load_average_start'][0]:.1f} at the start, {meta['load_average_end'][0]:.1f} at the end "
       f"({meta['time_utc']}, code {meta['code']}).", "",
-      "ms per round (one AR step, or one LinearSS draft + verify): median / minimum over the timed rounds (on a "
+      f"ms per round (one AR step: a call of {meta.get('decode_steps', 1)} steps, its time per step; or one LinearSS "
+      "draft + verify): median / minimum over the timed rounds (on a "
       "busy machine the minimum is the better estimate of the step's own cost), and in brackets their ratios to "
       "the smallest max_model_len. Flat columns: the step costs what the live context needs.", "",
       "| max_model_len | " + " | ".join(f"{p} C={c}" for p, c in cols) + " |",
@@ -217,6 +231,8 @@ def _define_flags():
   flags.DEFINE_enum("prompt_source", "auto", ["auto", "random", "gsm8k"], "Prompt tokens.")
   cli.define_data_flag("test", what="--prompt_source gsm8k")
   flags.DEFINE_enum("attention", "auto", ["auto", "reference", "pallas"], "Attention implementation.")
+  flags.DEFINE_integer("decode_steps", d.decode_steps, "AR decode steps per device call (a timed AR round is one "
+                       "call, its time shared by its steps).")
   cli.define_output_flags("bench_context")
 
 
@@ -241,7 +257,7 @@ def main(argv):
   cfg = ContextConfig(checkpoint=f.checkpoint, max_model_lens=ints("max_model_lens"), concurrency=ints("concurrency"),
                       context=f.context, policies=tuple(f.policies), block_size=f.block_size, rounds=f.rounds,
                       repeats=f.repeats, page_size=f.page_size, prompt_source=f.prompt_source,
-                      data=data, attention=f.attention)
+                      data=data, attention=f.attention, decode_steps=f.decode_steps)
   try:
     cfg.validate()
   except ValueError as e:

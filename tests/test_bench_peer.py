@@ -136,9 +136,22 @@ def test_context_bench_tiny(tmp_path, tiny_checkpoint):
     assert p["rounds"] == 2 and len(p["round_ms_all"]) == 2 and p["round_ms"] > 0
     assert p["context_first_round"] == 20 and 20 < p["context_at_last_round_max"] <= 20 + 8
   assert points[("ar", 2, 64)]["vs_smallest_max_model_len"] == 1.0
-  assert points[("ar", 2, 64)]["context_at_last_round_max"] == 21  # one token per AR round
+  assert points[("ar", 2, 64)]["context_at_last_round_max"] == 24  # an AR round is a call of 4 steps
   text = open(md).read()
   assert "| max_model_len | ar C=2 | linear B=8 C=2 |" in text and "| 128 |" in text
+  assert "a call of 4 steps" in text and data["meta"]["decode_steps"] == 4
+
+
+def test_context_bench_ar_alone_generates_enough_for_its_multi_step_rounds(tiny_checkpoint):
+  """AR alone: each timed round is a call of `decode_steps` steps, so the requests must outlive rounds x steps
+  tokens (one token per round ran out after two calls)."""
+  for steps in (4, 1):
+    cfg = bench_context.ContextConfig(checkpoint=str(tiny_checkpoint[1]), max_model_lens=(64,), concurrency=(1,),
+                                      context=20, policies=("ar",), rounds=3, repeats=1, page_size=8,
+                                      prompt_source="random", decode_steps=steps)
+    assert cfg.max_new_tokens() == 3 * steps + 1
+    (point,) = bench_context.run_context(cfg, log=_quiet)["points"]
+    assert point["rounds"] == 3 and point["context_at_last_round_max"] == 20 + 2 * steps
 
 
 def test_transformers_side_decodes_past_eos(tiny_checkpoint):

@@ -1,6 +1,6 @@
 """The live-context XLA attention equals the full-gather reference for every mask kind, ragged prefixes (0, inside
-a page, on a page boundary, the whole table) and both page layouts, and reads only the chunks the longest live
-prefix needs."""
+a page, on a page boundary, the whole table), whole and tail chunk sizes and both page layouts, and reads only the
+chunks the longest live prefix needs: whole chunks, then tail chunks."""
 
 import jax
 import jax.numpy as jnp
@@ -28,13 +28,22 @@ MASKS = {"causal": attention.causal_mask(4), "full": attention.full_mask(4),
 
 @pytest.mark.parametrize("mask", sorted(MASKS))
 @pytest.mark.parametrize("chunk_tokens", [4, 8, 12, 256])  # one page, two pages, three (9 not divisible), all
-def test_matches_the_full_gather_reference(mask, chunk_tokens):
+@pytest.mark.parametrize("tail_chunk_tokens", [4, 8, 32])  # one page, two (a divisor of 3 pages: one), all
+def test_matches_the_full_gather_reference(mask, chunk_tokens, tail_chunk_tokens):
   q, kb, vb, kp, vp, table = _case(0)
-  prefix_len = np.array([0, 13, 36], np.int32)  # nothing, mid-page, the whole table
-  kw = dict(k_pages=kp, v_pages=vp, page_table=table, prefix_len=prefix_len, scale=0.3)
-  want = attention.block_attention_ref(q, kb, vb, MASKS[mask], **kw)
-  got = live_attention.block_attention(q, kb, vb, MASKS[mask], chunk_tokens=chunk_tokens, **kw)
-  np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+  for prefix_len in ([0, 13, 36], [9, 25, 17], [36, 36, 36]):  # nothing, mid-page, the whole table; tails; all
+    kw = dict(k_pages=kp, v_pages=vp, page_table=table, prefix_len=np.array(prefix_len, np.int32), scale=0.3)
+    want = attention.block_attention_ref(q, kb, vb, MASKS[mask], **kw)
+    got = live_attention.block_attention(q, kb, vb, MASKS[mask], chunk_tokens=chunk_tokens,
+                                         tail_chunk_tokens=tail_chunk_tokens, **kw)
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_tail_chunks_divide_a_whole_chunk():
+  assert live_attention.tail_chunk_pages(16, 16) == 2  # the defaults: 256-token chunks, 32-token tails
+  assert live_attention.tail_chunk_pages(3, 4, tail_tokens=8) == 1  # 2 pages do not divide 3
+  assert live_attention.tail_chunk_pages(6, 4, tail_tokens=12) == 3
+  assert live_attention.tail_chunk_pages(4, 16, tail_tokens=8) == 1  # less than a page: one page
 
 
 def test_stacked_layers_under_jit_with_a_traced_layer():
@@ -69,3 +78,22 @@ def test_pages_past_the_longest_prefix_are_never_read():
   got = live_attention.block_attention(q, kb, vb, MASKS["causal"], k_pages=poisoned_k, v_pages=poisoned_v, **kw)
   assert np.isfinite(np.asarray(got)).all()
   np.testing.assert_array_equal(got, clean)
+
+
+def test_tail_chunks_read_less_than_one_tail_past_the_longest_prefix():
+  """Whole chunks of 16 tokens (4 pages), then tails of 4 (1 page): a longest prefix of 21 tokens reads one whole
+  chunk and two tail pages, pages 0-5; poisoning every later page changes nothing (a second whole chunk would read
+  pages 6 and 7)."""
+  q, kb, vb, kp, vp, table = _case(4)
+  prefix_len = np.array([21, 4, 17], np.int32)
+  kw = dict(page_table=table, prefix_len=prefix_len, scale=0.3, chunk_tokens=16, tail_chunk_tokens=4)
+  clean = live_attention.block_attention(q, kb, vb, MASKS["causal"], k_pages=kp, v_pages=vp, **kw)
+  poisoned_k, poisoned_v = kp.copy(), vp.copy()
+  for row in table:
+    poisoned_k[row[6:]] = np.nan
+    poisoned_v[row[6:]] = np.nan
+  got = live_attention.block_attention(q, kb, vb, MASKS["causal"], k_pages=poisoned_k, v_pages=poisoned_v, **kw)
+  np.testing.assert_array_equal(got, clean)
+  want = attention.block_attention_ref(q, kb, vb, MASKS["causal"], k_pages=kp, v_pages=vp, page_table=table,
+                                       prefix_len=prefix_len, scale=0.3)
+  np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
