@@ -31,7 +31,8 @@ class SamplingArrays:
   top_p: np.ndarray  # [b] float32
   keys: np.ndarray  # [b, 2] uint32
   # [b] int32: top logprobs each row reads (SamplingParams.logprobs; 0 none): a step computes the top entries only
-  # when some row does (None: no row)
+  # when some row does. Optional so that the four-array constructor of earlier releases keeps working: left out,
+  # no row reads any
   top_logprobs: np.ndarray | None = None
 
   def __post_init__(self):
