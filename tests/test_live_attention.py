@@ -67,7 +67,8 @@ def test_no_prefix_is_block_attention_only():
 
 def _read_only_first_pages(case_seed: int, prefix_len, first: int, **chunks):
   """Poisons (NaN) every page of each row's table from column `first` on: the result must stay finite and equal
-  the clean one, i.e. the loops read columns < `first` only. Returns the clean result and the case."""
+  the clean one, i.e. the loops read columns < `first` only. Returns the clean result, the case and the prefix
+  lengths."""
   q, kb, vb, kp, vp, table = case = _case(case_seed)
   kw = dict(page_table=table, prefix_len=np.array(prefix_len, np.int32), scale=0.3, **chunks)
   clean = live_attention.block_attention(q, kb, vb, MASKS["causal"], k_pages=kp, v_pages=vp, **kw)
@@ -78,7 +79,7 @@ def _read_only_first_pages(case_seed: int, prefix_len, first: int, **chunks):
   got = live_attention.block_attention(q, kb, vb, MASKS["causal"], k_pages=poisoned_k, v_pages=poisoned_v, **kw)
   assert np.isfinite(np.asarray(got)).all()
   np.testing.assert_array_equal(got, clean)
-  return clean, case
+  return clean, case, kw["prefix_len"]
 
 
 def test_pages_past_the_longest_prefix_are_never_read():
@@ -90,8 +91,8 @@ def test_tail_chunks_read_less_than_one_tail_past_the_longest_prefix():
   """Whole chunks of 16 tokens (4 pages), then tails of 4 (1 page): a longest prefix of 21 tokens reads one whole
   chunk and two tail pages, pages 0-5; poisoning every later page changes nothing (a second whole chunk would read
   pages 6 and 7)."""
-  got, (q, kb, vb, kp, vp, table) = _read_only_first_pages(4, [21, 4, 17], first=6, chunk_tokens=16,
-                                                           tail_chunk_tokens=4)
+  got, (q, kb, vb, kp, vp, table), prefix_len = _read_only_first_pages(4, [21, 4, 17], first=6, chunk_tokens=16,
+                                                                       tail_chunk_tokens=4)
   want = attention.block_attention_ref(q, kb, vb, MASKS["causal"], k_pages=kp, v_pages=vp, page_table=table,
-                                       prefix_len=np.array([21, 4, 17], np.int32), scale=0.3)
+                                       prefix_len=prefix_len, scale=0.3)
   np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
