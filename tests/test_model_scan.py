@@ -17,7 +17,7 @@ from flax import nnx
 from recguide_jax.model import (ForwardInputs, KernelLayout, LayerLoop, NLDModel, kernel_layout_of, layer_loop_of,
                                 resolve_kernel_layout, resolve_layer_loop, shard_model, with_kernel_layout,
                                 with_layer_loop)
-from recguide_jax.model.nld import SWAPPED_MATMUL_MAX_ROWS
+from recguide_jax.model.nld import SWAPPED_MATMUL_MAX_ROWS, Dense
 from recguide_jax.runtime import Runner, RunnerConfig, SamplingArrays, StepKey, StepKind
 
 CFG = tiny_config(lora_rank=4, lora_alpha=8.0)
@@ -213,6 +213,25 @@ def test_out_in_kernels_compute_the_same_function(tiny_model, loop, rows_per_req
   want, _ = tiny_model(inp)
   got, _ = with_kernel_layout(with_layer_loop(tiny_model, loop), KernelLayout.OUT_IN)(inp)
   np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("rows", [8, 80])  # the weight on the left of the activations, then on the right
+def test_out_in_bf16_dense_rounds_an_f32_product_and_copies_no_weight_to_f32(rows):
+  """An OUT_IN bf16 layer computes what the IN_OUT one does (an f32-accumulated product rounded to bf16), and on
+  the CPU it asks for an f32 result so that XLA reads the bf16 weight as it is: no f32 copy of the kernel."""
+  dense = Dense(256, 384, use_bias=False, dtype=jnp.bfloat16, param_dtype=jnp.bfloat16, rngs=nnx.Rngs(0))
+  x = jax.random.normal(jax.random.key(1), (rows, 256), jnp.bfloat16)
+  kernel = dense.kernel[...]
+  want = np.asarray(jnp.dot(x, kernel, preferred_element_type=jnp.float32).astype(jnp.bfloat16), np.float32)
+  dense.kernel = nnx.Param(kernel.T)  # held [out, in]
+  dense.kernel_layout = KernelLayout.OUT_IN
+  forward = jax.jit(lambda x: dense(x))
+  got = forward(x)
+  assert got.dtype == jnp.bfloat16
+  np.testing.assert_array_equal(np.asarray(got, np.float32), want)
+  if jax.default_backend() == "cpu":
+    hlo = forward.lower(x).compile().as_text()
+    assert not re.search(r"f32\[384,256\]", hlo), "the bf16 kernel was converted to an f32 copy"
 
 
 def test_out_in_runner_puts_the_weight_left_of_few_rows_and_right_of_many(tiny_model):

@@ -80,6 +80,7 @@ class KernelLayout(_WeightArrangement):
   YNNPACK dots) took 10.6 instead of 22.6 ms, and a whole AR decode step at batch 8 16.6 instead of 22.2 ms (at
   batch 32 35.5 vs 40.1, at batch 1 equal; runtime/compilation.py picks the dot library per variant). From about
   96 rows on the weight on the left was slower, so larger matmuls keep x @ kernel^T.
+  Its dots also ask for an f32 result and round it to the layer's dtype (see Dense: XLA:CPU's bf16 matmuls).
   AUTO: OUT_IN for concrete weights on a CPU device without a mesh, IN_OUT otherwise.
   """
   AUTO = "auto"
@@ -133,13 +134,19 @@ class Dense(nnx.Linear):
     lead, rows = x.shape[:-1], math.prod(x.shape[:-1])
     x2 = x.reshape(rows, x.shape[-1])
     contract = (((1,), (1,)), ((), ()))
+    # f32 accumulation and the result rounded to the layer's dtype, as any bf16 matmul computes, but said: XLA:CPU
+    # asked for a bf16 product converts both operands to f32 in memory first (the weights, every step), while its
+    # YNNPACK dots read bf16 operands as they are when the result is f32 (a bf16 AR step of the peer model at
+    # batch 8 took 1.65x less time). A no-op in f32.
+    acc = jnp.float32 if jnp.issubdtype(x.dtype, jnp.floating) else None
     if rows <= SWAPPED_MATMUL_MAX_ROWS:
       # the barrier keeps XLA from folding the transpose into the dot's output layout, which would swap the
       # operands back
-      y = jax.lax.optimization_barrier(jax.lax.dot_general(w, x2, contract, precision=self.precision)).T
+      y = jax.lax.optimization_barrier(jax.lax.dot_general(w, x2, contract, precision=self.precision,
+                                                           preferred_element_type=acc)).T
     else:
-      y = jax.lax.dot_general(x2, w, contract, precision=self.precision)
-    return y.reshape(*lead, w.shape[0])
+      y = jax.lax.dot_general(x2, w, contract, precision=self.precision, preferred_element_type=acc)
+    return y.astype(x.dtype).reshape(*lead, w.shape[0])
 
 
 def _dense(rngs, din, dout, dtype, param_dtype, std=0.02):
