@@ -215,7 +215,7 @@ def test_out_in_kernels_compute_the_same_function(tiny_model, loop, rows_per_req
   np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("rows", [8, 80])  # the weight on the left of the activations, then on the right
+@pytest.mark.parametrize("rows", [1, 8, 80])  # one row (computed as two), the weight on the left, then the right
 def test_out_in_bf16_dense_rounds_an_f32_product_and_copies_no_weight_to_f32(rows):
   """An OUT_IN bf16 layer computes what the IN_OUT one does (an f32-accumulated product rounded to bf16), and on
   the CPU it asks for an f32 result so that XLA reads the bf16 weight as it is: no f32 copy of the kernel."""
@@ -280,6 +280,12 @@ def test_cpu_variants_compile_with_the_memory_scheduler_and_few_rows_with_eigen_
   assert "ynn_fusion" not in runners["in_out"].compiled(decode).as_text()
   assert runners["out_in"].compiler_options(decode) == runners["out_in"].compiler_options(verify) == {
       **fast_math, **scheduler}
+  # bf16 weights: no Eigen dots with the weight on the left, even for one row (Eigen converts them every step)
+  bf16 = NLDModel(CFG, dtype=jnp.bfloat16, param_dtype=jnp.bfloat16, rngs=nnx.Rngs(7))
+  narrow = Runner(bf16, _runner_config(24, kernel_layout="out_in"))
+  assert narrow.compiler_options(one) == narrow.compiler_options(decode) == scheduler
+  narrow_in_out = Runner(bf16, _runner_config(24, kernel_layout="in_out"))
+  assert narrow_in_out.compiler_options(one) == {**eigen, **scheduler}
   # a configured value wins over the CPU default
   own = Runner(tiny_model, _runner_config(24, compiler_options={"xla_cpu_experimental_ynn_fusion_type": "x"}))
   assert own.compiler_options(one) == {"xla_cpu_experimental_ynn_fusion_type": "x", **scheduler}

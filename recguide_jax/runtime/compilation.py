@@ -29,7 +29,8 @@ CPU_EIGEN_DOT_MAX_ROWS = 64
 # With the weight on the left of a decode's dots (model.KernelLayout.OUT_IN, the CPU default) YNNPACK is the faster
 # one from 2 rows on: the same AR decode step at batch 8 took 16.6 ms with YNNPACK, 18.8 with Eigen (22.2 with the
 # weight on the right and Eigen), at batch 32 35.5 vs 40.2 ms; at batch 1 (a matrix-vector product) Eigen's was a
-# little faster (9.7 vs 10.2 ms).
+# little faster (9.7 vs 10.2 ms). Not for bf16/fp16 weights: Eigen's dot converts them to f32 in memory on every
+# step, and the model's dense layers compute a narrow float's one row as two so that YNNPACK takes it (model.Dense).
 CPU_EIGEN_DOT_MAX_ROWS_WEIGHT_LEFT = 1
 _NO_YNN_DOTS = ("xla_cpu_experimental_ynn_fusion_type", "")
 # XLA:CPU's default scheduler lets independent temporaries live at once: a bf16 step converts every weight to f32
@@ -42,15 +43,17 @@ _SPEED_ONLY = dict((_NO_YNN_DOTS, _MEMORY_SCHEDULER))  # options this module add
 
 
 def variant_compiler_options(configured: Mapping[str, Any], platform: str, query_rows: int,
-                             weight_left: bool = False) -> dict[str, Any]:
+                             weight_left: bool = False, narrow_weights: bool = False) -> dict[str, Any]:
   """The XLA options a step variant of `query_rows` rows (batch x query tokens) compiles with on `platform`: the
   configured ones, plus on the CPU the memory-optimized scheduler and, for at most `CPU_EIGEN_DOT_MAX_ROWS` rows,
   Eigen dots (each unless configured). `weight_left`: the model puts the weight on the left of its few-row dots
-  (model.KernelLayout.OUT_IN); then only up to `CPU_EIGEN_DOT_MAX_ROWS_WEIGHT_LEFT` rows take Eigen dots."""
+  (model.KernelLayout.OUT_IN); then only up to `CPU_EIGEN_DOT_MAX_ROWS_WEIGHT_LEFT` rows take Eigen dots, and none
+  when the weights are `narrow_weights` (bf16/fp16)."""
   opts = dict(configured)
   if platform == "cpu":
     opts.setdefault(*_MEMORY_SCHEDULER)
-    if query_rows <= (CPU_EIGEN_DOT_MAX_ROWS_WEIGHT_LEFT if weight_left else CPU_EIGEN_DOT_MAX_ROWS):
+    eigen_rows = (0 if narrow_weights else CPU_EIGEN_DOT_MAX_ROWS_WEIGHT_LEFT) if weight_left else CPU_EIGEN_DOT_MAX_ROWS
+    if query_rows <= eigen_rows:
       opts.setdefault(*_NO_YNN_DOTS)
   return opts
 

@@ -142,6 +142,7 @@ class Runner:
                                                              self.kernel_layout))
     self.steps = StepFunctions(self.cfg, self.graphdef, config.rule)
     embedding = jax.tree.leaves(nnx.state(model.embed_tokens, nnx.Param))[0]
+    self._weight_dtype = embedding.dtype
     if cache_sharding is None and mesh is not None:
       cache_sharding = NamedSharding(mesh, PartitionSpec())
     cache_args = (self.cfg.num_hidden_layers, config.num_pages, config.page_size, self.cfg.num_key_value_heads,
@@ -254,7 +255,8 @@ class Runner:
   def compiler_options(self, key: StepKey) -> dict[str, Any]:
     """The XLA options variant `key` compiles with (compilation.py `variant_compiler_options`)."""
     return variant_compiler_options(dict(self.config.compiler_options), self.platform,
-                                    key.batch * key.query_tokens, self.kernel_layout is KernelLayout.OUT_IN)
+                                    key.batch * key.query_tokens, self.kernel_layout is KernelLayout.OUT_IN,
+                                    narrow_weights=jnp.dtype(self._weight_dtype).itemsize < 4)
 
   def _compile(self, key: StepKey):
     return compile_with_options(self.lower(key), self.compiler_options(key), dict(self.config.compiler_options))
