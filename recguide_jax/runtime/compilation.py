@@ -52,7 +52,8 @@ def variant_compiler_options(configured: Mapping[str, Any], platform: str, query
   opts = dict(configured)
   if platform == "cpu":
     opts.setdefault(*_MEMORY_SCHEDULER)
-    eigen_rows = (0 if narrow_weights else CPU_EIGEN_DOT_MAX_ROWS_WEIGHT_LEFT) if weight_left else CPU_EIGEN_DOT_MAX_ROWS
+    eigen_rows = ((0 if narrow_weights else CPU_EIGEN_DOT_MAX_ROWS_WEIGHT_LEFT) if weight_left
+                  else CPU_EIGEN_DOT_MAX_ROWS)
     if query_rows <= eigen_rows:
       opts.setdefault(*_NO_YNN_DOTS)
   return opts
