@@ -15,6 +15,10 @@ the medians and a paired bootstrap interval of RecGuide vs the fastest baseline 
 
   python launch/bench_recguide.py --mode=steady --concurrency 1,2,4,8,16,32 --repeats 5 --profile docs/profile_cpu.json
 
+With --ablations (the default) it adds a RecGuide row that never measures a regime it has not run (its price stays
+the profile's); without --profile RecGuide prices with generic costs, how a profile-less deployment starts
+(docs/bench_recguide_steady_noprofile.md).
+
 --mode=priced judges by the price alone: AR and fixed-B LinearSS 8/16/32 run once per level (greedy runs repeat
 exactly, so their forward ledgers do too) and, for each profile of --price_profiles, RecGuide deciding with that
 profile (no wall-clock calibration); every run's ledger is priced with every profile, so RecGuide@P is compared with
@@ -51,7 +55,8 @@ cli.deprecated_alias("policy_tables", "recguide_tables")
 flags.DEFINE_string("price_profile", "b200_nld8b", "Profile used to price the runs (name or path).")
 flags.DEFINE_float("delta", None, "Margin threshold of risky draft positions (default: the tables' fitted "
                    "overlap_delta, else 0.5).")
-flags.DEFINE_bool("ablations", True, "Also run the Table 5 (overlap) and Table 6 (adaptive) ablation rows.")
+flags.DEFINE_bool("ablations", True, "Also run the Table 5 (overlap) and Table 6 (adaptive) ablation rows; "
+                  "--mode=steady: a RecGuide row without first measurements of the regimes it never ran.")
 flags.DEFINE_enum("mode", "set", ["set", "steady", "priced"], "set: the prompt set through a closed loop of C, timed "
                   "to the last token; steady: a held load of C requests, timed over the window with C in flight; "
                   "priced: every run priced with each of --price_profiles (see above).")
@@ -68,6 +73,7 @@ BUCKETING = {"adaptive no bucketing": False, "adaptive + bucketing": True}
 # rows compared on this machine's wall clock (repeated --repeats times); every other row is priced (run once)
 BASELINE_ROWS = ("ar", "linear B=8", "linear B=16", "linear B=32")
 WALL_ROWS = BASELINE_ROWS + ("recguide",)
+NO_FIRST_MEASUREMENTS = "recguide, no first measurements"  # --mode=steady ablation row
 OFFICIAL_B = {1: 32, 2: 32, 4: 32, 8: 16, 16: 16, 32: 16, 64: 8, 128: 8}
 NOTES_MARK = "<!-- notes: written by hand, kept when the tables above are regenerated -->"
 
@@ -262,8 +268,13 @@ def held_load(llm, recguide, default, levels, params, data, tables_path):
   prompts = [questions[i % len(questions)] for i in range(need)]  # the same prompts in the same order everywhere
 
   def configs(c):  # fresh policies per level: RecGuide's online calibration starts over at each load
-    return ([("ar", policies.ARPolicy())] + [(f"linear B={b}", policies.LinearPolicy(b)) for b in (8, 16, 32)]
+    rows = ([("ar", policies.ARPolicy())] + [(f"linear B={b}", policies.LinearPolicy(b)) for b in (8, 16, 32)]
             + [("recguide", recguide())])
+    if FLAGS.ablations:
+      trusting = recguide()
+      trusting.explore_margin = float("inf")  # a regime it never ran keeps the price the profile gives it
+      rows.append((NO_FIRST_MEASUREMENTS, trusting))
+    return rows
 
   def before_run(name):
     llm.engine.bucketing = "auto"

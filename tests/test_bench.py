@@ -91,7 +91,8 @@ def test_bench_recguide_steady_mode_bookkeeping(tmp_path):
   assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
   res = json.loads((tmp_path / "bench_recguide_steady.json").read_text())
   rows = {r["policy"]: r for r in res["results"]}
-  assert set(rows) == {"ar", "linear B=8", "linear B=16", "linear B=32", "recguide"}
+  # --ablations (the default) adds RecGuide without first measurements of never-run regimes
+  assert set(rows) == {"ar", "linear B=8", "linear B=16", "linear B=32", "recguide", "recguide, no first measurements"}
   for r in rows.values():
     assert r["concurrency"] == 2 and r["requests"] == 8 and r["lossless"], r["policy"]
     assert r["window_in_flight"] == [2, 2] and r["engine_in_flight"] in ([2, 2], None), r["policy"]

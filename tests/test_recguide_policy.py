@@ -24,6 +24,20 @@ def flat_profile(ar_ms=None):
                          {c: ar_ms for c in (1, 2, 4, 8)})
 
 
+def clocked_policy(t: list[float], ar_ms: float = 9.0) -> RecGuideStrategy:
+  """A calibrated RecGuide without overlap on `flat_profile(ar_ms)`, its clock reading t[0], every B accepting 4."""
+  pol = RecGuideStrategy(16, profile=flat_profile(ar_ms=ar_ms), overlap=False)
+  pol.calibrated.clock.now = lambda: t[0]
+  pol.stats.accepted = {8: 4.0, 16: 4.0, 32: 4.0}
+  return pol
+
+
+def measure(pol, kind, blk, ms, rows=1, n=3):
+  """`n` rounds of `ms` each on `pol`'s clock."""
+  for _ in range(n):
+    pol.observe_round(kind, blk, rows, ms / 1e3)
+
+
 @pytest.fixture(scope="module")
 def ar_reference(tiny_llm):
   ps = prompts(8, 11)
@@ -183,46 +197,76 @@ def test_switch_re_measures_a_stale_runner_up():
   """A regime measured in a slow spell of the machine would look slow forever once it stops running; the switch
   re-runs the runner-up for a few steps when its measurement is stale and the best's is fresh."""
   t = [0.0]
-  pol = RecGuideStrategy(16, profile=flat_profile(ar_ms=9.0), overlap=False)
-  pol.calibrated.clock.now = lambda: t[0]
-  pol.stats.accepted = {8: 4.0, 16: 4.0, 32: 4.0}
-
-  def measure(kind, blk, ms, n=3):
-    for _ in range(n):
-      pol.observe_round(kind, blk, 1, ms / 1e3)
-  measure("ar", 1, 2.0)  # 0.5 tokens/ms
+  pol = clocked_policy(t)
+  measure(pol, "ar", 1, 2.0)  # 0.5 tokens/ms
   for b in (8, 16, 32):
-    measure("linear", b, 9.0)  # 4 tokens in 9 ms: 0.44 tokens/ms, within the probe margin of AR
+    measure(pol, "linear", b, 9.0)  # 4 tokens in 9 ms: 0.44 tokens/ms, within the probe margin of AR
   assert [pol.regime(1) for _ in range(3)] == ["ar"] * 3 and pol.probes == 0  # both fresh: no probe
   t[0] = 3.0
-  measure("ar", 1, 2.0)  # AR keeps running; the LinearSS rounds of the slow spell are now stale
+  measure(pol, "ar", 1, 2.0)  # AR keeps running; the LinearSS rounds of the slow spell are now stale
   assert [pol.regime(1) for _ in range(3)] == ["adaptive"] * 3 and pol.probes == 1  # min_samples steps
-  measure("linear", 8, 5.0)  # the probe's rounds, in today's state of the machine: 0.8 tokens/ms
+  measure(pol, "linear", 8, 5.0)  # the probe's rounds, in today's state of the machine: 0.8 tokens/ms
   assert pol.regime(1) == "adaptive" and pol.calibrated.clock.median("linear", 8, 1) == pytest.approx(5.0)
   assert pol.probes == 1
   # probes are spaced so they take at most probe_budget of the time: a long runner-up round is probed rarely
   t[0] = 6.0
-  measure("linear", 8, 6.0)  # LinearSS is now the best (0.67 tokens/ms), AR (0.5) is stale
+  measure(pol, "linear", 8, 6.0)  # LinearSS is now the best (0.67 tokens/ms), AR (0.5) is stale
   pol.probe_budget = 0.001  # 3 AR rounds of 2 ms: one probe per 6 s at most
   assert pol.regime(1) == "adaptive" and pol.probes == 1  # 6 s since the last probe: not yet
   t[0] = 9.5
-  measure("linear", 8, 6.0)
+  measure(pol, "linear", 8, 6.0)
   assert pol.regime(1) == "ar" and pol.probes == 2
   # a runner-up estimated far below the best is not worth a probe
-  slow = RecGuideStrategy(16, profile=flat_profile(ar_ms=9.0), overlap=False)
-  slow.calibrated.clock.now = lambda: t[0]
-  slow.stats.accepted = {8: 4.0, 16: 4.0, 32: 4.0}
   t[0] = 0.0
+  slow = clocked_policy(t)
   for b in (8, 16, 32):
-    for _ in range(3):
-      slow.observe_round("linear", b, 1, 0.040)
+    measure(slow, "linear", b, 40.0)
   t[0] = 3.0
-  for _ in range(3):
-    slow.observe_round("ar", 1, 1, 0.002)
+  measure(slow, "ar", 1, 2.0)
   assert slow.regime(1) == "ar" and slow.probes == 0
   # priced for a foreign device (no calibration): never probes
   fixed = RecGuideStrategy(16, profile=flat_profile(ar_ms=9.0), overlap=False, calibrate=False)
   assert len({fixed.regime(1) for _ in range(5)}) == 1 and fixed.probes == 0
+
+
+def test_switch_measures_a_regime_it_never_ran_whatever_the_profile_says():
+  """A regime none of whose rounds ever ran here is priced by the profile's ratio to the kinds that did, which a
+  profile of other hardware (or none) can get several-fold wrong: it is measured once, for as many steps as its
+  kind needs to get a median (up to `explore_rounds`), when estimated within `explore_margin` of the best, spaced
+  from the first decision by `explore_budget`; after that the `probe_margin` rules again."""
+  t = [0.0]
+  pol = clocked_policy(t)
+  for b in (8, 16, 32):
+    measure(pol, "linear", b, 11.0)  # as profiled: 0.36 tokens/ms; AR, never run, is priced at its profiled 9 ms
+  rates = pol.expected_rates(1)
+  assert pol.probe_margin * rates["linear8"] > rates["ar"] > pol.explore_margin * rates["linear8"]
+  assert pol.regime(1) == "adaptive" and pol.probes == 0  # the first decision: 3 AR rounds of 9 ms wait 0.27 s
+  t[0] = 0.2
+  assert pol.regime(1) == "adaptive" and pol.probes == 0
+  t[0] = 0.3
+  assert pol.regime(1) == "ar" and pol.probing and pol.probes == 1
+  # the live rows change between the probe's steps, so no clock key has its median yet: the probe goes on
+  for rows in (2, 3, 2):
+    measure(pol, "ar", 1, 2.0, rows=rows, n=1)
+    assert pol.regime(1) == "ar" and pol.probing
+  measure(pol, "ar", 1, 2.0, rows=2, n=1)  # (ar, 1, 2) has its median: AR is measured, at a fifth of the profile's cost
+  assert pol.calibrated.clock.ever_measured("ar")
+  assert pol.regime(1) == "ar" and not pol.probing and pol.probes == 1  # decided as usual, now on AR's own ratio
+  # a probe that never gets a median ends after explore_rounds steps
+  t[0] = 0.0
+  again = clocked_policy(t)
+  for b in (8, 16, 32):
+    measure(again, "linear", b, 11.0)
+  again.regime(1)
+  t[0] = 0.3
+  assert [again.regime(1) for _ in range(again.explore_rounds + 1)] == ["ar"] * again.explore_rounds + ["adaptive"]
+  # estimated beyond explore_margin of the best: not worth even a first measurement
+  far = clocked_policy(t, ar_ms=60.0)
+  for b in (8, 16, 32):
+    measure(far, "linear", b, 11.0)
+  assert far.regime(1) == "adaptive"
+  t[0] = 1.9
+  assert far.regime(1) == "adaptive" and far.probes == 0
 
 
 def test_switch_judges_a_stale_runner_up_by_fresh_rounds_of_its_kind():
@@ -230,9 +274,7 @@ def test_switch_judges_a_stale_runner_up_by_fresh_rounds_of_its_kind():
   rounds of its kind at another load say it is close today, it is re-measured (and not without them)."""
   def setup(fresh_linear_elsewhere):
     t = [0.0]
-    pol = RecGuideStrategy(16, profile=flat_profile(ar_ms=9.0), overlap=False)
-    pol.calibrated.clock.now = lambda: t[0]
-    pol.stats.accepted = {8: 4.0, 16: 4.0, 32: 4.0}
+    pol = clocked_policy(t)
     for _ in range(3):
       pol.observe_round("linear", 8, 2, 0.040)  # a cold start: 0.1 tokens/ms at 2 rows
     t[0] = 3.0

@@ -14,8 +14,9 @@ plain AR decoding, whichever gives the most tokens per unit of (profiled) time a
   profile (measured here or loaded) and the engine's observed acceptance and overlap hit rates. AR (B = 1) is a
   candidate too, so speculation never runs where it loses to plain decoding. By default the profile's device times
   are calibrated online with the engine's measured round times (`calibration.py`), so host work the profile does
-  not see cannot make a losing regime look like a winner, and a stale runner-up is re-measured now and then so
-  that machine drift cannot freeze a wrong choice; pricing for another device turns both off.
+  not see cannot make a losing regime look like a winner, a stale runner-up is re-measured now and then so that
+  machine drift cannot freeze a wrong choice, and a regime never run here is measured once so that a profile's
+  wrong ratio between kinds cannot keep it out for good; pricing for another device turns all three off.
 """
 
 from __future__ import annotations
@@ -135,14 +136,20 @@ class RecGuideStrategy(Strategy):
     self._regime_memo: tuple = (None, None)
     self._step_costs: dict[int, float] | None = None  # this step's LinearSS round cost per B (all requests)
     self._step_plan: dict[int, RoundPlan] | None = None  # this step's plan per adaptive request (by id)
-    # re-measuring a stale runner-up regime (calibrated switch only): how close it must be, probes run, the one
-    # in progress (regime, steps left)
+    # re-measuring a stale runner-up regime (calibrated switch only): how close it must be, how much of the time
+    # probes may take, probes run, the one in progress
     self.probe_margin = 0.7
     self.probe_budget = 0.02  # probes take at most this share of the time
+    # a first measurement of a regime's kinds (`_probe_or_best`): at most this share of the time, for a regime
+    # estimated within this factor of the best (the profile's ratios between kinds may be off that much)
+    self.explore_budget = 0.1
+    self.explore_margin = 0.25
+    self.explore_rounds = 2 * self.calibrated.clock.min_samples
     self.probes = 0
-    self._probe: tuple[str, int] | None = None
+    self._probe: tuple[str, int, str | None] | None = None  # (regime, steps left, rate key it first measures)
     self.probing = False  # this step's regime is a probe (then it runs as chosen, not re-priced as a batch)
     self._last_probe_at = -float("inf")
+    self._first_decision_at: float | None = None  # when the calibrated switch first chose (spaces the first probes)
     self.overlap_round = OverlapRound(self)  # this strategy's own round kind
     self.overlap_log: list | None = None  # set to [] to record every overlap round (overlap_fit.OverlapTrace)
     self._plans = {Regime.AR: RoundPlan(rounds.AR, 1), Regime.LINEAR: RoundPlan(rounds.LINEAR, block_size),
@@ -261,7 +268,7 @@ class RecGuideStrategy(Strategy):
       return Regime.ADAPTIVE
     if not self.calibrate or len(ranked) < 2:
       return ranked[0]
-    return self._probe_or_best(ranked[0], ranked[1], basis, rates, max(concurrency, 1))
+    return self._probe_or_best(ranked, basis, rates, max(concurrency, 1))
 
   def _clock_key(self, rate_key: str, concurrency: int) -> tuple[str, int, int]:
     """The measured round a regime's rate rests on."""
@@ -271,7 +278,14 @@ class RecGuideStrategy(Strategy):
       return (RoundKind.OVERLAP, self.block_size, concurrency)
     return (RoundKind.LINEAR, int(rate_key[len(Regime.LINEAR):]), concurrency)
 
-  def _probe_or_best(self, best: str, runner_up: str, basis: dict, rates: dict, c: int) -> str:
+  def _never_measured(self, rate_key: str) -> bool:
+    """Whether no round of the kinds a regime's rate rests on has been measured on this machine yet (at any block
+    size or load): its cost is then the profile's, scaled by how far the other kinds ran from theirs."""
+    kinds = (RoundKind.OVERLAP, RoundKind.OVERLAP_DRAFT) if rate_key == Regime.OVERLAP else (
+        self._clock_key(rate_key, 1)[0],)
+    return not any(self.calibrated.clock.ever_measured(k) for k in kinds)
+
+  def _probe_or_best(self, ranked: list[Regime], basis: dict, rates: dict, c: int) -> str:
     """Re-measures a stale runner-up: when the best regime's cost was measured just now but the runner-up's is
     stale (or was never measured) and the runner-up is estimated close enough to matter (>= `probe_margin` of the
     best's rate), the runner-up runs for `min_samples` steps, so the two are compared in one state of the
@@ -279,34 +293,60 @@ class RecGuideStrategy(Strategy):
     Probes are spaced so that they take at most `probe_budget` of the time (under high load a round of the
     runner-up is long, so it is probed rarely). The margin test prices the runner-up also from fresh rounds only
     (`CalibratedCosts.fresh_cost`) and takes the more promising price: a stale median from a cold start or a slow
-    spell must not keep a close regime from being re-measured."""
-    if self._probe is not None:
-      regime, left = self._probe
-      self._probe = (regime, left - 1) if left > 1 else None
-      self.probing = True
-      return regime
-    clock = self.calibrated.clock
-    runner_key = self._clock_key(basis[runner_up], c)
-    if not clock.is_fresh(*self._clock_key(basis[best], c)) or clock.is_fresh(*runner_key):
-      return best
-    probe_s = clock.min_samples * self._round_cost(runner_key[0], runner_key[1], c) / 1e3
-    now = clock.now()
-    if now - self._last_probe_at < max(clock.stale_after_s, probe_s / self.probe_budget):
-      return best  # checked first: it is cheap, and most steps stop here
+    spell must not keep a close regime from being re-measured.
 
-    # the runner-up's estimate is stale: judge its promise also by what the machine's current state says about its
-    # kind (a median from a cold start or a slow spell must not keep it from being re-measured)
-    def current(kind, blk, rows):
-      cost, fresh = self._round_cost(kind, blk, rows), self.calibrated.fresh_cost(kind, blk, rows)
-      return cost if fresh is None else min(cost, fresh)
-    if self._rate(basis[runner_up], c, current) < self.probe_margin * rates[basis[best]]:
+    A regime none of whose round kinds has ever run here, ranked anywhere below the best, is probed when its
+    estimate is within `explore_margin` of the best's: that estimate is the profile's cost ratio between kinds,
+    and a profile of other hardware, or none, can be off several-fold. Without a profile on this CPU the generic
+    costs priced an AR step at 3x what it took, the `probe_margin` never let AR run, and RecGuide held 0.67x AR's
+    throughput at C = 16. Such a first measurement, one per kind, has its own budget (`explore_budget`) and is
+    spaced from the first decision too, not only from the last probe, so that a long one is no large share of a
+    short run either."""
+    if self._probe is not None:
+      regime, left, first_of = self._probe
+      if first_of is None or self._never_measured(first_of):
+        self._probe = (regime, left - 1, first_of) if left > 1 else None
+        self.probing = True
+        return regime
+      self._probe = None  # a first measurement that has its median: decide as usual
+    best = ranked[0]
+    clock = self.calibrated.clock
+    now = clock.now()
+    if self._first_decision_at is None:
+      self._first_decision_at = now
+    if not clock.is_fresh(*self._clock_key(basis[best], c)):
       return best
-    self._last_probe_at = now
-    self.probes += 1
-    left = clock.min_samples - 1
-    self._probe = (runner_up, left) if left > 0 else None
-    self.probing = True
-    return runner_up
+    for rank, name in enumerate(ranked[1:]):
+      unmeasured = self._never_measured(basis[name])
+      key = self._clock_key(basis[name], c)
+      if not (rank == 0 or unmeasured) or clock.is_fresh(*key):
+        continue  # only the runner-up, or a regime never measured, is worth a probe
+      probe_s = clock.min_samples * self._round_cost(key[0], key[1], c) / 1e3
+      if unmeasured:  # a first measurement: its own budget, counted from the first decision too
+        since = now - max(self._last_probe_at, self._first_decision_at)
+        wait, margin = probe_s / self.explore_budget, self.explore_margin
+      else:  # and never sooner than the last probe's rounds go stale
+        since = now - self._last_probe_at
+        wait, margin = max(clock.stale_after_s, probe_s / self.probe_budget), self.probe_margin
+      if since < wait:
+        continue  # checked first: it is cheap, and most steps stop here
+      if self._rate(basis[name], c, self._current_cost) < margin * rates[basis[best]]:
+        continue
+      self._last_probe_at = now
+      self.probes += 1
+      # a first measurement runs until its kind has a median (the live rows can change between steps, and each row
+      # count is its own clock key), for up to explore_rounds steps
+      left = (self.explore_rounds if unmeasured else clock.min_samples) - 1
+      self._probe = (name, left, basis[name] if unmeasured else None) if left > 0 else None
+      self.probing = True
+      return name
+    return best
+
+  def _current_cost(self, kind: str, blk: int, rows: int) -> float:
+    """A stale runner-up's round cost as the machine's current state says: its kind's fresh rounds where they
+    are cheaper (a median from a cold start or a slow spell must not keep it from being re-measured)."""
+    cost, fresh = self._round_cost(kind, blk, rows), self.calibrated.fresh_cost(kind, blk, rows)
+    return cost if fresh is None else min(cost, fresh)
 
   # ---- per request ---------------------------------------------------------------------------------------------------
   _eos: frozenset = frozenset()  # the engine's EOS ids, refreshed with the per-step memo
