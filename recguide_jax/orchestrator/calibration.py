@@ -53,7 +53,7 @@ class RoundClock:
     self._samples: dict[tuple[str, int, int], collections.deque] = {}
     self._median: dict[tuple[str, int, int], float] = {}  # only keys with >= min_samples samples
     self._last: dict[tuple[str, int, int], float] = {}  # when each key last ran
-    self._kinds_measured: set[str] = set()  # kinds that have had a median at some (B, rows), ever
+    self.measured_kinds: frozenset[str] = frozenset()  # kinds that have had a median at some (B, rows), ever
     self.observations = 0
 
   def observe(self, kind: str, block_size: int, rows: int, seconds: float) -> None:
@@ -70,7 +70,8 @@ class RoundClock:
     if len(buf) >= self.min_samples:
       # the median: a GC pause or a neighbour's burst in one round must not flip the switch
       self._median[key] = statistics.median(buf)
-      self._kinds_measured.add(key[0])
+      if key[0] not in self.measured_kinds:  # a new set only when a kind is first measured (it only grows)
+        self.measured_kinds = self.measured_kinds | {key[0]}
     self.observations += 1
 
   def median(self, kind: str, block_size: int, rows: int) -> float | None:
@@ -87,15 +88,10 @@ class RoundClock:
   def measured(self) -> dict[tuple[str, int, int], float]:
     return dict(self._median)
 
-  @property
-  def kinds_measured(self) -> int:
-    """How many kinds were ever measured (it only grows)."""
-    return len(self._kinds_measured)
-
   def ever_measured(self, kind: str) -> bool:
     """Whether rounds of `kind` were ever measured on this machine (at any block size and row count); until then
     its cost is the profile's, scaled by other kinds' measurements (`CalibratedCosts.cost`)."""
-    return kind in self._kinds_measured
+    return kind in self.measured_kinds
 
 
 class CalibratedCosts:
@@ -109,7 +105,7 @@ class CalibratedCosts:
     self.refresh_every = refresh_every  # re-derive the ratios every few rounds, not every step (host time)
     self._profiled: dict[tuple[str, int, int], float] = {}
     # fresh-only? -> (observations then, kinds measured then, ratios)
-    self._ratios: dict[bool, tuple[int, int, dict[str, float]]] = {}
+    self._ratios: dict[bool, tuple[int, frozenset[str], dict[str, float]]] = {}
 
   def _profiled_cost(self, kind: str, blk: int, rows: int) -> float:
     key = (kind, blk, rows)
@@ -121,9 +117,9 @@ class CalibratedCosts:
   def ratios(self, fresh: bool = False) -> dict[str, float]:
     """Measured / profiled, per kind (median over its measured keys) and over all ("*"); `fresh`: over the keys
     measured lately (`RoundClock.is_fresh`) only."""
-    at, kinds, cached = self._ratios.get(fresh, (-1, 0, {}))
+    at, kinds, cached = self._ratios.get(fresh, (-1, frozenset(), {}))
     # a kind measured for the first time re-derives them at once: until then it was priced by the others' ratio
-    if at < 0 or self.clock.observations - at >= self.refresh_every or kinds != self.clock.kinds_measured:
+    if at < 0 or self.clock.observations - at >= self.refresh_every or kinds is not self.clock.measured_kinds:
       per_kind: dict[str, list[float]] = collections.defaultdict(list)
       for (kind, blk, rows), ms in self.clock.measured().items():
         if kind in KINDS and (not fresh or self.clock.is_fresh(kind, blk, rows)):
@@ -131,7 +127,7 @@ class CalibratedCosts:
       cached = {k: statistics.median(v) for k, v in per_kind.items()}
       if per_kind:
         cached["*"] = statistics.median([r for v in per_kind.values() for r in v])
-      self._ratios[fresh] = (self.clock.observations, self.clock.kinds_measured, cached)
+      self._ratios[fresh] = (self.clock.observations, self.clock.measured_kinds, cached)
     return cached
 
   def cost(self, kind: str, blk: int, rows: int) -> float:

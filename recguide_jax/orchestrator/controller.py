@@ -280,9 +280,10 @@ class RecGuideStrategy(Strategy):
 
   def _never_measured(self, rate_key: str) -> bool:
     """Whether no round of the kinds a regime's rate rests on has been measured on this machine yet (at any block
-    size or load): its cost is then the profile's, scaled by how far the other kinds ran from theirs."""
-    kinds = (RoundKind.OVERLAP, RoundKind.OVERLAP_DRAFT) if rate_key == Regime.OVERLAP else (
-        self._clock_key(rate_key, 1)[0],)
+    size or load): its cost is then the profile's, scaled by how far the other kinds ran from theirs. Overlap's
+    rate rests on its rounds with and without a draft forward (`_rate`), the others' on their clock key's kind."""
+    kind = self._clock_key(rate_key, 1)[0]
+    kinds = (kind, RoundKind.OVERLAP_DRAFT) if kind == RoundKind.OVERLAP else (kind,)
     return not any(self.calibrated.clock.ever_measured(k) for k in kinds)
 
   def _probe_or_best(self, ranked: list[Regime], basis: dict, rates: dict, c: int) -> str:
@@ -343,7 +344,7 @@ class RecGuideStrategy(Strategy):
     return best
 
   def _current_cost(self, kind: str, blk: int, rows: int) -> float:
-    """A stale runner-up's round cost as the machine's current state says: its kind's fresh rounds where they
+    """A probe candidate's round cost as the machine's current state says: its kind's fresh rounds where they
     are cheaper (a median from a cold start or a slow spell must not keep it from being re-measured)."""
     cost, fresh = self._round_cost(kind, blk, rows), self.calibrated.fresh_cost(kind, blk, rows)
     return cost if fresh is None else min(cost, fresh)
