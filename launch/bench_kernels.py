@@ -148,8 +148,8 @@ def main(argv):
         kb = jax.random.normal(k2, (b, blk, hkv, d), dtype)
         vb = jax.random.normal(k3, (b, blk, hkv, d), dtype)
         num_pages = b * pages_per_seq + 1
-        k_pages = jax.random.normal(k4, (num_pages, ps, hkv, d), dtype)
-        v_pages = jax.random.normal(k5, (num_pages, ps, hkv, d), dtype)
+        k_pages = jax.random.normal(k4, (num_pages, ps, hkv * d), dtype)
+        v_pages = jax.random.normal(k5, (num_pages, ps, hkv * d), dtype)
         table = jnp.asarray(rng.permutation(np.arange(1, num_pages)).reshape(b, pages_per_seq), jnp.int32)
         plen = jnp.full((b,), prefix, jnp.int32)
         bytes_moved = (2 * b * prefix * hkv * d + 2 * b * blk * hq * d + 2 * b * blk * hkv * d) * item

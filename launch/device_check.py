@@ -83,7 +83,7 @@ def check_kernels(on_accel: bool) -> dict:
   dt = jnp.bfloat16 if on_accel else jnp.float32
   f = lambda *s: jnp.asarray(rng.standard_normal(s), dt)
   q, kb, vb = f(b, q_len, hq, d), f(b, q_len, hkv, d), f(b, q_len, hkv, d)
-  kp, vp = f(num_pages, page, hkv, d), f(num_pages, page, hkv, d)
+  kp, vp = f(num_pages, page, hkv * d), f(num_pages, page, hkv * d)
   table = jnp.asarray(1 + rng.permutation(b * pages_per_seq).reshape(b, pages_per_seq), jnp.int32)
   cap = pages_per_seq * page
   prefix = jnp.asarray([cap - 3, 0] + [int(rng.integers(1, cap)) for _ in range(b - 2)], jnp.int32)

@@ -6,8 +6,8 @@
 - `common`: the GQA-folded layout, packed tree masks, page layouts, block-size tables, split rule, and the pure-jnp
   reference `block_attention_ref` (each kernel module re-exports it as its `_ref` twin).
 
-Every kernel takes `interpret=` (True runs it on CPU) and reads either one layer's pages [N, ps, Hkv, D] or all
-layers' stacked [L, N, ps, Hkv, D] at `layer=` (in place): the page layout is a parameter. The kernels only read
+Every kernel takes `interpret=` (True runs it on CPU) and reads either one layer's pages [N, ps, Hkv * D] or all
+layers' stacked [L, N, ps, Hkv * D] at `layer=` (in place): the page layout is a parameter. The kernels only read
 the cache; writing a block's K/V is the application's scatter (`recguide_jax.kv_cache.write_block`). This package
 depends on jax only, not on the application (`recguide_jax.attention_dispatch` picks between kernels and reference
 for the model).

@@ -178,7 +178,7 @@ def _attention(q, k_block, v_block, tree_mask, k_pages, v_pages, page_table, pre
     inputs.append(words)
     in_specs.append(pl.BlockSpec((None, words.shape[1], block_r), lambda r, h, i, s: (r, 0, i)))
   inputs += [pt, prefix_len.astype(jnp.int32)[:, None], k_pages, v_pages]
-  pages_spec = pl.BlockSpec((k_pages.shape[0], page_size, None, d), lambda r, h, i, s: (0, 0, h, 0))
+  pages_spec = pl.BlockSpec((k_pages.shape[0], page_size, d), lambda r, h, i, s: (0, 0, h))  # head h's D columns
   in_specs += [pl.BlockSpec((None, width), lambda r, h, i, s: (r, 0)),
                pl.BlockSpec((None, 1), lambda r, h, i, s: (r, 0)), pages_spec, pages_spec]
 
@@ -219,8 +219,8 @@ def block_attention(q: jax.Array, k_block: jax.Array, v_block: jax.Array, block_
   """Same contract as `block_attention_ref`; `block_mask` may also be "causal" or "full".
 
   q: [b, Q, Hq, D] (already carrying the model's query scale); k_block/v_block: [b, Q, Hkv, D]; block_mask:
-  [b, Q, Q] / [Q, Q] bool or a kind; k_pages/v_pages: [num_pages, page_size, Hkv, D], or with `layer` (an int or
-  an int32 scalar, e.g. a scan's layer index) all layers stacked [L, num_pages, page_size, Hkv, D], read in place;
+  [b, Q, Q] / [Q, Q] bool or a kind; k_pages/v_pages: [num_pages, page_size, Hkv * D], or with `layer` (an int or
+  an int32 scalar, e.g. a scan's layer index) all layers stacked [L, num_pages, page_size, Hkv * D], read in place;
   page_table: [b, P] (ids into one layer's pages); prefix_len: [b]. Without page_table the prefix is empty.
   Returns [b, Q, Hq, D] in q's dtype. `num_splits` overrides the prefix split count
   (default: `common.gpu_num_splits`; see `launch_plan`).

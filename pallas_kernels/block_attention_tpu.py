@@ -2,7 +2,8 @@
 
 Grid (request r, prefix step i), semantics ("parallel", "arbitrary"). The page table (flattened [b * P]) and the
 prefix lengths [b] are scalar-prefetched into SMEM, so the BlockSpec index maps can follow the page table: a step
-loads `ppb` pages (all KV heads, viewed as [page_size, Hkv * D] so that a head is a lane-aligned column block)
+loads `ppb` pages (all KV heads: the cache's [page_size, Hkv * D] layout, in which a head is a lane-aligned column
+block)
 through `ppb` page inputs whose index map is `page_table[r, min(i * ppb + j, last_page[r])]`. Clamping to the
 request's last page makes the steps past its ragged length re-use the block already in VMEM (the pipeline skips a
 copy whose block index did not change) and `pl.when` skips their compute, so a short request in a long-padded batch
@@ -139,9 +140,8 @@ def _attention(q, k_block, v_block, tree_mask, k_pages, v_pages, page_table, pre
       return pt[r * width + jnp.minimum(i * ppb + j, last)], 0, 0
     return pl.BlockSpec((None, page_size, hkv * d), index_map)
 
-  # [N, ps, Hkv, D] -> [N, ps, Hkv * D] is free (contiguous) and puts head h on lanes [h * D, (h + 1) * D)
-  flat = lambda pages: pages.reshape(pages.shape[0], page_size, hkv * d)
-  inputs += [flat(k_pages)] * ppb + [flat(v_pages)] * ppb
+  # the pages as they lie ([N, ps, Hkv * D], head h on lanes [h * D, (h + 1) * D)): no relayout before the call
+  inputs += [k_pages] * ppb + [v_pages] * ppb
   in_specs += [page_map(j) for j in range(ppb)] * 2
   kernel = functools.partial(_kernel, mask_kind=mask_kind, nq=nq, qp=qp, ppb=ppb, scale=scale, precision=precision)
   out = pl.pallas_call(
@@ -168,7 +168,8 @@ def block_attention(q: jax.Array, k_block: jax.Array, v_block: jax.Array, block_
                     block_sizes: common.BlockSizes | None = None):
   """Same contract as `block_attention_ref`; `block_mask` may also be "causal" or "full". Arguments as the GPU
   kernel's (`block_attention_gpu.block_attention`, without `num_splits`): k_pages/v_pages [num_pages, page_size, Hkv,
-  D], or stacked [L, num_pages, page_size, Hkv, D] read in place at `layer` (int or int32 scalar).
+  D] with the heads folded, [num_pages, page_size, Hkv * D], or stacked [L, num_pages, page_size, Hkv * D] read in
+  place at `layer` (int or int32 scalar).
 
   `interpret`: False on TPU; True (generic interpreter) or a `pltpu.InterpretParams` (TPU-semantics interpreter)
   to run on CPU. Without page_table the prefix is empty. Returns [b, Q, Hq, D] in q's dtype.

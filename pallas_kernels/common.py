@@ -2,9 +2,11 @@
 placeholder prefix for calls without a cache, the page layouts, the per-backend block-size tables, and the pure-jnp
 references both backends' `_ref` twins are.
 
-Page layouts. The cache is either one layer's pages [num_pages, page_size, Hkv, D] (`layer=None`) or all layers'
-pages stacked [L, num_pages, page_size, Hkv, D] with `layer` an int or an int32 scalar (traced inside a scan over
-layers). The kernels never slice a layer out (that would copy a whole layer per call): they view the stacked array
+Page layouts. The cache is either one layer's pages [num_pages, page_size, Hkv * D] (`layer=None`) or all layers'
+pages stacked [L, num_pages, page_size, Hkv * D] with `layer` an int or an int32 scalar (traced inside a scan over
+layers). The KV heads are folded into the last dim (head h on [h * D, (h + 1) * D)): a TPU tiles the two minor
+dims, so the Mosaic kernel can DMA [page_size, Hkv * D] pages as they lie in HBM; an unfolded [.., Hkv, D] cache
+would be relaid out, whole, before every call. The kernels never slice a layer out (that would copy a whole layer per call): they view the stacked array
 as [L * num_pages, ...] (a free reshape of a contiguous array) and add `layer * num_pages` to the page ids, so the
 page table itself carries the layer (`layer_view`). The kernels only read pages (the application writes a block's
 K/V with its own scatter): this package knows nothing of the application that allocates them.
@@ -116,7 +118,7 @@ def fold_block_kv(x: jax.Array, kp: int) -> jax.Array:
 def placeholder_prefix(b: int, hkv: int, d: int, dtype, page_size: int):
   """An empty prefix (one zero page, length 0) for calls without a cache, so the kernels keep a single code
   path; no key of it is ever visible."""
-  pages = jnp.zeros((1, page_size, hkv, d), dtype)
+  pages = jnp.zeros((1, page_size, hkv * d), dtype)
   return pages, pages, jnp.zeros((b, 1), jnp.int32), jnp.zeros((b,), jnp.int32)
 
 
@@ -179,19 +181,21 @@ def pick_block_sizes(table, rows: int) -> BlockSizes:
   return table[-1][1]
 
 
-def check_layer(pages: jax.Array, layer, name: str = "k_pages") -> None:
-  """Shape check of a page array against `layer` (None: [N, ps, H, D]; else stacked [L, N, ps, H, D])."""
-  want = 4 if layer is None else 5
-  if pages.ndim != want:
-    layout = "[num_pages, page_size, kv_heads, head_dim]" if layer is None else (
-        "[layers, num_pages, page_size, kv_heads, head_dim] (stacked, with layer=)")
-    raise ValueError(f"{name} must be {layout}, got shape {tuple(pages.shape)}")
+def check_layer(pages: jax.Array, layer, name: str = "k_pages", heads_dim: int | None = None) -> None:
+  """Shape check of a page array against `layer` (None: [N, ps, H * D]; else stacked [L, N, ps, H * D]) and, when
+  given, the folded `heads_dim` = H * D of the block's K/V."""
+  want = 3 if layer is None else 4
+  if pages.ndim != want or (heads_dim is not None and pages.shape[-1] != heads_dim):
+    layout = "[num_pages, page_size, kv_heads * head_dim]" if layer is None else (
+        "[layers, num_pages, page_size, kv_heads * head_dim] (stacked, with layer=)")
+    want_last = "" if heads_dim is None else f" with a last dim of {heads_dim}"
+    raise ValueError(f"{name} must be {layout}{want_last}, got shape {tuple(pages.shape)}")
   if layer is not None and isinstance(layer, (int, np.integer)) and not 0 <= layer < pages.shape[0]:
     raise ValueError(f"layer={layer} out of range for {pages.shape[0]} stacked layers")
 
 
 def layer_view(pages: jax.Array, layer) -> tuple[jax.Array, jax.Array | int]:
-  """-> (pages as [L * N, ps, H, D], page-id offset of `layer`): a free reshape instead of a per-layer slice.
+  """-> (pages as [L * N, ps, H * D], page-id offset of `layer`): a free reshape instead of a per-layer slice.
   `layer=None` is the single-layer layout, offset 0."""
   if layer is None:
     return pages, 0
@@ -200,7 +204,7 @@ def layer_view(pages: jax.Array, layer) -> tuple[jax.Array, jax.Array | int]:
 
 
 def layer_pages(pages: jax.Array, layer) -> tuple[int, ...]:
-  """The per-layer page shape [N, ps, H, D] of either layout."""
+  """The per-layer page shape [N, ps, H * D] of either layout."""
   return tuple(pages.shape if layer is None else pages.shape[1:])
 
 
@@ -215,8 +219,9 @@ def run_block_attention(attention, placeholder_page_size: int, q, k_block, v_blo
     prefix = placeholder_prefix(b, k_block.shape[2], d, k_block.dtype, placeholder_page_size)
     layer_arg = None
   else:
-    check_layer(k_pages, layer, "k_pages")
-    check_layer(v_pages, layer, "v_pages")
+    heads_dim = k_block.shape[2] * d
+    check_layer(k_pages, layer, "k_pages", heads_dim)
+    check_layer(v_pages, layer, "v_pages", heads_dim)
     prefix = (k_pages, v_pages, page_table, prefix_len)
     layer_arg = layer
   return attention(q, k_block, v_block, tree, *prefix, layer_arg, mask_kind=kind, scale=float(scale),
@@ -226,11 +231,11 @@ def run_block_attention(attention, placeholder_page_size: int, q, k_block, v_blo
 # ---- pure-jnp references (the kernels' `_ref` twins) ---------------------------------------------------------------
 
 
-def _gather_prefix(pages: jax.Array, page_table: jax.Array, layer) -> jax.Array:
-  """[(L,) N, ps, H, D] x [b, P] -> [b, P * ps, H, D]: one gather, with the layer as a gather index (no slice)."""
+def _gather_prefix(pages: jax.Array, page_table: jax.Array, layer, kv_heads: int) -> jax.Array:
+  """[(L,) N, ps, H * D] x [b, P] -> [b, P * ps, H, D]: one gather, with the layer as a gather index (no slice)."""
   g = pages[page_table] if layer is None else pages[layer, page_table]
-  b, p, s, h, d = g.shape
-  return g.reshape(b, p * s, h, d)
+  b, p, s, hd = g.shape
+  return g.reshape(b, p * s, kv_heads, hd // kv_heads)
 
 
 def block_attention_ref(q, k_block, v_block, block_mask, *, k_pages=None, v_pages=None, page_table=None,
@@ -238,8 +243,8 @@ def block_attention_ref(q, k_block, v_block, block_mask, *, k_pages=None, v_page
   """The kernels' contract in plain jnp: softmax (fp32) over the prefix [0, prefix_len[r]) read through the page
   table plus the block's own keys under `block_mask` ([Q, Q] / [b, Q, Q] bool or "causal" / "full").
 
-  q: [b, Q, Hq, D]; k_block/v_block: [b, Q, Hkv, D]; k_pages/v_pages: [N, ps, Hkv, D], or [L, N, ps, Hkv, D] with
-  `layer`; page_table: [b, P] int32; prefix_len: [b]. Returns [b, Q, Hq, D] in q's dtype."""
+  q: [b, Q, Hq, D]; k_block/v_block: [b, Q, Hkv, D]; k_pages/v_pages: [N, ps, Hkv * D], or [L, N, ps, Hkv * D]
+  with `layer`; page_table: [b, P] int32; prefix_len: [b]. Returns [b, Q, Hq, D] in q's dtype."""
   b, nq, hq, d = q.shape
   hkv = k_block.shape[2]
   qf = q.reshape(b, nq, hkv, hq // hkv, d)
@@ -247,9 +252,9 @@ def block_attention_ref(q, k_block, v_block, block_mask, *, k_pages=None, v_page
   s = jnp.einsum("bqhgd,bkhd->bhgqk", qf, k_block.astype(q.dtype), preferred_element_type=jnp.float32) * scale
   scores, values = [jnp.where(mask[:, None, None], s, NEG_INF)], [v_block]
   if page_table is not None:
-    check_layer(k_pages, layer, "k_pages")
-    k_pre = _gather_prefix(k_pages, page_table, layer)
-    v_pre = _gather_prefix(v_pages, page_table, layer)
+    check_layer(k_pages, layer, "k_pages", hkv * d)
+    k_pre = _gather_prefix(k_pages, page_table, layer, hkv)
+    v_pre = _gather_prefix(v_pages, page_table, layer, hkv)
     s = jnp.einsum("bqhgd,bkhd->bhgqk", qf, k_pre.astype(q.dtype), preferred_element_type=jnp.float32) * scale
     valid = jnp.arange(k_pre.shape[1])[None, :] < prefix_len[:, None]  # [b, S]
     scores.insert(0, jnp.where(valid[:, None, None, None, :], s, NEG_INF))

@@ -91,9 +91,9 @@ def block_attention(q: jax.Array, k_block: jax.Array, v_block: jax.Array, block_
                     prefix_len: jax.Array | None, scale: float, impl: str = "reference",
                     layer: jax.Array | int | None = None) -> jax.Array:
   """`attention.block_attention_ref`'s contract, computed by the implementation `impl` resolves to. With `layer`
-  (an int or the scan's int32 layer index) the pages are every layer's [L, num_pages, page_size, Hkv, D] and both
+  (an int or the scan's int32 layer index) the pages are every layer's [L, num_pages, page_size, Hkv * D] and both
   paths read that layer's pages in place (never a per-layer slice, which would copy the layer)."""
-  page_size = k_pages.shape[-3] if (k_pages is not None and page_table is not None) else None
+  page_size = k_pages.shape[-2] if (k_pages is not None and page_table is not None) else None
   path, variant, interpret = resolve(impl, q.shape, page_size)
   kwargs = dict(k_pages=k_pages, v_pages=v_pages, page_table=page_table, prefix_len=prefix_len, scale=scale,
                 layer=layer)
@@ -135,7 +135,7 @@ def _per_shard(kernel, mesh, q, k_block, v_block, block_mask, *, k_pages, v_page
   if kind == "tree":
     add("block_mask", block_mask, P())
   if page_table is not None:
-    pages = P(*(None,) * (k_pages.ndim - 2), sharding.TP, None)  # [(L,) N, page_size, Hkv, D]: KV heads split
+    pages = P(*(None,) * (k_pages.ndim - 1), sharding.TP)  # [(L,) N, page_size, Hkv * D]: whole KV heads split
     add("k_pages", k_pages, pages)
     add("v_pages", v_pages, pages)
     add("page_table", page_table, P())

@@ -1,6 +1,9 @@
 """Paged KV cache: fixed-size device page arrays (a registered dataclass pytree) and the host-side page allocator.
 
-Device side: K and V arrays with every layer stacked, [num_layers, num_pages, page_size, kv_heads, head_dim], so the
+Device side: K and V arrays with every layer stacked, [num_layers, num_pages, page_size, kv_heads * head_dim] (the
+KV heads folded into the last, lane, dimension: a TPU tiles the two minor dims, so a [.., kv_heads, head_dim] cache
+would need a physical relayout of every page before the kernel's [page_size, kv_heads * head_dim] tiles could read
+it; folded, the kernel DMAs pages as they lie, and on a CPU or GPU the bytes are the same either way), so the
 scanned layer stack carries the whole cache and each layer writes and reads its own pages in place at its layer
 index (a scatter at [layer, page, offset], a gather at [layer, page_table]): no step ever slices a layer out, which
 would copy it. Page 0 (of every layer) is never handed out: it is the trash page that padded batch slots and
@@ -31,7 +34,7 @@ TRASH_PAGE = 0
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass
 class KVCache:
-  k: jax.Array  # [num_layers, num_pages, page_size, kv_heads, head_dim], the model's dtype (on the CPU: its bits)
+  k: jax.Array  # [num_layers, num_pages, page_size, kv_heads * head_dim], the model's dtype (on the CPU: its bits)
   v: jax.Array
 
   @property
@@ -48,7 +51,7 @@ class KVCache:
 
   @staticmethod
   def shape(num_layers: int, num_pages: int, page_size: int, kv_heads: int, head_dim: int) -> tuple[int, ...]:
-    return (num_layers, num_pages, page_size, kv_heads, head_dim)
+    return (num_layers, num_pages, page_size, kv_heads * head_dim)
 
   @classmethod
   def create(cls, num_layers: int, num_pages: int, page_size: int, kv_heads: int, head_dim: int,
@@ -79,13 +82,14 @@ def write_block(k_pages: jax.Array, v_pages: jax.Array, k_new: jax.Array, v_new:
   """Scatters per-token K/V into their pages: token (r, t) goes to slot `positions[r, t]` of request r.
 
   k_new/v_new: [b, T, kv_heads, D]; page_table: [b, P]; positions, write: [b, T]. Tokens with write=False land on
-  the trash page, so the scatter has a static shape. Pages are one layer's [num_pages, page_size, H, D] when
-  `layer` is None, else every layer's [L, num_pages, page_size, H, D] and the tokens go to layer `layer` (an int or
-  an int32 scalar, e.g. a scan's layer index): one scatter into the stacked array, updated in place when it is
+  the trash page, so the scatter has a static shape. Pages are one layer's [num_pages, page_size, H * D] when
+  `layer` is None, else every layer's [L, num_pages, page_size, H * D] and the tokens go to layer `layer` (an int
+  or an int32 scalar, e.g. a scan's layer index): one scatter into the stacked array, updated in place when it is
   donated or loop-carried.
   """
-  page_size = k_pages.shape[-3]
+  page_size = k_pages.shape[-2]
   page, offset = _slots(page_table, positions, write, page_size)
+  k_new, v_new = fold_heads(k_new), fold_heads(v_new)
   if layer is None:
     idx = (page, offset)
   else:
@@ -95,14 +99,19 @@ def write_block(k_pages: jax.Array, v_pages: jax.Array, k_new: jax.Array, v_new:
   return k_pages, v_pages
 
 
+def fold_heads(x: jax.Array) -> jax.Array:
+  """[..., H, D] -> [..., H * D], the cache's layout of a token's K or V (head h on lanes [h * D, (h + 1) * D))."""
+  return x.reshape(*x.shape[:-2], x.shape[-2] * x.shape[-1])
+
+
 def gather_prefix(pages: jax.Array, page_table: jax.Array, layer: jax.Array | int | None = None,
-                  dtype=None) -> jax.Array:
-  """[num_pages, page_size, H, D] (or stacked [L, ...] read at `layer`) x [b, P] -> [b, P*page_size, H, D]: the
-  request's logical KV in order. With `layer` this is one gather of the table's pages from the stacked array.
-  Pages that hold raw bits (`storage_dtype`) come back as `dtype`, the float they hold."""
+                  dtype=None, *, kv_heads: int) -> jax.Array:
+  """[num_pages, page_size, H * D] (or stacked [L, ...] read at `layer`) x [b, P] -> [b, P*page_size, H, D]: the
+  request's logical KV in order, `kv_heads` = H. With `layer` this is one gather of the table's pages from the
+  stacked array. Pages that hold raw bits (`storage_dtype`) come back as `dtype`, the float they hold."""
   g = pages[page_table] if layer is None else pages[jnp.asarray(layer, jnp.int32), page_table]
-  b, p, s, h, d = g.shape
-  return from_storage(g.reshape(b, p * s, h, d), dtype)
+  b, p, s, hd = g.shape
+  return from_storage(g.reshape(b, p * s, kv_heads, hd // kv_heads), dtype)
 
 
 # XLA:CPU has no gather or scatter of 16- or 8-bit floats: it converts the operand to f32 and back, i.e. the whole

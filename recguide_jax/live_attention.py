@@ -39,7 +39,7 @@ def block_attention(q: jax.Array, k_block: jax.Array, v_block: jax.Array, block_
                     scale: float, layer: jax.Array | int | None = None,
                     chunk_tokens: int = CHUNK_TOKENS, tail_chunk_tokens: int = TAIL_CHUNK_TOKENS) -> jax.Array:
   """`attention.block_attention_ref`'s contract: q [b, Q, Hq, D], k_block/v_block [b, Q, Hkv, D], block_mask
-  [b, Q, Q] or [Q, Q]; optional prefix k_pages/v_pages ([num_pages, page_size, Hkv, D], or every layer's
+  [b, Q, Q] or [Q, Q]; optional prefix k_pages/v_pages ([num_pages, page_size, Hkv * D], or every layer's
   [L, ...] read at `layer`), page_table [b, P], prefix_len [b]. Returns [b, Q, Hq, D] in q's dtype; fp32 softmax."""
   b, nq, hq, d = q.shape
   hkv = k_block.shape[2]
@@ -57,7 +57,7 @@ def block_attention(q: jax.Array, k_block: jax.Array, v_block: jax.Array, block_
 
   if page_table is not None:
     k_pages, v_pages = jnp.asarray(k_pages), jnp.asarray(v_pages)
-    page_size = k_pages.shape[-3]
+    page_size = k_pages.shape[-2]
     per_chunk = chunk_pages(page_size, chunk_tokens)
     per_tail = tail_chunk_pages(per_chunk, page_size, tail_chunk_tokens)
     width = page_table.shape[1]
@@ -74,8 +74,8 @@ def block_attention(q: jax.Array, k_block: jax.Array, v_block: jax.Array, block_
         m, denom, acc = carry
         start = first_page + i * pages_per_iter
         pages = jax.lax.dynamic_slice_in_dim(page_table, start, pages_per_iter, axis=1)
-        k = gather_prefix(k_pages, pages, layer, k_block.dtype).astype(q.dtype)
-        v = gather_prefix(v_pages, pages, layer, v_block.dtype).astype(v_block.dtype)
+        k = gather_prefix(k_pages, pages, layer, k_block.dtype, kv_heads=hkv).astype(q.dtype)
+        v = gather_prefix(v_pages, pages, layer, v_block.dtype, kv_heads=hkv).astype(v_block.dtype)
         sc = jnp.einsum("bqhgd,bkhd->bhgqk", qf, k, preferred_element_type=jnp.float32) * scale
         pos = start * page_size + jnp.arange(chunk_len)
         sc = jnp.where((pos[None, :] < prefix_len[:, None])[:, None, None, None, :], sc, NEG_INF)

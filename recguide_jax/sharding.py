@@ -25,7 +25,7 @@ logical names to mesh axes. A logical axis whose size the mesh axis does not div
   hidden-sharded head would all-reduce the full [b, Q, V] float32 logits every step. The embedding follows the same
   vocab axis (a masked local lookup plus an all-reduce of [b, Q, hidden], as MaxText's vocab-parallel embedding), so
   both tables take 1/tp of the memory each.
-- KV pages [L, pages, page_size, kv_heads, head_dim]: kv heads over tp. With more tp devices than KV heads (NLD's
+- KV pages [L, pages, page_size, kv_heads * head_dim]: whole kv heads over tp (the folded last dim, head-major). With more tp devices than KV heads (NLD's
   8 KV heads on 16 chips) the heads are replicated in groups first (`kv_replication`; each device then holds one
   whole head), as vLLM / tpu-inference / sglang-jax do: GQA maps query head j to KV head j // (q_heads / kv_heads),
   and repeating every KV head r times keeps that mapping exact with q_heads / (kv_heads * r) queries per copy.
@@ -69,11 +69,10 @@ LOGICAL_RULES: tuple[tuple[str, str | None], ...] = (
     ("vocab", TP), ("q_heads", TP), ("kv_heads", TP), ("mlp", TP),
     ("embed", None), ("layers", None), ("norm", None), ("lora", None),
     ("cache_layers", None), ("cache_pages", None), ("cache_slots", None), ("cache_kv_heads", TP),
-    ("cache_head_dim", None),
     ("batch", None), ("length", None), ("act_heads", TP), ("act_kv_heads", TP), ("head_dim", None),
     ("act_embed", None),
 )
-CACHE_AXES = ("cache_layers", "cache_pages", "cache_slots", "cache_kv_heads", "cache_head_dim")
+CACHE_AXES = ("cache_layers", "cache_pages", "cache_slots", "cache_kv_heads")  # the last: kv_heads * head_dim
 
 
 class MeshError(ValueError):
@@ -275,12 +274,12 @@ def abstract_state(state, mesh) -> object:
 
 
 def cache_spec(mesh=None, kv_heads: int | None = None) -> P:
-  shape = None if kv_heads is None else (1, 1, 1, kv_heads, 1)
+  shape = None if kv_heads is None else (1, 1, 1, kv_heads)  # split by whole heads, so tp must divide the heads
   return logical_to_mesh(CACHE_AXES, shape, mesh)
 
 
 def cache_sharding(mesh, kv_heads: int | None = None) -> NamedSharding:
-  """Where the KV pages [L, pages, page_size, kv_heads, head_dim] live: KV heads over tp (pass the model's
+  """Where the KV pages [L, pages, page_size, kv_heads * head_dim] live: KV heads over tp (pass the model's
   (replicated) kv_heads so a count tp does not divide stays replicated instead of failing)."""
   return NamedSharding(mesh, cache_spec(mesh, kv_heads))
 

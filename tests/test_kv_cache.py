@@ -68,22 +68,24 @@ def test_trash_page_never_allocated():
 
 def test_write_block_and_gather_roundtrip():
   rng = np.random.default_rng(0)
-  pages = jnp.zeros((6, 4, 2, 3), jnp.float32)
+  pages = jnp.zeros((6, 4, 2 * 3), jnp.float32)  # [N, S, H * D]: the heads folded into the last dim
   table = np.array([[2, 5, 1], [3, 4, 0]], np.int32)
   k_new = rng.normal(size=(2, 5, 2, 3)).astype(np.float32)
   positions = np.array([[3, 4, 5, 6, 7], [0, 1, 2, 3, 4]], np.int32)
   write = np.array([[True] * 5, [True, True, True, False, False]])
   k_pages, _ = write_block(pages, pages, k_new, k_new, table, positions, write)
-  logical = np.asarray(gather_prefix(k_pages, table))
+  # token 3 of request 0 sits in logical page 0 (physical 2) at offset 3, head h on columns [3h, 3h + 3)
+  np.testing.assert_array_equal(np.asarray(k_pages[2, 3]), k_new[0, 0].reshape(-1))
+  logical = np.asarray(gather_prefix(k_pages, table, kv_heads=2))
   np.testing.assert_array_equal(logical[0, 3:8], k_new[0])
   np.testing.assert_array_equal(logical[1, 0:3], k_new[1, :3])
   np.testing.assert_array_equal(logical[1, 3:5], 0)  # unwritten tokens went to the trash page
 
 
 def test_stacked_write_and_gather_touch_only_their_layer():
-  """The scanned model's layout: every layer's pages in one [L, N, S, H, D] array, written and read at a layer."""
+  """The scanned model's layout: every layer's pages in one [L, N, S, H * D] array, written and read at a layer."""
   rng = np.random.default_rng(1)
-  pages = jnp.asarray(rng.normal(size=(3, 6, 4, 2, 3)).astype(np.float32))
+  pages = jnp.asarray(rng.normal(size=(3, 6, 4, 2 * 3)).astype(np.float32))
   table = np.array([[2, 5, 1], [3, 4, 0]], np.int32)
   k_new = rng.normal(size=(2, 5, 2, 3)).astype(np.float32)
   positions = np.array([[3, 4, 5, 6, 7], [0, 1, 2, 3, 4]], np.int32)
@@ -95,9 +97,9 @@ def test_stacked_write_and_gather_touch_only_their_layer():
   np.testing.assert_array_equal(np.asarray(k_pages[0]), np.asarray(pages[0]))
   np.testing.assert_array_equal(np.asarray(k_pages[2]), np.asarray(pages[2]))
   for layer in range(3):
-    np.testing.assert_array_equal(np.asarray(gather_prefix(k_pages, table, layer)),
-                                  np.asarray(gather_prefix(k_pages[layer], table)))
-  logical = np.asarray(gather_prefix(k_pages, table, 1))
+    np.testing.assert_array_equal(np.asarray(gather_prefix(k_pages, table, layer, kv_heads=2)),
+                                  np.asarray(gather_prefix(k_pages[layer], table, kv_heads=2)))
+  logical = np.asarray(gather_prefix(k_pages, table, 1, kv_heads=2))
   np.testing.assert_array_equal(logical[0, 3:8], k_new[0])
 
 
@@ -169,7 +171,7 @@ def test_a_cache_of_bits_writes_and_reads_what_a_float_cache_does():
   """Write then gather through a bf16 cache and through its uint16 twin: the same bits in the pages, the same
   bf16 values read back (bit-exact, no rounding on the way), and the pages read as floats only with a dtype."""
   rng = np.random.default_rng(0)
-  shape = (2, 6, 4, 2, 8)  # [L, num_pages, page_size, H, D]
+  shape = (2, 6, 4, 2 * 8)  # [L, num_pages, page_size, H * D]
   floats = jnp.asarray(rng.standard_normal(shape), jnp.bfloat16)
   bits = jax.lax.bitcast_convert_type(floats, jnp.uint16)
   k_new = jnp.asarray(rng.standard_normal((2, 3, 2, 8)) * 1e3, jnp.bfloat16)  # values far from the old ones
@@ -180,11 +182,11 @@ def test_a_cache_of_bits_writes_and_reads_what_a_float_cache_does():
   bk, _ = write_block(bits, bits, k_new, k_new, page_table, positions, write, layer=1)
   assert bk.dtype == jnp.uint16
   np.testing.assert_array_equal(np.asarray(jax.lax.bitcast_convert_type(fk, jnp.uint16)), np.asarray(bk))
-  read_f = gather_prefix(fk, page_table, 1)
-  read_b = gather_prefix(bk, page_table, 1, jnp.bfloat16)
+  read_f = gather_prefix(fk, page_table, 1, kv_heads=2)
+  read_b = gather_prefix(bk, page_table, 1, jnp.bfloat16, kv_heads=2)
   assert read_b.dtype == jnp.bfloat16
   np.testing.assert_array_equal(np.asarray(read_f, np.float32), np.asarray(read_b, np.float32))
   with pytest.raises(ValueError, match="read as a float"):
-    gather_prefix(bk, page_table, 1)
+    gather_prefix(bk, page_table, 1, kv_heads=2)
   with pytest.raises(ValueError, match="bits takes K/V"):
     write_block(bits, bits, k_new.astype(jnp.float32), k_new, page_table, positions, write, layer=1)

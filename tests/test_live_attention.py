@@ -15,7 +15,7 @@ def _case(seed, b=3, nq=4, hq=4, hkv=2, d=8, num_pages=32, page_size=4, width=9,
   q = rng.normal(size=(b, nq, hq, d)).astype(np.float32)
   kb = rng.normal(size=(b, nq, hkv, d)).astype(np.float32)
   vb = rng.normal(size=(b, nq, hkv, d)).astype(np.float32)
-  shape = (num_pages, page_size, hkv, d) if layers is None else (layers, num_pages, page_size, hkv, d)
+  shape = (num_pages, page_size, hkv * d) if layers is None else (layers, num_pages, page_size, hkv * d)
   kp = rng.normal(size=shape).astype(np.float32)
   vp = rng.normal(size=shape).astype(np.float32)
   table = rng.permutation(np.arange(1, num_pages))[:b * width].reshape(b, width).astype(np.int32)

@@ -61,7 +61,7 @@ def test_layer_weights_are_stacked_once():
   runner = Runner.abstract(CFG, _runner_config(40), jnp.float32)
   q = runner.state["layers"]["self_attn"]["q_proj"]["kernel"]
   assert q.shape == (CFG.num_hidden_layers, CFG.hidden_size, CFG.num_attention_heads * CFG.head_dim)
-  assert runner.cache.k.shape == (CFG.num_hidden_layers, 40, 8, CFG.num_key_value_heads, CFG.head_dim)
+  assert runner.cache.k.shape == (CFG.num_hidden_layers, 40, 8, CFG.num_key_value_heads * CFG.head_dim)
   # one layer body in the program: a while loop over the layers, not num_hidden_layers copies of it
   hlo = runner.lower("verify", 8, 1).as_text()
   assert len(re.findall(r"dot_general", hlo)) < 20

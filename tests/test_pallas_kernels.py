@@ -45,7 +45,7 @@ class Case:
   head_dim: int = 16
   pages_per_seq: int = 4
   small_blocks: bool = False  # several prefix steps per request (and GPU row blocks)
-  layers: int = 0  # 0: one layer's pages [N, ps, H, D]; else stacked [layers, N, ps, H, D], read at the last layer
+  layers: int = 0  # 0: one layer's pages [N, ps, H * D]; else stacked [layers, N, ps, H * D], read at the last layer
   splits: int | None = None  # GPU prefix splits (None: the rule, which gives 1 at these tiny shapes)
 
 
@@ -82,8 +82,8 @@ def make_inputs(case: Case, seed: int = 0):
   lead = (case.layers,) if case.layers else ()
   inp = dict(q=arr(b, case.nq, case.hq, d), k_block=arr(b, case.nq, case.hkv, d),
              v_block=arr(b, case.nq, case.hkv, d), block_mask=mask,
-             k_pages=arr(*lead, num_pages, case.page_size, case.hkv, d),
-             v_pages=arr(*lead, num_pages, case.page_size, case.hkv, d),
+             k_pages=arr(*lead, num_pages, case.page_size, case.hkv * d),
+             v_pages=arr(*lead, num_pages, case.page_size, case.hkv * d),
              page_table=jnp.asarray(page_table, jnp.int32), prefix_len=jnp.asarray(case.prefix, jnp.int32),
              scale=d ** -0.5)
   if case.layers:
@@ -217,7 +217,7 @@ def test_kernels_in_scan_over_stacked_layers():
   f = lambda *s: jnp.asarray(rng.normal(size=s), jnp.float32)
   page_table = jnp.asarray(rng.permutation(np.arange(1, n)).reshape(b, pages_per_seq), jnp.int32)
   prefix_len = jnp.asarray([13, 24], jnp.int32)
-  args = (f(L, b, nq, hq, d), f(L, b, nq, hkv, d), f(L, b, nq, hkv, d), f(L, n, ps, hkv, d), f(L, n, ps, hkv, d),
+  args = (f(L, b, nq, hq, d), f(L, b, nq, hkv, d), f(L, b, nq, hkv, d), f(L, n, ps, hkv * d), f(L, n, ps, hkv * d),
           page_table, prefix_len, prefix_len[:, None] + jnp.arange(nq)[None])
   attend = lambda *a, **k: block_attention_gpu.block_attention(*a, **k, interpret=True, num_splits=2,
                                                                block_sizes=common.BlockSizes(16, 16))
@@ -246,7 +246,7 @@ def _lower(fn, platform, *args, **static):
 
 
 def _lower_attention(variant, platform, mask, nq, b=2, stacked=True):
-  pages = SDS(((L8B,) if stacked else ()) + (N8B, PS8B, HKV8B, D8B), BF16)
+  pages = SDS(((L8B,) if stacked else ()) + (N8B, PS8B, HKV8B * D8B), BF16)
   blk = lambda h: SDS((b, nq, h, D8B), BF16)
   return _lower(VARIANTS[variant]._attention, platform, blk(HQ8B), blk(HKV8B), blk(HKV8B),
                 SDS((b, nq, nq), bool) if mask == "tree" else None, pages, pages, SDS((b, P8B), jnp.int32),

@@ -1,0 +1,146 @@
+"""Compile every step variant a server would build, for a target it does not run on, and check the programs.
+
+`plan_and_compile` does what `LLM` / `launch/serve.py` do on the target before they serve: the memory plan (the
+activation peak measured by compiling the largest variant of each kind for the target, then KV pages from the
+chip's memory), then every variant of the policy at the plan's cache size. Each compiled variant is checked:
+- its temporaries stay under `temp_limit` of the device's KV cache (a larger one is a copy of the cache),
+- its transient memory stays within the activation peak the plan reserved,
+- no sort runs over the whole vocabulary (top-p by sorting; the sampler selects without sorting).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from typing import Callable, Sequence
+
+import jax.numpy as jnp
+
+from recguide_jax import memory_plan as memory_plan_lib
+from recguide_jax.aot import inspect as hlo
+from recguide_jax.aot.targets import Target
+
+
+@dataclasses.dataclass(frozen=True)
+class VariantReport:
+  variant: str  # kind/B/batch
+  label: str
+  compile_s: float
+  argument_bytes: int
+  temp_bytes: int
+  output_bytes: int
+  alias_bytes: int
+  transient_bytes: int  # temporaries + inputs and outputs that are neither weights nor cache
+  large_buffers: tuple[hlo.Buffer, ...]  # instructions creating >= temp_limit of the cache
+  vocabulary_sorts: tuple[str, ...]
+  kernel_calls: dict
+
+  def problems(self, cache_bytes: int, temp_limit: float, activation_bytes: int | None) -> list[str]:
+    out = []
+    if self.temp_bytes > temp_limit * cache_bytes:
+      out.append(f"temporaries {self.temp_bytes / 1e9:.3f} GB > {temp_limit:.0%} of the device's KV cache "
+                 f"({cache_bytes / 1e9:.2f} GB)" + "".join(f"; {b.opcode} {b.shape} ({b.op_name or b.name})"
+                                                          for b in self.large_buffers[:3]))
+    if activation_bytes is not None and self.transient_bytes > activation_bytes:
+      out.append(f"transient {self.transient_bytes / 1e9:.3f} GB > the plan's activation reserve "
+                 f"{activation_bytes / 1e9:.3f} GB")
+    if self.vocabulary_sorts:
+      out.append(f"{len(self.vocabulary_sorts)} sort(s) over the whole vocabulary")
+    return out
+
+
+@dataclasses.dataclass(frozen=True)
+class TargetReport:
+  target: str
+  policy: str
+  tp: int
+  plan: memory_plan_lib.MemoryPlan
+  cache_bytes_per_device: int
+  temp_limit: float
+  variants: tuple[VariantReport, ...]
+
+  @property
+  def problems(self) -> dict[str, list[str]]:
+    out = {}
+    for v in self.variants:
+      p = v.problems(self.cache_bytes_per_device, self.temp_limit, self.plan.activation_bytes)
+      if p:
+        out[v.variant] = p
+    return out
+
+
+def target_mesh(target: Target, tp: int):
+  """One dp group's tp mesh over the target's first `tp` compile-only devices (every group compiles alike)."""
+  from recguide_jax import sharding
+  devices = target.devices()
+  if tp > len(devices):
+    raise ValueError(f"--tensor_parallel_size {tp} exceeds the {len(devices)} devices of --target {target.name}")
+  return sharding.make_mesh(sharding.MeshShape(tp=tp), devices=devices[:tp])
+
+
+def policy_runner_config(policy_name: str, *, block_size: int, max_num_seqs: int, max_model_len: int,
+                         page_size: int, prefill_chunk: int, num_pages: int = 2, **runner_options):
+  """(strategy, RunnerConfig, kinds, block sizes) as `LLM(policy=policy_name)` builds them (its memory plan then
+  sets num_pages)."""
+  from recguide_jax.decoding.registry import make_strategy
+  from recguide_jax.engine.config import EngineConfig
+  from recguide_jax.llm import DEFAULT_DECODE_STEPS
+  strategy = make_strategy(policy_name, block_size)
+  sizes = tuple(sorted(set(strategy.block_sizes()))) or (block_size,)
+  engine_config = EngineConfig(max_num_seqs=max_num_seqs, max_model_len=max_model_len, page_size=page_size,
+                               prefill_chunk=prefill_chunk,
+                               runner_options={"decode_steps": DEFAULT_DECODE_STEPS, **runner_options})
+  return strategy, engine_config.runner_config(sizes, num_pages), strategy.step_kinds(), strategy.block_sizes()
+
+
+def plan_and_compile(cfg, target: Target, *, policy: str, tp: int, dtype: str = "bfloat16", block_size: int = 16,
+                     max_num_seqs: int = 32, max_model_len: int = 4096, page_size: int = 16, prefill_chunk: int = 64,
+                     num_pages: int | None = None, fraction: float = memory_plan_lib.DEFAULT_FRACTION,
+                     attention: str = "pallas", temp_limit: float = 0.1, startup_only: bool = False,
+                     progress: Callable[[str], None] = print) -> TargetReport:
+  """The memory plan of `target` for `policy`, then every variant compiled at its cache size and checked.
+  Raises memory_plan.MemoryPlanError when the plan does not fit the chip."""
+  from recguide_jax import attention_dispatch
+  from recguide_jax.memory_plan import _abstract_runner, _nbytes, _transient_bytes
+  _, rc, kinds, blocks = policy_runner_config(policy, block_size=block_size, max_num_seqs=max_num_seqs,
+                                              max_model_len=max_model_len, page_size=page_size,
+                                              prefill_chunk=prefill_chunk)
+  mesh = target_mesh(target, tp)
+  with attention_dispatch.target_platform(target.platform.value):
+    progress(f"{target.name} tp={tp} {policy}: measuring the activation peak (largest variant of each kind)")
+    activation = None
+    if num_pages is None:
+      activation = memory_plan_lib.measure_activation(cfg, dtype, rc, kinds, blocks, attention=attention, mesh=mesh)
+    plan = memory_plan_lib.plan_memory(
+        cfg, dtype=dtype, page_size=page_size, max_model_len=max_model_len, max_num_seqs=max_num_seqs,
+        max_block=rc.max_block, device=f"{target.chip.description} ({target.name})",
+        device_bytes=target.chip.memory_bytes, fraction=fraction, num_pages=num_pages,
+        weights=memory_plan_lib.weights_bytes(cfg, dtype, tp), activation=activation, tp=tp)
+    progress(plan.summary())
+    runner = _abstract_runner(cfg, dtype, dataclasses.replace(rc, num_pages=plan.num_pages), attention, mesh)
+    persistent = _nbytes(runner.state) + _nbytes(runner.cache)
+    cache_bytes = _nbytes(runner.cache)
+    vocab = runner.cfg.vocab_size // tp  # a sort of any vocabulary shard is a sort of the vocabulary
+    variants = runner.variants(kinds, blocks)
+    if startup_only:
+      variants = [v for v in variants if v.batch == rc.max_batch]
+    reports = []
+    for v in variants:
+      t0 = time.perf_counter()
+      compiled = runner.compiled(v)
+      seconds = time.perf_counter() - t0
+      m = compiled.memory_analysis()
+      text = compiled.as_text()
+      report = VariantReport(
+          variant=v.name, label=v.label, compile_s=round(seconds, 2), argument_bytes=int(m.argument_size_in_bytes),
+          temp_bytes=int(m.temp_size_in_bytes), output_bytes=int(m.output_size_in_bytes),
+          alias_bytes=int(m.alias_size_in_bytes), transient_bytes=_transient_bytes(compiled, persistent),
+          large_buffers=tuple(hlo.large_buffers(text, int(temp_limit * cache_bytes))),
+          vocabulary_sorts=tuple(hlo.vocabulary_sorts(text, vocab)), kernel_calls=hlo.kernel_calls(text))
+      reports.append(report)
+      flags = report.problems(cache_bytes, temp_limit, plan.activation_bytes)
+      progress(f"  {v.name:18s} {seconds:6.1f} s  args {report.argument_bytes / 1e9:7.3f} GB  temp "
+               f"{report.temp_bytes / 1e9:6.3f} GB  transient {report.transient_bytes / 1e9:6.3f} GB"
+               + (f"  PROBLEM: {'; '.join(flags)}" if flags else ""))
+  return TargetReport(target=target.name, policy=policy, tp=tp, plan=plan, cache_bytes_per_device=cache_bytes,
+                      temp_limit=temp_limit, variants=tuple(reports))
