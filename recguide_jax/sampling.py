@@ -172,11 +172,15 @@ def raw_logprobs(logits: jax.Array, tokens: jax.Array, mask_token_id: int, top_l
   return chosen, top_lp, top_ids
 
 
-def split_keys(keys: jax.Array, n: int) -> list[jax.Array]:
-  """keys: [b, 2] uint32 raw key data, one stream per request -> n arrays of [b] typed keys."""
-  typed = jax.random.wrap_key_data(keys)
-  parts = jax.vmap(lambda k: jax.random.split(k, n))(typed)  # [b, n]
-  return [parts[:, i] for i in range(n)]
+# The random streams of one round's key: each use folds in its own, so no two draws of a round share noise (the draft
+# and leviathan's uniforms drew from one key before). fold_in(key, i) is split(key, n)[i]: the streams AR sampling
+# reads (a prefill's token, the bonus token of either rule) keep the indices they had, and so seeded AR output.
+PREFILL_STREAM, RESIDUAL_STREAM, VERIFIER_STREAM, DRAFT_STREAM, UNIFORM_STREAM = 0, 1, 2, 3, 4
+
+
+def stream_keys(keys: jax.Array, stream: int) -> jax.Array:
+  """keys: [b, 2] uint32 raw key data, one per request -> [b] typed keys of `stream`."""
+  return jax.vmap(lambda k: jax.random.fold_in(k, stream))(jax.random.wrap_key_data(keys))
 
 
 def accept(rule: str, key_data: jax.Array, p: jax.Array, q: jax.Array, draft: jax.Array,
@@ -192,12 +196,12 @@ def accept(rule: str, key_data: jax.Array, p: jax.Array, q: jax.Array, draft: ja
     raise ValueError(f"unknown acceptance rule {rule!r}; expected one of {RULES}")
   b, blk, _ = p.shape
   greedy = jnp.zeros((b,), bool) if greedy is None else greedy
-  k_u, k_res, k_ver = split_keys(key_data, 3)
   x = draft[:, 1:]  # [b, B-1] tokens to verify
   p_prev = p[:, :-1]  # [b, B-1, V] predicts x
   if rule == "leviathan":
     p_x = jnp.take_along_axis(p_prev, x[..., None], axis=-1)[..., 0]
     q_x = jnp.take_along_axis(q[:, 1:], x[..., None], axis=-1)[..., 0]
+    k_u = stream_keys(key_data, UNIFORM_STREAM)
     u = 1.0 - jax.vmap(lambda k: jax.random.uniform(k, (blk - 1,)))(k_u)  # (0, 1]: u*q <= 0 never accepts p=0
     ok = u * q_x <= p_x
     m = jnp.sum(jnp.cumprod(ok.astype(jnp.int32), axis=1), axis=1)  # leading accepts, 0..B-1
@@ -207,10 +211,10 @@ def accept(rule: str, key_data: jax.Array, p: jax.Array, q: jax.Array, draft: ja
     total = jnp.sum(residual, axis=-1, keepdims=True)
     residual = jnp.where(total > 0, residual / jnp.where(total > 0, total, 1.0), p_m)
     final_dist = jnp.where((m < blk - 1)[:, None], residual, p_m)
-    final = draw(k_res, final_dist, greedy)
+    final = draw(stream_keys(key_data, RESIDUAL_STREAM), final_dist, greedy)
     out = jnp.concatenate([x, jnp.zeros((b, 1), jnp.int32)], axis=1)
   else:
-    y = draw(k_ver, p, greedy)  # [b, B] independent verifier samples
+    y = draw(stream_keys(key_data, VERIFIER_STREAM), p, greedy)  # [b, B] independent verifier samples
     ok = y[:, :-1] == x
     m = jnp.sum(jnp.cumprod(ok.astype(jnp.int32), axis=1), axis=1)
     final = jnp.take_along_axis(y, m[:, None], axis=1)[:, 0]

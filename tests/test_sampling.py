@@ -305,3 +305,16 @@ def test_no_step_sorts_the_vocabulary():
     text = jax.jit(sampling.processed_probs, static_argnums=4).trace(*args).lower(
       lowering_platforms=(platform,)).as_text()
     assert "stablehlo.exponential" in text and not sorts.search(text), platform
+
+
+def test_each_use_of_a_round_key_draws_from_its_own_stream():
+  """Distinct streams per use (the draft's and leviathan's uniforms once coincided); the streams AR sampling reads
+  are the keys split(key, n) gave them before, so seeded AR output stays what it was."""
+  keys = jnp.asarray([[7, 0], [7, 1], [123456, 9]], jnp.uint32)
+  streams = (sampling.PREFILL_STREAM, sampling.RESIDUAL_STREAM, sampling.VERIFIER_STREAM, sampling.DRAFT_STREAM,
+             sampling.UNIFORM_STREAM)
+  data = [np.asarray(jax.random.key_data(sampling.stream_keys(keys, s))) for s in streams]
+  assert len({d.tobytes() for d in data}) == len(streams) and len({tuple(r) for d in data for r in d}) == 15
+  split = jax.vmap(lambda k: jax.random.split(k, 3))(jax.random.wrap_key_data(keys))
+  for stream, i in ((sampling.PREFILL_STREAM, 0), (sampling.RESIDUAL_STREAM, 1), (sampling.VERIFIER_STREAM, 2)):
+    np.testing.assert_array_equal(data[streams.index(stream)], np.asarray(jax.random.key_data(split[:, i])))
