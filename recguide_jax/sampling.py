@@ -15,6 +15,8 @@ Here p_{j-1} is the verifier distribution at block index j-1, which predicts the
 
 from __future__ import annotations
 
+from typing import Callable
+
 import jax
 import jax.numpy as jnp
 
@@ -44,20 +46,71 @@ def exclude_token(logits: jax.Array, token_id: int) -> jax.Array:
   return logits.at[..., token_id].set(NEG_INF)
 
 
+# The filters search thresholds over the ordered bit patterns of float32: 2^32 keys, so 32 halvings isolate one
+BISECTION_STEPS = 32
+_SIGN = 0x80000000
+
+
+def _ordered_bits(x: jax.Array) -> jax.Array:
+  """float32 (NaN-free) -> uint32 keys whose unsigned order is the float order; -0.0 is folded onto +0.0 so that
+  equal floats, and only they, get equal keys."""
+  bits = jax.lax.bitcast_convert_type(jnp.where(x == 0, 0.0, x), jnp.uint32)
+  sign = jnp.uint32(_SIGN)
+  return jnp.where(bits >= sign, ~bits, bits | sign)
+
+
+def _largest_passing(lo: jax.Array, hi: jax.Array, tests: list[Callable]) -> list[jax.Array]:
+  """For each test (key threshold [b, T, 1] -> bool [b, T, 1], true at `lo`, non-increasing): the largest threshold
+  in [lo, hi) where it holds, by bisection. The tests share each iteration so that their passes over the
+  vocabulary fuse into one."""
+
+  def halve(_, bounds):
+    out = []
+    for (low, high), passes in zip(bounds, tests):
+      mid = low + ((high - low) >> 1)
+      ok = passes(mid)
+      out.append((jnp.where(ok, mid, low), jnp.where(ok, high, mid)))
+    return tuple(out)
+
+  bounds = jax.lax.fori_loop(0, BISECTION_STEPS, halve, tuple((lo, hi) for _ in tests))
+  return [low for low, _ in bounds]
+
+
 def _filter_top_k_top_p(logits: jax.Array, top_k: jax.Array, top_p: jax.Array) -> jax.Array:
-  """logits [b, T, V]; top_k [b] (0 = off); top_p [b] (1 = off). Keeps ties at the cut."""
+  """logits [b, T, V] float32, NaN-free; top_k [b] (0 or >= V: off); top_p [b] (1: off). Keeps the logits at or
+  above both cuts, the rest become -inf:
+  - top-k: the k-th largest logit, the largest t with count(logits >= t) >= k;
+  - top-p: the largest t with mass(logits >= t) >= top_p, the mass taken over the whole (unfiltered) distribution.
+  So ties at a cut are kept whole: a token stays iff fewer than k logits and less than top_p of the mass lie
+  strictly above its logit. No sort of the vocabulary (issue 40: every verify step compiled for a GPU sorted its
+  [b, B, V] logits): each cut is an exact bisection over the ordered bit patterns of the logits, one fused pass over
+  the vocabulary per halving, and a batch runs only the searches some row asks for."""
   vocab = logits.shape[-1]
-  srt = jnp.sort(logits, axis=-1)[..., ::-1]  # descending
-  k = jnp.where(top_k > 0, jnp.minimum(top_k, vocab), vocab)
-  kth = jnp.take_along_axis(srt, (k - 1)[:, None, None].astype(jnp.int32).repeat(logits.shape[1], 1), axis=-1)
-  probs = jax.nn.softmax(srt, axis=-1)
-  before = jnp.cumsum(probs, axis=-1) - probs  # mass strictly before each sorted entry
-  keep_sorted = before < top_p[:, None, None]
-  keep_sorted = keep_sorted.at[..., 0].set(True)
-  # the smallest kept logit in sorted order is the top-p cutoff
-  pth = jnp.min(jnp.where(keep_sorted, srt, jnp.inf), axis=-1, keepdims=True)
-  cut = jnp.maximum(kth, pth)
-  return jnp.where(logits >= cut, logits, NEG_INF)
+  use_k = (top_k > 0) & (top_k < vocab)
+  use_p = top_p < 1
+  k = jnp.where(use_k, top_k, vocab)[:, None, None]
+
+  def filtered(search_k: bool, search_p: bool):
+    def fn(logits):
+      key = _ordered_bits(logits)
+      lo = jnp.min(key, axis=-1, keepdims=True)  # every test holds at a row's smallest logit
+      hi = jnp.max(key, axis=-1, keepdims=True) + 1
+      tests = []
+      if search_k:
+        tests.append(lambda t: jnp.sum(key >= t, axis=-1, keepdims=True, dtype=jnp.int32) >= k)
+      if search_p:
+        e = jnp.exp(logits - jnp.max(logits, axis=-1, keepdims=True))
+        mass = top_p[:, None, None] * jnp.sum(e, axis=-1, keepdims=True)
+        tests.append(lambda t: jnp.sum(jnp.where(key >= t, e, 0.0), axis=-1, keepdims=True) >= mass)
+      cuts = _largest_passing(lo, hi, tests)
+      cut = cuts[0] if search_k else lo
+      if search_p:  # a row with top_p = 1 keeps everything, whatever the rounding of its total mass
+        cut = jnp.maximum(cut, jnp.where(use_p[:, None, None], cuts[-1], lo))
+      return jnp.where(key >= cut, logits, NEG_INF)
+    return fn
+
+  branches = [lambda x: x, filtered(True, False), filtered(False, True), filtered(True, True)]
+  return jax.lax.switch(jnp.any(use_k).astype(jnp.int32) + 2 * jnp.any(use_p).astype(jnp.int32), branches, logits)
 
 
 def processed_probs(logits: jax.Array, temperature: jax.Array, top_k: jax.Array, top_p: jax.Array,
@@ -65,13 +118,13 @@ def processed_probs(logits: jax.Array, temperature: jax.Array, top_k: jax.Array,
   """The distribution each request samples from: [b, T, V] float32 (one-hot at the argmax for temperature 0)."""
   logits = exclude_token(logits.astype(jnp.float32), mask_token_id)
   greedy = temperature <= 0
-  needs_filter = jnp.any(((top_k > 0) | (top_p < 1)) & ~greedy)
   onehot = jax.nn.one_hot(argmax(logits), logits.shape[-1], dtype=jnp.float32)
 
   def tempered(onehot):
     safe_t = jnp.where(greedy, 1.0, temperature)[:, None, None]
     scaled = logits / safe_t
-    scaled = jax.lax.cond(needs_filter, lambda x: _filter_top_k_top_p(x, top_k, top_p), lambda x: x, scaled)
+    # greedy rows ignore their filters: a batch whose sampled rows filter nothing runs no threshold search
+    scaled = _filter_top_k_top_p(scaled, jnp.where(greedy, 0, top_k), jnp.where(greedy, 1.0, top_p))
     return jnp.where(greedy[:, None, None], onehot, jax.nn.softmax(scaled, axis=-1))
 
   # an all-greedy batch (the common serving case) skips the softmax over the vocabulary
@@ -119,11 +172,15 @@ def raw_logprobs(logits: jax.Array, tokens: jax.Array, mask_token_id: int, top_l
   return chosen, top_lp, top_ids
 
 
-def split_keys(keys: jax.Array, n: int) -> list[jax.Array]:
-  """keys: [b, 2] uint32 raw key data, one stream per request -> n arrays of [b] typed keys."""
-  typed = jax.random.wrap_key_data(keys)
-  parts = jax.vmap(lambda k: jax.random.split(k, n))(typed)  # [b, n]
-  return [parts[:, i] for i in range(n)]
+# The random streams of one round's key: each use folds in its own, so no two draws of a round share noise (the draft
+# and leviathan's uniforms drew from one key before). fold_in(key, i) is split(key, n)[i]: the streams AR sampling
+# reads (a prefill's token, the bonus token of either rule) keep the indices they had, and so seeded AR output.
+PREFILL_STREAM, RESIDUAL_STREAM, VERIFIER_STREAM, DRAFT_STREAM, UNIFORM_STREAM = 0, 1, 2, 3, 4
+
+
+def stream_keys(keys: jax.Array, stream: int) -> jax.Array:
+  """keys: [b, 2] uint32 raw key data, one per request -> [b] typed keys of `stream`."""
+  return jax.vmap(lambda k: jax.random.fold_in(k, stream))(jax.random.wrap_key_data(keys))
 
 
 def accept(rule: str, key_data: jax.Array, p: jax.Array, q: jax.Array, draft: jax.Array,
@@ -139,12 +196,12 @@ def accept(rule: str, key_data: jax.Array, p: jax.Array, q: jax.Array, draft: ja
     raise ValueError(f"unknown acceptance rule {rule!r}; expected one of {RULES}")
   b, blk, _ = p.shape
   greedy = jnp.zeros((b,), bool) if greedy is None else greedy
-  k_u, k_res, k_ver = split_keys(key_data, 3)
   x = draft[:, 1:]  # [b, B-1] tokens to verify
   p_prev = p[:, :-1]  # [b, B-1, V] predicts x
   if rule == "leviathan":
     p_x = jnp.take_along_axis(p_prev, x[..., None], axis=-1)[..., 0]
     q_x = jnp.take_along_axis(q[:, 1:], x[..., None], axis=-1)[..., 0]
+    k_u = stream_keys(key_data, UNIFORM_STREAM)
     u = 1.0 - jax.vmap(lambda k: jax.random.uniform(k, (blk - 1,)))(k_u)  # (0, 1]: u*q <= 0 never accepts p=0
     ok = u * q_x <= p_x
     m = jnp.sum(jnp.cumprod(ok.astype(jnp.int32), axis=1), axis=1)  # leading accepts, 0..B-1
@@ -154,10 +211,10 @@ def accept(rule: str, key_data: jax.Array, p: jax.Array, q: jax.Array, draft: ja
     total = jnp.sum(residual, axis=-1, keepdims=True)
     residual = jnp.where(total > 0, residual / jnp.where(total > 0, total, 1.0), p_m)
     final_dist = jnp.where((m < blk - 1)[:, None], residual, p_m)
-    final = draw(k_res, final_dist, greedy)
+    final = draw(stream_keys(key_data, RESIDUAL_STREAM), final_dist, greedy)
     out = jnp.concatenate([x, jnp.zeros((b, 1), jnp.int32)], axis=1)
   else:
-    y = draw(k_ver, p, greedy)  # [b, B] independent verifier samples
+    y = draw(stream_keys(key_data, VERIFIER_STREAM), p, greedy)  # [b, B] independent verifier samples
     ok = y[:, :-1] == x
     m = jnp.sum(jnp.cumprod(ok.astype(jnp.int32), axis=1), axis=1)
     final = jnp.take_along_axis(y, m[:, None], axis=1)[:, 0]

@@ -1,7 +1,10 @@
 """Speculative sampling keeps the AR distribution: chi-square goodness of fit of sampled continuations against
-the exact AR distribution of a tiny-vocabulary model, for plain AR sampling and both acceptance rules."""
+the exact AR distribution of a tiny-vocabulary model, for plain AR sampling and both acceptance rules. The top-k /
+top-p filter, which searches its cuts without sorting, keeps exactly the tokens a sorted reference keeps, and no
+compiled step sorts the vocabulary."""
 
 import itertools
+import re
 
 import jax
 import jax.numpy as jnp
@@ -174,3 +177,144 @@ def test_raw_logprobs_skip_the_top_entries_only_when_no_row_asks():
   np.testing.assert_array_equal(np.asarray(unasked[0]), np.asarray(always[0]))  # the chosen tokens' logprobs stay
   assert not np.any(np.asarray(unasked[1])) and not np.any(np.asarray(unasked[2]))
   assert np.asarray(always[2]).shape == (2, 3, sampling.NUM_TOP_LOGPROBS) and np.all(np.asarray(always[2]) != 7)
+
+
+def filter_ref(logits: np.ndarray, top_k: np.ndarray, top_p: np.ndarray) -> np.ndarray:
+  """The kept (drawable) tokens [b, T, V] by sorting, in float64: top_k 0 or >= V and top_p >= 1 are off; the top-k
+  cut is the k-th largest logit, the top-p cut the smallest logit of the sorted prefix whose mass before each entry
+  is < top_p (mass over the whole distribution); every finite logit at or above both cuts is kept (ties at a cut
+  kept whole)."""
+  x = logits.astype(np.float64)
+  srt = -np.sort(-x, axis=-1)
+  vocab = x.shape[-1]
+  k = np.where((top_k > 0) & (top_k < vocab), top_k, vocab)
+  kth = np.take_along_axis(srt, np.broadcast_to((k - 1)[:, None, None], srt.shape[:-1] + (1,)), axis=-1)
+  probs = np.exp(srt - srt[..., :1])
+  probs /= probs.sum(-1, keepdims=True)
+  before = np.cumsum(probs, axis=-1) - probs  # mass strictly before each sorted entry
+  kept = (before < top_p[:, None, None]) | (top_p[:, None, None] >= 1)
+  kept[..., 0] = True
+  pth = np.min(np.where(kept, srt, np.inf), axis=-1, keepdims=True)
+  return (x >= np.maximum(kth, pth)) & (x > -np.inf)  # a -inf logit is never a token that can be drawn
+
+
+def top_p_margin(logits: np.ndarray, top_p: np.ndarray) -> float:
+  """The least relative distance between top_p and the mass strictly above a distinct logit of a filtered row: the
+  float32 sums of the filter can decide a row differently only when this is ~1e-6 or less."""
+  out = np.inf
+  for (i, t), row in np.ndenumerate(logits[..., 0]):
+    del row
+    if top_p[i] >= 1:
+      continue
+    x = logits[i, t].astype(np.float64)
+    p = np.exp(x - x.max())
+    p /= p.sum()
+    values = np.unique(x[np.isfinite(x)])
+    above = np.array([p[x > v].sum() for v in values])
+    out = min(out, float(np.min(np.abs(above - top_p[i]) / np.maximum(above, top_p[i]))))
+  return out
+
+
+def kept_by_filter(logits, top_k, top_p) -> np.ndarray:
+  out = jax.jit(sampling._filter_top_k_top_p)(jnp.asarray(logits), jnp.asarray(top_k, jnp.int32),
+                                               jnp.asarray(top_p, jnp.float32))
+  return np.asarray(out) > -np.inf
+
+
+@pytest.mark.parametrize("scale,seed", [(0.3, 4), (4.0, 40), (60.0, 600)])
+def test_filter_keeps_the_sorted_references_tokens(scale, seed):
+  # logits rounded to a coarse grid (ties at every cut), a few -inf, from near-uniform rows to near one-hot ones
+  rng = np.random.default_rng(seed)
+  b, T, V = 8, 6, 97
+  x = np.round(rng.standard_normal((b, T, V)) * scale, 1).astype(np.float32)
+  x[:, :, rng.integers(0, V, 3)] = -np.inf
+  x[0, 0] = 0.0  # one row of a single tie
+  x[1, 1, :4] = x[1, 1].max()  # a tie at the maximum
+  top_k = np.array([1, 0, 5, V, V + 3, 40, 3, 0], np.int32)
+  top_p = np.array([1.0, 1e-6, 0.3, 0.9, 0.5, 1.0, 0.95, 0.999], np.float32)
+  assert top_p_margin(x, top_p) > 1e-5  # the reference's float64 sums decide every row by a clear margin
+  got, want = kept_by_filter(x, top_k, top_p), filter_ref(x, top_k, top_p)
+  np.testing.assert_array_equal(got, want)
+  assert np.all(got.sum(-1) >= 1) and np.all(got[1, 1, :4]) and np.all(got[0, 0] == np.isfinite(x[0, 0]))
+  for i in range(b):  # each filter alone, and a batch with only one kind of filter
+    np.testing.assert_array_equal(kept_by_filter(x[i:i + 1], top_k[i:i + 1], np.ones(1)),
+                                  filter_ref(x[i:i + 1], top_k[i:i + 1], np.ones(1)))
+    np.testing.assert_array_equal(kept_by_filter(x[i:i + 1], np.zeros(1), top_p[i:i + 1]),
+                                  filter_ref(x[i:i + 1], np.zeros(1, np.int32), top_p[i:i + 1]))
+
+
+def test_filter_orders_extreme_floats_and_signed_zeros():
+  # the bit-pattern order spans the whole float32 range; -0.0 ties with +0.0 (subnormals left out: XLA flushes
+  # them to zero, so a device compares them equal to 0)
+  x = np.array([[[-0.0, 0.0, -3e38, 3e38, 1e-37, -1e-37, -np.inf, 2.5, -2.5, 1e-30, -1e-30]]], np.float32)
+  order = np.argsort(-x[0, 0].astype(np.float64), kind="stable")
+  for k in range(1, x.shape[-1] + 1):
+    got = kept_by_filter(x, [k], [1.0])[0, 0]
+    np.testing.assert_array_equal(got, filter_ref(x, np.array([k]), np.ones(1))[0, 0])
+    assert got[order[:min(k, 10)]].all()  # the k largest (the last, -inf, is never drawable)
+  assert kept_by_filter(x, [5], [1.0])[0, 0, :2].all()  # the 5th largest is a zero: both zeros stay
+  assert kept_by_filter(x, [1], [0.5])[0, 0].sum() == 1  # 3e38 holds all the mass
+
+
+def test_filtered_samples_follow_the_reference_distribution():
+  """Chi-square of draws from processed_probs (top-k and top-p together, at a temperature) against the softmax of
+  the reference's kept logits, with no draw outside them."""
+  rng = np.random.default_rng(5)
+  V, n = 40, 20000
+  logits = np.round(rng.standard_normal((3, 1, V)) * 2, 1).astype(np.float32)
+  temperature = np.array([0.8, 1.3, 1.0], np.float32)
+  top_k, top_p = np.array([12, 0, 7], np.int32), np.array([0.85, 0.7, 1.0], np.float32)
+  probs = sampling.processed_probs(jnp.asarray(logits), jnp.asarray(temperature), jnp.asarray(top_k),
+                                   jnp.asarray(top_p), mask_token_id=V - 1)
+  keys = jax.random.split(jax.random.key(0), n)
+  draws = np.asarray(jax.jit(jax.vmap(lambda k: sampling.sample(k, probs)))(keys))[:, :, 0]  # [n, 3]
+  for r in range(3):
+    scaled = (np.where(np.arange(V) == V - 1, -np.inf, logits[r, 0]) / temperature[r]).astype(np.float32)
+    kept = filter_ref(scaled[None, None], top_k[r:r + 1], top_p[r:r + 1])[0, 0]
+    ref = np.where(kept, np.exp(scaled.astype(np.float64) - scaled.max()), 0.0)
+    ref /= ref.sum()
+    counts = np.bincount(draws[:, r], minlength=V)
+    assert not np.any(counts[~kept]), "a draw outside the kept tokens"
+    pvalue = pooled_chisquare_pvalue(counts[kept], ref[kept] * n)
+    assert pvalue > 0.01, (r, pvalue)
+
+
+def test_greedy_rows_ignore_their_filters():
+  rng = np.random.default_rng(6)
+  logits = jnp.asarray(rng.standard_normal((3, 4, 50)), jnp.float32)
+  probs = np.asarray(sampling.processed_probs(logits, jnp.asarray([0.0, 1.0, 0.0]), jnp.asarray([3, 2, 1]),
+                                              jnp.asarray([0.2, 0.5, 0.9]), mask_token_id=7))
+  want = np.asarray(jax.nn.one_hot(jnp.argmax(sampling.exclude_token(logits, 7), -1), 50))
+  np.testing.assert_array_equal(probs[[0, 2]], want[[0, 2]])
+
+
+def test_no_step_sorts_the_vocabulary():
+  """The compiled verify, decode and draft steps of a tiny model hold no sort (nor top-k), and neither does the
+  sampling program lowered for GPU and TPU."""
+  from recguide_jax.runtime import Runner, RunnerConfig, StepKey, StepKind
+  model = NLDModel(tiny_config(), rngs=nnx.Rngs(1))
+  runner = Runner(model, RunnerConfig(num_pages=8, page_size=8, max_model_len=32, max_batch=2, block_sizes=(8,),
+                                      prefill_chunk=8, compile_cache_dir=None))
+  sorts = re.compile(r"\b(sort|topk|top-k|TopK)\b", re.IGNORECASE)
+  for key in (StepKey(StepKind.VERIFY, 8, 2), StepKey(StepKind.DECODE, 1, 2), StepKey(StepKind.DRAFT, 8, 2)):
+    text = runner.lower(key).compile().as_text()
+    assert "exponential" in text and not sorts.search(text), key
+  b, vocab = 2, 1024
+  args = (jnp.zeros((b, 8, vocab)), jnp.ones(b), jnp.full(b, 5, jnp.int32), jnp.full(b, 0.9), 3)
+  for platform in ("cuda", "tpu"):
+    text = jax.jit(sampling.processed_probs, static_argnums=4).trace(*args).lower(
+      lowering_platforms=(platform,)).as_text()
+    assert "stablehlo.exponential" in text and not sorts.search(text), platform
+
+
+def test_each_use_of_a_round_key_draws_from_its_own_stream():
+  """Distinct streams per use (the draft's and leviathan's uniforms once coincided); the streams AR sampling reads
+  are the keys split(key, n) gave them before, so seeded AR output stays what it was."""
+  keys = jnp.asarray([[7, 0], [7, 1], [123456, 9]], jnp.uint32)
+  streams = (sampling.PREFILL_STREAM, sampling.RESIDUAL_STREAM, sampling.VERIFIER_STREAM, sampling.DRAFT_STREAM,
+             sampling.UNIFORM_STREAM)
+  data = [np.asarray(jax.random.key_data(sampling.stream_keys(keys, s))) for s in streams]
+  assert len({d.tobytes() for d in data}) == len(streams) and len({tuple(r) for d in data for r in d}) == 15
+  split = jax.vmap(lambda k: jax.random.split(k, 3))(jax.random.wrap_key_data(keys))
+  for stream, i in ((sampling.PREFILL_STREAM, 0), (sampling.RESIDUAL_STREAM, 1), (sampling.VERIFIER_STREAM, 2)):
+    np.testing.assert_array_equal(data[streams.index(stream)], np.asarray(jax.random.key_data(split[:, i])))

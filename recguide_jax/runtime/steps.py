@@ -94,8 +94,7 @@ class StepFunctions:
       h_last = jnp.take_along_axis(h, last_idx[:, None, None], axis=1)  # only the last valid token's logits
       logits = model.logits(h_last)  # [b, 1, V]
       probs = sampling.processed_probs(logits, temperature, top_k, top_p, cfg.mask_token_id)
-      (k,) = sampling.split_keys(keys, 1)
-      tok = sampling.draw(k, probs, temperature <= 0)  # [b, 1]
+      tok = sampling.draw(sampling.stream_keys(keys, sampling.PREFILL_STREAM), probs, temperature <= 0)  # [b, 1]
       lp, top_lp, top_ids = sampling.raw_logprobs(logits, tok, cfg.mask_token_id, top_logprobs)
       out = (cache, tok[:, 0], lp[:, 0], top_lp[:, 0], top_ids[:, 0])
       if not score:
@@ -118,8 +117,7 @@ class StepFunctions:
                           page_table=page_table, lora_mask=lora_mask)
       logits, _ = self._model(state)(inp, cache)
       q = sampling.processed_probs(logits, temperature, top_k, top_p, cfg.mask_token_id)
-      (k,) = sampling.split_keys(keys, 1)
-      drafted = sampling.draw(k, q, temperature <= 0)
+      drafted = sampling.draw(sampling.stream_keys(keys, sampling.DRAFT_STREAM), q, temperature <= 0)
       drafted = drafted.at[:, 0].set(seed)
       return drafted, q, draft_signals(logits, drafted, cfg)
 
