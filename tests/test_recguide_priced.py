@@ -149,9 +149,9 @@ def test_overlap_priors_come_from_the_tables():
   b200 = load_profile("b200_nld8b")
   tables = _tables(b200, rho=0.0)
   generic = RecGuideStrategy(16, profile=b200, tables=tables, calibrate=False)
-  measured = dataclasses.replace(tables, overlap_hit_rate=0.25, overlap_accepted=3.0, version="")
+  measured = dataclasses.replace(tables, overlap_hit_rate=0.25, version="")
   fitted = RecGuideStrategy(16, profile=b200, tables=measured, calibrate=False)
-  assert (fitted.stats.overlap_hit, fitted.stats.overlap_accepted) == (0.25, 3.0)
+  assert fitted.stats.overlap_hit == 0.25
   assert fitted.expected_rates(8)["overlap"] < generic.expected_rates(8)["overlap"]
 
 
@@ -176,7 +176,7 @@ def test_overlap_is_priced_with_its_entry():
   b200 = load_profile("b200_nld8b")
   strategy = RecGuideStrategy(16, profile=b200, tables=_tables(b200, rho=0.0), calibrate=False)
   strategy.stats.accepted = {8: 4.8, 16: 5.0, 32: 5.1}  # engine-wide: adaptive's best is B = 8
-  strategy.stats.overlap_accepted, strategy.stats.overlap_hit = 4.5, 0.47  # the bundled tables' overlap priors
+  strategy.stats.overlap_hit = 0.47  # the bundled tables' prior
   steady = strategy.expected_rates(1)
   assert steady["overlap"] > 1.05 * steady["linear8"]  # in its steady state overlap wins at load 1
 
