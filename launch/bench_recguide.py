@@ -385,7 +385,7 @@ def priced(llm, recguide, levels, params, data, tables_path):
           "compiles_after_warmup": llm.runner.compiles_after_warmup}
   if FLAGS.unseen:
     from recguide_jax.benchmarks import unseen
-    meta["unseen_prompt_sets"] = {"word_problems": str(unseen.WORD_PROBLEMS.relative_to(ROOT)),
+    meta["unseen_prompt_sets"] = {"word_problems": os.path.relpath(unseen.WORD_PROBLEMS, ROOT),
                                   "gsm8k_train_unseen": f"GSM8K train from question {unseen.UNSEEN_TRAIN_OFFSET} (the "
                                                         f"tables: 0..{unseen.FITTED_TRAIN_PROMPTS - 1})"}
   lines = []
