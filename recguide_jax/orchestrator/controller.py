@@ -246,9 +246,9 @@ class RecGuideStrategy(Strategy):
     Every regime's tokens come from one estimate of the same thing, so that only costs and the branch reuse rate
     tell overlap from LinearSS at its B. Overlap used to be priced on its own running accepted length, which only
     its rounds moved, against LinearSS's, which only theirs moved: whichever regime ran last on a hard spell froze
-    low, and on prompts unlike the fitting set (30 SVAMP-style problems, B200 table, C = 1) a few rounds of short
-    acceptance switched overlap off for most of the run although an overlap round there costs 15% less than a
-    LinearSS B = 16 one for the same tokens.
+    low, and on prompts unlike the fitting set (GSM8K train from question 2000, B200 table, C = 1) a few rounds of
+    short acceptance switched overlap off for most of the run although an overlap round there costs 15% less than
+    a LinearSS B = 16 one for the same tokens.
 
     The regimes are compared over the same requests: overlap's value is the mean V_B over the whole batch too (a
     request that would not overlap runs LinearSS and is worth about its V_B either way), and the requests that
