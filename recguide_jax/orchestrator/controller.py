@@ -207,8 +207,8 @@ class RecGuideStrategy(Strategy):
   def _draft_forward_share(self, blk: int, c: int, share: float) -> float:
     """E[cost of an overlap round's draft forward] / its cost at all `c` rows, when each row drafts with probability
     `share`: the forward runs only when some row drafts, for those K ~ Binomial(c, share) rows. `share` times the
-    full forward (what this was) is exact at one row only: at C = 2 on the B200 table a 0.53 share of rows drafting
-    runs a forward in 78% of rounds, mostly of one row at 84% of the two-row price, ~1 ms a round above it."""
+    full forward is exact at one row only: on a weight-bound device a forward for few rows costs nearly the full
+    one, so it under-priced overlap's drafts at C >= 2 (docs/recguide.md, "Priced as a batch" (2))."""
     if c <= 1 or share <= 0.0 or share >= 1.0:
       return min(max(share, 0.0), 1.0)
     weights = self._draft_weights.get((blk, c))
@@ -244,17 +244,14 @@ class RecGuideStrategy(Strategy):
     (`_values`, in `batch` order), when known, else the engine-wide running estimates.
 
     Every regime's tokens come from one estimate of the same thing, so that only costs and the branch reuse rate
-    tell overlap from LinearSS at its B. Overlap used to be priced on its own running accepted length, which only
-    its rounds moved, against LinearSS's, which only theirs moved: whichever regime ran last on a hard spell froze
-    low, and on prompts unlike the fitting set (GSM8K train from question 2000, B200 table, C = 1) a few rounds of
-    short acceptance switched overlap off for most of the run although an overlap round there costs 15% less than
-    a LinearSS B = 16 one for the same tokens.
+    tell overlap from LinearSS at its B: priced on a running accepted length of its own that only its rounds moved,
+    overlap froze low after a hard spell and stayed off on prompts unlike the fitting set where it paid
+    (docs/recguide.md, "Priced as a batch" (2)).
 
     The regimes are compared over the same requests: overlap's value is the mean V_B over the whole batch too (a
     request that would not overlap runs LinearSS and is worth about its V_B either way), and the requests that
     would not overlap (sampled, or finishing this round) cost overlap a LinearSS round of their own beside the
-    fused one. Averaged over the overlapping requests only, against LinearSS over all, drain steps of a closed loop
-    of 32 (B200 table) took overlap at 2-7 rows for requests near their end and ran 0.96x fixed B = 8."""
+    fused one; left out, drain steps of a closed loop took overlap for the few requests not near their end."""
     blk = self.block_size
     share = self.overlap_draft_share(batch) if batch and self.overlap else None
     share = 1.0 - self.stats.overlap_hit if share is None else share

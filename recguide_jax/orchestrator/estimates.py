@@ -14,8 +14,8 @@ class OnlineStats:
 
   An overlap round verifies a block as a LinearSS round of that B does, so it feeds the same accepted-length
   estimate (`observe_verified`): kept apart, each froze while the other regime ran, and a spell of short acceptance
-  in the last overlap rounds kept overlap out for the rest of a run. What is overlap's own is the share of its
-  rounds whose branch was reused (`observe_overlap`)."""
+  in the last overlap rounds kept overlap out for the rest of a run. Overlap's own is the share of its rounds whose
+  branch was reused (`observe_overlap`)."""
   decay: float = 0.98
   accepted: dict = dataclasses.field(default_factory=lambda: {8: 4.0, 16: 5.0, 32: 6.0})
   overlap_hit: float = 0.5
