@@ -26,6 +26,11 @@ every fixed alternative priced by the same P:
 
   python launch/bench_recguide.py --mode=priced --price_profiles=b200_nld8b,docs/profile_cpu.json --output_dir=docs
 
+With --unseen (the default) it also runs C = 1 on prompt sets the tables were not fitted on
+(`recguide_jax.benchmarks.unseen`: the shipped word problems and far GSM8K train questions): LinearSS B = 8 and 16 and
+RecGuide deciding with each profile, reported beside GSM8K test's C = 1 as tokens per decode forward and the priced
+ratio to LinearSS B = 16, so a controller that keeps overlap's gain only on its fitting set shows.
+
 Reports go to --output_dir (default runs/bench_recguide): bench_recguide.{json,md}, bench_recguide_steady.{json,md}
 or bench_recguide_priced.{json,md}.
 """
@@ -62,6 +67,8 @@ flags.DEFINE_enum("mode", "set", ["set", "steady", "priced"], "set: the prompt s
                   "priced: every run priced with each of --price_profiles (see above).")
 flags.DEFINE_list("price_profiles", ["b200_nld8b"], "--mode=priced: the profiles (names or paths) RecGuide decides "
                   "with and every run is priced with.")
+flags.DEFINE_bool("unseen", True, "--mode=priced: also run C = 1 on prompt sets the tables were not fitted on "
+                  "(recguide_jax.benchmarks.unseen), --num_prompts of each.")
 flags.DEFINE_integer("steady_requests_per_slot", 8, "--mode=steady: requests per level = max(--num_prompts, this * C) "
                      "(GSM8K questions, reused in turn if the file has fewer).")
 cli.define_output_flags("bench_recguide", {"out_json": "bench_recguide[_steady].json",
@@ -319,6 +326,7 @@ def priced(llm, recguide, levels, params, data, tables_path):
   prompts = bench.gsm8k_prompts(data, FLAGS.num_prompts, llm.tokenizer)
   fixed = ("ar", "linear B=8", "linear B=16", "linear B=32")
   rows = []
+  ledgers_at_1 = None  # GSM8K test's C = 1 runs, for the unseen prompt sets' table
   for c in levels:
     configs = ([("ar", policies.ARPolicy())] + [(f"linear B={b}", policies.LinearPolicy(b)) for b in (8, 16, 32)]
                + [(f"recguide@{name}", recguide(profile=prof)) for name, prof in profiles.items()])
@@ -334,6 +342,8 @@ def priced(llm, recguide, levels, params, data, tables_path):
                        dict(getattr(policy, "regime_counts", {})),
                        [b for r in reqs for b in r.stats.block_sizes])
       llm.engine.forward_log = None
+    if c == 1:
+      ledgers_at_1 = ledgers
     for pname, prof in profiles.items():
       rates = {}
       for name in fixed + (f"recguide@{pname}",):
@@ -353,6 +363,19 @@ def priced(llm, recguide, levels, params, data, tables_path):
       print(f"C={c:<3} priced with {pname}: recguide {rg['priced_tokens_per_ms']:.3f} tok/ms, best fixed {best} "
             f"{rates[best]:.3f} ({rg['vs_best_fixed']:.3f}x), official {official} ({rg['vs_official_fixed']:.3f}x), "
             f"lossless={rg['lossless']}", flush=True)
+  unseen_rows = []  # C = 1: GSM8K test (the runs above) beside the prompt sets the tables were not fitted on
+  if FLAGS.unseen:
+    from recguide_jax.benchmarks import unseen
+    sets = {"gsm8k_test": ledgers_at_1} if ledgers_at_1 else {}
+    for set_name, set_prompts in unseen.prompt_sets(FLAGS.num_prompts, llm.tokenizer, FLAGS.gsm8k_dir).items():
+      sets[set_name] = c1_ledgers(llm, recguide, profiles, set_prompts, params)
+    for set_name, ledgers in sets.items():
+      for pname, prof in profiles.items():
+        unseen_rows.append(c1_row(set_name, pname, prof, ledgers))
+        u = unseen_rows[-1]
+        print(f"C=1 {set_name} priced with {pname}: tokens per forward linear B=16 "
+              f"{u['linear16_tokens_per_forward']:.2f}, recguide {u['recguide_tokens_per_forward']:.2f}; recguide vs "
+              f"linear B=16 {u['recguide_vs_linear16']:.3f}x (priced), lossless={u['lossless']}", flush=True)
   command = ("python launch/bench_recguide.py --mode=priced --price_profiles=" + ",".join(FLAGS.price_profiles)
              + f" --concurrency={','.join(map(str, levels))} --num_prompts={FLAGS.num_prompts} "
              f"--max_tokens={FLAGS.max_tokens} --output_dir=docs")
@@ -360,6 +383,11 @@ def priced(llm, recguide, levels, params, data, tables_path):
           "num_prompts": FLAGS.num_prompts, "max_tokens": FLAGS.max_tokens, "price_profiles": FLAGS.price_profiles,
           "recguide_tables": tables_path, "recguide_tie_margin": configs[-1][1].tie_margin, "command": command,
           "compiles_after_warmup": llm.runner.compiles_after_warmup}
+  if FLAGS.unseen:
+    from recguide_jax.benchmarks import unseen
+    meta["unseen_prompt_sets"] = {"word_problems": os.path.relpath(unseen.WORD_PROBLEMS, ROOT),
+                                  "gsm8k_train_unseen": f"GSM8K train from question {unseen.UNSEEN_TRAIN_OFFSET} (the "
+                                                        f"tables: 0..{unseen.FITTED_TRAIN_PROMPTS - 1})"}
   lines = []
   for pname in profiles:
     lines += [f"\nPriced with `{pname}` (tokens per profiled ms, decode forwards only):\n",
@@ -372,10 +400,24 @@ def priced(llm, recguide, levels, params, data, tables_path):
       lines.append(f"| {c} | " + " | ".join(f"{mine[n]['priced_tokens_per_ms']:.3f}" for n in fixed) +
                    f" | {rg['priced_tokens_per_ms']:.3f} | {rg['vs_best_fixed']:.3f}x ({rg['best_fixed']}) | "
                    f"{rg['vs_official_fixed']:.3f}x | {share} | {all(r['lossless'] for r in mine.values())} |")
+  if unseen_rows:
+    lines += ["\nC = 1 on prompt sets the tables were not fitted on, beside GSM8K test (tokens per decode forward; "
+              "RecGuide's verifications, plain or fused, and the draft forwards its reused branches saved; priced "
+              "ratios with the profile RecGuide decides with; best fixed: of the fixed rows run on that set, AR and "
+              "B = 8/16/32 on GSM8K test, B = 8/16 elsewhere):\n",
+              "| prompt set | priced with | LinearSS B=16 tokens/forward | RecGuide tokens/forward | RecGuide drafts / "
+              "verifications (saved) | RecGuide vs LinearSS B=16 | RecGuide vs best fixed | lossless |",
+              "|" + "---|" * 8]
+    for u in unseen_rows:
+      lines.append(f"| {u['prompt_set']} | {u['price_profile']} | {u['linear16_tokens_per_forward']:.2f} | "
+                   f"{u['recguide_tokens_per_forward']:.2f} | {u['recguide_forwards']['draft']} / "
+                   f"{u['recguide_forwards']['verify']} ({u['recguide_forwards']['saved_drafts']}) | "
+                   f"{u['recguide_vs_linear16']:.3f}x | {u['recguide_vs_best_fixed']:.3f}x ({u['best_fixed']}) | "
+                   f"{u['lossless']} |")
   out_json = cli.report_path("bench_recguide_priced.json", "out_json")
   out_md = cli.report_path("bench_recguide_priced.md", "out_md")
   with open(out_json, "w") as f:
-    json.dump({"meta": meta, "results": rows}, f, indent=2)
+    json.dump({"meta": meta, "results": rows, "unseen_c1": unseen_rows}, f, indent=2)
   notes = ""  # hand-written notes below NOTES_MARK in an earlier report survive a re-run
   if os.path.exists(out_md):
     with open(out_md) as f:
@@ -390,6 +432,45 @@ def priced(llm, recguide, levels, params, data, tables_path):
             f"    {command}\n" + "\n".join(lines) + "\n" + notes)
   print("\n".join(lines))
   print(f"wrote {out_json} and {out_md}")
+
+
+def c1_ledgers(llm, recguide, profiles, prompts, params) -> dict:
+  """C = 1 runs of LinearSS B = 8 and 16 and RecGuide deciding with each profile over `prompts`, as `priced` keeps
+  them: {name: (forward ledger, tokens, same outputs as LinearSS B = 16, regime counts, block sizes)}."""
+  from recguide_jax import benchmarks as bench, policies
+  configs = ([(f"linear B={b}", policies.LinearPolicy(b)) for b in (16, 8)]
+             + [(f"recguide@{name}", recguide(profile=prof)) for name, prof in profiles.items()])
+  ledgers, reference = {}, None
+  for name, policy in configs:
+    llm.set_policy(policy)
+    llm.engine.bucketing = "auto"
+    llm.engine.forward_log = []
+    reqs, _ = bench.run_concurrent(llm.engine, prompts, params, 1)
+    outs = [r.output_ids for r in reqs]
+    reference = outs if reference is None else reference  # greedy LinearSS equals AR (tested), B = 16 runs first
+    ledgers[name] = (llm.engine.forward_log, sum(len(o) for o in outs), outs == reference,
+                     dict(getattr(policy, "regime_counts", {})), [b for r in reqs for b in r.stats.block_sizes])
+    llm.engine.forward_log = None
+  return ledgers
+
+
+def c1_row(set_name: str, pname: str, prof, ledgers: dict) -> dict:
+  """One prompt set's C = 1 figures for RecGuide deciding with and priced by `prof`: tokens per decode forward of
+  LinearSS B = 16 and RecGuide, RecGuide's forwards by role, and its priced ratios to B = 16 and the best fixed run."""
+  from recguide_jax import benchmarks as bench
+  rates = {name: tokens / bench.priced_ms(log, prof) for name, (log, tokens, *_) in ledgers.items()}
+  fixed = [name for name in ledgers if not name.startswith("recguide")]
+  best = max(fixed, key=lambda n: rates[n])
+  mine = f"recguide@{pname}"
+  per_forward = {name: ledgers[name][1] / bench.ledger_counts(ledgers[name][0])["forwards"]
+                 for name in ("linear B=16", mine)}
+  return {"prompt_set": set_name, "price_profile": pname, "tokens": ledgers[mine][1],
+          "linear16_tokens_per_forward": per_forward["linear B=16"], "recguide_tokens_per_forward": per_forward[mine],
+          "recguide_forwards": bench.ledger_counts(ledgers[mine][0]), "regimes": ledgers[mine][3],
+          "priced_tokens_per_ms": {name: rates[name] for name in (*fixed, mine)},
+          "recguide_vs_linear16": rates[mine] / rates["linear B=16"], "best_fixed": best,
+          "recguide_vs_best_fixed": rates[mine] / rates[best],
+          "lossless": all(lossless for _, _, lossless, *_ in ledgers.values())}
 
 
 if __name__ == "__main__":

@@ -147,13 +147,13 @@ def main(argv):
   no_p3 = [r for r in rows if r["planner"] == "no_p3"]
   best_delta = overlap_fit.best_sweep_row(no_p3)["delta"] if no_p3 else tables.overlap_delta
   best_slots = best["slots"] if best["planner"] == "expected_hit" else None
-  # what the chosen planner measured: the controller's priors for overlap (a branch reused = a hit)
+  # what the chosen planner measured: the controller's prior for overlap's branch reuse rate (a branch reused = a hit)
   planned = sum(best["outcomes"].values())
   hits = best["outcomes"].get("correction_hit", 0) + best["outcomes"].get("continuation_hit", 0)
   hit_rate = hits / planned if planned else None
   updated = dataclasses.replace(tables, overlap_delta=best_delta, overlap_planner=best["planner"],
                                 overlap_slots=best_slots, overlap_prefix_exponent=best["prefix_exponent"],
-                                overlap_hit_rate=hit_rate, overlap_accepted=max(1.0, best["tau"]), version="")
+                                overlap_hit_rate=hit_rate, version="")
   updated.save(tables_path)
   out_json = cli.report_path("fit_delta.json", "out_json")
   with open(out_json, "w") as f:

@@ -82,12 +82,11 @@ def test_switch_prefers_ar_when_speculation_loses():
   cheap_ar = flat_profile(ar_ms=1.0)
   pol = RecGuideStrategy(16, profile=cheap_ar)
   pol.stats.accepted = {8: 1.5, 16: 1.6, 32: 1.7}
-  pol.stats.overlap_accepted = 1.6
   assert pol.regime(8) == "ar"
   costly_ar = flat_profile(ar_ms=9.0)
   pol = RecGuideStrategy(16, profile=costly_ar)
   pol.stats.accepted = {8: 6.0, 16: 9.0, 32: 12.0}
-  pol.stats.overlap_accepted, pol.stats.overlap_hit = 12.0, 0.6
+  pol.stats.overlap_hit = 0.6
   assert pol.regime(1) in ("overlap", "adaptive")
   rates = pol.expected_rates(1)
   assert rates["ar"] < max(rates.values())
@@ -312,7 +311,7 @@ def test_calibrated_costs_measure_then_scale_the_profile():
 def test_switch_drops_a_regime_the_profile_flatters_once_measured():
   pol = RecGuideStrategy(16, profile=flat_profile(ar_ms=9.0))
   pol.stats.accepted = {8: 4.0, 16: 4.5, 32: 5.0}
-  pol.stats.overlap_accepted, pol.stats.overlap_hit = 4.5, 0.3
+  pol.stats.overlap_hit = 0.3
   assert pol.regime(2) != "ar"  # device times alone: speculation looks 3-4x better
   for _ in range(3):  # on this machine's clock every speculative round is slow and AR steps are fast
     pol.observe_round("ar", 1, 2, 0.002)

@@ -4,6 +4,7 @@ engine's own grouping and priced from the forward ledger by the benchmark's own 
 give at least the tokens per profiled ms of AR and of every fixed-B LinearSS run over the same steps."""
 
 import dataclasses
+import math
 
 import numpy as np
 import pytest
@@ -149,9 +150,9 @@ def test_overlap_priors_come_from_the_tables():
   b200 = load_profile("b200_nld8b")
   tables = _tables(b200, rho=0.0)
   generic = RecGuideStrategy(16, profile=b200, tables=tables, calibrate=False)
-  measured = dataclasses.replace(tables, overlap_hit_rate=0.25, overlap_accepted=3.0, version="")
+  measured = dataclasses.replace(tables, overlap_hit_rate=0.25, version="")
   fitted = RecGuideStrategy(16, profile=b200, tables=measured, calibrate=False)
-  assert (fitted.stats.overlap_hit, fitted.stats.overlap_accepted) == (0.25, 3.0)
+  assert fitted.stats.overlap_hit == 0.25
   assert fitted.expected_rates(8)["overlap"] < generic.expected_rates(8)["overlap"]
 
 
@@ -176,7 +177,7 @@ def test_overlap_is_priced_with_its_entry():
   b200 = load_profile("b200_nld8b")
   strategy = RecGuideStrategy(16, profile=b200, tables=_tables(b200, rho=0.0), calibrate=False)
   strategy.stats.accepted = {8: 4.8, 16: 5.0, 32: 5.1}  # engine-wide: adaptive's best is B = 8
-  strategy.stats.overlap_accepted, strategy.stats.overlap_hit = 4.5, 0.47  # the bundled tables' overlap priors
+  strategy.stats.overlap_hit = 0.47  # the bundled tables' prior
   steady = strategy.expected_rates(1)
   assert steady["overlap"] > 1.05 * steady["linear8"]  # in its steady state overlap wins at load 1
 
@@ -223,3 +224,43 @@ def test_near_ties_go_to_the_cheaper_plan():
   assert set(strategy.step_plans) == {"linear16"}
   with pytest.raises(ValueError, match="tie_margin"):
     RecGuideStrategy(16, profile=prof, tie_margin=1.5)
+
+
+@pytest.mark.parametrize("above", [True, False])
+def test_overlap_runs_at_load_1_exactly_where_its_saved_drafts_pay(above):
+  """At C = 1 an overlap round verifies the block a LinearSS B = 16 round would, so both are worth the request's
+  V_16(s, z); what tells them apart is the price: a fused forward, plus a draft forward in the rounds that reuse no
+  branch (1 - hit rate), against a draft and a verify forward (and each other block's value against its round).
+  So overlap runs where the hit rate is above the break-even these give, and not below it, whatever the last
+  overlap rounds accepted: priced on a running accepted length of its own, which only overlap rounds moved, a short
+  spell of them froze overlap's value low and kept it off for most of a run on prompts unlike the fitting set."""
+  b200 = load_profile("b200_nld8b")
+  strategy = RecGuideStrategy(16, profile=b200, tables=_tables(b200, rho=0.0), calibrate=False)
+  values = ACCEPTS["confident"]  # what the value model gives the request below
+  fused, draft = b200.fused_cost(1, 16, strategy.overlap_slots), b200.forward_costs(1, 16)[0]
+  best_linear = max(values[b] / b200.cost(1, b) for b in BLOCKS)
+  breakeven = 1 - (values[16] / best_linear - fused) / draft  # hit rate where overlap's tokens per ms tie
+  assert 0.05 < breakeven < 0.5
+  for _ in range(40):  # a spell of overlap rounds that accepted one token each and reused no branch
+    strategy.stats.observe_verified(16, 1)
+    strategy.stats.observe_overlap(False)
+  strategy.stats.overlap_hit = breakeven + (0.05 if above else -0.05)
+  req = _Req("confident", ACCEPTS)
+  assert strategy._values(req) == pytest.approx(values)
+  plan = strategy.plan(req, StepView(1, 1, 64, 4096, 32, frozenset(), (req,), 1))
+  assert (plan.round is strategy.overlap_round) == above, (breakeven, strategy.expected_rates(1, [req]))
+
+
+def test_overlap_draft_forward_is_priced_for_the_rows_that_draft():
+  """Each overlapping row drafts with some probability; the draft forward runs for the K ~ Binomial(C, p) rows that
+  do, at the profile's price for K rows. p times the C-row forward is right at C = 1 only: at C = 2 the forward
+  runs in most rounds, mostly for one row at nearly the two-row price."""
+  b200 = load_profile("b200_nld8b")
+  strategy = RecGuideStrategy(16, profile=b200, calibrate=False)
+  draft = lambda k: b200.forward_costs(k, 16)[0]  # noqa: E731
+  p = 0.53
+  assert strategy._draft_forward_share(16, 1, p) == pytest.approx(p)
+  for c in (2, 8):
+    want = sum(math.comb(c, k) * p ** k * (1 - p) ** (c - k) * draft(k) for k in range(1, c + 1)) / draft(c)
+    assert strategy._draft_forward_share(16, c, p) == pytest.approx(want)
+    assert want > 1.2 * p

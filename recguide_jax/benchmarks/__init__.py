@@ -4,6 +4,7 @@
   `--max_model_len`, `--num_prompts`, `--max_tokens`, `--data` / `--gsm8k_dir`), old names as deprecated aliases,
   output paths (`runs/<script>` by default) and command-line errors that name the flag;
 - `gsm8k`: where GSM8K is read from (`$RECGUIDE_GSM8K_DIR`, else `../shared/data/gsm8k`) and its prompts;
+- `unseen`: prompt sets the bundled RecGuide tables were not fitted on (shipped word problems, far GSM8K train);
 - `driver`: closed-loop drivers over the engine (`run_concurrent`: a prompt set to the last token; `run_steady`:
   timed over the window that holds C requests in flight) and per-run metrics;
 - `steady`: the held-load comparison of policies (interleaved repeats, medians, paired intervals);
@@ -12,13 +13,15 @@
 The functions of `driver`, `stats`, `report` and `gsm8k` are re-exported here (`from recguide_jax import benchmarks as
 bench; bench.run_concurrent(...)`)."""
 
-from recguide_jax.benchmarks.driver import (SteadyRun, loop_share, median_of, median_runs, overlap_counts,  # noqa: F401
-                                            priced_ms, run_concurrent, run_steady, summarize)
+from recguide_jax.benchmarks.driver import (SteadyRun, ledger_counts, loop_share, median_of,  # noqa: F401
+                                            median_runs, overlap_counts, priced_ms, run_concurrent, run_steady,
+                                            summarize)
 from recguide_jax.benchmarks.gsm8k import GSM8K_ENV, default_gsm8k_dir, gsm8k_file, gsm8k_prompts  # noqa: F401
 from recguide_jax.benchmarks.report import write_report  # noqa: F401
 from recguide_jax.benchmarks.stats import (paired_ratio_interval, paired_tau_gain, paired_wall_ratios,  # noqa: F401
                                            pooled_ratio_interval)
 
-__all__ = ["GSM8K_ENV", "SteadyRun", "default_gsm8k_dir", "gsm8k_file", "gsm8k_prompts", "loop_share", "median_of",
-           "median_runs", "overlap_counts", "paired_ratio_interval", "paired_tau_gain", "paired_wall_ratios",
-           "pooled_ratio_interval", "priced_ms", "run_concurrent", "run_steady", "summarize", "write_report"]
+__all__ = ["GSM8K_ENV", "SteadyRun", "default_gsm8k_dir", "gsm8k_file", "gsm8k_prompts", "ledger_counts",
+           "loop_share", "median_of", "median_runs", "overlap_counts", "paired_ratio_interval", "paired_tau_gain",
+           "paired_wall_ratios", "pooled_ratio_interval", "priced_ms", "run_concurrent", "run_steady", "summarize",
+           "write_report"]

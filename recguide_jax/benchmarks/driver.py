@@ -182,3 +182,21 @@ def priced_ms(forward_log, profile) -> float:
     elif kind == "decode":
       total += profile.ar_cost(rows)
   return total
+
+
+VERIFICATIONS = ("verify", "gverify")  # forward kinds that verify a block; "fused*" (verify + branches) too
+
+
+def ledger_counts(forward_log) -> dict[str, int]:
+  """Decode forwards of a forward ledger (`Engine.forward_log`) by role: "draft", "verify" (a fused verify +
+  branches forward counts here), "decode" (AR steps) and "forwards", their total (prefill excluded, as in TPF);
+  "saved_drafts": verifications that ran without a draft forward of their own (an overlap branch was reused)."""
+  counts = {"draft": 0, "verify": 0, "decode": 0}
+  for kind, _, _ in forward_log:
+    if kind == "draft" or kind == "decode":
+      counts[kind] += 1
+    elif kind in VERIFICATIONS or kind.startswith("fused"):
+      counts["verify"] += 1
+  counts["forwards"] = counts["draft"] + counts["verify"] + counts["decode"]
+  counts["saved_drafts"] = counts["verify"] - counts["draft"]
+  return counts

@@ -18,7 +18,7 @@ Tables JSON `recguide_tables.json`, schema "recguide-tables/1" (written by launc
     ],
     "value_model": { ... "recguide-value-model/1" ... },
     "overlap_planner": "expected_hit", "overlap_delta": 0.5, "overlap_slots": 4,   # optional (launch/fit_delta.py)
-    "overlap_prefix_exponent": 0.45, "overlap_hit_rate": 0.47, "overlap_accepted": 4.5
+    "overlap_prefix_exponent": 0.45, "overlap_hit_rate": 0.47
   }
 
 At runtime a load C uses the nearest fitted level (in log2 C, ties to the smaller level) for rho, costs and the
@@ -156,9 +156,9 @@ class RecGuideTables:
   # the expected-hit planner's prefix exponent gamma (launch/fit_delta.py); None: the plain product (1.0)
   overlap_prefix_exponent: float | None = None
   # what the fitted planner measured (launch/fit_delta.py): the share of planned overlap rounds whose branch was
-  # reused and the mean accepted length; the controller's priors for overlap (None: generic priors)
+  # reused, the controller's prior for it (None: a generic prior). Overlap's accepted length is the value model's
+  # for its block: an overlap round verifies a block of that B as LinearSS does
   overlap_hit_rate: float | None = None
-  overlap_accepted: float | None = None
 
   def __post_init__(self):
     if not self.levels:
@@ -185,8 +185,6 @@ class RecGuideTables:
       raise TablesError(f"overlap_prefix_exponent must lie in (0, 2], got {self.overlap_prefix_exponent}")
     if self.overlap_hit_rate is not None and not 0.0 <= self.overlap_hit_rate <= 1.0:
       raise TablesError(f"overlap_hit_rate must lie in [0, 1], got {self.overlap_hit_rate}")
-    if self.overlap_accepted is not None and not (math.isfinite(self.overlap_accepted) and self.overlap_accepted >= 1):
-      raise TablesError(f"overlap_accepted must be a finite number >= 1, got {self.overlap_accepted}")
     if not self.version:
       object.__setattr__(self, "version", self.content_hash())
 
@@ -234,9 +232,8 @@ class RecGuideTables:
       out["overlap_slots"] = self.overlap_slots
     if self.overlap_prefix_exponent is not None:
       out["overlap_prefix_exponent"] = self.overlap_prefix_exponent
-    for field in ("overlap_hit_rate", "overlap_accepted"):
-      if getattr(self, field) is not None:
-        out[field] = getattr(self, field)
+    if self.overlap_hit_rate is not None:
+      out["overlap_hit_rate"] = self.overlap_hit_rate
     return out
 
   def content_hash(self) -> str:
@@ -278,7 +275,7 @@ class RecGuideTables:
       if slots is not None and (isinstance(slots, bool) or not isinstance(slots, int)):
         raise TablesError(f"field 'overlap_slots' must be an integer, got {slots!r}")
       numbers = {}
-      for field in ("overlap_prefix_exponent", "overlap_hit_rate", "overlap_accepted"):
+      for field in ("overlap_prefix_exponent", "overlap_hit_rate"):
         value = raw.get(field)
         if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))):
           raise TablesError(f"field {field!r} must be a number, got {value!r}")

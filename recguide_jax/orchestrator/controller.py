@@ -24,6 +24,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import enum
+import math
 from typing import Callable
 
 import numpy as np
@@ -53,6 +54,16 @@ HISTORY = 4  # verification rounds a request's history keeps (the signals read t
 # priced gain under 1% is no gain; giving it up costs at most 1% on the steps where it applies.
 TIE_MARGIN = 0.01
 PAPER_DELTA = 0.5  # risky-position margin threshold of the paper (NLD-8B)
+
+
+@dataclasses.dataclass(frozen=True)
+class StepEstimates:
+  """What one step's regime rates rest on, per request: the expected tokens of a LinearSS round per B (an overlap
+  round verifies a block of the strategy's B: that block's value), the share of overlapping requests that draft in
+  a round, and the rows of the step that would not overlap (they run a LinearSS round of their own)."""
+  accepted: dict[int, float]
+  draft_share: float
+  rows_left_out: int = 0
 
 
 @dataclasses.dataclass
@@ -125,17 +136,17 @@ class RecGuideStrategy(Strategy):
     self.value_calibration = ValueCalibration()
     if tables is not None:  # start the online estimates from the fitted model's unconditional values
       self.stats.accepted = {b: tables.value_model.value(b, None) for b in BLOCKS}
-      self.stats.overlap_accepted = self.stats.accepted[block_size]
-      # and overlap's from what the fitted planner measured, where the tables carry it: a prior that flatters
-      # overlap buys rounds of it at loads where it loses before the running averages correct it
-      if tables.overlap_accepted is not None:
-        self.stats.overlap_accepted = tables.overlap_accepted
+      # and overlap's branch reuse rate from what the fitted planner measured, where the tables carry it: a prior
+      # that flatters overlap buys rounds of it at loads where it loses before the running average corrects it
       if tables.overlap_hit_rate is not None:
         self.stats.overlap_hit = tables.overlap_hit_rate
+    # per (B, rows): the binomial weights of k drafting rows times the draft forward's cost at k rows relative to c
+    self._draft_weights: dict[tuple[int, int], tuple[float, ...]] = {}
     self.regime_counts = collections.Counter()
     self._regime_memo: tuple = (None, None)
     self._step_costs: dict[int, float] | None = None  # this step's LinearSS round cost per B (all requests)
     self._step_plan: dict[int, RoundPlan] | None = None  # this step's plan per adaptive request (by id)
+    self._step_values: dict[int, dict[int, float]] | None = None  # this step's `_values` per request (by id)
     # re-measuring a stale runner-up regime (calibrated switch only): how close it must be, how much of the time
     # probes may take, probes run, the one in progress
     self.probe_margin = 0.7
@@ -193,19 +204,61 @@ class RecGuideStrategy(Strategy):
   def round_cost(self, batch: int, block_size: int) -> float:
     return self._round_cost(RoundKind.LINEAR, block_size, batch)
 
+  def _draft_forward_share(self, blk: int, c: int, share: float) -> float:
+    """E[cost of an overlap round's draft forward] / its cost at all `c` rows, when each row drafts with probability
+    `share`: the forward runs only when some row drafts, for those K ~ Binomial(c, share) rows. `share` times the
+    full forward is exact at one row only: on a weight-bound device a forward for few rows costs nearly the full
+    one, so it under-priced overlap's drafts at C >= 2 (docs/recguide.md, "Priced as a batch" (2))."""
+    if c <= 1 or share <= 0.0 or share >= 1.0:
+      return min(max(share, 0.0), 1.0)
+    weights = self._draft_weights.get((blk, c))
+    if weights is None:  # the profile's draft forward per row count (static): once per (B, rows)
+      prof = self.profile
+      draft = (lambda k: prof.forward_costs(k, blk)[0]) if prof is not None else (lambda k: 1.0)
+      full = draft(c)
+      weights = (0.0, *(math.comb(c, k) * draft(k) / full for k in range(1, c + 1)))
+      self._draft_weights[(blk, c)] = weights
+    odds, total, term = share / (1.0 - share), 0.0, (1.0 - share) ** c
+    for w in weights:  # term = share^k (1 - share)^(c - k), k = 0..c
+      total += w * term
+      term *= odds
+    return total
+
   def observe_round(self, kind: str, block_size: int, rows: int, seconds: float) -> None:
     if self.calibrate:
       self.calibrated.clock.observe(kind, block_size, rows, seconds)
 
   # ---- regime switch -------------------------------------------------------------------------------------------------
-  def expected_rates(self, concurrency: int, batch=None) -> dict[str, float]:
+  def expected_rates(self, concurrency: int, batch=None, values=None) -> dict[str, float]:
     """Tokens per unit time per request for each regime at this concurrency, keyed "ar", "linear<B>" (adaptive
-    B stands on its best block) and "overlap". `batch`: the step's requests, when known; overlap is then priced
-    from their state (`overlap_draft_share`), else in its steady state."""
-    c = max(concurrency, 1)
-    share = self.overlap_draft_share(batch) if batch else None
-    return {key: self._rate(key, c, self._round_cost, share)
+    B stands on its best block) and "overlap", priced on `step_estimates(batch, values)`."""
+    return self._rates(max(concurrency, 1), self.step_estimates(batch, values))
+
+  def _rates(self, c: int, estimates: StepEstimates) -> dict[str, float]:
+    return {key: self._rate(key, c, self._round_cost, estimates)
             for key in ("ar", *(f"linear{b}" for b in BLOCKS), "overlap")}
+
+  def step_estimates(self, batch=None, values=None) -> StepEstimates:
+    """What the regime rates rest on. `batch`: the step's requests, when known (overlap's draft share is then theirs,
+    `overlap_draft_share`, else the steady state's 1 - hit rate); `values`: their expected tokens per B
+    (`_values`, in `batch` order), when known, else the engine-wide running estimates.
+
+    Every regime's tokens come from one estimate of the same thing, so that only costs and the branch reuse rate
+    tell overlap from LinearSS at its B: priced on a running accepted length of its own that only its rounds moved,
+    overlap froze low after a hard spell and stayed off on prompts unlike the fitting set where it paid
+    (docs/recguide.md, "Priced as a batch" (2)).
+
+    The regimes are compared over the same requests: overlap's value is the mean V_B over the whole batch too (a
+    request that would not overlap runs LinearSS and is worth about its V_B either way), and the requests that
+    would not overlap (sampled, or finishing this round) cost overlap a LinearSS round of their own beside the
+    fused one; left out, drain steps of a closed loop took overlap for the few requests not near their end."""
+    blk = self.block_size
+    share = self.overlap_draft_share(batch) if batch and self.overlap else None
+    share = 1.0 - self.stats.overlap_hit if share is None else share
+    left_out = sum(not self._overlaps(r) for r in batch) if batch and self.overlap else 0
+    if values is None:
+      return StepEstimates(self.stats.accepted, share, left_out)
+    return StepEstimates({b: sum(v[b] for v in values) / len(values) for b in BLOCKS}, share, left_out)
 
   def overlap_draft_share(self, batch) -> float | None:
     """The share of overlap rounds that pay a draft forward, from this step to the end of `batch`'s requests that
@@ -218,7 +271,7 @@ class RecGuideStrategy(Strategy):
     draft. Priced in the steady state alone, a request with a round or two left entered overlap at the end of a
     run (B200 table, C = 32: the last request's one overlap round cost a draft and a 5-block fused forward for
     the tokens a B = 8 round gave). A request holding a branch drafts 1 - hit per round less than that."""
-    hit, accepted = self.stats.overlap_hit, max(self.stats.overlap_accepted, 1.0)
+    hit, accepted = self.stats.overlap_hit, max(self.stats.accepted[self.block_size], 1.0)
     shares = []
     for req in batch:
       if not self._overlaps(req):
@@ -228,30 +281,32 @@ class RecGuideStrategy(Strategy):
       shares.append((first + (left - 1.0) * (1.0 - hit)) / left)
     return sum(shares) / len(shares) if shares else None
 
-  def _rate(self, rate_key: str, c: int, cost: Callable[[str, int, int], float],
-            draft_share: float | None = None) -> float:
-    """One regime's expected tokens per unit time per request, with round costs from `cost(kind, B, rows)`;
-    `draft_share`: the share of overlap rounds that draft (default: the steady state's, 1 - hit rate)."""
+  def _rate(self, rate_key: str, c: int, cost: Callable[[str, int, int], float], estimates: StepEstimates) -> float:
+    """One regime's expected tokens per unit time per request, with round costs from `cost(kind, B, rows)`."""
     if rate_key == Regime.AR:
       return 1.0 / cost(RoundKind.AR, 1, c)
     if rate_key.startswith(Regime.LINEAR):
       blk = int(rate_key[len(Regime.LINEAR):])
-      return self.stats.accepted[blk] / cost(RoundKind.LINEAR, blk, c)
+      return estimates.accepted[blk] / cost(RoundKind.LINEAR, blk, c)
     blk = self.block_size
     fused = cost(RoundKind.OVERLAP, blk, c)
-    with_draft = max(cost(RoundKind.OVERLAP_DRAFT, blk, c), fused)
-    share = 1 - self.stats.overlap_hit if draft_share is None else draft_share
-    return self.stats.overlap_accepted / (fused + share * (with_draft - fused))
+    draft = max(cost(RoundKind.OVERLAP_DRAFT, blk, c) - fused, 0.0)
+    round_ms = fused + draft * self._draft_forward_share(blk, c, estimates.draft_share)
+    if estimates.rows_left_out:  # their LinearSS round, at its cheapest block
+      round_ms += cost(RoundKind.LINEAR, BLOCKS[0], estimates.rows_left_out)
+    return estimates.accepted[blk] / round_ms
 
-  def regime(self, concurrency: int, batch=None) -> Regime:
-    """The step's regime at this load; `batch`: the step's requests, when known (overlap is then priced from
-    their state, `overlap_draft_share`)."""
+  def regime(self, concurrency: int, batch=None, values=None) -> Regime:
+    """The step's regime at this load; `batch`: the step's requests, when known, `values`: their expected tokens
+    per B (`step_estimates`)."""
     self.probing = False
     if self.fixed_regime:
       return self.fixed_regime
     if not self.switch:
       return Regime.OVERLAP if (self.overlap and concurrency <= 1) else Regime.ADAPTIVE
-    rates = self.expected_rates(concurrency, batch if self.overlap else None)
+    c = max(concurrency, 1)
+    estimates = self.step_estimates(batch, values)
+    rates = self._rates(c, estimates)
     if not self.overlap:
       rates.pop(Regime.OVERLAP)
     # one rate per regime: adaptive B is as good as its best block size
@@ -268,7 +323,7 @@ class RecGuideStrategy(Strategy):
       return Regime.ADAPTIVE
     if not self.calibrate or len(ranked) < 2:
       return ranked[0]
-    return self._probe_or_best(ranked, basis, rates, max(concurrency, 1))
+    return self._probe_or_best(ranked, basis, rates, c, estimates)
 
   def _clock_key(self, rate_key: str, concurrency: int) -> tuple[str, int, int]:
     """The measured round a regime's rate rests on."""
@@ -286,7 +341,7 @@ class RecGuideStrategy(Strategy):
     kinds = (kind, RoundKind.OVERLAP_DRAFT) if kind == RoundKind.OVERLAP else (kind,)
     return not any(self.calibrated.clock.ever_measured(k) for k in kinds)
 
-  def _probe_or_best(self, ranked: list[Regime], basis: dict, rates: dict, c: int) -> str:
+  def _probe_or_best(self, ranked: list[Regime], basis: dict, rates: dict, c: int, estimates: StepEstimates) -> str:
     """Re-measures a stale runner-up: when the best regime's cost was measured just now but the runner-up's is
     stale (or was never measured) and the runner-up is estimated close enough to matter (>= `probe_margin` of the
     best's rate), the runner-up runs for `min_samples` steps, so the two are compared in one state of the
@@ -331,7 +386,7 @@ class RecGuideStrategy(Strategy):
         wait, margin = max(clock.stale_after_s, probe_s / self.probe_budget), self.probe_margin
       if since < wait:
         continue  # checked first: it is cheap, and most steps stop here
-      if self._rate(basis[name], c, self._current_cost) < margin * rates[basis[best]]:
+      if self._rate(basis[name], c, self._current_cost, estimates) < margin * rates[basis[best]]:
         continue
       self._last_probe_at = now
       self.probes += 1
@@ -404,8 +459,9 @@ class RecGuideStrategy(Strategy):
     scores = {b: values[b] / costs[b] for b in BLOCKS}
     return max(BLOCKS, key=lambda b: (scores[b], -b))
 
-  def plan_step(self, reqs, concurrency: int) -> tuple[str, list[int]]:
-    """The plan for a step's adaptive requests, priced as a batch: (name, block per request, 1 for AR).
+  def plan_step(self, reqs, concurrency: int, values=None) -> tuple[str, list[int]]:
+    """The plan for a step's adaptive requests, priced as a batch: (name, block per request, 1 for AR). `values`:
+    their `_values`, when the caller has them.
 
     Candidates: the per-request rule's blocks and the plans that give every request the same block (each B, and
     AR unless the regime is pinned). A plan's expected tokens are the sum of its requests' values (`_values`; 1
@@ -422,7 +478,7 @@ class RecGuideStrategy(Strategy):
     rule = [self._adaptive_block(r, c, self._step_costs) for r in reqs]
     if not self.batch_priced or self.probing or not reqs:
       return "rule", rule
-    values = [self._values(r) for r in reqs]
+    values = [self._values(r) for r in reqs] if values is None else values
     n = len(reqs)
     best_name, best_blocks, best_rate = None, rule, -1.0
     if self.switch and not self.fixed_regime:  # AR is the switch's candidate (a pinned regime stays LinearSS)
@@ -433,6 +489,13 @@ class RecGuideStrategy(Strategy):
       if rate > best_rate * (1 + max(self.tie_margin, 1e-9)):
         best_name, best_blocks, best_rate = name, blocks, rate
     return best_name, best_blocks
+
+  @property
+  def _switch_on_values(self) -> bool:
+    """True when the switch prices a step on its requests' own values (`step_estimates`): it decides (no pinned
+    regime), the batch pricing is on and fitted tables give every request V_B(s, z) for every B from its own
+    latest history, which any round of any regime moves."""
+    return self.switch and not self.fixed_regime and self.batch_priced and self.tables is not None
 
   @property
   def _ar_per_step(self) -> bool:
@@ -452,7 +515,7 @@ class RecGuideStrategy(Strategy):
     prefetched branch to save a draft in)."""
     if req.params.temperature > 0:
       return False
-    return bool(self.fixed_regime) or self._remaining(req) > self.stats.overlap_accepted
+    return bool(self.fixed_regime) or self._remaining(req) > self.stats.accepted[self.block_size]
 
   def plan(self, req, view: StepView) -> RoundPlan:
     concurrency = view.decoding
@@ -464,7 +527,10 @@ class RecGuideStrategy(Strategy):
     # request (per-request Python work showed up as a few % of an AR step at high concurrency)
     key = (view.step, concurrency, load)
     if self._regime_memo[0] != key:
-      self._regime_memo = (key, self.regime(load, view.batch))
+      # the requests' values, once per step: the switch and the batch pricing share them
+      values = [self._values(r) for r in view.batch] if self._switch_on_values else None
+      self._step_values = None if values is None else dict(zip(map(id, view.batch), values))
+      self._regime_memo = (key, self.regime(load, view.batch, values))
       self._eos = view.eos_token_ids
       self._step_costs = None
       self._step_plan = None
@@ -476,7 +542,8 @@ class RecGuideStrategy(Strategy):
       return self._plans[regime]
     if self._step_plan is None:  # the step's adaptive requests, planned together once (the engine's snapshot)
       mine = [r for r in view.batch if self._regime_memo[1] == Regime.ADAPTIVE or not self._overlaps(r)]
-      name, blocks = self.plan_step(mine, concurrency)
+      values = None if self._step_values is None else [self._step_values[id(r)] for r in mine]
+      name, blocks = self.plan_step(mine, concurrency, values)
       self.step_plans[name] += bool(mine)
       self._step_plan = {id(r): (self._plans[Regime.AR] if b == 1 else RoundPlan(rounds.LINEAR, b))
                          for r, b in zip(mine, blocks)}
@@ -513,7 +580,7 @@ class RecGuideStrategy(Strategy):
         if len(state.history) > HISTORY:
           del state.history[0]
       return
-    if self.calibrate and self.tables is not None and block_size in BLOCKS and not self.overlap_round.running:
+    if self.calibrate and self.tables is not None and block_size in BLOCKS:
       # what the value model predicted for this round (the history before it) against what it returned
       predicted = self._model_values(req, self._remaining(req))[block_size]  # observe runs before emission
       self.value_calibration.observe(block_size, predicted, accepted)
@@ -523,11 +590,11 @@ class RecGuideStrategy(Strategy):
     state.history.append(signals.make_record(result.entropy[row], accepted, block_size, eos=eos, head_cap=cap))
     if len(state.history) > HISTORY:
       del state.history[0]
-    if not self.overlap_round.running and block_size in BLOCKS:
-      self.stats.observe_linear(block_size, accepted)
+    if block_size in BLOCKS:  # an overlap round's too: it verifies a block of its B as LinearSS does
+      self.stats.observe_verified(block_size, accepted)
 
-  def observe_overlap(self, req, accepted: int, hit: bool) -> None:
-    self.stats.observe_overlap(accepted, hit)
+  def observe_overlap(self, req, hit: bool) -> None:
+    self.stats.observe_overlap(hit)
 
 
 RecGuidePolicy = RecGuideStrategy  # earlier name (deprecated alias)

@@ -1,6 +1,6 @@
-"""The running estimates RecGuide's switch prices with, kept engine-wide: accepted lengths and overlap hit rates
-(`OnlineStats`), and how far the fitted value model's predictions sit from what verification returns on the
-workload being served (`ValueCalibration`)."""
+"""The running estimates RecGuide's switch prices with, kept engine-wide: accepted lengths per block size and the
+overlap branch reuse rate (`OnlineStats`), and how far the fitted value model's predictions sit from what
+verification returns on the workload being served (`ValueCalibration`)."""
 
 from __future__ import annotations
 
@@ -10,20 +10,22 @@ import dataclasses
 
 @dataclasses.dataclass
 class OnlineStats:
-  """Engine-wide running estimates the switch needs (exponential moving averages)."""
+  """Engine-wide running estimates the switch needs (exponential moving averages).
+
+  An overlap round verifies a block as a LinearSS round of that B does, so it feeds the same accepted-length
+  estimate (`observe_verified`): kept apart, each froze while the other regime ran, and a spell of short acceptance
+  in the last overlap rounds kept overlap out for the rest of a run. Overlap's own is the share of its rounds whose
+  branch was reused (`observe_overlap`)."""
   decay: float = 0.98
   accepted: dict = dataclasses.field(default_factory=lambda: {8: 4.0, 16: 5.0, 32: 6.0})
-  overlap_accepted: float = 5.0
   overlap_hit: float = 0.5
   overlap_rounds: int = 0
 
-  def observe_linear(self, blk: int, accepted: int) -> None:
+  def observe_verified(self, blk: int, accepted: int) -> None:
     self.accepted[blk] = self.decay * self.accepted.get(blk, accepted) + (1 - self.decay) * accepted
 
-  def observe_overlap(self, accepted: int, hit: bool) -> None:
-    d = self.decay
-    self.overlap_accepted = d * self.overlap_accepted + (1 - d) * accepted
-    self.overlap_hit = d * self.overlap_hit + (1 - d) * float(hit)
+  def observe_overlap(self, hit: bool) -> None:
+    self.overlap_hit = self.decay * self.overlap_hit + (1 - self.decay) * float(hit)
     self.overlap_rounds += 1
 
 

@@ -20,7 +20,6 @@ class OverlapRound(Round):
 
   def __init__(self, strategy):
     self.strategy = strategy
-    self.running = False  # True while its verifications are observed (they do not count as LinearSS rounds)
 
   @staticmethod
   def bounds(ctx: RoundContext, r) -> dict:
@@ -29,13 +28,7 @@ class OverlapRound(Round):
                 max_len=ctx.rc.max_model_len + ctx.rc.max_block)
 
   def run(self, ctx: RoundContext, group: Group) -> RoundKind:
-    self.running = True
-    try:
-      return self._run(ctx, group.reqs, group.block)
-    finally:
-      self.running = False
-
-  def _run(self, ctx: RoundContext, reqs: list, blk: int) -> RoundKind:
+    reqs, blk = group.reqs, group.block
     strategy = self.strategy
     states = [strategy.state(r) for r in reqs]
     ctx.reserve(reqs, blk)
@@ -84,7 +77,7 @@ class OverlapRound(Round):
         outcome = ov.select_reuse(accepted, res.tokens[i], plans[i], br_tok[i], blk)
         ctx.totals[f"overlap_{outcome.label}"] += 1
         r.stats.overlap[outcome.label] = r.stats.overlap.get(outcome.label, 0) + 1
-        strategy.observe_overlap(r, accepted, outcome.branch is not None)
+        strategy.observe_overlap(r, outcome.branch is not None)
       else:
         outcome = None
         ctx.totals["overlap_no_branch"] += 1
