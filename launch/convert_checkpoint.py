@@ -1,7 +1,9 @@
-"""Converts a Hugging Face NLD checkpoint (and optionally its draft LoRA) into our checkpoint format.
+"""Converts a Hugging Face NLD checkpoint (and optionally its draft LoRA), or a llama.cpp GGUF of a Llama model,
+into our checkpoint format.
 
   python launch/convert_checkpoint.py --hf_dir=/ckpt/Nemotron-Labs-Diffusion-8B --out_dir=/ckpt/nld-8b \
       --lora_dir=/ckpt/Nemotron-Labs-Diffusion-8B/linear_spec_lora
+  python launch/convert_checkpoint.py --gguf=SmolLM2-135M-Instruct.Q4_1.gguf --out_dir=/ckpt/smollm2 --dtype=float32
 
 Bad input prints one `error: ...` line naming the flag, file or tensor and exits with status 1.
 """
@@ -16,11 +18,14 @@ from absl import flags, logging  # noqa: E402
 
 _HF_DIR = flags.DEFINE_string("hf_dir", None,
                               "HF checkpoint directory (config.json + model.safetensors[.index.json]).")
+_GGUF = flags.DEFINE_string("gguf", None, "A llama.cpp GGUF file of a Llama model (any GGML type; dequantized).")
+_MASK_TOKEN = flags.DEFINE_string("mask_token", None, "--gguf only: the vocabulary token NLD drafting uses as its mask "
+                                  "(default: the GGUF's mask token, else its highest spare control token).")
 _OUT_DIR = flags.DEFINE_string("out_dir", None, "Output directory (config.json + params/ + tokenizer files).")
 _DTYPE = flags.DEFINE_enum("dtype", "bfloat16", ["bfloat16", "float32"], "dtype of the stored params.")
 _LORA_DIR = flags.DEFINE_string("lora_dir", None, "Optional PEFT draft LoRA directory (adapter_config.json + "
                                 "adapter_model.safetensors), e.g. <hf_dir>/linear_spec_lora.")
-flags.mark_flags_as_required(["hf_dir", "out_dir"])
+flags.mark_flags_as_required(["out_dir"])
 
 
 def _fail(message: str) -> None:
@@ -33,7 +38,14 @@ def main(argv):
     _fail(f"unexpected arguments {argv[1:]}")
   if not flags.FLAGS["verbosity"].present:
     logging.set_verbosity(logging.WARNING)  # orbax logs every step of a save at INFO; --verbosity=0 brings it back
-  hf_dir, lora_dir = _HF_DIR.value, _LORA_DIR.value
+  hf_dir, lora_dir, gguf_path = _HF_DIR.value, _LORA_DIR.value, _GGUF.value
+  if (hf_dir is None) == (gguf_path is None):
+    _fail("pass exactly one of --hf_dir and --gguf")
+  if gguf_path is not None:
+    _convert_gguf(gguf_path)
+    return
+  if _MASK_TOKEN.value is not None:
+    _fail("--mask_token applies to --gguf only (an NLD checkpoint names its mask token)")
   if not os.path.isdir(hf_dir):
     _fail(f"--hf_dir: {hf_dir} is not a directory")
   if not os.path.isfile(os.path.join(hf_dir, "config.json")):
@@ -56,6 +68,23 @@ def main(argv):
   lora = f", draft LoRA r={cfg.lora_rank} alpha={cfg.lora_alpha:g}" if cfg.lora_rank else ""
   print(f"wrote {_OUT_DIR.value}: {cfg.num_hidden_layers} layers, {cfg.num_params():,} base params, "
         f"{_DTYPE.value}{lora}")
+
+
+def _convert_gguf(gguf_path: str) -> None:
+  if _LORA_DIR.value is not None:
+    _fail("--lora_dir applies to --hf_dir only")
+  if not os.path.isfile(gguf_path):
+    _fail(f"--gguf: {gguf_path} is not a file")
+  from recguide_jax.checkpoint import CheckpointError
+  from recguide_jax.config import ConfigError
+  from recguide_jax.convert import gguf
+
+  try:
+    cfg = gguf.convert_gguf_checkpoint(gguf_path, _OUT_DIR.value, dtype=_DTYPE.value, mask_token=_MASK_TOKEN.value)
+  except (ConfigError, CheckpointError, OSError) as e:
+    _fail(f"--gguf {gguf_path}: {e}")
+  print(f"wrote {_OUT_DIR.value}: {cfg.num_hidden_layers} layers, {cfg.num_params():,} params, {_DTYPE.value}, "
+        f"mask token id {cfg.mask_token_id}")
 
 
 if __name__ == "__main__":

@@ -1,8 +1,10 @@
 """Model configuration: a frozen `NLDConfig` read from (and written to) a Hugging Face `config.json`.
 
 Field meanings follow the NLD checkpoint (Ministral3 backbone + untied `diffusion_head`); see
-docs/spec/nld.md §1.2. Every field a forward pass depends on is explicit here, so a checkpoint whose
-config misses one is rejected with the field's name rather than silently falling back to a default.
+docs/spec/nld.md §1.2. A plain Llama (a converted GGUF, see convert/gguf.py) is the same backbone with
+`rope_type="default"`, `llama_4_scaling_beta=0` and `tie_word_embeddings=True` (the embedding is the output head).
+Every field a forward pass depends on is explicit here, so a checkpoint whose config misses one is rejected with
+the field's name rather than silently falling back to a default.
 """
 
 from __future__ import annotations
@@ -52,6 +54,7 @@ class NLDConfig:
   eos_token_ids: tuple[int, ...] = (11,)
   pad_token_id: int | None = None
   block_size: int = 32
+  # True: the output head is the embedding matrix (Llama checkpoints such as SmolLM2); False: NLD's own head.
   tie_word_embeddings: bool = False
   # Optional draft LoRA on o_proj (PEFT linear_spec_lora): rank 0 means no adapter.
   lora_rank: int = 0
@@ -85,8 +88,8 @@ class NLDConfig:
         raise ConfigError(f"config field 'eos_token_id' ({eos}) must be in [0, vocab_size)")
     if not self.eos_token_ids:
       raise ConfigError("config field 'eos_token_id' must name at least one token")
-    if self.tie_word_embeddings:
-      raise ConfigError("config field 'tie_word_embeddings' must be false: NLD has an untied diffusion_head")
+    if not isinstance(self.tie_word_embeddings, bool):
+      raise ConfigError(f"config field 'tie_word_embeddings' must be a boolean, got {self.tie_word_embeddings!r}")
     if self.lora_rank < 0 or (self.lora_rank > 0 and self.lora_alpha <= 0):
       raise ConfigError(f"LoRA needs rank >= 0 and alpha > 0, got rank={self.lora_rank} alpha={self.lora_alpha}")
 
@@ -107,7 +110,8 @@ class NLDConfig:
     h, i, nq, nkv, d = (self.hidden_size, self.intermediate_size, self.num_attention_heads,
                         self.num_key_value_heads, self.head_dim)
     per_layer = h * nq * d + 2 * h * nkv * d + nq * d * h + 3 * h * i + 2 * h
-    return 2 * self.vocab_size * h + self.num_hidden_layers * per_layer + h
+    heads = 1 if self.tie_word_embeddings else 2  # embedding (+ an untied head)
+    return heads * self.vocab_size * h + self.num_hidden_layers * per_layer + h
 
   def replace(self, **changes) -> "NLDConfig":
     return dataclasses.replace(self, **changes)
@@ -171,7 +175,7 @@ class NLDConfig:
         rms_norm_eps=float(need(raw, "rms_norm_eps")), max_position_embeddings=max_pos,
         mask_token_id=int(raw["mask_token_id"]), bos_token_id=int(raw.get("bos_token_id", 1)),
         eos_token_ids=eos_ids, pad_token_id=raw.get("pad_token_id"),
-        block_size=int(raw.get("block_size", 32)), tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
+        block_size=int(raw.get("block_size", 32)), tie_word_embeddings=raw.get("tie_word_embeddings", False),
         lora_rank=int(lora.get("r", 0)), lora_alpha=float(lora.get("lora_alpha", 0.0)),
         **kwargs)
 

@@ -126,7 +126,7 @@ def test_missing_rope_fields_are_named():
     ({"mask_token_id": -1}, "mask_token_id"),  # the class default of the remote code: must be set
     ({"mask_token_id": 131072}, "mask_token_id"),
     ({"eos_token_id": [11, 200000]}, "eos_token_id"),
-    ({"tie_word_embeddings": True}, "tie_word_embeddings"),
+    ({"tie_word_embeddings": "yes"}, "tie_word_embeddings"),
     ({"hidden_size": 0}, "hidden_size"),
     ({"rope_parameters": {**_ROPE_8B, "rope_type": "linear"}}, "rope_parameters.rope_type"),
     ({"draft_lora": {"r": 8, "lora_alpha": 0}}, "LoRA"),

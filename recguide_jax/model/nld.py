@@ -1,5 +1,7 @@
 """The NLD backbone in Flax NNX: Ministral3 decoder (pre-RMSNorm, GQA, YaRN RoPE, Llama-4 query scale, SwiGLU)
-with an untied `diffusion_head` and an optional draft LoRA on `o_proj` that is switched on per token.
+with an untied `diffusion_head` and an optional draft LoRA on `o_proj` that is switched on per token. A plain Llama
+is the same module under its config: default RoPE, no query scale, and the embedding as the output head
+(`tie_word_embeddings`: no `diffusion_head` parameter at all).
 
 One forward serves every decoding mode. Draft, verify, prefill, AR decode and RecGuide's fused tree forward differ
 only in their inputs: the query tokens and positions per request, the intra-block mask, the per-token LoRA switch
@@ -131,26 +133,32 @@ class Dense(nnx.Linear):
     if self.kernel_layout is KernelLayout.IN_OUT:
       return super().__call__(x)
     x, w = self.promote_dtype((x, self.kernel[...]), dtype=self.dtype)
-    lead, rows = x.shape[:-1], math.prod(x.shape[:-1])
-    x2 = x.reshape(rows, x.shape[-1])
-    contract = (((1,), (1,)), ((), ()))
-    # f32 accumulation and the result rounded to the layer's dtype, as any bf16 matmul computes, but said: XLA:CPU
-    # asked for a bf16 product converts both operands to f32 in memory first (the weights, every step), while its
-    # YNNPACK dots read bf16 operands as they are when the result is f32 (a bf16 AR step of the peer model at
-    # batch 8 took 1.65x less time). A no-op in f32.
-    acc = jnp.float32 if jnp.issubdtype(x.dtype, jnp.floating) else None
-    if rows <= SWAPPED_MATMUL_MAX_ROWS:
-      # A narrow float's one row is computed as two: XLA:CPU sends a matrix-vector product to no YNNPACK dot and
-      # converts its weight to f32 (a bf16 AR step at batch 1 took 1.6x longer than with the row twice).
-      narrow = rows == 1 and acc is not None and jnp.dtype(x.dtype).itemsize < 4
-      rhs = jnp.concatenate([x2, x2]) if narrow else x2
-      # the barrier keeps XLA from folding the transpose into the dot's output layout, which would swap the
-      # operands back
-      y = jax.lax.optimization_barrier(jax.lax.dot_general(w, rhs, contract, precision=self.precision,
-                                                           preferred_element_type=acc)).T[:rows]
-    else:
-      y = jax.lax.dot_general(x2, w, contract, precision=self.precision, preferred_element_type=acc)
-    return y.astype(x.dtype).reshape(*lead, w.shape[0])
+    return matmul_out_in(x, w, self.precision)
+
+
+def matmul_out_in(x: jax.Array, w: jax.Array, precision=None) -> jax.Array:
+  """x [..., in] @ w[out, in]^T -> [..., out] in x's dtype, the weight on the left for few rows (see KernelLayout):
+  an OUT_IN Dense, and the tied output head, whose weight is the [V, H] embedding."""
+  lead, rows = x.shape[:-1], math.prod(x.shape[:-1])
+  x2 = x.reshape(rows, x.shape[-1])
+  contract = (((1,), (1,)), ((), ()))
+  # f32 accumulation and the result rounded to the layer's dtype, as any bf16 matmul computes, but said: XLA:CPU
+  # asked for a bf16 product converts both operands to f32 in memory first (the weights, every step), while its
+  # YNNPACK dots read bf16 operands as they are when the result is f32 (a bf16 AR step of the peer model at
+  # batch 8 took 1.65x less time). A no-op in f32.
+  acc = jnp.float32 if jnp.issubdtype(x.dtype, jnp.floating) else None
+  if rows <= SWAPPED_MATMUL_MAX_ROWS:
+    # A narrow float's one row is computed as two: XLA:CPU sends a matrix-vector product to no YNNPACK dot and
+    # converts its weight to f32 (a bf16 AR step at batch 1 took 1.6x longer than with the row twice).
+    narrow = rows == 1 and acc is not None and jnp.dtype(x.dtype).itemsize < 4
+    rhs = jnp.concatenate([x2, x2]) if narrow else x2
+    # the barrier keeps XLA from folding the transpose into the dot's output layout, which would swap the
+    # operands back
+    y = jax.lax.optimization_barrier(jax.lax.dot_general(w, rhs, contract, precision=precision,
+                                                         preferred_element_type=acc)).T[:rows]
+  else:
+    y = jax.lax.dot_general(x2, w, contract, precision=precision, preferred_element_type=acc)
+  return y.astype(x.dtype).reshape(*lead, w.shape[0])
 
 
 def _dense(rngs, din, dout, dtype, param_dtype, std=0.02):
@@ -252,7 +260,8 @@ def stacked_layers(cfg: NLDConfig, *, dtype, param_dtype, rngs: nnx.Rngs) -> Dec
 
 
 class NLDModel(nnx.Module):
-  """NemotronLabsDiffusionModel: `encoder` (Ministral3 decoder stack) + untied `diffusion_head`."""
+  """NemotronLabsDiffusionModel: `encoder` (Ministral3 decoder stack) + untied `diffusion_head` (or, for a tied
+  Llama, the embedding as the head)."""
 
   def __init__(self, cfg: NLDConfig, *, dtype=jnp.float32, param_dtype=jnp.float32, rngs: nnx.Rngs | None = None):
     rngs = rngs if rngs is not None else nnx.Rngs(0)
@@ -261,7 +270,8 @@ class NLDModel(nnx.Module):
                                   embedding_init=nnx.initializers.normal(0.02), rngs=rngs)
     self.layers = stacked_layers(cfg, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
     self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, param_dtype=param_dtype)
-    self.diffusion_head = _dense(rngs, cfg.hidden_size, cfg.vocab_size, dtype, param_dtype)
+    if not cfg.tie_word_embeddings:
+      self.diffusion_head = _dense(rngs, cfg.hidden_size, cfg.vocab_size, dtype, param_dtype)
 
   def hidden(self, inp: ForwardInputs, cache: KVCache | None = None) -> tuple[jax.Array, KVCache | None]:
     """Final-norm hidden states [b, Q, H] and the (possibly updated) cache."""
@@ -285,7 +295,16 @@ class NLDModel(nnx.Module):
 
   def logits(self, h: jax.Array) -> jax.Array:
     # vocab-sharded under a tp mesh: softmax/argmax reduce over the split vocabulary (see sharding.py)
-    return sharding.constrain(self.diffusion_head(h).astype(jnp.float32), "batch", "length", "vocab")
+    if self.cfg.tie_word_embeddings:
+      # the [V, H] embedding is an OUT_IN kernel as it is held; IN_OUT models (accelerators, meshes) skip the swap
+      emb = self.embed_tokens.embedding[...].astype(h.dtype)
+      if kernel_layout_of(self) is KernelLayout.OUT_IN:
+        out = matmul_out_in(h, emb)
+      else:
+        out = jax.lax.dot_general(h, emb, (((h.ndim - 1,), (1,)), ((), ())))
+    else:
+      out = self.diffusion_head(h)
+    return sharding.constrain(out.astype(jnp.float32), "batch", "length", "vocab")
 
   def __call__(self, inp: ForwardInputs, cache: KVCache | None = None) -> tuple[jax.Array, KVCache | None]:
     h, cache = self.hidden(inp, cache)
@@ -349,7 +368,8 @@ def with_layer_loop(model: NLDModel, loop: LayerLoop | str) -> NLDModel:
 
 
 def kernel_layout_of(model: NLDModel) -> KernelLayout:
-  return model.diffusion_head.kernel_layout
+  first = model.layers[0] if isinstance(model.layers, nnx.List) else model.layers
+  return first.self_attn.q_proj.kernel_layout  # every Dense holds the same layout (with_kernel_layout sets all)
 
 
 def resolve_kernel_layout(layout: KernelLayout | str, model: NLDModel, mesh=None) -> KernelLayout:
