@@ -9,7 +9,7 @@ import pathlib
 from typing import Sequence
 
 from recguide_jax import policies as policies_lib
-from recguide_jax.engine import EngineConfig
+from recguide_jax.engine import EngineConfig, build_engine
 from recguide_jax.model import (NLDModel, resolve_kernel_layout, resolve_layer_loop, with_kernel_layout,
                                 with_layer_loop)
 from recguide_jax.requests import Request, RequestError, SamplingParams, best_samples
@@ -238,9 +238,8 @@ class LLM:
     self.tokenizer = tokenizer
     self.runner_config = dataclasses.replace(config, num_pages=self.memory_plan.num_pages, layer_loop=loop,
                                              kernel_layout=layout)
-    self.engine = data_parallel.build_engine(model, self.runner_config, self.policy, mesh=self.mesh,
-                                             tokenizer=tokenizer, max_queue=max_queue,
-                                             bucketing=self.engine_config.bucketing)
+    self.engine = build_engine(model, self.runner_config, self.policy, mesh=self.mesh,
+                              tokenizer=tokenizer, max_queue=max_queue, bucketing=self.engine_config.bucketing)
     self.runner = self.engine.runner
     if warmup:
       self.runner.warmup(self._kinds, self._kind_sizes)
