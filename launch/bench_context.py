@@ -146,7 +146,7 @@ def run_context(cfg: ContextConfig, log=print) -> dict:
   points = []
   for max_len in cfg.max_model_lens:
     t0 = time.perf_counter()
-    llm = LLM(ckpt, policy="ar", block_sizes=(cfg.block_size,), max_batch=max(cfg.concurrency),
+    llm = LLM(ckpt, policy="ar", block_sizes=(cfg.block_size,), max_num_seqs=max(cfg.concurrency),
               max_model_len=max_len, page_size=cfg.page_size, warmup=False, attention=cfg.attention,
               decode_steps=cfg.decode_steps)
     load_s = time.perf_counter() - t0

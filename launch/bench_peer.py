@@ -470,7 +470,7 @@ def run_peer(cfg: PeerConfig, log=print) -> dict:
       for max_len, group_lens in groups:
         t0 = time.perf_counter()
         blocks = (8, 16, 32) if "recguide" in cfg.policies else (cfg.block_size,)
-        llm = LLM(ckpt_dir, policy="ar", block_sizes=blocks, max_batch=max(b for _, b, p in dcells
+        llm = LLM(ckpt_dir, policy="ar", block_sizes=blocks, max_num_seqs=max(b for _, b, p in dcells
                                                                             if p in group_lens),
                   max_model_len=max_len, warmup=False, dtype=dtype, compile_cache_dir=None,
                   attention=cfg.attention, layer_loop=cfg.layer_loop,

@@ -91,7 +91,7 @@ def main(argv):
   data = cli.data_path()
   price = prof_lib.load_profile(FLAGS.price_profile)
   local = prof_lib.load_profile(FLAGS.profile) if FLAGS.profile else None
-  llm = LLM(FLAGS.checkpoint, policy="ar", block_sizes=(8, 16, 32), max_batch=max(levels),
+  llm = LLM(FLAGS.checkpoint, policy="ar", block_sizes=(8, 16, 32), max_num_seqs=max(levels),
             max_model_len=FLAGS.max_model_len, warmup=False, attention=FLAGS.attention, dtype=FLAGS.dtype,
             mesh=distributed.mesh_from_flags())
   from recguide_jax.orchestrator import adaptive

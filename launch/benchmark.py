@@ -39,7 +39,7 @@ def main(argv):
     sys.exit("error: --repeats, --num_prompts and --max_tokens must be positive")
   data = cli.data_path()
   from recguide_jax import LLM, SamplingParams, benchmarks as bench, policies
-  llm = LLM(FLAGS.checkpoint, policy="ar", block_sizes=tuple(blocks), max_batch=max(batch_sizes),
+  llm = LLM(FLAGS.checkpoint, policy="ar", block_sizes=tuple(blocks), max_num_seqs=max(batch_sizes),
             max_model_len=FLAGS.max_model_len, warmup=False, attention=FLAGS.attention, dtype=FLAGS.dtype,
             mesh=distributed.mesh_from_flags())
   llm.runner.warmup(("prefill", "draft", "verify"), tuple(blocks))

@@ -158,7 +158,7 @@ def main(argv):
 
   # 2 + 3: lossless end to end, with each policy's compile seconds
   greedy = SamplingParams(max_tokens=48, temperature=0.0, ignore_eos=True)
-  common = dict(model=model, max_model_len=max_len, max_batch=max(conc), attention=_ATTENTION.value,
+  common = dict(model=model, max_model_len=max_len, max_num_seqs=max(conc), attention=_ATTENTION.value,
                 compile_cache_dir=None, num_pages=None if on_accel else max(conc) * (max_len // 16 + 4) + 2,
                 mesh=distributed.mesh_from_flags())
   outputs, compile_s, llms = {}, {}, {}

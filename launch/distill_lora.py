@@ -62,7 +62,7 @@ def main(argv):
   from recguide_jax.train import distill
   base = FLAGS.checkpoint or str(llm_lib.default_checkpoint())
   os.makedirs(FLAGS.out_dir, exist_ok=True)
-  llm = LLM(base, policy="ar", max_batch=FLAGS.concurrency, dtype=FLAGS.dtype, max_model_len=FLAGS.max_model_len)
+  llm = LLM(base, policy="ar", max_num_seqs=FLAGS.concurrency, dtype=FLAGS.dtype, max_model_len=FLAGS.max_model_len)
   prompts = bench.gsm8k_prompts(data, FLAGS.num_prompts or 1 << 30, llm.tokenizer)
   rows = distill.generate_targets(llm, prompts, os.path.join(FLAGS.out_dir, "targets.jsonl"),
                                   max_tokens=FLAGS.max_tokens, concurrency=FLAGS.concurrency)

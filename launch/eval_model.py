@@ -84,7 +84,7 @@ def main(argv):
   data = cli.data_path()
   from recguide_jax import LLM, SamplingParams, benchmarks as bench, policies
   from recguide_jax.train import data as data_lib
-  llm = LLM(FLAGS.checkpoint, policy="ar", block_sizes=(8, 16, 32), max_batch=FLAGS.concurrency, warmup=False,
+  llm = LLM(FLAGS.checkpoint, policy="ar", block_sizes=(8, 16, 32), max_num_seqs=FLAGS.concurrency, warmup=False,
             attention=FLAGS.attention, dtype=FLAGS.dtype, max_model_len=FLAGS.max_model_len)
   llm.runner.warmup(("prefill", "draft", "verify"), (8, 16, 32))
   rows = data_lib.load_gsm8k(data)

@@ -88,7 +88,7 @@ def main(argv):
     tables = adaptive.load_tables(tables_path)
   except adaptive.TablesError as e:
     sys.exit(f"error: --recguide_tables: {e}")
-  llm = LLM(checkpoint, policy="ar", block_sizes=(FLAGS.block_size,), max_batch=1, warmup=False,
+  llm = LLM(checkpoint, policy="ar", block_sizes=(FLAGS.block_size,), max_num_seqs=1, warmup=False,
             attention=FLAGS.attention, dtype=FLAGS.dtype, max_model_len=FLAGS.max_model_len)
   llm.runner.warmup(("prefill", "draft", "verify", "fused", "gverify") + tuple(fused_kind(n) for n in slot_grid),
                     (FLAGS.block_size,))

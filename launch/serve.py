@@ -278,11 +278,11 @@ def main(argv):
                _POLICY.value, _BLOCK_SIZE.value, _MAX_BATCH.value, _MAX_MODEL_LEN.value, _DTYPE.value)
   t0 = time.perf_counter()
   try:
-    llm = llm_lib.LLM(checkpoint, policy, _BLOCK_SIZE.value, threshold=_THRESHOLD.value, max_batch=_MAX_BATCH.value,
+    llm = llm_lib.LLM(checkpoint, policy, _BLOCK_SIZE.value, threshold=_THRESHOLD.value, max_num_seqs=_MAX_BATCH.value,
                       max_model_len=_MAX_MODEL_LEN.value, num_pages=_NUM_PAGES.value or None,
                       page_size=_PAGE_SIZE.value, rule=_RULE.value, compile_cache_dir=cache, warmup=True,
                       max_queue=_MAX_QUEUE.value, attention=_ATTENTION.value, dtype=_DTYPE.value,
-                      kv_cache_memory_fraction=_KV_FRACTION.value, device_memory_gb=_DEVICE_MEMORY_GB.value,
+                      gpu_memory_utilization=_KV_FRACTION.value, device_memory_gb=_DEVICE_MEMORY_GB.value,
                       background_compile=_BACKGROUND_COMPILE.value, mesh=mesh,
                       warmup_prompt_logprobs=_WARMUP_PROMPT_LOGPROBS.value, layer_loop=_LAYER_LOOP.value,
                       kernel_layout=_KERNEL_LAYOUT.value, decode_steps=_DECODE_STEPS.value)

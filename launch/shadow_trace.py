@@ -33,7 +33,7 @@ def main(argv):
   from recguide_jax import LLM, SamplingParams, benchmarks as bench
   from recguide_jax.orchestrator.shadow import ShadowTracePolicy
   policy = ShadowTracePolicy(FLAGS.dataset, FLAGS.seed)
-  llm = LLM(FLAGS.checkpoint, policy=policy, max_batch=FLAGS.concurrency, max_model_len=FLAGS.max_model_len,
+  llm = LLM(FLAGS.checkpoint, policy=policy, max_num_seqs=FLAGS.concurrency, max_model_len=FLAGS.max_model_len,
             attention=FLAGS.attention, dtype=FLAGS.dtype)
   prompts = bench.gsm8k_prompts(data, FLAGS.num_prompts, llm.tokenizer, offset=FLAGS.offset)
   bench.run_concurrent(llm.engine, prompts, SamplingParams(max_tokens=FLAGS.max_tokens, temperature=0.0),

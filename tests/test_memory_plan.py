@@ -145,8 +145,8 @@ def test_llm_plans_before_loading(monkeypatch):
     llm_lib.LLM(device_memory_gb=0.001, warmup=False, compile_cache_dir=None)
   with pytest.raises(mp.MemoryPlanError, match="--device_memory_gb"):  # CPU reports no memory: say what to pass
     llm_lib.LLM(gpu_memory_utilization=0.5, warmup=False, compile_cache_dir=None)
-  with pytest.raises(ValueError, match="max_num_seqs=4 and max_batch=2"):
-    llm_lib.LLM(max_num_seqs=4, max_batch=2, warmup=False, compile_cache_dir=None)
+  with pytest.raises(ValueError, match=r"max_model_len=100000 exceeds the model's max_position_embeddings \(4096\)"):
+    llm_lib.LLM(max_model_len=100000, warmup=False, compile_cache_dir=None)  # the bundled model's limit
   with pytest.raises(ValueError, match="dtype must be one of"):
     llm_lib.LLM(dtype="float64", warmup=False, compile_cache_dir=None)
 

@@ -63,7 +63,7 @@ def server_proc(ckpt, tmp_path_factory):
 def offline_llm(ckpt, server_proc):
   # Same policy, block size, page size and length limit as the server; batch 1 so that only three step variants
   # compile here (greedy outputs do not depend on the batch: see test_engine's batch-invariance tests).
-  return LLM(ckpt, "linear", 16, max_batch=1, max_model_len=MAX_MODEL_LEN, page_size=8, warmup=False,
+  return LLM(ckpt, "linear", 16, max_num_seqs=1, max_model_len=MAX_MODEL_LEN, page_size=8, warmup=False,
              compile_cache_dir=None)
 
 

@@ -42,7 +42,7 @@ ECHO_PROMPT = "Natalia sold clips to 48 of her friends in April, and then she so
 @pytest.fixture(scope="module")
 def llm(tmp_path_factory):
   ckpt = sf.build_checkpoint(tmp_path_factory.mktemp("api") / MODEL)
-  return LLM(ckpt, "linear", 8, max_batch=2, max_model_len=MAX_MODEL_LEN, page_size=8, prefill_chunk=16,
+  return LLM(ckpt, "linear", 8, max_num_seqs=2, max_model_len=MAX_MODEL_LEN, page_size=8, prefill_chunk=16,
              warmup=False, compile_cache_dir=None)
 
 

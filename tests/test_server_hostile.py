@@ -42,7 +42,7 @@ COMPLETIONS, CHAT = "/v1/completions", "/v1/chat/completions"
 def llm(tmp_path_factory):
   ckpt = sf.build_checkpoint(tmp_path_factory.mktemp("hostile") / MODEL)
   # batches of up to 2: the valid stream shares its rounds with whatever hostile body got through validation
-  return LLM(ckpt, "linear", 8, max_batch=2, max_model_len=MAX_MODEL_LEN, page_size=8, prefill_chunk=16,
+  return LLM(ckpt, "linear", 8, max_num_seqs=2, max_model_len=MAX_MODEL_LEN, page_size=8, prefill_chunk=16,
              warmup=False, compile_cache_dir=None)
 
 
