@@ -208,7 +208,7 @@ class LLM:
         max_num_seqs=max_num_seqs, max_model_len=max_model_len, num_pages=num_pages or None, page_size=page_size,
         prefill_chunk=prefill_chunk, block_sizes=tuple(block_sizes) if block_sizes else None, dtype=dtype, rule=rule,
         compile_cache_dir=str(compile_cache_dir) if compile_cache_dir else None, warmup=warmup, max_queue=max_queue,
-        attention=attention, bucketing=bucketing, kv_cache_memory_fraction=fraction, device_memory_gb=device_memory_gb,
+        attention=attention, bucketing=bucketing, gpu_memory_utilization=fraction, device_memory_gb=device_memory_gb,
         runner_options={"background_compile": background_compile, "layer_loop": layer_loop,
                         "kernel_layout": kernel_layout, "decode_steps": decode_steps,
                         **(runner_options or {})})

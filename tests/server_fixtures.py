@@ -79,7 +79,7 @@ class ServerProcess:
     self.port = free_port()
     self.base = f"http://127.0.0.1:{self.port}"
     self.log_path = log_path
-    self.cmd = [sys.executable, str(SERVE), f"--checkpoint={checkpoint}", f"--port={self.port}", *args]
+    self.cmd = [sys.executable, str(SERVE), f"--model={checkpoint}", f"--port={self.port}", *args]
     self._log = open(log_path, "w")
     env = dict(os.environ if env is None else env, PYTHONUNBUFFERED="1")
     self.proc = subprocess.Popen(self.cmd, cwd=REPO, stdout=self._log, stderr=subprocess.STDOUT, env=env)

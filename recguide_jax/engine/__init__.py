@@ -1,8 +1,9 @@
 """The serving engine: `core` (the step loop and the services rounds use), `scheduler` (admission and grouping),
 `prefill` (prompt chunks, prompt scoring, n samples sharing one prefill), `output` (emission and incremental stop
 strings), `thread` (the engine on its own thread), `config` (the frozen `EngineConfig`), `protocol` (the
-`ServingEngine` interface callers drive) and `build` (`build_engine`, one group or data-parallel groups). Request types live in `recguide_jax.requests` and are re-exported here under their earlier
-import path (`from recguide_jax.engine import SamplingParams`)."""
+`ServingEngine` interface callers drive) and `build` (`build_engine`, one group or data-parallel groups). Request
+types live in `recguide_jax.requests` and are re-exported here under their earlier import path
+(`from recguide_jax.engine import SamplingParams`)."""
 
 from recguide_jax.engine.build import build_engine
 from recguide_jax.engine.config import EngineConfig

@@ -16,9 +16,9 @@ log = logging.getLogger("recguide_jax.engine")
 
 
 class EngineThread:
-  """Runs a `ServingEngine` (one group or data-parallel groups) on its own thread. Other threads (an asyncio event loop) only validate requests and drop them
-  into an inbox, so they never wait for a device step; the engine thread moves the inbox into the engine between
-  steps."""
+  """Runs a `ServingEngine` (one group or data-parallel groups) on its own thread. Other threads (an asyncio event
+  loop) only validate requests and drop them into an inbox, so they never wait for a device step; the engine thread
+  moves the inbox into the engine between steps."""
 
   def __init__(self, engine: ServingEngine):
     self.engine = engine
