@@ -33,8 +33,9 @@ _MODEL = flags.DEFINE_string("model", None, "Checkpoint directory (config.json +
                              "checkpoints/nld-tiny-gsm8k.")
 _HOST = flags.DEFINE_string("host", "127.0.0.1", "Address to listen on.")
 _PORT = flags.DEFINE_integer("port", 8000, "Port to listen on.")
-_POLICY = flags.DEFINE_string("policy", "linear", "Decoding policy: ar, diffusion, linear or recguide (RecGuide: "
-                              "overlap, adaptive block size or AR by load, with the tables shipped beside the model).")
+_POLICY = flags.DEFINE_string("policy", "recguide", "Decoding policy: recguide (the default: overlap, adaptive block "
+                              "size or AR by load, with the tables shipped beside the model), ar, diffusion or linear "
+                              "(LinearSS with a fixed --block_size).")
 _BLOCK_SIZE = flags.DEFINE_integer("block_size", 16, "Draft / diffusion block size (>= 2).")
 _THRESHOLD = flags.DEFINE_float("threshold", 0.9, "Confidence threshold of the diffusion policy, in (0, 1].")
 _MAX_NUM_SEQS = flags.DEFINE_integer("max_num_seqs", 8, "Most requests decoded together (batch buckets 1, 2, 4, "

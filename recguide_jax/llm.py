@@ -23,6 +23,9 @@ DEFAULT_COMPILE_CACHE = pathlib.Path(os.environ.get("RECGUIDE_COMPILE_CACHE",
 # AR decode steps per device call when nothing waits (`LLM(decode_steps=...)`): on this repo's CPU runs 4 gave most
 # of what 8 did (bundled model, batch 1: 1.32x vs 1.45x the single step) at half the tokens a stream receives at once
 DEFAULT_DECODE_STEPS = 4
+# RecGuide, with the tables and profile shipped beside the checkpoint: it runs AR where speculation would not pay,
+# so the default is never slower than AR by more than its calibration rounds (tests/test_default_policy.py)
+DEFAULT_POLICY = "recguide"
 
 
 def default_checkpoint() -> pathlib.Path:
@@ -125,7 +128,8 @@ class RequestOutput:
 class LLM:
   """Loads a checkpoint, compiles the step variants its policy needs, and generates."""
 
-  def __init__(self, model: str | os.PathLike | NLDModel | None = None, policy: str | policies_lib.Policy = "linear",
+  def __init__(self, model: str | os.PathLike | NLDModel | None = None,
+               policy: str | policies_lib.Policy = DEFAULT_POLICY,
                block_size: int = 16, *, threshold: float = 0.9, max_num_seqs: int = 8, max_model_len: int = 1024,
                num_pages: int | None = None, page_size: int = 16, prefill_chunk: int = 64,
                block_sizes: Sequence[int] | None = None, dtype: str | None = None, rule: str = "leviathan",
