@@ -71,7 +71,7 @@ if __name__ == "__main__":
                     "linear, recguide).")
   flags.DEFINE_string("model", None, "With --launch: the checkpoint to serve (default: the bundled model).")
   flags.DEFINE_list("serve_args", [], "With --launch: more flags for serve.py, comma-separated "
-                    "(e.g. --block_size=16,--max_batch=8).")
+                    "(e.g. --block_size=16,--max_num_seqs=8).")
   flags.DEFINE_string("serve_log_dir", os.path.join(ROOT, "runs", "bench_serving"), "With --launch: where each "
                       "server's log goes.")
   flags.DEFINE_float("launch_timeout_s", 3600.0, "With --launch: longest wait for a server to load and compile.")

@@ -2,7 +2,6 @@
 then rho_C per concurrency level by the exact 1-D search (§5.4) against a hardware profile's T_C(B). Writes the
 versioned tables JSON ("recguide-tables/1", `recguide_tables.json`) that the engine loads, and prints per level the
 chosen-B shares and the objective (macro tokens/ms/request on a replay of the traces) against every fixed B.
-(`launch/fit_policy.py` is this script's earlier name.)
 
   python launch/fit_tables.py --traces traces/*.jsonl --profile b200_nld8b --output_dir checkpoints/x
 

@@ -251,10 +251,10 @@ def curl_example(host: str, port: int, model: str, api_key: bool) -> str:
 
 
 def _quiet_libraries() -> None:
-  """jax, orbax and absl log every checkpoint read and compile at INFO: WARNING unless --verbose."""
+  """jax, orbax and absl log every checkpoint read and compile at INFO: WARNING unless --verbose (orbax logs through
+  absl's logger). The server's own lines (engine stats, shutdown) stay at INFO."""
   import logging as std_logging
   level = std_logging.INFO if _VERBOSE.value else std_logging.WARNING
-  logging.set_verbosity(logging.INFO if _VERBOSE.value else logging.WARNING)
   for name in ("jax", "orbax", "absl"):
     std_logging.getLogger(name).setLevel(level)
 
@@ -294,8 +294,8 @@ def main(argv):
   cache = llm_lib.DEFAULT_COMPILE_CACHE if cache is None else (cache or None)
   name = _SERVED_MODEL_NAME.value or os.path.basename(os.path.normpath(os.path.abspath(checkpoint)))
 
-  logging.info("loading %s (policy %s, block size %d, max_num_seqs %d, max_model_len %d, dtype %s)", checkpoint,
-               _POLICY.value, _BLOCK_SIZE.value, _MAX_NUM_SEQS.value, _MAX_MODEL_LEN.value, _DTYPE.value)
+  print(f"loading {checkpoint} (policy {_POLICY.value}, block size {_BLOCK_SIZE.value}, max_num_seqs "
+        f"{_MAX_NUM_SEQS.value}, max_model_len {_MAX_MODEL_LEN.value}, dtype {_DTYPE.value})", flush=True)
   t0 = time.perf_counter()
   try:
     llm = llm_lib.LLM(checkpoint, policy, _BLOCK_SIZE.value, threshold=_THRESHOLD.value,
@@ -311,8 +311,8 @@ def main(argv):
     _fail(f"--model: {e}")
   except ValueError as e:
     _fail(e)
-  logging.info("model loaded and step variants compiled in %.1f s", time.perf_counter() - t0)
-  print(llm.memory_plan.summary(), flush=True)  # also logged (at INFO, shown with --verbose) before the weights load
+  print(f"loaded and compiled in {time.perf_counter() - t0:.1f} s; {llm.memory_plan.summary()}",
+        flush=True)  # the plan is also logged before the weights load (absl INFO, shown with --verbose)
 
   if not distributed.is_leader():  # a multi-host follower: run the leader's steps until it stops
     distributed.follow(llm.runner)
