@@ -130,9 +130,9 @@ class DataParallelEngine:
   def add_request(self, prompt_ids: Sequence[int], params: SamplingParams, request_id: str | None = None,
                   on_update: Callable | None = None, validated: bool = False, arrival: float | None = None,
                   prefill_source: str | None = None) -> Request:
-    if not validated:  # against the queue of every group, not only the one it will join
+    if not validated:
       prompt_ids = self.validate_request(prompt_ids, params)
-    if len(self.waiting) >= self.max_queue:
+    if len(self.waiting) >= self.max_queue:  # the queue of every group, as one engine's queue would hold them
       raise QueueFull(f"the request queue is full ({self.max_queue} waiting)")
     # a sample of n joins the group of the sample whose prefill it shares (pages live in one group's cache)
     i = self._home.get(prefill_source) if prefill_source is not None else None
