@@ -146,7 +146,7 @@ def run_context(cfg: ContextConfig, log=print) -> dict:
   points = []
   for max_len in cfg.max_model_lens:
     t0 = time.perf_counter()
-    llm = LLM(ckpt, policy="ar", block_sizes=(cfg.block_size,), max_batch=max(cfg.concurrency),
+    llm = LLM(ckpt, policy="ar", block_sizes=(cfg.block_size,), max_num_seqs=max(cfg.concurrency),
               max_model_len=max_len, page_size=cfg.page_size, warmup=False, attention=cfg.attention,
               decode_steps=cfg.decode_steps)
     load_s = time.perf_counter() - t0
@@ -219,7 +219,7 @@ def _define_flags():
 
   from recguide_jax.benchmarks import cli
   d = ContextConfig()
-  flags.DEFINE_string("checkpoint", None, "Checkpoint dir (default: the bundled model).")
+  flags.DEFINE_string("model", None, "Checkpoint dir (default: the bundled model).")
   flags.DEFINE_list("max_model_lens", [str(m) for m in d.max_model_lens], "Engine max_model_len values.")
   flags.DEFINE_list("concurrency", [str(c) for c in d.concurrency], "Requests decoded together (C).")
   flags.DEFINE_integer("context", d.context, "Prompt tokens per request (the live context of the timed rounds).")
@@ -245,7 +245,6 @@ def main(argv):
   from recguide_jax.benchmarks import cli
   f = flags.FLAGS
   quiet_logging()
-  cli.warn_deprecated()
   data = cli.data_path() if f.prompt_source == "gsm8k" else f.data or os.path.join(f.gsm8k_dir, "test.jsonl")
 
   def ints(name):
@@ -254,7 +253,7 @@ def main(argv):
     except ValueError:
       sys.exit(f"error: --{name} must be integers, got {f[name].value}")
 
-  cfg = ContextConfig(checkpoint=f.checkpoint, max_model_lens=ints("max_model_lens"), concurrency=ints("concurrency"),
+  cfg = ContextConfig(checkpoint=f.model, max_model_lens=ints("max_model_lens"), concurrency=ints("concurrency"),
                       context=f.context, policies=tuple(f.policies), block_size=f.block_size, rounds=f.rounds,
                       repeats=f.repeats, page_size=f.page_size, prompt_source=f.prompt_source,
                       data=data, attention=f.attention, decode_steps=f.decode_steps)

@@ -46,7 +46,7 @@ flags.DEFINE_float("max_cache_gib", 24.0, "Skip shapes whose K+V prefix pages ex
 flags.DEFINE_bool("interpret", False, "Run the kernels in interpret mode (the only way on CPU).")
 flags.DEFINE_bool("quick", False, "Tiny shapes for a CPU/interpret smoke run.")
 flags.DEFINE_bool("check", True, "Also compare each kernel output with the reference (max abs error).")
-cli.define_output_flags("bench_kernels", {"out_json": "bench_kernels.json"})
+cli.define_output_flags("bench_kernels")
 
 
 def _ints(name):
@@ -100,7 +100,6 @@ def _split_options():
 
 def main(argv):
   del argv
-  cli.warn_deprecated()
   import jax
   import jax.numpy as jnp
   import numpy as np
@@ -184,7 +183,7 @@ def main(argv):
             print(f"{impl:<9} {mask_name:<6} B={blk:<3} batch={b:<4} prefix={prefix:<5} {split_txt} "
                   f"{row['ms']:9.3f} ms {row['gb_per_s']:9.2f} GB/s {row['tflop_per_s']:8.3f} TFLOP/s"
                   + ("" if err is None else f"  max|err| {err:.2e}"), flush=True)
-  out_json = cli.report_path("bench_kernels.json", "out_json")
+  out_json = cli.report_path("bench_kernels.json")
   with open(out_json, "w") as f:
     json.dump(dict(platform=platform, device=str(jax.devices()[0].device_kind), rows=rows), f, indent=1)
   print(f"wrote {out_json}")

@@ -9,7 +9,7 @@ get the same converted weights:
 - a random NLD-shaped model (default ~26M parameters; --layers/--hidden/--heads/--kv_heads/--head_dim/--intermediate/
   --vocab): built as a transformers model, written out as an HF NLD checkpoint (safetensors, NLD tensor names) and
   converted into ours with `convert_hf_checkpoint`, the path a released checkpoint takes;
-- or `--checkpoint DIR` (one of ours, e.g. checkpoints/nld-tiny-gsm8k): its weights are exported into a transformers
+- or `--model DIR` (one of ours, e.g. checkpoints/nld-tiny-gsm8k): its weights are exported into a transformers
   twin (the inverse of the converter's name map; the draft LoRA stays ours, AR never uses it).
 
 Per cell (dtype x batch x prompt length) every config runs `--repeats` times, interleaved (ours AR, ours LinearSS,
@@ -28,7 +28,7 @@ processes on a small machine make every figure noisier (torch's thread pool suff
 
   python launch/bench_peer.py                                       # default grid, writes runs/bench_peer.{json,md}
   python launch/bench_peer.py --output_dir docs                     # docs/bench_peer.{json,md}
-  python launch/bench_peer.py --checkpoint checkpoints/nld-tiny-gsm8k --policies ar,linear,recguide
+  python launch/bench_peer.py --model checkpoints/nld-tiny-gsm8k --policies ar,linear,recguide
   python launch/bench_peer.py --concurrency 1,8,32 --prompt_lens 64,512 --max_cell_tokens 0   # the full grid
 """
 
@@ -139,7 +139,7 @@ class PeerConfig:
       if adaptive.tables_path(self.checkpoint) is None:
         raise ValueError(f"--policies recguide needs {self.checkpoint}/{adaptive.TABLES_FILENAME} (fitted tables)")
     if self.checkpoint is None and "recguide" in self.policies:
-      raise ValueError("--policies recguide needs --checkpoint with fitted recguide_tables.json")
+      raise ValueError("--policies recguide needs --model with fitted recguide_tables.json")
     return self
 
   def cells(self) -> list[tuple[str, int, int]]:
@@ -470,7 +470,7 @@ def run_peer(cfg: PeerConfig, log=print) -> dict:
       for max_len, group_lens in groups:
         t0 = time.perf_counter()
         blocks = (8, 16, 32) if "recguide" in cfg.policies else (cfg.block_size,)
-        llm = LLM(ckpt_dir, policy="ar", block_sizes=blocks, max_batch=max(b for _, b, p in dcells
+        llm = LLM(ckpt_dir, policy="ar", block_sizes=blocks, max_num_seqs=max(b for _, b, p in dcells
                                                                             if p in group_lens),
                   max_model_len=max_len, warmup=False, dtype=dtype, compile_cache_dir=None,
                   attention=cfg.attention, layer_loop=cfg.layer_loop,
@@ -670,7 +670,7 @@ def _define_flags():
 
   from recguide_jax.benchmarks import cli
   d = RandomModelSpec()
-  flags.DEFINE_string("checkpoint", None, "One of our checkpoints (its transformers twin is exported); default: a "
+  flags.DEFINE_string("model", None, "One of our checkpoints (its transformers twin is exported); default: a "
                       "random NLD-shaped model of the size below.")
   flags.DEFINE_integer("layers", d.layers, "Random model: decoder layers.")
   flags.DEFINE_integer("hidden", d.hidden, "Random model: hidden size.")
@@ -682,15 +682,12 @@ def _define_flags():
   flags.DEFINE_float("init_scale", d.init_scale, "Random model: weight std * sqrt(fan_in).")
   flags.DEFINE_integer("seed", 0, "Seed of the random model and prompts.")
   flags.DEFINE_list("dtypes", list(DTYPES), "Dtypes (float32, bfloat16).")
-  flags.DEFINE_alias("dtype", "dtypes")  # one dtype is a list of one
   flags.DEFINE_list("concurrency", ["1", "8", "32"], "Batch sizes: requests decoded together, all admitted at once.")
-  cli.deprecated_alias("batch_sizes", "concurrency")
   flags.DEFINE_list("prompt_lens", ["64", "512"], "Prompt lengths in tokens.")
   flags.DEFINE_integer("max_tokens", 128, "New tokens per request (EOS ignored on both sides).")
-  cli.deprecated_alias("new_tokens", "max_tokens")
   flags.DEFINE_integer("repeats", 3, "Timed repeats per config (medians reported).")
   flags.DEFINE_list("policies", ["ar", "linear"], "Our configs: ar, linear (LinearSS at --block_size), recguide "
-                    "(needs --checkpoint with recguide_tables.json).")
+                    "(needs --model with recguide_tables.json).")
   flags.DEFINE_integer("block_size", 16, "LinearSS block size.")
   flags.DEFINE_integer("threads", os.cpu_count() or 1, "torch intra-op threads (XLA uses every core).")
   flags.DEFINE_integer("max_model_len", 1024, "Our engine's max_model_len (0: prompt + new tokens, per prompt).")
@@ -731,13 +728,12 @@ def main(argv):
   from recguide_jax.benchmarks import cli
   f = flags.FLAGS
   quiet_logging()
-  cli.warn_deprecated()
   spec = RandomModelSpec(layers=f.layers, hidden=f.hidden, intermediate=f.intermediate, heads=f.heads,
                          kv_heads=f.kv_heads, head_dim=f.head_dim, vocab=f.vocab, init_scale=f.init_scale,
                          seed=f.seed)
   output_dir = cli.output_dir()
   data = cli.data_path() if f.prompt_source == "gsm8k" else f.data or os.path.join(f.gsm8k_dir, "test.jsonl")
-  cfg = PeerConfig(checkpoint=f.checkpoint, model=spec, dtypes=tuple(f.dtypes), batch_sizes=_ints("concurrency"),
+  cfg = PeerConfig(checkpoint=f.model, model=spec, dtypes=tuple(f.dtypes), batch_sizes=_ints("concurrency"),
                    prompt_lens=_ints("prompt_lens"), new_tokens=f.max_tokens, repeats=f.repeats,
                    policies=tuple(f.policies), block_size=f.block_size, threads=f.threads,
                    max_model_len=f.max_model_len, max_cell_tokens=f.max_cell_tokens, prompt_source=f.prompt_source,

@@ -56,7 +56,6 @@ flags.DEFINE_integer("repeats", 1, "Repeats per point; the median wall time is r
 flags.DEFINE_string("profile", None, "Profile of THIS machine for RecGuide's switch (launch/profile.py output).")
 flags.DEFINE_string("recguide_tables", None, "RecGuide's fitted adaptive-B tables JSON (default: the checkpoint's, "
                     "if any).")
-cli.deprecated_alias("policy_tables", "recguide_tables")
 flags.DEFINE_string("price_profile", "b200_nld8b", "Profile used to price the runs (name or path).")
 flags.DEFINE_float("delta", None, "Margin threshold of risky draft positions (default: the tables' fitted "
                    "overlap_delta, else 0.5).")
@@ -71,8 +70,7 @@ flags.DEFINE_bool("unseen", True, "--mode=priced: also run C = 1 on prompt sets 
                   "(recguide_jax.benchmarks.unseen), --num_prompts of each.")
 flags.DEFINE_integer("steady_requests_per_slot", 8, "--mode=steady: requests per level = max(--num_prompts, this * C) "
                      "(GSM8K questions, reused in turn if the file has fewer).")
-cli.define_output_flags("bench_recguide", {"out_json": "bench_recguide[_steady].json",
-                                           "out_md": "bench_recguide[_steady].md"})
+cli.define_output_flags("bench_recguide")
 
 # Table 6 rows: one mixed batch padded to the largest planned B, one batch per B, or per step whichever the policy's
 # cost model prices cheaper (the engine's default, used by every other row)
@@ -98,7 +96,7 @@ def main(argv):
   data = cli.data_path()
   price = prof_lib.load_profile(FLAGS.price_profile)
   local = prof_lib.load_profile(FLAGS.profile) if FLAGS.profile else None
-  llm = LLM(FLAGS.checkpoint, policy="ar", block_sizes=(8, 16, 32), max_batch=max(levels),
+  llm = LLM(FLAGS.model, policy="ar", block_sizes=(8, 16, 32), max_num_seqs=max(levels),
             max_model_len=FLAGS.max_model_len, warmup=False, attention=FLAGS.attention, dtype=FLAGS.dtype,
             mesh=distributed.mesh_from_flags())
   from recguide_jax.orchestrator import adaptive
@@ -106,7 +104,7 @@ def main(argv):
   tables_path = FLAGS.recguide_tables
   if tables_path is None:  # the tables shipped beside the checkpoint (the bundled one by default)
     from recguide_jax import llm as llm_lib
-    found = adaptive.tables_path(FLAGS.checkpoint or str(llm_lib.default_checkpoint()))
+    found = adaptive.tables_path(FLAGS.model or str(llm_lib.default_checkpoint()))
     tables_path = str(found) if found else None
   if tables_path:
     tables = adaptive.load_tables(tables_path)
@@ -217,13 +215,13 @@ def main(argv):
                for r in results if r["policy"] == "recguide" and "vs_best_baseline_wall_interval" in r]
   if levels_iv:
     pooled = bench.pooled_ratio_interval(levels_iv)
-  meta = {"checkpoint": str(FLAGS.checkpoint or "bundled"), "num_prompts": FLAGS.num_prompts,
+  meta = {"checkpoint": str(FLAGS.model or "bundled"), "num_prompts": FLAGS.num_prompts,
           "max_tokens": FLAGS.max_tokens, "repeats": FLAGS.repeats, "price_profile": FLAGS.price_profile,
           "local_profile": FLAGS.profile, "recguide_tables": tables_path,
           "delta": default.delta, "planner": default.planner, "overlap_slots": default.overlap_slots,
           "prefix_exponent": default.prefix_exponent,
           "compiles_after_warmup": llm.runner.compiles_after_warmup, **_host_meta(llm)}
-  out_json, out_md = cli.report_path("bench_recguide.json", "out_json"), cli.report_path("bench_recguide.md", "out_md")
+  out_json, out_md = cli.report_path("bench_recguide.json"), cli.report_path("bench_recguide.md")
   with open(out_json, "w") as f:
     json.dump({"meta": meta, "results": results, "recguide_vs_best_baseline_wall_pooled": pooled}, f, indent=2)
   lines = ["| C | policy | tok/s | per-req tok/s | TPF | tau | vs best baseline (wall) | paired vs that baseline: "
@@ -291,7 +289,7 @@ def held_load(llm, recguide, default, levels, params, data, tables_path):
       FLAGS.repeats, baselines=BASELINE_ROWS, target="recguide",
       official={c: f"linear B={OFFICIAL_B.get(c, 16)}" for c in levels}, before_run=before_run,
       log=lambda line: print(line, flush=True))
-  result["meta"] = {"mode": "steady", "checkpoint": str(FLAGS.checkpoint or "bundled"), "data": data,
+  result["meta"] = {"mode": "steady", "checkpoint": str(FLAGS.model or "bundled"), "data": data,
                     "num_prompts": FLAGS.num_prompts, "steady_requests_per_slot": FLAGS.steady_requests_per_slot,
                     "max_tokens": FLAGS.max_tokens, "repeats": FLAGS.repeats, "local_profile": FLAGS.profile,
                     "recguide_tables": tables_path, "delta": default.delta, "planner": default.planner,
@@ -299,8 +297,8 @@ def held_load(llm, recguide, default, levels, params, data, tables_path):
                     "window": "from the first engine step after the first cohort of C requests has finished to the "
                               "last step that starts with C requests in flight"}
   table = steady.markdown(result, "recguide")
-  out_json = cli.report_path("bench_recguide_steady.json", "out_json")
-  out_md = cli.report_path("bench_recguide_steady.md", "out_md")
+  out_json = cli.report_path("bench_recguide_steady.json")
+  out_md = cli.report_path("bench_recguide_steady.md")
   with open(out_json, "w") as f:
     json.dump(result, f, indent=2)
   with open(out_md, "w") as f:
@@ -379,7 +377,7 @@ def priced(llm, recguide, levels, params, data, tables_path):
   command = ("python launch/bench_recguide.py --mode=priced --price_profiles=" + ",".join(FLAGS.price_profiles)
              + f" --concurrency={','.join(map(str, levels))} --num_prompts={FLAGS.num_prompts} "
              f"--max_tokens={FLAGS.max_tokens} --output_dir=docs")
-  meta = {"mode": "priced", "checkpoint": str(FLAGS.checkpoint or "bundled"), "data": data,
+  meta = {"mode": "priced", "checkpoint": str(FLAGS.model or "bundled"), "data": data,
           "num_prompts": FLAGS.num_prompts, "max_tokens": FLAGS.max_tokens, "price_profiles": FLAGS.price_profiles,
           "recguide_tables": tables_path, "recguide_tie_margin": configs[-1][1].tie_margin, "command": command,
           "compiles_after_warmup": llm.runner.compiles_after_warmup}
@@ -414,8 +412,8 @@ def priced(llm, recguide, levels, params, data, tables_path):
                    f"{u['recguide_forwards']['verify']} ({u['recguide_forwards']['saved_drafts']}) | "
                    f"{u['recguide_vs_linear16']:.3f}x | {u['recguide_vs_best_fixed']:.3f}x ({u['best_fixed']}) | "
                    f"{u['lossless']} |")
-  out_json = cli.report_path("bench_recguide_priced.json", "out_json")
-  out_md = cli.report_path("bench_recguide_priced.md", "out_md")
+  out_json = cli.report_path("bench_recguide_priced.json")
+  out_md = cli.report_path("bench_recguide_priced.md")
   with open(out_json, "w") as f:
     json.dump({"meta": meta, "results": rows, "unseen_c1": unseen_rows}, f, indent=2)
   notes = ""  # hand-written notes below NOTES_MARK in an earlier report survive a re-run

@@ -69,15 +69,16 @@ if __name__ == "__main__":
                     "it, stop it.")
   flags.DEFINE_list("policy", ["linear"], "With --launch: the policies to serve, one server each (ar, diffusion, "
                     "linear, recguide).")
-  flags.DEFINE_string("checkpoint", None, "With --launch: the checkpoint to serve (default: the bundled model).")
+  flags.DEFINE_string("model", None, "With --launch: the checkpoint to serve (default: the bundled model).")
   flags.DEFINE_list("serve_args", [], "With --launch: more flags for serve.py, comma-separated "
-                    "(e.g. --block_size=16,--max_batch=8).")
+                    "(e.g. --block_size=16,--max_num_seqs=8).")
   flags.DEFINE_string("serve_log_dir", os.path.join(ROOT, "runs", "bench_serving"), "With --launch: where each "
                       "server's log goes.")
   flags.DEFINE_float("launch_timeout_s", 3600.0, "With --launch: longest wait for a server to load and compile.")
   flags.DEFINE_string("label", None, "Name of the run in the outputs (default: the policy with --launch, else the "
                       "served model's name).")
-  flags.DEFINE_string("model", None, "Model name sent in requests (default: the first one /v1/models lists).")
+  flags.DEFINE_string("served_model_name", None, "Model name sent in requests (default: the first one /v1/models "
+                      "lists).")
   flags.DEFINE_enum("endpoint", "chat", ["chat", "completions"], "/v1/chat/completions (prompt as one user message) "
                     "or /v1/completions (raw prompt).")
   flags.DEFINE_string("dataset_path", GSM8K_TEST, "jsonl of prompts: GSM8K's {\"question\": ...} or any "
@@ -103,7 +104,6 @@ if __name__ == "__main__":
                       "plots go (`docs` updates the committed ones).")
   flags.DEFINE_string("output_name", "bench_serving", "File name stem of the outputs.")
   flags.DEFINE_bool("progress", True, "Show a progress bar.")
-  flags.DEFINE_alias("data", "dataset_path")
 
 
 class BenchError(ValueError):
@@ -637,7 +637,7 @@ class LaunchedServer:
     self.log_path = log_path
     cmd = [sys.executable, SERVE, f"--policy={policy}", "--host=127.0.0.1", f"--port={self.port}", *serve_args]
     if checkpoint:
-      cmd.append(f"--checkpoint={checkpoint}")
+      cmd.append(f"--model={checkpoint}")
     self.cmd = cmd
     self.timeout_s = timeout_s
     self.proc = None
@@ -708,7 +708,7 @@ def main(argv):
   except BenchError as e:
     sys.exit(f"error: {e}")
 
-  kw = dict(model=f.model, endpoint=f.endpoint, max_tokens=f.max_tokens, temperature=f.temperature,
+  kw = dict(model=f.served_model_name, endpoint=f.endpoint, max_tokens=f.max_tokens, temperature=f.temperature,
             ignore_eos=f.ignore_eos, num_warmups=f.num_warmups, request_timeout_s=f.request_timeout_s,
             max_level_s=f.max_level_s, seed=f.seed, progress=f.progress)
   # the default data lives beside the repository (shared/data/gsm8k), recorded relative to the repository root
@@ -731,7 +731,7 @@ def main(argv):
       log_path = os.path.join(f.serve_log_dir, f"{f.output_name}_serve_{policy}.log")
       print(f"starting serve.py --policy={policy} (log: {log_path})", flush=True)
       try:
-        with LaunchedServer(policy, log_path, f.checkpoint, f.serve_args, f.launch_timeout_s) as server:
+        with LaunchedServer(policy, log_path, f.model, f.serve_args, f.launch_timeout_s) as server:
           report["runs"].append(run_benchmark(server.base, prompts, levels, label=f.label or policy,
                                               extra={"policy": policy, "serve_args": list(f.serve_args)}, **kw))
       except BenchError as e:  # the other policies still run

@@ -22,10 +22,9 @@ distributed.define_mesh_flags()  # --tp/--dp/--mesh (one host; on simulated CPU 
 FLAGS = flags.FLAGS
 cli.define_model_and_data_flags("test", num_prompts=32, max_tokens=128)
 flags.DEFINE_list("concurrency", ["1", "8"], "Concurrency levels (requests in flight).")
-cli.deprecated_alias("batch_sizes", "concurrency")
 flags.DEFINE_list("block_sizes", ["8", "16", "32"], "LinearSS block sizes.")
 flags.DEFINE_integer("repeats", 3, "Repeats per point (the median wall time is reported).")
-cli.define_output_flags("benchmark", {"out_json": "bench_linear.json", "out_md": "bench_linear.md"})
+cli.define_output_flags("benchmark")
 
 
 def main(argv):
@@ -39,7 +38,7 @@ def main(argv):
     sys.exit("error: --repeats, --num_prompts and --max_tokens must be positive")
   data = cli.data_path()
   from recguide_jax import LLM, SamplingParams, benchmarks as bench, policies
-  llm = LLM(FLAGS.checkpoint, policy="ar", block_sizes=tuple(blocks), max_batch=max(batch_sizes),
+  llm = LLM(FLAGS.model, policy="ar", block_sizes=tuple(blocks), max_num_seqs=max(batch_sizes),
             max_model_len=FLAGS.max_model_len, warmup=False, attention=FLAGS.attention, dtype=FLAGS.dtype,
             mesh=distributed.mesh_from_flags())
   llm.runner.warmup(("prefill", "draft", "verify"), tuple(blocks))
@@ -62,10 +61,10 @@ def main(argv):
   by = {(r["policy"], r["concurrency"]): r for r in results}
   for r in results:
     r["speedup_vs_ar"] = r["tokens_per_s"] / by[("ar", r["concurrency"])]["tokens_per_s"]
-  meta = {"checkpoint": str(FLAGS.checkpoint or "bundled"), "num_prompts": FLAGS.num_prompts,
+  meta = {"checkpoint": str(FLAGS.model or "bundled"), "num_prompts": FLAGS.num_prompts,
           "max_tokens": FLAGS.max_tokens, "repeats": FLAGS.repeats, "compiles_after_warmup":
               llm.runner.compiles_after_warmup}
-  out_json, out_md = cli.report_path("bench_linear.json", "out_json"), cli.report_path("bench_linear.md", "out_md")
+  out_json, out_md = cli.report_path("bench_linear.json"), cli.report_path("bench_linear.md")
   with open(out_json, "w") as f:
     json.dump({"meta": meta, "results": results}, f, indent=2)
   lines = ["| C | policy | TPF | tau | tok/s | per-request tok/s | speedup vs AR | lossless |",

@@ -3,8 +3,8 @@
 
 A refactoring that must not change behaviour is checked by running this before and after it:
 
-  python launch/check_outputs.py --output runs/greedy_before.json
-  python launch/check_outputs.py --output runs/greedy_after.json --baseline runs/greedy_before.json
+  python launch/check_outputs.py --output_dir runs/greedy_before
+  python launch/check_outputs.py --output_dir runs/greedy_after --baseline runs/greedy_before/check_outputs.json
 
 Modes: ar, linear8/16/32 (LinearSS at a fixed block size), diffusion (block 32, threshold 0.9) and recguide
 (the checkpoint's fitted tables and profile, with the online wall-clock calibration off so that the decisions, and
@@ -23,13 +23,13 @@ from absl import flags, logging  # noqa: E402
 from recguide_jax.benchmarks import cli  # noqa: E402
 
 FLAGS = flags.FLAGS
-flags.DEFINE_string("checkpoint", None, "Checkpoint dir (default: the bundled model).")
+flags.DEFINE_string("model", None, "Checkpoint dir (default: the bundled model).")
 cli.define_data_flag("test", what="its first --num_prompts questions are the prompts")
 flags.DEFINE_integer("num_prompts", 64, "Prompts from the start of --data.")
 flags.DEFINE_integer("max_tokens", 128, "New tokens per request (greedy, stops at EOS).")
 flags.DEFINE_integer("max_num_seqs", 8, "Requests decoded together.")
 flags.DEFINE_list("modes", ["ar", "linear8", "linear16", "linear32", "diffusion", "recguide"], "Decoding modes.")
-flags.DEFINE_string("output", None, "JSON file the token ids are written to.")
+flags.DEFINE_string("output_dir", None, "Writes the token ids to <output_dir>/check_outputs.json.")
 flags.DEFINE_string("baseline", None, "JSON file of an earlier run to compare against (exit 1 on a difference).")
 
 MODES = ("ar", "linear8", "linear16", "linear32", "diffusion", "recguide")
@@ -78,23 +78,23 @@ def main(argv):
     sys.exit("error: --num_prompts and --max_tokens must be positive")
   from recguide_jax import LLM, SamplingParams
   from recguide_jax.config import BLOCK_SIZES
-  llm = LLM(FLAGS.checkpoint, policy="ar", block_sizes=BLOCK_SIZES, max_num_seqs=FLAGS.max_num_seqs,
+  llm = LLM(FLAGS.model, policy="ar", block_sizes=BLOCK_SIZES, max_num_seqs=FLAGS.max_num_seqs,
             max_model_len=1024, warmup=False)
   if llm.tokenizer is None:
     sys.exit("error: the checkpoint has no tokenizer")
   prompts = [llm.tokenizer.encode(llm.tokenizer.apply_chat_template([{"role": "user", "content": q}]))
              for q in gsm8k_questions(cli.data_path(), FLAGS.num_prompts)]
   params = SamplingParams(max_tokens=FLAGS.max_tokens, temperature=0.0)
-  result = {"meta": {"checkpoint": str(FLAGS.checkpoint or "bundled"), "num_prompts": len(prompts),
+  result = {"meta": {"checkpoint": str(FLAGS.model or "bundled"), "num_prompts": len(prompts),
                      "max_tokens": FLAGS.max_tokens, "max_num_seqs": FLAGS.max_num_seqs}, "outputs": {}}
   for mode in FLAGS.modes:
-    llm.set_policy(strategy_for(mode, FLAGS.checkpoint))
+    llm.set_policy(strategy_for(mode, FLAGS.model))
     outs = llm.generate(prompts, params, use_tqdm=False)
     result["outputs"][mode] = [list(o.token_ids) for o in outs]
     print(f"{mode:<10} {sum(len(o.token_ids) for o in outs)} tokens", flush=True)
-  if FLAGS.output:
-    os.makedirs(os.path.dirname(os.path.abspath(FLAGS.output)), exist_ok=True)
-    with open(FLAGS.output, "w") as f:
+  if FLAGS.output_dir:
+    os.makedirs(FLAGS.output_dir, exist_ok=True)
+    with open(os.path.join(FLAGS.output_dir, "check_outputs.json"), "w") as f:
       json.dump(result, f)
   if FLAGS.baseline:
     with open(FLAGS.baseline) as f:

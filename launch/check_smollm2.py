@@ -6,7 +6,7 @@ our whole conversion, not only the forward. Reported: chat-prompt token ids equa
 causal forward, greedy tokens of the engine (AR policy) against `generate(do_sample=False)`, and the engine's AR
 tokens/s at batch 1 (64 new tokens; for a fair comparison with transformers use launch/bench_peer.py).
 
-  python launch/check_smollm2.py [--checkpoint=checkpoints/smollm2-135m-instruct] [--max_tokens=48]
+  python launch/check_smollm2.py [--model=checkpoints/smollm2-135m-instruct] [--max_tokens=48]
 
 Exits 1 when the prompt ids or greedy tokens differ or the logits differ by more than --atol.
 """
@@ -23,7 +23,7 @@ from absl import flags, logging  # noqa: E402
 
 import get_smollm2  # noqa: E402  (beside this file)
 
-_CHECKPOINT = flags.DEFINE_string("checkpoint", str(get_smollm2.REPO / "checkpoints" / "smollm2-135m-instruct"),
+_MODEL = flags.DEFINE_string("model", str(get_smollm2.REPO / "checkpoints" / "smollm2-135m-instruct"),
                                   "The converted checkpoint.")
 _MAX_TOKENS = flags.DEFINE_integer("max_tokens", 48, "New tokens per prompt.")
 _ATOL = flags.DEFINE_float("atol", 1e-3, "Largest |logit| difference accepted (fp32 over 30 layers).")
@@ -44,7 +44,7 @@ def main(argv):
   from recguide_jax.attention import causal_mask
   from recguide_jax.model import ForwardInputs
 
-  ckpt = pathlib.Path(_CHECKPOINT.value)
+  ckpt = pathlib.Path(_MODEL.value)
   gguf_path = get_smollm2.fetch_gguf(pathlib.Path(get_smollm2._CACHE_DIR.value))
   hf_cfg = LlamaConfig(**load_gguf_checkpoint(gguf_path, return_tensors=False)["config"])
   hf_cfg._attn_implementation = "eager"
@@ -56,7 +56,7 @@ def main(argv):
   ref.tie_weights()
   hf_tok = AutoTokenizer.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
 
-  llm = LLM(checkpoint=ckpt, policy="ar", max_batch=1, max_model_len=512)
+  llm = LLM(model=ckpt, policy="ar", max_num_seqs=1, max_model_len=512)
   mask_id = llm.model.cfg.mask_token_id
   report, ok = {"prompts": []}, True
   for question in QUESTIONS:

@@ -33,10 +33,10 @@ _LORA_RANK = flags.DEFINE_integer("lora_rank", 128, "Draft LoRA rank (NLD's line
 _DTYPE = flags.DEFINE_enum("dtype", "bfloat16", ["bfloat16", "float32"], "Weight and KV cache dtype.")
 _POLICIES = flags.DEFINE_list("policies", ["linear", "recguide"], "Policies whose variants are compiled.")
 _BLOCK_SIZE = flags.DEFINE_integer("block_size", 16, "Block size of the linear policy (serve.py's --block_size).")
-_MAX_BATCH = flags.DEFINE_integer("max_batch", 8, "Largest batch bucket (serve.py's --max_batch).")
+_MAX_NUM_SEQS = flags.DEFINE_integer("max_num_seqs", 8, "Largest batch bucket (serve.py's --max_num_seqs).")
 _MAX_MODEL_LEN = flags.DEFINE_integer("max_model_len", 1024, "Longest sequence (serve.py's --max_model_len).")
 _PAGE_SIZE = flags.DEFINE_integer("page_size", 16, "Tokens per KV page.")
-_NUM_PAGES = flags.DEFINE_integer("num_pages", 0, "KV pages; 0: max_batch full-length sequences + the trash page "
+_NUM_PAGES = flags.DEFINE_integer("num_pages", 0, "KV pages; 0: max_num_seqs full-length sequences + the trash page "
                                   "(serve.py's default).")
 _PREFILL_CHUNK = flags.DEFINE_integer("prefill_chunk", 64, "Prefill chunk.")
 _WORKERS = flags.DEFINE_integer("workers", 0, "Variants compiled at a time; 0: Runner.warmup's default (one per "
@@ -81,7 +81,7 @@ def policy_runner_config(name: str):
   sizes = tuple(sorted(set(policy.block_sizes()))) or (_BLOCK_SIZE.value,)
   pages_per_seq = -(-(_MAX_MODEL_LEN.value + max(sizes + (_PREFILL_CHUNK.value,))) // _PAGE_SIZE.value)
   rc = RunnerConfig(num_pages=_NUM_PAGES.value or _MAX_BATCH.value * pages_per_seq + 1, page_size=_PAGE_SIZE.value,
-                    max_model_len=_MAX_MODEL_LEN.value, max_batch=_MAX_BATCH.value, block_sizes=sizes,
+                    max_model_len=_MAX_MODEL_LEN.value, max_num_seqs=_MAX_NUM_SEQS.value, block_sizes=sizes,
                     prefill_chunk=_PREFILL_CHUNK.value, compile_cache_dir=None, decode_steps=DEFAULT_DECODE_STEPS)
   return policy, rc
 
@@ -168,8 +168,8 @@ def markdown(report: dict) -> str:
   lines = [f"# Compile times: every step variant at {report['preset']} shapes", "",
            f"Backend `{report['platform']}` on {report['machine']}, {report['cpu_count']} CPU cores, jax "
            f"{report['jax']}; weights and KV cache abstract ({report['dtype']}, {cfg['num_hidden_layers']} layers, "
-           f"hidden {cfg['hidden_size']}, vocab {cfg['vocab_size']}, LoRA rank {cfg['lora_rank']}); max_batch "
-           f"{report['max_batch']}, max_model_len {report['max_model_len']}, page_size {report['page_size']}. "
+           f"hidden {cfg['hidden_size']}, vocab {cfg['vocab_size']}, LoRA rank {cfg['lora_rank']}); max_num_seqs "
+           f"{report['max_num_seqs']}, max_model_len {report['max_model_len']}, page_size {report['page_size']}. "
            f"Written by `launch/compile_bench.py` at {report['time']}.", ""]
   lines += ["Start-up is what `launch/serve.py` compiles before it listens (with its default `--background_compile`: "
             "the largest batch bucket of every variant, which every batch fits); background is the smaller buckets, "
@@ -226,7 +226,7 @@ def main(argv):
             "model": {k: getattr(cfg, k) for k in ("num_hidden_layers", "hidden_size", "intermediate_size",
                                                      "vocab_size", "num_attention_heads", "num_key_value_heads",
                                                      "head_dim", "lora_rank")},
-            "max_batch": _MAX_BATCH.value, "max_model_len": _MAX_MODEL_LEN.value, "page_size": _PAGE_SIZE.value,
+            "max_num_seqs": _MAX_NUM_SEQS.value, "max_model_len": _MAX_MODEL_LEN.value, "page_size": _PAGE_SIZE.value,
             "note": _NOTE.value, "policies": [bench_policy(p, cfg, dtype) for p in _POLICIES.value]}
   if _BEFORE_JSON.value:
     with open(_BEFORE_JSON.value) as f:

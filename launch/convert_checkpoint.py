@@ -1,9 +1,9 @@
 """Converts a Hugging Face NLD checkpoint (and optionally its draft LoRA), or a llama.cpp GGUF of a Llama model,
 into our checkpoint format.
 
-  python launch/convert_checkpoint.py --hf_dir=/ckpt/Nemotron-Labs-Diffusion-8B --out_dir=/ckpt/nld-8b \
+  python launch/convert_checkpoint.py --hf_dir=/ckpt/Nemotron-Labs-Diffusion-8B --output_dir=/ckpt/nld-8b \
       --lora_dir=/ckpt/Nemotron-Labs-Diffusion-8B/linear_spec_lora
-  python launch/convert_checkpoint.py --gguf=SmolLM2-135M-Instruct.Q4_1.gguf --out_dir=/ckpt/smollm2 --dtype=float32
+  python launch/convert_checkpoint.py --gguf=SmolLM2-135M-Instruct.Q4_1.gguf --output_dir=/ckpt/smollm2 --dtype=float32
 
 Bad input prints one `error: ...` line naming the flag, file or tensor and exits with status 1.
 """
@@ -21,11 +21,11 @@ _HF_DIR = flags.DEFINE_string("hf_dir", None,
 _GGUF = flags.DEFINE_string("gguf", None, "A llama.cpp GGUF file of a Llama model (any GGML type; dequantized).")
 _MASK_TOKEN = flags.DEFINE_string("mask_token", None, "--gguf only: the vocabulary token NLD drafting uses as its mask "
                                   "(default: the GGUF's mask token, else its highest spare control token).")
-_OUT_DIR = flags.DEFINE_string("out_dir", None, "Output directory (config.json + params/ + tokenizer files).")
+_OUTPUT_DIR = flags.DEFINE_string("output_dir", None, "Output directory (config.json + params/ + tokenizer files).")
 _DTYPE = flags.DEFINE_enum("dtype", "bfloat16", ["bfloat16", "float32"], "dtype of the stored params.")
 _LORA_DIR = flags.DEFINE_string("lora_dir", None, "Optional PEFT draft LoRA directory (adapter_config.json + "
                                 "adapter_model.safetensors), e.g. <hf_dir>/linear_spec_lora.")
-flags.mark_flags_as_required(["out_dir"])
+flags.mark_flags_as_required(["output_dir"])
 
 
 def _fail(message: str) -> None:
@@ -62,11 +62,11 @@ def main(argv):
     # Only converted on request: the base model serves without it, and the adapter changes config.json.
     print(f"note: {default_lora} exists; pass --lora_dir={default_lora} to include the draft LoRA", file=sys.stderr)
   try:
-    cfg = hf.convert_hf_checkpoint(hf_dir, _OUT_DIR.value, dtype=_DTYPE.value, lora_dir=lora_dir)
+    cfg = hf.convert_hf_checkpoint(hf_dir, _OUTPUT_DIR.value, dtype=_DTYPE.value, lora_dir=lora_dir)
   except (ConfigError, CheckpointError, OSError) as e:
     _fail(str(e))
   lora = f", draft LoRA r={cfg.lora_rank} alpha={cfg.lora_alpha:g}" if cfg.lora_rank else ""
-  print(f"wrote {_OUT_DIR.value}: {cfg.num_hidden_layers} layers, {cfg.num_params():,} base params, "
+  print(f"wrote {_OUTPUT_DIR.value}: {cfg.num_hidden_layers} layers, {cfg.num_params():,} base params, "
         f"{_DTYPE.value}{lora}")
 
 
@@ -80,10 +80,10 @@ def _convert_gguf(gguf_path: str) -> None:
   from recguide_jax.convert import gguf
 
   try:
-    cfg = gguf.convert_gguf_checkpoint(gguf_path, _OUT_DIR.value, dtype=_DTYPE.value, mask_token=_MASK_TOKEN.value)
+    cfg = gguf.convert_gguf_checkpoint(gguf_path, _OUTPUT_DIR.value, dtype=_DTYPE.value, mask_token=_MASK_TOKEN.value)
   except (ConfigError, CheckpointError, OSError) as e:
     _fail(f"--gguf {gguf_path}: {e}")
-  print(f"wrote {_OUT_DIR.value}: {cfg.num_hidden_layers} layers, {cfg.num_params():,} params, {_DTYPE.value}, "
+  print(f"wrote {_OUTPUT_DIR.value}: {cfg.num_hidden_layers} layers, {cfg.num_params():,} params, {_DTYPE.value}, "
         f"mask token id {cfg.mask_token_id}")
 
 

@@ -2,7 +2,7 @@
 model end to end, compile seconds, decode throughput and the memory-bandwidth roofline. JSON + markdown out.
 
   python launch/device_check.py                        # GPU/TPU: NLD-8B shapes, bf16, random weights
-  python launch/device_check.py --checkpoint DIR        # a real checkpoint instead of random weights
+  python launch/device_check.py --model DIR        # a real checkpoint instead of random weights
   python launch/device_check.py --shape tiny            # the CPU default: a tiny model (what the suite runs)
 
 What it runs, in order (each part is timed and recorded; a failed check makes the exit status 1):
@@ -21,7 +21,7 @@ import time
 
 from absl import flags
 
-_CHECKPOINT = flags.DEFINE_string("checkpoint", None, "Checkpoint directory (default: random weights of --shape).")
+_CHECKPOINT = flags.DEFINE_string("model", None, "Checkpoint directory (default: random weights of --shape).")
 _SHAPE = flags.DEFINE_enum("shape", None, ["tiny", "nld-3b", "nld-8b", "nld-14b"],
                            "Model shape for random weights. Default: nld-8b on GPU/TPU, tiny on CPU.")
 _DTYPE = flags.DEFINE_enum("dtype", "auto", ["auto", "float32", "bfloat16"],
@@ -29,7 +29,6 @@ _DTYPE = flags.DEFINE_enum("dtype", "auto", ["auto", "float32", "bfloat16"],
 _CONCURRENCY = flags.DEFINE_list("concurrency", None, "Decode batch sizes to time. Default: 1,8,32 (CPU: 1,4).")
 _NEW_TOKENS = flags.DEFINE_integer("max_tokens", None, "Tokens generated per request in the timed decode runs "
                                    "(default 64; CPU 16).")
-flags.DEFINE_alias("new_tokens", "max_tokens")  # the old name
 _PROMPT_LEN = flags.DEFINE_integer("prompt_len", 128, "Prompt tokens of the random prompts.")
 _NUM_PROMPTS = flags.DEFINE_integer("num_prompts", 3, "Prompts of the lossless check.")
 _ATTENTION = flags.DEFINE_enum("attention", "auto", ["auto", "reference", "pallas"], "Attention implementation.")
@@ -158,7 +157,7 @@ def main(argv):
 
   # 2 + 3: lossless end to end, with each policy's compile seconds
   greedy = SamplingParams(max_tokens=48, temperature=0.0, ignore_eos=True)
-  common = dict(model=model, max_model_len=max_len, max_batch=max(conc), attention=_ATTENTION.value,
+  common = dict(model=model, max_model_len=max_len, max_num_seqs=max(conc), attention=_ATTENTION.value,
                 compile_cache_dir=None, num_pages=None if on_accel else max(conc) * (max_len // 16 + 4) + 2,
                 mesh=distributed.mesh_from_flags())
   outputs, compile_s, llms = {}, {}, {}

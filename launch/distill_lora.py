@@ -2,10 +2,10 @@
 of GSM8K train prompts are the targets of its own one-shot block drafts (LoRA on for draft tokens only). The
 verifier is unchanged, so greedy outputs stay identical and speculation stays lossless; only tau moves.
 
-  python launch/distill_lora.py --out_dir runs/distill --export_dir checkpoints/nld-tiny-gsm8k
+  python launch/distill_lora.py --output_dir runs/distill --export_dir checkpoints/nld-tiny-gsm8k
 
-Phase 1 writes <out_dir>/targets.jsonl (resumable, chunk by chunk); phase 2 trains the adapter (orbax checkpoints in
-<out_dir>/train_state, resumable); the export writes the base weights + adapter and `draft_lora` in config.json.
+Phase 1 writes <output_dir>/targets.jsonl (resumable, chunk by chunk); phase 2 trains the adapter (orbax checkpoints in
+<output_dir>/train_state, resumable); the export writes the base weights + adapter and `draft_lora` in config.json.
 Re-running the same command resumes.
 """
 
@@ -19,15 +19,14 @@ from absl import flags  # noqa: E402
 from recguide_jax.benchmarks import cli  # noqa: E402
 
 FLAGS = flags.FLAGS
-cli.define_checkpoint_flag("Base checkpoint dir, distilled for its own draft LoRA (default: the bundled model).")
-cli.deprecated_alias("base_checkpoint", "checkpoint")
+cli.define_model_flag("Base checkpoint dir, distilled for its own draft LoRA (default: the bundled model).")
 cli.define_data_flag("train")
 flags.DEFINE_integer("num_prompts", None, "Prompts from the start of --data (default: all).")
 flags.DEFINE_integer("max_tokens", 160, "Greedy tokens per target continuation.")
 flags.DEFINE_integer("concurrency", 64, "Requests in flight while generating targets.")
 cli.define_dtype_flag()  # of the model that generates the targets (serve in the dtype you distil for)
 flags.DEFINE_integer("max_model_len", 1024, "Longest prompt + target of the engine that generates the targets.")
-flags.DEFINE_string("out_dir", None, "Run directory: targets.jsonl, orbax train state, log, curves.")
+flags.DEFINE_string("output_dir", None, "Run directory: targets.jsonl, orbax train state, log, curves.")
 flags.DEFINE_string("export_dir", None, "If set, write the serving checkpoint (base + adapter) here at the end.")
 flags.DEFINE_integer("lora_rank", 128, "Adapter rank (NLD: 128).")
 flags.DEFINE_float("lora_alpha", 512.0, "Adapter alpha (NLD: 512, scale alpha/rank = 4).")
@@ -49,8 +48,8 @@ flags.DEFINE_integer("steps", None, "Stop after this many more steps (for runnin
 def main(argv):
   del argv
   cli.quiet_logging()
-  if not FLAGS.out_dir:
-    sys.exit("error: --out_dir is required")
+  if not FLAGS.output_dir:
+    sys.exit("error: --output_dir is required")
   data = cli.data_path()
   sizes, probs = cli.block_mix_flags()
   modes = cli.weights_flag("mode_probs", 3)  # seeded, unseeded, partial
@@ -60,15 +59,15 @@ def main(argv):
     sys.exit("error: need --warmup_steps < --total_steps")
   from recguide_jax import LLM, benchmarks as bench, llm as llm_lib
   from recguide_jax.train import distill
-  base = FLAGS.checkpoint or str(llm_lib.default_checkpoint())
-  os.makedirs(FLAGS.out_dir, exist_ok=True)
-  llm = LLM(base, policy="ar", max_batch=FLAGS.concurrency, dtype=FLAGS.dtype, max_model_len=FLAGS.max_model_len)
+  base = FLAGS.model or str(llm_lib.default_checkpoint())
+  os.makedirs(FLAGS.output_dir, exist_ok=True)
+  llm = LLM(base, policy="ar", max_num_seqs=FLAGS.concurrency, dtype=FLAGS.dtype, max_model_len=FLAGS.max_model_len)
   prompts = bench.gsm8k_prompts(data, FLAGS.num_prompts or 1 << 30, llm.tokenizer)
-  rows = distill.generate_targets(llm, prompts, os.path.join(FLAGS.out_dir, "targets.jsonl"),
+  rows = distill.generate_targets(llm, prompts, os.path.join(FLAGS.output_dir, "targets.jsonl"),
                                   max_tokens=FLAGS.max_tokens, concurrency=FLAGS.concurrency)
   del llm
   dc = distill.DistillConfig(
-      out_dir=FLAGS.out_dir, base_checkpoint=base, lora_rank=FLAGS.lora_rank, lora_alpha=FLAGS.lora_alpha,
+      out_dir=FLAGS.output_dir, base_checkpoint=base, lora_rank=FLAGS.lora_rank, lora_alpha=FLAGS.lora_alpha,
       seq_len=FLAGS.seq_len, batch_size=FLAGS.batch_size, total_steps=FLAGS.total_steps,
       warmup_steps=FLAGS.warmup_steps, lr=FLAGS.lr, block_sizes=sizes, block_probs=probs, mode_probs=modes,
       seed=FLAGS.seed, save_every=FLAGS.save_every, eval_every=FLAGS.eval_every)

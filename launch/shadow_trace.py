@@ -2,7 +2,7 @@
 counterfactual accepted lengths plus the history signals (s, z). Use prompts the policy is not evaluated on (GSM8K
 train by default); then fit with launch/fit_tables.py.
 
-  python launch/shadow_trace.py --num_prompts 200 --out runs/shadow_gsm8k.jsonl
+  python launch/shadow_trace.py --num_prompts 200 --output_dir runs/shadow_gsm8k
 """
 
 import os
@@ -21,26 +21,27 @@ flags.DEFINE_integer("offset", 0, "First prompt index.")
 flags.DEFINE_integer("concurrency", 8, "Requests in flight.")
 flags.DEFINE_integer("seed", 0, "Exploration seed.")
 flags.DEFINE_string("dataset", "gsm8k", "Dataset label written into each row.")
-flags.DEFINE_string("out", None, "Output JSONL.")
+flags.DEFINE_string("output_dir", None, "Writes <output_dir>/shadow_trace.jsonl.")
 
 
 def main(argv):
   del argv
   cli.quiet_logging()
-  if not FLAGS.out:
-    sys.exit("error: --out is required")
+  if not FLAGS.output_dir:
+    sys.exit("error: --output_dir is required")
   data = cli.data_path()
   from recguide_jax import LLM, SamplingParams, benchmarks as bench
   from recguide_jax.orchestrator.shadow import ShadowTracePolicy
   policy = ShadowTracePolicy(FLAGS.dataset, FLAGS.seed)
-  llm = LLM(FLAGS.checkpoint, policy=policy, max_batch=FLAGS.concurrency, max_model_len=FLAGS.max_model_len,
+  llm = LLM(FLAGS.model, policy=policy, max_num_seqs=FLAGS.concurrency, max_model_len=FLAGS.max_model_len,
             attention=FLAGS.attention, dtype=FLAGS.dtype)
   prompts = bench.gsm8k_prompts(data, FLAGS.num_prompts, llm.tokenizer, offset=FLAGS.offset)
   bench.run_concurrent(llm.engine, prompts, SamplingParams(max_tokens=FLAGS.max_tokens, temperature=0.0),
                        FLAGS.concurrency)
-  os.makedirs(os.path.dirname(os.path.abspath(FLAGS.out)), exist_ok=True)
-  policy.write(FLAGS.out)
-  print(f"wrote {len(policy.rows)} rounds from {FLAGS.num_prompts} requests to {FLAGS.out}")
+  os.makedirs(FLAGS.output_dir, exist_ok=True)
+  path = os.path.join(FLAGS.output_dir, "shadow_trace.jsonl")
+  policy.write(path)
+  print(f"wrote {len(policy.rows)} rounds from {FLAGS.num_prompts} requests to {path}")
 
 
 if __name__ == "__main__":

@@ -1,8 +1,8 @@
 """Trains a small NLD model on GSM8K with the joint AR + block-diffusion objective and exports a serving checkpoint.
 
-  python launch/train.py --out_dir runs/tiny --total_steps 1500 --export_dir checkpoints/nld-tiny-gsm8k
+  python launch/train.py --output_dir runs/tiny --total_steps 1500 --export_dir checkpoints/nld-tiny-gsm8k
 
-Re-running the same command resumes from the latest checkpoint in --out_dir (exactly: same batches, same noise).
+Re-running the same command resumes from the latest checkpoint in --output_dir (exactly: same batches, same noise).
 """
 
 import os
@@ -15,9 +15,8 @@ from absl import flags, logging  # noqa: E402
 from recguide_jax.benchmarks import cli  # noqa: E402
 
 FLAGS = flags.FLAGS
-flags.DEFINE_string("out_dir", None, "Run directory: tokenizer, orbax train state, log, loss curves.")
+flags.DEFINE_string("output_dir", None, "Run directory: tokenizer, orbax train state, log, loss curves.")
 cli.define_gsm8k_dir_flag()
-cli.deprecated_alias("data_dir", "gsm8k_dir")
 flags.DEFINE_string("export_dir", None, "If set, write the serving checkpoint here when training ends.")
 flags.DEFINE_integer("vocab_size", 2048, "BPE vocabulary size (incl. special tokens).")
 flags.DEFINE_integer("hidden_size", 256, "Model width.")
@@ -45,8 +44,8 @@ flags.DEFINE_integer("steps", None, "Stop after this many more steps (for runnin
 def main(argv):
   del argv
   cli.quiet_logging()
-  if not FLAGS.out_dir:
-    sys.exit("error: --out_dir is required")
+  if not FLAGS.output_dir:
+    sys.exit("error: --output_dir is required")
   if not os.path.exists(os.path.join(FLAGS.gsm8k_dir, "train.jsonl")):
     sys.exit(f"error: --gsm8k_dir {FLAGS.gsm8k_dir} has no train.jsonl (pass --gsm8k_dir=DIR or set "
              "$RECGUIDE_GSM8K_DIR; GSM8K is not part of the repository)")
@@ -55,7 +54,7 @@ def main(argv):
     sys.exit("error: need 0 <= --ar_steps < --total_steps and --warmup_steps < --total_steps")
   from recguide_jax.train.trainer import TrainConfig, Trainer
   tc = TrainConfig(
-      out_dir=FLAGS.out_dir, data_dir=FLAGS.gsm8k_dir, vocab_size=FLAGS.vocab_size, hidden_size=FLAGS.hidden_size,
+      out_dir=FLAGS.output_dir, data_dir=FLAGS.gsm8k_dir, vocab_size=FLAGS.vocab_size, hidden_size=FLAGS.hidden_size,
       num_layers=FLAGS.num_layers, num_heads=FLAGS.num_heads, num_kv_heads=FLAGS.num_kv_heads,
       head_dim=FLAGS.head_dim, intermediate_size=FLAGS.intermediate_size, seq_len=FLAGS.seq_len,
       batch_size=FLAGS.batch_size, total_steps=FLAGS.total_steps, ar_steps=FLAGS.ar_steps,

@@ -22,9 +22,10 @@ import copy
 import copyreg
 import itertools
 import types
-from typing import Sequence
+from typing import Callable, Sequence
 
 from recguide_jax import sharding
+from recguide_jax.requests import QueueFull, Request, SamplingParams
 
 # RecGuide's fitted tables and profiles are read-only mappings (types.MappingProxyType), which `copy.deepcopy`
 # cannot copy by default; copied as mappings, each group's policy gets its own (equal) tables
@@ -70,18 +71,6 @@ def _on_mesh(model, mesh) -> bool:
   return isinstance(sh, sharding.NamedSharding) and sh.mesh == mesh
 
 
-def build_engine(model, runner_config, policy, *, mesh=None, engine_factory=None, **engine_kwargs):
-  """The engine the LLM and the server drive: a plain Engine for one group, a `DataParallelEngine` for dp > 1.
-  `engine_factory(runner, policy, **engine_kwargs)` builds one group's engine (default: `Engine`)."""
-  if engine_factory is None:
-    from recguide_jax.engine import Engine as engine_factory
-  # each group gets its own policy object: RecGuide's calibration and controller state is per group, and the
-  # groups step concurrently
-  engines = [engine_factory(r, policy if i == 0 else policy_copy(policy), **engine_kwargs)
-             for i, r in enumerate(build_runners(model, runner_config, mesh))]
-  return engines[0] if len(engines) == 1 else DataParallelEngine(engines)
-
-
 class ReplicaRunners:
   """The groups' runners seen as one for what callers ask of "the runner": warm-up (every group compiles its own
   variants; each group's executables are for its own devices), the compile counter, the config and cfg."""
@@ -111,16 +100,17 @@ class ReplicaRunners:
 
 
 class DataParallelEngine:
-  """dp engines behind the Engine interface the LLM and the server use (add_request, step, abort, has_work,
-  waiting, running, totals, ...). A request lives in one group from admission to finish."""
+  """dp engines behind the `ServingEngine` protocol (engine/protocol.py) the LLM, `EngineThread` and the server
+  use. A request lives in one group from admission to finish."""
 
   def __init__(self, engines: Sequence):
     if len(engines) < 2:
       raise ValueError("a data-parallel engine needs at least two groups")
     self.engines = list(engines)
     self.runner = ReplicaRunners([e.runner for e in self.engines])
-    self.cfg = self.engines[0].cfg
-    self.rc = self.engines[0].rc
+    first = self.engines[0]
+    # configured alike on every group (build_engine passes each the same options)
+    self.cfg, self.rc, self.tokenizer, self.max_queue = first.cfg, first.rc, first.tokenizer, first.max_queue
     self._home: dict[str, int] = {}
     self._ids = itertools.count()
     self._pool = concurrent.futures.ThreadPoolExecutor(len(self.engines), thread_name_prefix="dp-step")
@@ -128,27 +118,46 @@ class DataParallelEngine:
   # ---- routing -----------------------------------------------------------------------------------------------------
   def load(self, i: int) -> tuple[int, int]:
     e = self.engines[i]
-    return len(e.running) + len(e.waiting), e.allocator.num_used
+    return len(e.running) + len(e.waiting), e.kv_pages()[0]
 
   def pick(self) -> int:
     """The least-loaded group: fewest running + waiting requests, then fewest KV pages in use, then the lowest id."""
     return min(range(len(self.engines)), key=lambda i: self.load(i) + (i,))
 
-  def add_request(self, prompt_ids, params, request_id: str | None = None, **kwargs):
+  def validate_request(self, prompt_ids: Sequence[int], params: SamplingParams) -> list[int]:
+    return self.engines[0].validate_request(prompt_ids, params)
+
+  def add_request(self, prompt_ids: Sequence[int], params: SamplingParams, request_id: str | None = None,
+                  on_update: Callable | None = None, validated: bool = False, arrival: float | None = None,
+                  prefill_source: str | None = None) -> Request:
+    if not validated:
+      prompt_ids = self.validate_request(prompt_ids, params)
+    if len(self.waiting) >= self.max_queue:  # the queue of every group, as one engine's queue would hold them
+      raise QueueFull(f"the request queue is full ({self.max_queue} waiting)")
     # a sample of n joins the group of the sample whose prefill it shares (pages live in one group's cache)
-    source = kwargs.get("prefill_source")
-    i = self._home.get(source) if source is not None else None
+    i = self._home.get(prefill_source) if prefill_source is not None else None
     i = self.pick() if i is None else i
     rid = request_id or f"req-{next(self._ids)}"  # unique across groups (each engine counts its own)
-    req = self.engines[i].add_request(prompt_ids, params, rid, **kwargs)
+    req = self.engines[i].add_request(prompt_ids, params, rid, on_update, validated=True, arrival=arrival,
+                                      prefill_source=prefill_source)
     self._home[req.request_id] = i
     return req
 
   def abort(self, request_id: str) -> bool:
-    i = self._home.get(request_id)
+    i = self._home.pop(request_id, None)
     return self.engines[i].abort(request_id) if i is not None else False
 
-  def step(self) -> list:
+  def finish(self, r: Request, reason: str, error: str | None = None) -> None:
+    i = self._home.pop(r.request_id, None)
+    # a request no group admitted (its add failed) is finished by group 0: nothing of it is in any cache
+    self.engines[0 if i is None else i].finish(r, reason, error)
+
+  def fail_all(self, message: str) -> None:
+    for e in self.engines:
+      e.fail_all(message)
+    self._home.clear()
+
+  def step(self) -> list[Request]:
     """One iteration of every group with work, concurrently; the requests that finished in any of them."""
     busy = [e for e in self.engines if e.has_work()]
     if not busy:
@@ -168,18 +177,30 @@ class DataParallelEngine:
     while self.has_work():
       self.step()
 
-  # ---- the Engine attributes callers read ------------------------------------------------------------------------
+  # ---- state over the groups ---------------------------------------------------------------------------------------
   @property
-  def waiting(self) -> list:
+  def waiting(self) -> list[Request]:
     return [r for e in self.engines for r in e.waiting]
 
   @property
-  def running(self) -> list:
+  def running(self) -> list[Request]:
     return [r for e in self.engines for r in e.running]
 
   @property
   def totals(self) -> collections.Counter:
     return sum((e.totals for e in self.engines), collections.Counter())
+
+  @property
+  def accepted_per_position(self) -> collections.Counter:
+    return sum((e.accepted_per_position for e in self.engines), collections.Counter())
+
+  @property
+  def block_size_choices(self) -> collections.Counter:
+    return sum((e.block_size_choices for e in self.engines), collections.Counter())
+
+  def kv_pages(self) -> tuple[int, int]:
+    used, usable = zip(*(e.kv_pages() for e in self.engines))
+    return sum(used), sum(usable)
 
   @property
   def policy(self):
@@ -189,19 +210,6 @@ class DataParallelEngine:
   def policy(self, policy) -> None:
     for i, e in enumerate(self.engines):
       e.policy = policy if i == 0 else policy_copy(policy)
-
-  def validate_request(self, prompt_ids, params):
-    return self.engines[0].validate_request(prompt_ids, params)
-
-  def __getattr__(self, name):
-    # counters (acceptance per position, block-size choices, ...) are summed over the groups; everything else
-    # (max_queue, tokenizer, bucketing, ...) is configured alike on every group: group 0's
-    if name == "engines":
-      raise AttributeError(name)
-    values = [getattr(e, name) for e in self.engines]
-    if all(isinstance(v, collections.Counter) for v in values):
-      return sum(values, collections.Counter())
-    return values[0]
 
   def close(self) -> None:
     self._pool.shutdown(wait=False)

@@ -1,7 +1,7 @@
 """Mesh flags, multi-host start and the leader/follower step loop.
 
-Flags (`define_mesh_flags()`, once per absl script): `--tensor_parallel_size` (`--tp`), `--data_parallel_size`
-(`--dp`) or one `--mesh dp=2,tp=4`; `--coordinator_address`, `--num_processes`, `--process_id` for
+Flags (`define_mesh_flags()`, once per absl script): `--tensor_parallel_size`, `--data_parallel_size`
+or one `--mesh dp=2,tp=4`; `--coordinator_address`, `--num_processes`, `--process_id` for
 `jax.distributed.initialize`, or `--multihost` alone to let it discover them (TPU pod slices, SLURM, Open MPI).
 
 Multi-host (multi-controller JAX): every process runs the same program on the global mesh, and each step must be
@@ -52,11 +52,10 @@ def define_mesh_flags(flag_values=None) -> None:
   kw = dict(flag_values=fv, module_name=sys.argv[0] if caller in ("__main__", "") else caller)
   flags.DEFINE_integer("tensor_parallel_size", None, "Devices each dp group splits the model over (attention heads, "
                        "MLP columns, vocabulary, KV heads). Default 1, or what --mesh says.", **kw)
-  flags.DEFINE_alias("tp", "tensor_parallel_size", **kw)
   flags.DEFINE_integer("data_parallel_size", None, "dp groups, each a whole copy of the model on its own tp devices "
                        "with its own KV pages; requests go to the least-loaded group. Default 1.", **kw)
-  flags.DEFINE_alias("dp", "data_parallel_size", **kw)
-  flags.DEFINE_string("mesh", None, "The device mesh as one spec, e.g. 'dp=2,tp=4' (instead of --tp/--dp).", **kw)
+  flags.DEFINE_string("mesh", None, "The device mesh as one spec, e.g. 'dp=2,tp=4' (instead of "
+                      "--tensor_parallel_size / --data_parallel_size).", **kw)
   flags.DEFINE_string("coordinator_address", None, "host:port of process 0 for jax.distributed (multi-host).", **kw)
   flags.DEFINE_integer("num_processes", None, "Processes (hosts) of a multi-host run.", **kw)
   flags.DEFINE_integer("process_id", None, "This process's index in a multi-host run (0 serves HTTP).", **kw)
@@ -77,7 +76,8 @@ def mesh_shape_from_flags():
   if spec:
     shape = sharding.parse_mesh(spec)
     if (tp is not None and tp != shape.tp) or (dp is not None and dp != shape.dp):
-      raise sharding.MeshError(f"--mesh {spec!r} contradicts --tp {tp} / --dp {dp}; pass one of them")
+      raise sharding.MeshError(f"--mesh {spec!r} contradicts --tensor_parallel_size {tp} / --data_parallel_size {dp}; "
+                                 "pass one of them")
     return shape
   if tp is None and dp is None:
     return None

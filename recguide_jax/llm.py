@@ -1,5 +1,6 @@
-"""Offline API, vLLM-shaped: `LLM(checkpoint=..., policy=..., block_size=...)`, `llm.generate(prompts, params)`,
-`llm.chat(conversations, params)`. The server and the benchmarks build on these names."""
+"""Offline API, vLLM-shaped: `LLM(model=..., policy=..., block_size=...)`, `llm.generate(prompts, sampling_params)`,
+`llm.chat(conversations, sampling_params)`, `llm.get_tokenizer()`. The server and the benchmarks build on these
+names."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import pathlib
 from typing import Sequence
 
 from recguide_jax import policies as policies_lib
-from recguide_jax.engine import EngineConfig
+from recguide_jax.engine import EngineConfig, build_engine
 from recguide_jax.model import (NLDModel, resolve_kernel_layout, resolve_layer_loop, with_kernel_layout,
                                 with_layer_loop)
 from recguide_jax.requests import Request, RequestError, SamplingParams, best_samples
@@ -22,6 +23,9 @@ DEFAULT_COMPILE_CACHE = pathlib.Path(os.environ.get("RECGUIDE_COMPILE_CACHE",
 # AR decode steps per device call when nothing waits (`LLM(decode_steps=...)`): on this repo's CPU runs 4 gave most
 # of what 8 did (bundled model, batch 1: 1.32x vs 1.45x the single step) at half the tokens a stream receives at once
 DEFAULT_DECODE_STEPS = 4
+# RecGuide, with the tables and profile shipped beside the checkpoint: it runs AR where speculation would not pay,
+# so the default is never slower than AR by more than its calibration rounds (tests/test_default_policy.py)
+DEFAULT_POLICY = "recguide"
 
 
 def default_checkpoint() -> pathlib.Path:
@@ -62,13 +66,6 @@ def checkpoint_dtype(checkpoint_dir: str | os.PathLike) -> str:
   if not leaves:
     raise CheckpointError(f"{params} holds no arrays")
   return np.dtype(leaves[0].dtype).name
-
-
-def _same_option(name, value, alias, alias_value, default):
-  """One option under two names (vLLM's and ours): either, or both if they agree."""
-  if value is not None and alias_value is not None and value != alias_value:
-    raise ValueError(f"{name}={value} and {alias}={alias_value} name the same option; pass one")
-  return value if value is not None else alias_value if alias_value is not None else default
 
 
 @dataclasses.dataclass
@@ -131,23 +128,24 @@ class RequestOutput:
 class LLM:
   """Loads a checkpoint, compiles the step variants its policy needs, and generates."""
 
-  def __init__(self, checkpoint: str | os.PathLike | None = None, policy: str | policies_lib.Policy = "linear",
-               block_size: int = 16, *, threshold: float = 0.9, max_batch: int | None = None,
-               max_model_len: int = 1024, num_pages: int | None = None, page_size: int = 16, prefill_chunk: int = 64,
+  def __init__(self, model: str | os.PathLike | NLDModel | None = None,
+               policy: str | policies_lib.Policy = DEFAULT_POLICY,
+               block_size: int = 16, *, threshold: float = 0.9, max_num_seqs: int = 8, max_model_len: int = 1024,
+               num_pages: int | None = None, page_size: int = 16, prefill_chunk: int = 64,
                block_sizes: Sequence[int] | None = None, dtype: str | None = None, rule: str = "leviathan",
                compile_cache_dir: str | os.PathLike | None = DEFAULT_COMPILE_CACHE, warmup: bool = True,
-               model: NLDModel | None = None, tokenizer: Tokenizer | None = None, max_queue: int = 1 << 16,
-               attention: str = "auto", policy_kwargs: dict | None = None, max_num_seqs: int | None = None,
-               kv_cache_memory_fraction: float | None = None, gpu_memory_utilization: float | None = None,
+               tokenizer: Tokenizer | None = None, max_queue: int = 1 << 16, attention: str = "auto",
+               policy_kwargs: dict | None = None, gpu_memory_utilization: float | None = None,
                device_memory_gb: float | None = None, background_compile: bool = False, mesh=None,
                runner_options: dict | None = None, bucketing: bool | str = "auto", warmup_prompt_logprobs: bool = False,
                layer_loop: str = "auto", kernel_layout: str = "auto", decode_steps: int = DEFAULT_DECODE_STEPS):
-    """vLLM's names where they exist: `max_num_seqs` (= `max_batch`, the most requests decoded together),
-    `gpu_memory_utilization` (= `kv_cache_memory_fraction`), `dtype` ("auto": the checkpoint's).
+    """vLLM's names where they exist: `model` (a checkpoint directory: config.json, params/, tokenizer files;
+    default `$RECGUIDE_CHECKPOINT`, else the bundled model; or an `NLDModel` already in memory), `max_num_seqs` (the
+    most requests decoded together), `gpu_memory_utilization`, `max_model_len`, `dtype` ("auto": the checkpoint's).
 
     KV cache size: `num_pages` if given; else, where the device's memory is known (GPU/TPU, or stated by
-    `device_memory_gb`), what `kv_cache_memory_fraction` (default 0.9) of it leaves after the weights and the
-    measured activation peak (see memory_plan.py); else (CPU) room for `max_batch` sequences of `max_model_len`.
+    `device_memory_gb`), what `gpu_memory_utilization` (default 0.9) of it leaves after the weights and the
+    measured activation peak (see memory_plan.py); else (CPU) room for `max_num_seqs` sequences of `max_model_len`.
     The plan is made, logged and checked before the weights are loaded; one that does not fit raises
     `MemoryPlanError` (a ValueError) naming the figures and the option to change. It is kept as `memory_plan`.
 
@@ -174,14 +172,14 @@ class LLM:
     from recguide_jax import attention_dispatch, memory_plan
     from recguide_jax import checkpoint as ckpt_lib
     from recguide_jax.config import NLDConfig
-    max_batch = _same_option("max_num_seqs", max_num_seqs, "max_batch", max_batch, default=8)
-    fraction = _same_option("kv_cache_memory_fraction", kv_cache_memory_fraction, "gpu_memory_utilization",
-                            gpu_memory_utilization, default=None)
+    fraction = gpu_memory_utilization
     if dtype is not None and dtype not in memory_plan.DTYPE_NAMES:
       raise ValueError(f"dtype must be one of {', '.join(memory_plan.DTYPE_NAMES)}, got {dtype!r}")
     checkpoint_dir = None
-    if model is None:
-      path = pathlib.Path(checkpoint) if checkpoint is not None else default_checkpoint()
+    if not isinstance(model, NLDModel):
+      if model is not None and not isinstance(model, (str, os.PathLike)):
+        raise TypeError(f"model must be a checkpoint directory or an NLDModel, got {type(model).__name__}")
+      path = pathlib.Path(model) if model is not None else default_checkpoint()
       checkpoint_dir = path
       if not path.exists():
         raise FileNotFoundError(f"checkpoint directory {path} does not exist")
@@ -195,6 +193,9 @@ class LLM:
       cfg = model.cfg
       dtype = jax.tree.leaves(nnx.state(model, nnx.Param))[0].dtype.name
     self.cfg = cfg
+    if max_model_len > cfg.max_position_embeddings:  # past it positions are untrained, and the cache is sized by it
+      raise ValueError(f"max_model_len={max_model_len} exceeds the model's max_position_embeddings "
+                       f"({cfg.max_position_embeddings}); use at most that")
     if policy == "recguide" and checkpoint_dir is not None:
       policy_kwargs = {**recguide_defaults(checkpoint_dir), **(policy_kwargs or {})}
     self.policy = policy if isinstance(policy, policies_lib.Policy) else policies_lib.make_policy(
@@ -208,10 +209,10 @@ class LLM:
     if warmup_prompt_logprobs:
       self._kinds = tuple(self._kinds) + ("score",)
     self.engine_config = EngineConfig(
-        max_num_seqs=max_batch, max_model_len=max_model_len, num_pages=num_pages or None, page_size=page_size,
+        max_num_seqs=max_num_seqs, max_model_len=max_model_len, num_pages=num_pages or None, page_size=page_size,
         prefill_chunk=prefill_chunk, block_sizes=tuple(block_sizes) if block_sizes else None, dtype=dtype, rule=rule,
         compile_cache_dir=str(compile_cache_dir) if compile_cache_dir else None, warmup=warmup, max_queue=max_queue,
-        attention=attention, bucketing=bucketing, kv_cache_memory_fraction=fraction, device_memory_gb=device_memory_gb,
+        attention=attention, bucketing=bucketing, gpu_memory_utilization=fraction, device_memory_gb=device_memory_gb,
         runner_options={"background_compile": background_compile, "layer_loop": layer_loop,
                         "kernel_layout": kernel_layout, "decode_steps": decode_steps,
                         **(runner_options or {})})
@@ -225,7 +226,7 @@ class LLM:
     logging.info("%s", self.memory_plan.summary())
     from recguide_jax import data_parallel  # mesh: 'dp=2,tp=4', a MeshShape or a jax Mesh (sharding.py)
     self.mesh = data_parallel.resolve_mesh(mesh)
-    if model is None:  # only now, with a plan that fits; on a mesh, straight into the first group's shards
+    if checkpoint_dir is not None:  # only now, with a plan that fits; on a mesh, straight into the first group's shards
       model = ckpt_lib.load_model(checkpoint_dir, dtype=dtype, mesh=data_parallel.first_group(self.mesh))
       if tokenizer is None and (checkpoint_dir / "tokenizer.json").exists():
         tokenizer = Tokenizer.from_dir(checkpoint_dir)
@@ -238,9 +239,8 @@ class LLM:
     self.tokenizer = tokenizer
     self.runner_config = dataclasses.replace(config, num_pages=self.memory_plan.num_pages, layer_loop=loop,
                                              kernel_layout=layout)
-    self.engine = data_parallel.build_engine(model, self.runner_config, self.policy, mesh=self.mesh,
-                                             tokenizer=tokenizer, max_queue=max_queue,
-                                             bucketing=self.engine_config.bucketing)
+    self.engine = build_engine(model, self.runner_config, self.policy, mesh=self.mesh,
+                              tokenizer=tokenizer, max_queue=max_queue, bucketing=self.engine_config.bucketing)
     self.runner = self.engine.runner
     if warmup:
       self.runner.warmup(self._kinds, self._kind_sizes)
@@ -250,6 +250,13 @@ class LLM:
     self.policy = policy if isinstance(policy, policies_lib.Policy) else policies_lib.make_policy(
         policy, block_size, threshold)
     self.engine.policy = self.policy
+
+  def get_tokenizer(self) -> Tokenizer:
+    """The checkpoint's tokenizer (vLLM's `LLM.get_tokenizer()`)."""
+    if self.tokenizer is None:
+      raise RequestError("this model has no tokenizer (a checkpoint without tokenizer.json, or an NLDModel passed "
+                         "without `tokenizer=`)", "tokenizer")
+    return self.tokenizer
 
   # ---- helpers -----------------------------------------------------------------------------------------------------
   def _encode(self, prompt) -> tuple[list[int], str | None]:
@@ -264,18 +271,19 @@ class LLM:
     return isinstance(prompts, str) or (isinstance(prompts, (list, tuple)) and prompts and
                                         all(isinstance(t, int) for t in prompts))
 
-  def generate(self, prompts, params: SamplingParams | Sequence[SamplingParams] | None = None,
+  def generate(self, prompts, sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
                use_tqdm: bool = True) -> list[RequestOutput]:
     """prompts: a string, a list of token ids, or a list of either. Returns one output per prompt, in order, with
-    `params.n` samples in its `outputs` (they share the prompt's prefill; sample i has seed `seed + i`; with
-    `best_of`, that many are generated and the n of highest cumulative logprob returned).
-    use_tqdm: a progress bar over finished sequences (as vLLM's)."""
+    `sampling_params.n` samples in its `outputs` (they share the prompt's prefill; sample i has seed `seed + i`;
+    with `best_of`, that many are generated and the n of highest cumulative logprob returned). One SamplingParams
+    for every prompt, or a list of one per prompt. use_tqdm: a progress bar over finished prompts (as vLLM's)."""
     if self._is_single(prompts):
       prompts = [prompts]
     prompts = list(prompts)
-    if params is None:
-      params = SamplingParams()
-    plist = list(params) if isinstance(params, (list, tuple)) else [params] * len(prompts)
+    if sampling_params is None:
+      sampling_params = SamplingParams()
+    plist = (list(sampling_params) if isinstance(sampling_params, (list, tuple))
+             else [sampling_params] * len(prompts))
     if len(plist) != len(prompts):
       raise ValueError(f"got {len(plist)} SamplingParams for {len(prompts)} prompts")
     encoded = [self._encode(p) for p in prompts]
@@ -291,21 +299,22 @@ class LLM:
       for r in (r for g in groups for r in g):
         self.engine.abort(r.request_id)
       raise
-    reqs = [r for g in groups for r in g]
     bar = None
     if use_tqdm:
       from tqdm import tqdm
-      bar = tqdm(total=len(reqs), desc="Processed prompts", unit="req")
-    ours = {id(r) for r in reqs}
-    while any(not r.finished for r in reqs):
-      done = self.engine.step()
+      bar = tqdm(total=len(groups), desc="Processed prompts", unit="prompt")
+    pending = list(groups)  # a prompt counts once all of its samples have finished
+    while pending:
+      self.engine.step()
+      left = [g for g in pending if not all(r.finished for r in g)]
       if bar is not None:
-        bar.update(sum(1 for r in done if id(r) in ours))
+        bar.update(len(pending) - len(left))
+      pending = left
     if bar is not None:
       bar.close()
     return [RequestOutput.from_samples(g, text, p.n) for g, (_, text), p in zip(groups, encoded, plist)]
 
-  def chat(self, conversations, params: SamplingParams | Sequence[SamplingParams] | None = None,
+  def chat(self, conversations, sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
            add_generation_prompt: bool = True, use_tqdm: bool = True,
            chat_template_kwargs: dict | None = None) -> list[RequestOutput]:
     """conversations: a list of {role, content} messages, or a list of such lists. chat_template_kwargs: extra
@@ -316,4 +325,4 @@ class LLM:
     convs = [conversations] if single else list(conversations)
     prompts = [self.tokenizer.apply_chat_template(list(c), add_generation_prompt, **(chat_template_kwargs or {}))
                for c in convs]
-    return self.generate(prompts, params, use_tqdm=use_tqdm)
+    return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)

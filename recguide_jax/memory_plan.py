@@ -1,6 +1,6 @@
 """Device memory plan: how many KV cache pages fit beside the weights and the step activations.
 
-vLLM's `--gpu-memory-utilization`, here `kv_cache_memory_fraction`: of one device's memory, that fraction is the
+vLLM's `--gpu-memory-utilization`, here `gpu_memory_utilization`: of one device's memory, that fraction is the
 budget; the weights and the measured activation peak come off it first and the rest becomes KV pages:
 
     KV bytes = device memory * fraction - weights - activation peak
@@ -56,9 +56,10 @@ def _gb(n: float) -> str:
 def kv_heads_per_device(num_kv_heads: int, tp: int) -> int:
   """KV heads each of `tp` devices holds: an even split, or one (replicated) head each when tp >= the heads."""
   if tp < 1:
-    raise MemoryPlanError(f"--tp must be >= 1, got {tp}")
+    raise MemoryPlanError(f"--tensor_parallel_size must be >= 1, got {tp}")
   if num_kv_heads % tp and tp % num_kv_heads:
-    raise MemoryPlanError(f"--tp {tp} must divide the model's {num_kv_heads} KV heads (or be a multiple of them)")
+    raise MemoryPlanError(f"--tensor_parallel_size {tp} must divide the model's {num_kv_heads} KV heads (or be a "
+                          "multiple of them)")
   return max(1, num_kv_heads // tp)
 
 
@@ -279,7 +280,7 @@ def plan_memory(cfg, *, dtype: str, page_size: int, max_model_len: int, max_num_
   if dtype not in DTYPE_BYTES:
     raise MemoryPlanError(f"--dtype must be one of {', '.join(DTYPE_BYTES)} here, got {dtype!r}")
   if fraction is not None and not 0 < fraction <= 1:
-    raise MemoryPlanError(f"--kv_cache_memory_fraction must be in (0, 1], got {fraction}")
+    raise MemoryPlanError(f"--gpu_memory_utilization must be in (0, 1], got {fraction}")
   if device_bytes is not None and device_bytes <= 0:
     raise MemoryPlanError(f"--device_memory_gb must be > 0, got {device_bytes / GB}")
   weights = weights_bytes(cfg, dtype, tp) if weights is None else weights
@@ -296,19 +297,19 @@ def plan_memory(cfg, *, dtype: str, page_size: int, max_model_len: int, max_num_
     left = budget - weights - base
     if left <= 0:
       what = f"weights {_gb(weights)}" + (f" + activations {_gb(base)}" if act else "")
-      fixes = [] if weights >= budget else ["raise --kv_cache_memory_fraction",
+      fixes = [] if weights >= budget else ["raise --gpu_memory_utilization",
                                             "lower --max_num_seqs (activations grow with the batch)"]
       fixes += ["use --dtype bfloat16"] * (DTYPE_BYTES[dtype] > 2) + ["use a device with more memory"]
       raise MemoryPlanError(
-          f"memory plan does not fit on {where}: {what} exceed --kv_cache_memory_fraction {fraction:.2f} of "
+          f"memory plan does not fit on {where}: {what} exceed --gpu_memory_utilization {fraction:.2f} of "
           f"{_gb(device_bytes)} = {_gb(budget)}, leaving nothing for the KV cache; {', '.join(fixes)}")
     pages = int(left // per_page)
     if pages - 1 < per_seq:
       raise MemoryPlanError(
-          f"memory plan does not fit on {where}: {_gb(budget)} (--kv_cache_memory_fraction {fraction:.2f} of "
+          f"memory plan does not fit on {where}: {_gb(budget)} (--gpu_memory_utilization {fraction:.2f} of "
           f"{_gb(device_bytes)}) - weights {_gb(weights)} - activations {_gb(base)} leaves {_gb(left)} = "
           f"{max(pages - 1, 0)} KV pages of {page_size} tokens, fewer than the {per_seq} pages one sequence of "
-          f"--max_model_len {max_model_len} needs; lower --max_model_len or raise --kv_cache_memory_fraction")
+          f"--max_model_len {max_model_len} needs; lower --max_model_len or raise --gpu_memory_utilization")
     sized_by = "memory"
   else:
     pages = num_pages if num_pages is not None else max_num_seqs * per_seq + 1
@@ -327,8 +328,8 @@ def plan_memory(cfg, *, dtype: str, page_size: int, max_model_len: int, max_num_
     raise MemoryPlanError(
         f"memory plan does not fit on {where}: weights {_gb(weights)} + activations "
         f"{_gb(plan.activation_bytes or 0)} + KV cache {_gb(plan.kv_bytes)} (--num_pages {pages}) = "
-        f"{_gb(plan.total_bytes)} > {_gb(budget)} (--kv_cache_memory_fraction {fraction:.2f} of "
-        f"{_gb(device_bytes)}); lower --num_pages (at most {max(room, 0)} fit) or raise --kv_cache_memory_fraction")
+        f"{_gb(plan.total_bytes)} > {_gb(budget)} (--gpu_memory_utilization {fraction:.2f} of "
+        f"{_gb(device_bytes)}); lower --num_pages (at most {max(room, 0)} fit) or raise --gpu_memory_utilization")
   return plan
 
 
@@ -374,7 +375,7 @@ def plan_for_device(cfg, *, dtype: str, runner_config, kinds: Sequence[str], blo
   else:
     device_bytes, name = device_memory_bytes(device), device_description(device)
   if fraction is not None and device_bytes is None:
-    raise MemoryPlanError(f"--kv_cache_memory_fraction needs the device's memory, and {name} reports none; pass "
+    raise MemoryPlanError(f"--gpu_memory_utilization needs the device's memory, and {name} reports none; pass "
                           f"--device_memory_gb")
   plan = functools.partial(
       plan_memory, cfg, dtype=dtype, page_size=runner_config.page_size, max_model_len=runner_config.max_model_len,

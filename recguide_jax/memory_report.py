@@ -80,7 +80,7 @@ def markdown(rows: Sequence[dict]) -> str:
       f"Serving shape: `--dtype {r0['dtype']}`, `--policy {r0['policy']}` (block sizes "
       f"{', '.join(map(str, r0['block_sizes']))}), `--max_num_seqs` as in the table, "
       f"`--max_model_len {r0['max_model_len']}`, `--page_size {r0['page_size']}`, "
-      f"`--kv_cache_memory_fraction {r0['fraction']}`" + (f", tensor parallel over {r0['tp']} devices (figures "
+      f"`--gpu_memory_utilization {r0['fraction']}`" + (f", tensor parallel over {r0['tp']} devices (figures "
                                                          f"per device)" if r0.get("tp", 1) > 1 else "") +
       ". GB = 10^9 bytes; device sizes are the nominal ones (a real "
       "device's allocator limit, which the server reads, is a little lower).",
@@ -183,7 +183,7 @@ def mesh_markdown(rows: Sequence[dict]) -> str:
       "docs/memory_plans_probe_tpT` (T = 2, 4; tp 8 was probed for NLD-8B at max_num_seqs 4). The server measures "
       "its own sharded executables on the device before it loads anything.", "",
       f"Serving shape: `--dtype {r0['dtype']}`, `--policy recguide`, `--max_model_len {r0['max_model_len']}`, "
-      f"`--kv_cache_memory_fraction {r0['fraction']}`. GB = 10^9 bytes, nominal device sizes.", "",
+      f"`--gpu_memory_utilization {r0['fraction']}`. GB = 10^9 bytes, nominal device sizes.", "",
       "| model | devices (mesh) | max_num_seqs | probe tp | weights GB | activations GB | KV GB | pages | KV tokens "
       "| sequences of max_model_len |", "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
   for r in rows:
@@ -212,7 +212,7 @@ def main(argv: Sequence[str] | None = None) -> int:
   parser.add_argument("--max_model_len", type=int, default=8192)
   parser.add_argument("--max_num_seqs", default="32,4", help="comma list: plans for each batch limit")
   parser.add_argument("--page_size", type=int, default=16)
-  parser.add_argument("--kv_cache_memory_fraction", type=float, default=DEFAULT_FRACTION)
+  parser.add_argument("--gpu_memory_utilization", type=float, default=DEFAULT_FRACTION)
   parser.add_argument("--tp", type=int, default=1, help="tensor-parallel devices: plans per device (weights/tp, "
                       "KV heads/tp; the activation probe stays unsharded, an upper bound)")
   parser.add_argument("--no_measure", action="store_true", help="skip the activation probe (weights + KV only)")
@@ -250,7 +250,7 @@ def main(argv: Sequence[str] | None = None) -> int:
   for seqs in (int(n) for n in args.max_num_seqs.split(",")):
     rows += offline_plans(args.presets.split(","), args.devices.split(","), dtype=args.dtype, policy=args.policy,
                           block_size=args.block_size, max_model_len=args.max_model_len, max_num_seqs=seqs,
-                          page_size=args.page_size, fraction=args.kv_cache_memory_fraction,
+                          page_size=args.page_size, fraction=args.gpu_memory_utilization,
                           measure=not args.no_measure, tp=args.tp, probe_mesh=probe_mesh)
   md = markdown(rows)
   print(md)

@@ -109,6 +109,12 @@ class QueueFull(RequestError):
     super().__init__(message, None, 429)
 
 
+# vLLM's SamplingParams fields with no implementation here -> their neutral values (None is neutral for every one)
+UNIMPLEMENTED_FIELDS = {"presence_penalty": (0.0,), "frequency_penalty": (0.0,), "repetition_penalty": (1.0,),
+                        "min_p": (0.0,), "min_tokens": (0,), "logit_bias": ({},), "bad_words": ([], ()),
+                        "allowed_token_ids": ()}
+
+
 @dataclasses.dataclass
 class SamplingParams:
   """Per-request sampling parameters (vLLM-shaped names and defaults)."""
@@ -127,6 +133,24 @@ class SamplingParams:
   n: int = 1  # samples of the prompt (`LLM.generate` gives each its own seed, `seed_of_sample`, and one prefill)
   # vLLM's: generate this many samples (>= n) and return the n with the highest cumulative logprob
   best_of: int | None = None
+  # vLLM's fields whose feature this engine does not have: accepted at their neutral value only (code written for
+  # vLLM often passes them explicitly), refused otherwise, naming the field
+  presence_penalty: float = 0.0
+  frequency_penalty: float = 0.0
+  repetition_penalty: float = 1.0
+  min_p: float = 0.0
+  min_tokens: int = 0
+  logit_bias: dict[int, float] | None = None
+  bad_words: Sequence[str] | None = None
+  allowed_token_ids: Sequence[int] | None = None
+
+  def __post_init__(self):
+    for field, neutral in UNIMPLEMENTED_FIELDS.items():
+      value = getattr(self, field)
+      if value is not None and value not in neutral:
+        off = " or ".join(repr(v) for v in (None, *neutral))
+        raise RequestError(f"SamplingParams.{field}={value!r} is not implemented by this engine (only {off}, "
+                           "the feature off, is accepted)", field)
 
   @property
   def num_samples(self) -> int:

@@ -158,13 +158,14 @@ def kv_replication(num_kv_heads: int, tp: int) -> int:
   """How many copies of each KV head a tp group holds: 1 when tp divides the heads, tp / heads when the heads
   divide tp (each device then holds one whole head). Anything else is refused."""
   if tp < 1:
-    raise MeshError(f"--tp must be >= 1, got {tp}")
+    raise MeshError(f"--tensor_parallel_size must be >= 1, got {tp}")
   if tp <= num_kv_heads:
     if num_kv_heads % tp:
-      raise MeshError(f"--tp {tp} must divide the model's {num_kv_heads} KV heads (or be a multiple of them)")
+      raise MeshError(f"--tensor_parallel_size {tp} must divide the model's {num_kv_heads} KV heads (or be a "
+                      "multiple of them)")
     return 1
   if tp % num_kv_heads:
-    raise MeshError(f"--tp {tp} must be a multiple of the model's {num_kv_heads} KV heads (or divide them)")
+    raise MeshError(f"--tensor_parallel_size {tp} must be a multiple of the model's {num_kv_heads} KV heads (or divide them)")
   return tp // num_kv_heads
 
 
@@ -172,11 +173,11 @@ def check_model(cfg, tp: int) -> None:
   """Refuses a tp the model's heads or MLP cannot be split over, naming the numbers."""
   r = kv_replication(cfg.num_key_value_heads, tp)
   if cfg.num_attention_heads % tp:
-    raise MeshError(f"--tp {tp} must divide the model's {cfg.num_attention_heads} attention heads")
+    raise MeshError(f"--tensor_parallel_size {tp} must divide the model's {cfg.num_attention_heads} attention heads")
   if cfg.intermediate_size % tp:
-    raise MeshError(f"--tp {tp} must divide the model's intermediate_size {cfg.intermediate_size}")
+    raise MeshError(f"--tensor_parallel_size {tp} must divide the model's intermediate_size {cfg.intermediate_size}")
   if cfg.num_attention_heads % (cfg.num_key_value_heads * r):
-    raise MeshError(f"--tp {tp}: {cfg.num_attention_heads} attention heads cannot be grouped over "
+    raise MeshError(f"--tensor_parallel_size {tp}: {cfg.num_attention_heads} attention heads cannot be grouped over "
                     f"{cfg.num_key_value_heads * r} replicated KV heads")
 
 

@@ -59,5 +59,5 @@ def tiny_model() -> NLDModel:
 def tiny_llm(tiny_model):
   """One LLM (runner + engine) over the tiny model for all engine tests; variants compile on first use."""
   from recguide_jax import LLM
-  return LLM(model=tiny_model, policy="ar", max_batch=8, max_model_len=256, page_size=8, prefill_chunk=16,
+  return LLM(model=tiny_model, policy="ar", max_num_seqs=8, max_model_len=256, page_size=8, prefill_chunk=16,
              block_sizes=(8, 16, 32), warmup=False, compile_cache_dir=None)

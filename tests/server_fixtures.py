@@ -75,13 +75,13 @@ def free_port() -> int:
 class ServerProcess:
   """`python launch/serve.py ...` with its output in a log file (read on failure)."""
 
-  def __init__(self, checkpoint: pathlib.Path, log_path: pathlib.Path, *args: str):
+  def __init__(self, checkpoint: pathlib.Path, log_path: pathlib.Path, *args: str, env: dict | None = None):
     self.port = free_port()
     self.base = f"http://127.0.0.1:{self.port}"
     self.log_path = log_path
-    self.cmd = [sys.executable, str(SERVE), f"--checkpoint={checkpoint}", f"--port={self.port}", *args]
+    self.cmd = [sys.executable, str(SERVE), f"--model={checkpoint}", f"--port={self.port}", *args]
     self._log = open(log_path, "w")
-    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    env = dict(os.environ if env is None else env, PYTHONUNBUFFERED="1")
     self.proc = subprocess.Popen(self.cmd, cwd=REPO, stdout=self._log, stderr=subprocess.STDOUT, env=env)
 
   def log(self) -> str:

@@ -1,6 +1,6 @@
 """The peer benchmark (launch/bench_peer.py) and the step-time-vs-max_model_len benchmark (launch/bench_context.py)
 at tiny sizes: their main paths run end to end, write the JSON + markdown they promise, our fp32 greedy tokens equal
-transformers' on the same converted weights, and the weight export behind `--checkpoint` is the exact inverse of the
+transformers' on the same converted weights, and the weight export behind `--model` is the exact inverse of the
 converter. No wall-clock figure is asserted."""
 
 from __future__ import annotations
@@ -114,7 +114,7 @@ def test_peer_config_errors_name_the_flag():
     bench_peer.PeerConfig(policies=("linear",)).validate()
   with pytest.raises(ValueError, match="--max_model_len 100"):
     bench_peer.PeerConfig(max_model_len=100).validate()
-  with pytest.raises(ValueError, match="--policies recguide needs --checkpoint"):
+  with pytest.raises(ValueError, match="--policies recguide needs --model"):
     bench_peer.PeerConfig(policies=("ar", "recguide")).validate()
   with pytest.raises(ValueError, match="--kv_heads"):
     bench_peer.PeerConfig(model=bench_peer.RandomModelSpec(heads=6, kv_heads=4)).validate()

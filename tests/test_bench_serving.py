@@ -34,7 +34,7 @@ def server(tmp_path_factory):
   from recguide_jax.server import create_app
   ckpt = sf.build_checkpoint(tmp_path_factory.mktemp("bench_serving") / "nld-bench")
   # max_batch 1: one batch bucket to compile (C = 2 then queues one request, as a full server would)
-  llm = LLM(ckpt, "linear", 8, max_batch=1, max_model_len=128, page_size=8, warmup=False, compile_cache_dir=None)
+  llm = LLM(ckpt, "linear", 8, max_num_seqs=1, max_model_len=128, page_size=8, warmup=False, compile_cache_dir=None)
   app = create_app(EngineThread(llm.engine).start(), llm.tokenizer, "nld-bench", log_stats_interval_s=0)
   srv = sf.InProcessServer(app)
   yield srv

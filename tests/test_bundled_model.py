@@ -21,7 +21,7 @@ QUESTIONS = [
 
 @pytest.fixture(scope="module")
 def bundled():
-  return LLM(policy="ar", block_sizes=(8, 16, 32), max_batch=2, max_model_len=512, warmup=False,
+  return LLM(policy="ar", block_sizes=(8, 16, 32), max_num_seqs=2, max_model_len=512, warmup=False,
              compile_cache_dir=None)
 
 

@@ -167,7 +167,7 @@ class Case:
     self.gguf = write_gguf(root / "model.gguf", self.source_tok, self.tensors)
     self.out_dir = root / "ours"
     if name == CLI_CASE:
-      proc = _run_cli(f"--gguf={self.gguf}", f"--out_dir={self.out_dir}", "--dtype=float32")
+      proc = _run_cli(f"--gguf={self.gguf}", f"--output_dir={self.out_dir}", "--dtype=float32")
       assert proc.returncode == 0, proc.stderr
       assert "wrote" in proc.stdout
     else:
@@ -206,7 +206,7 @@ def test_logits_match_transformers(case):
 
 
 def test_engine_greedy_tokens_match_transformers(case):
-  llm = LLM(case.out_dir, policy="ar", max_batch=1, max_model_len=64, page_size=8, prefill_chunk=16,
+  llm = LLM(case.out_dir, policy="ar", max_num_seqs=1, max_model_len=64, page_size=8, prefill_chunk=16,
             compile_cache_dir=None, warmup=False)
   prompt = llm.tokenizer.encode(llm.tokenizer.apply_chat_template([{"role": "user", "content": "Hello Tom"}]))
   got = llm.generate([prompt], SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True),
@@ -260,7 +260,7 @@ def test_missing_tensor_is_named(small_tensors, tmp_path):
 
 
 def test_cli_names_the_flag():
-  proc = _run_cli("--gguf=/nonexistent/model.gguf", "--out_dir=/tmp/never")
+  proc = _run_cli("--gguf=/nonexistent/model.gguf", "--output_dir=/tmp/never")
   assert proc.returncode == 1 and "--gguf" in proc.stderr
-  proc = _run_cli("--gguf=/nonexistent/model.gguf", "--hf_dir=/tmp", "--out_dir=/tmp/never")
+  proc = _run_cli("--gguf=/nonexistent/model.gguf", "--hf_dir=/tmp", "--output_dir=/tmp/never")
   assert proc.returncode == 1 and "--hf_dir" in proc.stderr and "--gguf" in proc.stderr

@@ -70,7 +70,7 @@ class Case:
     self.hf_dir = ref.write_hf_dir(root / "hf", self.nld, self.tensors, shards=SHARDS[name])
     self.out_dir = root / "ours"
     if name == CLI_CASE:
-      proc = _run_cli(f"--hf_dir={self.hf_dir}", f"--out_dir={self.out_dir}", "--dtype=float32")
+      proc = _run_cli(f"--hf_dir={self.hf_dir}", f"--output_dir={self.out_dir}", "--dtype=float32")
       assert proc.returncode == 0, proc.stderr
       assert "wrote" in proc.stdout
     else:
@@ -434,7 +434,7 @@ def test_cli_errors_are_one_line(tmp_path, small):
   name = "encoder.layers.1.mlp.down_proj.weight"
   hf_dir = ref.write_hf_dir(tmp_path / "hf", nld, {**tensors, name: tensors[name][:, :-1].contiguous()})
   (hf_dir / "linear_spec_lora").mkdir()
-  proc = _run_cli(f"--hf_dir={hf_dir}", f"--out_dir={tmp_path / 'out'}")
+  proc = _run_cli(f"--hf_dir={hf_dir}", f"--output_dir={tmp_path / 'out'}")
   assert proc.returncode == 1
   assert "Traceback" not in proc.stderr
   errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
@@ -442,6 +442,6 @@ def test_cli_errors_are_one_line(tmp_path, small):
   assert "--lora_dir=" in proc.stderr  # hint: the adapter folder exists but was not asked for
   for args, flag in [((f"--hf_dir={tmp_path / 'nope'}",), "--hf_dir"),
                      ((f"--hf_dir={hf_dir}", f"--lora_dir={tmp_path / 'nope'}"), "--lora_dir")]:
-    proc = _run_cli(*args, f"--out_dir={tmp_path / 'out'}")
+    proc = _run_cli(*args, f"--output_dir={tmp_path / 'out'}")
     assert proc.returncode == 1 and "Traceback" not in proc.stderr
     assert proc.stderr.strip().splitlines() == [f"error: {flag}: {tmp_path / 'nope'} is not a directory"]

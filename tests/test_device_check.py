@@ -15,7 +15,7 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 def test_device_check_tiny_on_cpu(tmp_path):
   proc = subprocess.run(
       [sys.executable, str(ROOT / "launch" / "device_check.py"), "--shape=tiny", "--concurrency=1",
-       "--new_tokens=4", "--num_prompts=1", "--prompt_len=16", f"--output_dir={tmp_path}"],
+       "--max_tokens=4", "--num_prompts=1", "--prompt_len=16", f"--output_dir={tmp_path}"],
       cwd=ROOT, env=dict(os.environ, XLA_FLAGS=f"{os.environ.get('XLA_FLAGS', '')} {COMPILE_FLAGS}".strip()),
       capture_output=True, text=True, timeout=1500)
   assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]

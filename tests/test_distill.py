@@ -150,7 +150,7 @@ def test_exported_adapter_checkpoint_serves_lossless(tmp_path, base_dir):
   cfg = json.loads((out / "config.json").read_text())
   assert cfg["draft_lora"] == {"r": 8, "lora_alpha": 32.0, "target_modules": ["o_proj"]}
   assert (out / "MODEL_CARD.md").exists()
-  llm = LLM(out, policy="linear", block_size=8, max_batch=4, max_model_len=128, page_size=8, prefill_chunk=16,
+  llm = LLM(out, policy="linear", block_size=8, max_num_seqs=4, max_model_len=128, page_size=8, prefill_chunk=16,
             compile_cache_dir=None)
   assert llm.cfg.lora_rank == 8
   prompts = [r["prompt"] for r in _rows(4, seed=5)]

@@ -91,7 +91,7 @@ def test_multi_step_decode_equals_one_step_calls(tiny_llm, tiny_model, ar_output
   later steps' pages are freed with the request."""
   from recguide_jax import LLM
   from recguide_jax.runtime import StepKind
-  single = LLM(model=tiny_model, policy="ar", max_batch=8, max_model_len=256, page_size=8, prefill_chunk=16,
+  single = LLM(model=tiny_model, policy="ar", max_num_seqs=8, max_model_len=256, page_size=8, prefill_chunk=16,
                warmup=False, compile_cache_dir=None, decode_steps=1)
   assert tiny_llm.runner.config.decode_steps == 4 and single.runner.config.decode_steps == 1
   prompts, expected = ar_outputs
@@ -266,7 +266,7 @@ def test_logprobs_and_stats(tiny_llm, ar_outputs):
 
 def test_no_compiles_after_warmup(tiny_model):
   from recguide_jax import LLM
-  llm = LLM(model=tiny_model, policy="linear", block_size=8, max_batch=2, max_model_len=128, page_size=8,
+  llm = LLM(model=tiny_model, policy="linear", block_size=8, max_num_seqs=2, max_model_len=128, page_size=8,
             prefill_chunk=16, compile_cache_dir=None)
   prompts = varied_prompts(7, seed=3)
   params = [SamplingParams(max_tokens=20, temperature=t, top_k=k, top_p=p, seed=i)

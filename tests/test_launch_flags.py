@@ -1,6 +1,7 @@
 """The launch scripts' flag vocabulary (recguide_jax/benchmarks/cli.py): every command line quoted in README.md,
-docs/*.md, the model card and the scripts' own docstrings still parses; the old flag names still land on the new
-ones; reports default to runs/<script>, never docs/; `-h` exits 0; a missing GSM8K file is one error line naming
+docs/*.md, the model card and the scripts' own docstrings still parses; vLLM's dashed spellings land on the
+underscored flags and retired names are unknown flags; reports default to runs/<script>, never docs/; `-h` exits 0
+and lists the flags of the modules a script uses; a missing GSM8K file is one error line naming
 the flags and $RECGUIDE_GSM8K_DIR.
 
 The scripts are parsed in ONE subprocess (jax is imported once): each is executed as __main__ with absl's app.run
@@ -130,29 +131,26 @@ def test_every_quoted_command_parses():
   assert not bad, "\n".join(bad)
 
 
-# (script, argv with OLD names, {flag: value expected on the NEW name})
-ALIASES = [
-    ("benchmark", ["--batch_sizes=2,4", "--out_json=/tmp/x.json"],
-     {"concurrency": ["2", "4"], "out_json": "/tmp/x.json"}),
-    ("bench_recguide", ["--concurrency=1,2", "--out_md=/tmp/x.md"], {"concurrency": ["1", "2"], "out_md": "/tmp/x.md"}),
-    ("fit_policy", ["--concurrency_levels=1,16"], {"concurrency": ["1", "16"]}),
-    ("fit_tables", ["--concurrency_levels=1,16"], {"concurrency": ["1", "16"]}),
-    ("fit_delta", ["--policy=/tmp/t.json"], {"recguide_tables": "/tmp/t.json"}),
-    ("bench_recguide", ["--policy_tables=/tmp/t.json"], {"recguide_tables": "/tmp/t.json"}),
-    ("distill_lora", ["--base_checkpoint=ckpt/x"], {"checkpoint": "ckpt/x"}),
-    ("train", ["--data_dir=/d/gsm8k"], {"gsm8k_dir": "/d/gsm8k"}),
-    ("bench_peer", ["--batch_sizes=1,8", "--new_tokens=7", "--dtype=float32"],
-     {"concurrency": ["1", "8"], "max_tokens": 7, "dtypes": ["float32"]}),
-    ("device_check", ["--new_tokens=4"], {"max_tokens": 4}),
-    ("profile", ["--out=/tmp/p.json"], {"out": "/tmp/p.json"}),
-    ("eval_model", ["--out_json=/tmp/e.json"], {"out_json": "/tmp/e.json"}),
-    ("fit_delta", ["--out_json=/tmp/f.json"], {"out_json": "/tmp/f.json"}),
-    ("bench_kernels", ["--out_json=/tmp/k.json"], {"out_json": "/tmp/k.json"}),
-    ("bench_serving", ["--data=/tmp/p.jsonl"], {"dataset_path": "/tmp/p.jsonl"}),
-    ("serve", ["--max_num_seqs=4"], {"max_batch": 4}),
-    ("serve", ["--policy_tables=/tmp/t.json"], {"recguide_tables": "/tmp/t.json"}),
+# (script, argv as a vLLM user types it, {flag: value expected}): dashed spellings land on the underscored flags
+SPELLINGS = [
+    ("serve", ["--max-num-seqs", "4", "--gpu-memory-utilization=0.5", "--tensor-parallel-size=2"],
+     {"max_num_seqs": 4, "gpu_memory_utilization": 0.5, "tensor_parallel_size": 2}),
+    ("serve", ["--max_num_seqs=4", "--data-parallel-size", "2", "--served-model-name=x"],
+     {"max_num_seqs": 4, "data_parallel_size": 2, "served_model_name": "x"}),
+    ("benchmark", ["--max-model-len=512", "--num-prompts", "3", "--output-dir=/tmp/x"],
+     {"max_model_len": 512, "num_prompts": 3, "output_dir": "/tmp/x"}),
+    ("bench_serving", ["--base-url=http://127.0.0.1:1", "--dataset-path=/tmp/p.jsonl"],
+     {"base_url": "http://127.0.0.1:1", "dataset_path": "/tmp/p.jsonl"}),
+    ("fuzz_server", ["--base-url=http://127.0.0.1:1", "--max-num-seqs=2"],
+     {"base_url": "http://127.0.0.1:1", "max_num_seqs": 2}),
+    ("convert_checkpoint", ["--hf-dir=/a", "--output-dir=/b"], {"hf_dir": "/a", "output_dir": "/b"}),
 ]
-# scripts that write reports (default runs/<script>), build a model (--checkpoint, --dtype) or read one GSM8K split
+# names retired for one name per concept: each is now an unknown flag
+RETIRED = [("serve", "--max_batch=4"), ("serve", "--kv_cache_memory_fraction=0.5"), ("serve", "--checkpoint=x"),
+           ("serve", "--tp=2"), ("serve", "--policy_tables=x"), ("benchmark", "--batch_sizes=1"),
+           ("benchmark", "--out_json=x"), ("benchmark", "--checkpoint=x"), ("train", "--out_dir=x"),
+           ("fuzz_server", "--url=x"), ("compile_bench", "--max_batch=2")]
+# scripts that write reports (default runs/<script>), build a model (--model, --dtype) or read one GSM8K split
 REPORTS = ["bench_context", "bench_kernels", "bench_peer", "bench_recguide", "benchmark", "compile_bench",
            "device_check", "eval_model", "fit_delta", "profile"]
 MODELS = ["bench_peer", "bench_recguide", "benchmark", "device_check", "distill_lora", "eval_model", "fit_delta",
@@ -161,20 +159,26 @@ DATA = {"bench_context": "test", "bench_peer": "test", "bench_recguide": "test",
         "distill_lora": "train", "eval_model": "test", "fit_delta": "train", "shadow_trace": "train"}
 
 
-def test_old_names_are_aliases_and_defaults_follow_the_vocabulary():
-  cases = [[s, argv, list(want)] for s, argv, want in ALIASES]
-  cases += [[s, [], ["checkpoint", "dtype", "max_model_len"]] for s in MODELS]
+def test_dashed_names_one_name_per_concept_and_defaults_follow_the_vocabulary():
+  cases = [[s, argv, list(want)] for s, argv, want in SPELLINGS]
+  cases += [[s, [arg], []] for s, arg in RETIRED]
+  cases += [[s, [], ["model", "dtype", "max_model_len"]] for s in MODELS]
   cases += [[s, [], []] for s in REPORTS]
   results = _parse(cases)
-  for (s, _, want), r in zip(ALIASES, results):
+  for (s, _, want), r in zip(SPELLINGS, results):
     assert r["ok"], (s, r)
     assert r["values"] == want, (s, r["values"])
-  models = results[len(ALIASES):len(ALIASES) + len(MODELS)]
+  retired = results[len(SPELLINGS):len(SPELLINGS) + len(RETIRED)]
+  for (s, arg), r in zip(RETIRED, retired):
+    name = arg[2:].split("=")[0]
+    assert not r["ok"] and f"Unknown command line flag '{name}'" in r["output"], (s, arg, r)
+  rest = results[len(SPELLINGS) + len(RETIRED):]
+  models = rest[:len(MODELS)]
   for s, r in zip(MODELS, models):
-    assert r["ok"] and {"checkpoint", "dtype"} <= set(r["values"]), (s, r)
-    if s != "bench_peer":  # bench_peer's --dtype is an alias of its --dtypes sweep
+    assert r["ok"] and {"model"} <= set(r["values"]), (s, r)
+    if s != "bench_peer":  # bench_peer sweeps --dtypes
       assert r["values"]["dtype"] in ("auto", "bfloat16"), (s, r["values"])
-  for r in results[len(ALIASES):]:
+  for r in rest:
     s = r["script"]
     if s in REPORTS:
       out = r["defaults"]["output_dir"]
@@ -195,8 +199,12 @@ def test_missing_gsm8k_is_one_error_line(script, tmp_path):
   assert f"error: --data: GSM8K file {tmp_path}" in proc.stderr and "--gsm8k_dir" in proc.stderr
 
 
-def test_help_exits_zero():
-  """Every launch script runs through `cli.run` (serve.py: its own parser), so `-h` / `--help` exit 0 as in vLLM."""
+def test_help_exits_zero_and_lists_the_flags_of_used_modules():
+  """Every launch script runs through `cli.run`, so `-h` / `--help` exit 0 as in vLLM, and list the flags defined by
+  the modules the script uses (cli's --model/--data, distributed's mesh flags), not only the script's own."""
   results = _parse([[s, ["-h"], []] for s in SCRIPTS])
   for s, r in zip(SCRIPTS, results):
     assert r.get("exit") == 0 and not r.get("error") and "\n  --" in r["output"], (s, r)
+  helps = {s: r["output"] for s, r in zip(SCRIPTS, results)}
+  for flag in ("--model", "--data", "--num_prompts", "--max_tokens", "--tensor_parallel_size"):
+    assert f"\n  {flag}:" in helps["benchmark"], flag

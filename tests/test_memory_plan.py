@@ -81,7 +81,7 @@ def test_refuses_weights_that_do_not_fit():
   with pytest.raises(mp.MemoryPlanError) as e:  # 14B in fp32 (54 GB) on a 24 GB L4
     _plan(PRESETS["nld-14b"], dtype="float32", device_bytes=int(24 * GB))
   msg = str(e.value)
-  assert "weights 54.02 GB exceed" in msg and "21.60 GB" in msg and "--kv_cache_memory_fraction" in msg
+  assert "weights 54.02 GB exceed" in msg and "21.60 GB" in msg and "--gpu_memory_utilization" in msg
   assert "--dtype bfloat16" in msg
 
 
@@ -101,7 +101,7 @@ def test_refuses_fixed_pages_over_budget_and_names_the_most_that_fit():
 
 
 def test_bad_options_are_named():
-  with pytest.raises(mp.MemoryPlanError, match="--kv_cache_memory_fraction must be in"):
+  with pytest.raises(mp.MemoryPlanError, match="--gpu_memory_utilization must be in"):
     _plan(fraction=1.5)
   with pytest.raises(mp.MemoryPlanError, match="--dtype"):
     _plan(dtype="int8")
@@ -115,7 +115,7 @@ def test_tensor_parallel_plans_per_device():
   assert four.kv_page_bytes == one.kv_page_bytes // 4  # 8 KV heads -> 2 per device
   assert four.num_pages > 4 * one.num_pages  # weights shrink too, so more than 4x the pages per device
   assert mp.kv_page_bytes(cfg, 16, "bfloat16", tp=16) == mp.kv_page_bytes(cfg, 16, "bfloat16", tp=8)  # replicated
-  with pytest.raises(mp.MemoryPlanError, match="--tp 3 must divide the model's 8 KV heads"):
+  with pytest.raises(mp.MemoryPlanError, match="--tensor_parallel_size 3 must divide the model's 8 KV heads"):
     _plan(tp=3)
   with pytest.raises(mp.MemoryPlanError, match=r"per device, tp=2"):
     _plan(PRESETS["nld-14b"], dtype="float32", device_bytes=int(24 * GB), tp=2)
@@ -141,12 +141,12 @@ def test_llm_plans_before_loading(monkeypatch):
   def no_load(*a, **k):
     raise AssertionError("the weights were loaded before the plan was checked")
   monkeypatch.setattr(checkpoint, "load_model", no_load)
-  with pytest.raises(mp.MemoryPlanError, match="--kv_cache_memory_fraction"):
+  with pytest.raises(mp.MemoryPlanError, match="--gpu_memory_utilization"):
     llm_lib.LLM(device_memory_gb=0.001, warmup=False, compile_cache_dir=None)
   with pytest.raises(mp.MemoryPlanError, match="--device_memory_gb"):  # CPU reports no memory: say what to pass
     llm_lib.LLM(gpu_memory_utilization=0.5, warmup=False, compile_cache_dir=None)
-  with pytest.raises(ValueError, match="max_num_seqs=4 and max_batch=2"):
-    llm_lib.LLM(max_num_seqs=4, max_batch=2, warmup=False, compile_cache_dir=None)
+  with pytest.raises(ValueError, match=r"max_model_len=100000 exceeds the model's max_position_embeddings \(4096\)"):
+    llm_lib.LLM(max_model_len=100000, warmup=False, compile_cache_dir=None)  # the bundled model's limit
   with pytest.raises(ValueError, match="dtype must be one of"):
     llm_lib.LLM(dtype="float64", warmup=False, compile_cache_dir=None)
 
@@ -179,7 +179,7 @@ def test_server_refuses_a_plan_that_does_not_fit():
   assert proc.returncode == 1, proc.stderr[-2000:]
   errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
   assert len(errors) == 1 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
-  assert "memory plan does not fit" in errors[0] and "--kv_cache_memory_fraction 0.90 of 5.0 MB" in errors[0]
+  assert "memory plan does not fit" in errors[0] and "--gpu_memory_utilization 0.90 of 5.0 MB" in errors[0]
 
 
 # ---- the shipped figures ------------------------------------------------------------------------------------------
@@ -205,10 +205,11 @@ def test_docs_figures_match_the_planner():
 
 
 def test_server_flags_of_the_plan_are_checked_at_once():
-  for args, flag in [(["--kv_cache_memory_fraction=1.5"], "--kv_cache_memory_fraction"),
-                     (["--gpu_memory_utilization=0"], "--kv_cache_memory_fraction"),
+  for args, flag in [(["--gpu_memory_utilization=1.5"], "--gpu_memory_utilization"),
+                     (["--gpu-memory-utilization=0"], "--gpu_memory_utilization"),  # vLLM's dashed spelling
                      (["--device_memory_gb=-1"], "--device_memory_gb"), (["--dtype=int8"], "--dtype"),
-                     (["--max_num_seqs=0"], "--max_batch")]:
+                     (["--max-num-seqs", "0"], "--max_num_seqs"),
+                     (["--max_model_len=100000"], "--max_model_len: 100000 exceeds the model's max_position_embeddings 4096")]:
     proc = subprocess.run([sys.executable, str(REPO / "launch" / "serve.py"), *args], cwd=REPO, capture_output=True,
                           text=True, timeout=120)
     lines = proc.stderr.strip().splitlines()
@@ -217,6 +218,6 @@ def test_server_flags_of_the_plan_are_checked_at_once():
   help_text = subprocess.run([sys.executable, str(REPO / "launch" / "serve.py"), "--help"], cwd=REPO,
                              capture_output=True, text=True, timeout=120)
   assert help_text.returncode == 0
-  for flag in ("--kv_cache_memory_fraction", "--gpu_memory_utilization", "--max_num_seqs", "--dtype",
-               "--device_memory_gb"):
+  for flag in ("--gpu_memory_utilization", "--max_num_seqs", "--dtype", "--device_memory_gb", "--model",
+               "--tensor_parallel_size", "--data_parallel_size", "--served_model_name", "--max_model_len"):
     assert flag in help_text.stdout

@@ -47,7 +47,7 @@ def served():
   from recguide_jax.engine import EngineThread
   from recguide_jax.server import create_app
   # max_batch 1: one batch bucket to compile; concurrent requests wait their turn (queue time is observed)
-  llm = LLM(policy="linear", block_size=BLOCK, max_batch=1, max_model_len=256, page_size=16, warmup=False,
+  llm = LLM(policy="linear", block_size=BLOCK, max_num_seqs=1, max_model_len=256, page_size=16, warmup=False,
             compile_cache_dir=None)
   thread = EngineThread(llm.engine).start()
   app = create_app(thread, llm.tokenizer, MODEL, log_stats_interval_s=0)

@@ -461,9 +461,9 @@ def test_fit_tables_end_to_end(tmp_path):
   rows = synthetic_rows(n_datasets=2, n_requests=12, n_rounds=10, seed=7)
   trace = tmp_path / "shadow.jsonl"
   trace.write_text("".join(json.dumps(r) + "\n" for r in rows))
-  out = tmp_path / "policy.json"
+  out = tmp_path / "recguide_tables.json"
   stdout = _run(["launch/fit_tables.py", f"--traces={trace}", "--profile=b200_nld8b",
-                 "--concurrency_levels=1,16,128", "--bins=4", f"--out={out}"], timeout=120)
+                 "--concurrency=1,16,128", "--bins=4", f"--output_dir={tmp_path}"], timeout=120)
   assert "C=16" in stdout and "best fixed B=" in stdout
   tables = ad.load_tables(out)
   assert tables.concurrency_levels == (1, 16, 128) and tables.profile == "b200_nld8b"
@@ -473,11 +473,10 @@ def test_fit_tables_end_to_end(tmp_path):
     assert lv.rho == sol.rho and lv.objective == pytest.approx(sol.objective)
   bad = tmp_path / "bad.jsonl"
   bad.write_text(json.dumps(dict(rows[1], A={"8": 0, "16": 1, "32": 1})) + "\n")
-  # launch/fit_policy.py, the script's earlier name, runs it too
-  proc = subprocess.run([sys.executable, "launch/fit_policy.py", f"--traces={bad}", f"--out={out}"], cwd=ROOT,
-                        env=dict(os.environ, JAX_PLATFORMS="cpu"), capture_output=True, text=True, timeout=120)
+  proc = subprocess.run([sys.executable, "launch/fit_tables.py", f"--traces={bad}", f"--output_dir={tmp_path}"],
+                        cwd=ROOT, env=dict(os.environ, JAX_PLATFORMS="cpu"), capture_output=True, text=True,
+                        timeout=120)
   assert proc.returncode != 0 and "bad.jsonl:1" in proc.stderr and "A[8]" in proc.stderr
-  assert "fit_tables.py" in proc.stderr  # the deprecation note names the new script
 
 
 def test_tables_keep_their_earlier_names(model, tmp_path):
@@ -503,9 +502,9 @@ def test_tables_keep_their_earlier_names(model, tmp_path):
 
 
 def test_profile_script_random_tiny(tmp_path):
-  out = tmp_path / "profile.json"
-  stdout = _run(["launch/profile.py", "--random_tiny", "--max_batch=2", "--block_sizes=8", "--repeats=1",
-                 "--prefix_len=32", "--name=cpu_tiny", f"--out={out}"], timeout=240)
+  out = tmp_path / "profile_cpu_tiny.json"
+  stdout = _run(["launch/profile.py", "--random_tiny", "--max-num-seqs=2", "--block_sizes=8", "--repeats=1",
+                 "--prefix_len=32", "--name=cpu_tiny", f"--output_dir={tmp_path}"], timeout=240)
   assert "wrote" in stdout
   p = pf.load_profile(out)
   assert p.levels == (1, 2) and p.block_sizes == (8,) and p.name == "cpu_tiny" and p.backend == "cpu"
@@ -536,10 +535,10 @@ def test_fit_delta_end_to_end(tmp_path):
   data.write_text("".join(json.dumps({"question": q, "answer": "-"}) + "\n" for q in (
       "Ann has 5 apples and buys 7 more. How many apples does she have?",
       "A pen costs $3. How much do 4 pens cost?")))
-  out = tmp_path / "sweep.json"
+  out = tmp_path / "fit_delta.json"
   stdout = _run(["launch/fit_delta.py", f"--data={data}", "--num_prompts=2", "--max_tokens=24",
                  "--deltas=0.1,0.4", "--slots=3,5", "--prefix_exponents=0.3", f"--recguide_tables={policy}",
-                 f"--out_json={out}"], timeout=300)
+                 f"--output_dir={tmp_path}"], timeout=300)
   sweep = json.loads(out.read_text())
   rows = sweep["sweep"]
   assert [(r["planner"], r["delta"], r["slots"]) for r in rows[:3]] == [
@@ -571,9 +570,9 @@ def test_bench_recguide_end_to_end(tmp_path):
   data.write_text("".join(json.dumps({"question": q, "answer": "-"}) + "\n" for q in (
       "Ann has 5 apples and buys 7 more. How many apples does she have?",
       "A pen costs $3. How much do 4 pens cost?", "Tom walks 3 miles a day. How far does he walk in a week?")))
-  out_json, out_md = tmp_path / "bench.json", tmp_path / "bench.md"
+  out_json, out_md = tmp_path / "bench_recguide.json", tmp_path / "bench_recguide.md"
   _run(["launch/bench_recguide.py", f"--data={data}", "--num_prompts=3", "--max_tokens=20", "--concurrency=1,2",
-        "--repeats=2", "--profile=docs/profile_cpu.json", f"--out_json={out_json}", f"--out_md={out_md}"],
+        "--repeats=2", "--profile=docs/profile_cpu.json", f"--output_dir={tmp_path}"],
        timeout=600)
   res = json.loads(out_json.read_text())
   rows = {(r["policy"], r["concurrency"]): r for r in res["results"]}

@@ -66,7 +66,7 @@ def samplers(small_vocab_model):
   for name, rule, policy in [("ar", "leviathan", policies.ARPolicy()),
                              ("leviathan", "leviathan", policies.LinearPolicy(8)),
                              ("reference", "reference", policies.LinearPolicy(8))]:
-    out[name] = LLM(model=small_vocab_model, policy=policy, max_batch=32, max_model_len=32, page_size=4,
+    out[name] = LLM(model=small_vocab_model, policy=policy, max_num_seqs=32, max_model_len=32, page_size=4,
                     prefill_chunk=4, rule=rule, warmup=False, compile_cache_dir=None)
   return out
 

@@ -32,7 +32,7 @@ from recguide_jax.tokenizer import Tokenizer  # noqa: E402
 
 MODEL = "nld-test"  # the checkpoint directory's name: the default served model name
 MAX_MODEL_LEN = 256
-SERVER_ARGS = ("--max_batch=8", f"--max_model_len={MAX_MODEL_LEN}", "--page_size=8", "--policy=linear",
+SERVER_ARGS = ("--max_num_seqs=8", f"--max_model_len={MAX_MODEL_LEN}", "--page_size=8", "--policy=linear",
                "--block_size=16", "--max_queue=40")
 
 TEXT_PROMPTS = ["Hello world", "The quick brown fox", "How many clips did Natalia sell?", "def add(a, b):",
@@ -63,7 +63,7 @@ def server_proc(ckpt, tmp_path_factory):
 def offline_llm(ckpt, server_proc):
   # Same policy, block size, page size and length limit as the server; batch 1 so that only three step variants
   # compile here (greedy outputs do not depend on the batch: see test_engine's batch-invariance tests).
-  return LLM(ckpt, "linear", 16, max_batch=1, max_model_len=MAX_MODEL_LEN, page_size=8, warmup=False,
+  return LLM(ckpt, "linear", 16, max_num_seqs=1, max_model_len=MAX_MODEL_LEN, page_size=8, warmup=False,
              compile_cache_dir=None)
 
 
@@ -181,11 +181,11 @@ def test_cli_rejects_bad_flags(ckpt, server_proc, tmp_path):
   taken.bind(("127.0.0.1", 0))
   taken.listen()
   cases = [(["--port=abc"], "--port"), (["--port=70000"], "--port"), (["--block_size=1"], "--block_size"),
-           (["--threshold=1.5"], "--threshold"), (["--max_batch=0"], "--max_batch"), (["--rule=fast"], "--rule"),
-           (["--checkpoint=/no/such/dir"], "--checkpoint"), ([f"--profile={bad_json}"], "--profile"),
+           (["--threshold=1.5"], "--threshold"), (["--max-num-seqs=0"], "--max_num_seqs"), (["--rule=fast"], "--rule"),
+           (["--model=/no/such/dir"], "--model"), ([f"--profile={bad_json}"], "--profile"),
            (["--policy=bogus"], "--policy"), (["--port", str(taken.getsockname()[1])], "--port")]
   for args, flag in cases:
-    argv = args if any(a.startswith("--checkpoint") for a in args) else [f"--checkpoint={ckpt}", *args]
+    argv = args if any(a.startswith("--model") for a in args) else [f"--model={ckpt}", *args]
     res = sf.run_cli(*argv)
     lines = res.stderr.strip().splitlines()
     assert res.returncode != 0, (args, res.stderr)

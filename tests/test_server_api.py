@@ -42,7 +42,7 @@ ECHO_PROMPT = "Natalia sold clips to 48 of her friends in April, and then she so
 @pytest.fixture(scope="module")
 def llm(tmp_path_factory):
   ckpt = sf.build_checkpoint(tmp_path_factory.mktemp("api") / MODEL)
-  return LLM(ckpt, "linear", 8, max_batch=2, max_model_len=MAX_MODEL_LEN, page_size=8, prefill_chunk=16,
+  return LLM(ckpt, "linear", 8, max_num_seqs=2, max_model_len=MAX_MODEL_LEN, page_size=8, prefill_chunk=16,
              warmup=False, compile_cache_dir=None)
 
 
@@ -407,8 +407,8 @@ def test_serve_positional_checkpoint_errors(tmp_path):
   r = sf.run_cli(str(tmp_path / "a"), str(tmp_path / "b"))
   assert r.returncode == 1 and "only one positional argument" in r.stderr
   r = sf.run_cli(str(tmp_path / "missing"))
-  assert r.returncode == 1 and "--checkpoint" in r.stderr and "missing is not a directory" in r.stderr
-  r = sf.run_cli(str(tmp_path), f"--checkpoint={tmp_path / 'other'}")
+  assert r.returncode == 1 and "--model" in r.stderr and "missing is not a directory" in r.stderr
+  r = sf.run_cli(str(tmp_path), f"--model={tmp_path / 'other'}")
   assert r.returncode == 1 and "disagree" in r.stderr
   r = sf.run_cli("-h")
   assert r.returncode == 0 and "--api_key" in r.stdout and "--allowed_origins" in r.stdout

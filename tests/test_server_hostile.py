@@ -42,7 +42,7 @@ COMPLETIONS, CHAT = "/v1/completions", "/v1/chat/completions"
 def llm(tmp_path_factory):
   ckpt = sf.build_checkpoint(tmp_path_factory.mktemp("hostile") / MODEL)
   # batches of up to 2: the valid stream shares its rounds with whatever hostile body got through validation
-  return LLM(ckpt, "linear", 8, max_batch=2, max_model_len=MAX_MODEL_LEN, page_size=8, prefill_chunk=16,
+  return LLM(ckpt, "linear", 8, max_num_seqs=2, max_model_len=MAX_MODEL_LEN, page_size=8, prefill_chunk=16,
              warmup=False, compile_cache_dir=None)
 
 
@@ -398,7 +398,7 @@ def test_body_size_limit_is_413(server):
 
 def test_fuzz_script_against_the_in_process_server(server, tmp_path):
   """launch/fuzz_server.py end to end with a small count: its report counts every body, with no 5xx."""
-  res = subprocess.run([sys.executable, str(sf.REPO / "launch" / "fuzz_server.py"), f"--url={server.base}",
+  res = subprocess.run([sys.executable, str(sf.REPO / "launch" / "fuzz_server.py"), f"--base_url={server.base}",
                         "--count=30", "--concurrency=4", "--valid_max_tokens=24", "--vocab_size=320",
                         f"--output_dir={tmp_path}", "--seed=3"], cwd=sf.REPO, capture_output=True, text=True,
                        timeout=300)
@@ -409,7 +409,7 @@ def test_fuzz_script_against_the_in_process_server(server, tmp_path):
   assert run["responses_5xx"] == 0 and run["valid_stream"]["runs_during_fuzz"] >= 1
   assert "| 5xx |" in (tmp_path / "hostile_fuzz.md").read_text()
   # the script only targets loopback addresses
-  res = subprocess.run([sys.executable, str(sf.REPO / "launch" / "fuzz_server.py"), "--url=http://192.0.2.1:80",
+  res = subprocess.run([sys.executable, str(sf.REPO / "launch" / "fuzz_server.py"), "--base-url=http://192.0.2.1:80",
                         "--count=1"], cwd=sf.REPO, capture_output=True, text=True, timeout=120)
   assert res.returncode != 0 and "loopback" in res.stderr
 

@@ -50,12 +50,12 @@ def test_mesh_flags(monkeypatch):
   monkeypatch.setattr(distributed, "_FLAG_VALUES", None)
   distributed.define_mesh_flags(fv)
   distributed.define_mesh_flags(fv)  # idempotent
-  fv(["prog", "--tp=4", "--dp=2"])
+  fv(["prog", "--tensor_parallel_size=4", "--data_parallel_size=2"])
   assert distributed.mesh_shape_from_flags() == sharding.MeshShape(dp=2, tp=4)
   assert fv.tensor_parallel_size == 4 and fv.data_parallel_size == 2
   fv.unparse_flags()
-  fv(["prog", "--mesh=dp=2,tp=4", "--tp=8"])
-  with pytest.raises(sharding.MeshError, match="--mesh 'dp=2,tp=4' contradicts --tp 8"):
+  fv(["prog", "--mesh=dp=2,tp=4", "--tensor_parallel_size=8"])
+  with pytest.raises(sharding.MeshError, match="--mesh 'dp=2,tp=4' contradicts --tensor_parallel_size 8"):
     distributed.mesh_shape_from_flags()
   fv.unparse_flags()
   fv(["prog"])
@@ -93,9 +93,9 @@ def test_kv_heads_replicated_in_groups_when_tp_exceeds_them():
   assert sharding.mesh_config(cfg, 8) is cfg
   sixteen = sharding.mesh_config(cfg, 16)  # NLD on a v5e-16: each chip one KV head, 2 query heads
   assert sixteen.num_key_value_heads == 16 and sixteen.num_attention_heads == 32
-  with pytest.raises(sharding.MeshError, match="--tp 3 must divide the model's 8 KV heads"):
+  with pytest.raises(sharding.MeshError, match="--tensor_parallel_size 3 must divide the model's 8 KV heads"):
     sharding.mesh_config(cfg, 3)
-  with pytest.raises(sharding.MeshError, match="--tp 64 must divide the model's 32 attention heads"):
+  with pytest.raises(sharding.MeshError, match="--tensor_parallel_size 64 must divide the model's 32 attention heads"):
     sharding.mesh_config(cfg, 64)
   # the replicated model computes the same attention: GQA maps query head j to KV head j // (Hq / Hkv) either way
   rng = np.random.default_rng(0)
@@ -161,12 +161,12 @@ def test_mesh_equality_on_eight_cpu_devices(tmp_path):
   a checkpoint restored with `load_model(mesh=...)` lands in its shards with the saved values.
   Kept small (every variant compiles once per group); the sweep over tp=2/4/8 and dp=2,tp=4, LinearSS 8/16/32,
   overlap, adaptive and the chi-square test is `launch/mesh_check.py` (docs/scale_out.md)."""
-  out = tmp_path / "mesh_check.json"
+  out = tmp_path / "mesh_check.json"  # in --output_dir
   env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
   env["XLA_FLAGS"] = COMPILE_FLAGS  # the session's compile options; mesh_check adds its device count
   proc = subprocess.run([sys.executable, os.path.join(REPO, "launch", "mesh_check.py"), "--model=tiny",
                          "--meshes=dp=2,tp=4", "--policies=ar,linear8", "--max_num_seqs=1", "--num_prompts=2",
-                         "--max_tokens=10", f"--out={out}"],
+                         "--max_tokens=10", f"--output_dir={tmp_path}"],
                         cwd=REPO, env=env, capture_output=True, text=True, timeout=1500)
   assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
   report = json.loads(out.read_text())

@@ -103,7 +103,7 @@ def test_resume_reproduces_uninterrupted_run(tmp_path):
   assert (tmp_path / "full" / "loss_curves.png").exists()
   full.export(tmp_path / "export")
   from recguide_jax import LLM, SamplingParams
-  llm = LLM(tmp_path / "export", policy="linear", block_size=8, max_batch=1, max_model_len=64, page_size=8,
+  llm = LLM(tmp_path / "export", policy="linear", block_size=8, max_num_seqs=1, max_model_len=64, page_size=8,
             prefill_chunk=16, warmup=False, compile_cache_dir=None)
   out = llm.generate("The farmer has", SamplingParams(max_tokens=5, temperature=0))
   assert len(out[0].token_ids) >= 1 and isinstance(out[0].text, str)

@@ -1,8 +1,8 @@
 """Benchmark and launch-script support: what `launch/*.py` share, kept out of the serving library.
 
-- `cli`: the flag vocabulary every launch script uses (`--checkpoint`, `--concurrency`, `--output_dir`, `--dtype`,
-  `--max_model_len`, `--num_prompts`, `--max_tokens`, `--data` / `--gsm8k_dir`), old names as deprecated aliases,
-  output paths (`runs/<script>` by default) and command-line errors that name the flag;
+- `cli`: the flag vocabulary every launch script uses (`--model`, `--concurrency`, `--output_dir`, `--dtype`,
+  `--max_model_len`, `--num_prompts`, `--max_tokens`, `--data` / `--gsm8k_dir`), one name each, dashes or
+  underscores, `run` (absl's app.run with --help listing every flag the script reads), output paths (`runs/<script>` by default) and command-line errors that name the flag;
 - `gsm8k`: where GSM8K is read from (`$RECGUIDE_GSM8K_DIR`, else `../shared/data/gsm8k`) and its prompts;
 - `unseen`: prompt sets the bundled RecGuide tables were not fitted on (shipped word problems, far GSM8K train);
 - `driver`: closed-loop drivers over the engine (`run_concurrent`: a prompt set to the last token; `run_steady`:

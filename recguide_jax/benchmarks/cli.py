@@ -1,6 +1,8 @@
 """The flag vocabulary of the launch scripts, so one name means one thing in every script:
 
-  --checkpoint      the model (checkpoint directory; default: the bundled one)
+  --model           the model (checkpoint directory; default: the bundled one), vLLM's name
+  --max_num_seqs    the engine's most requests decoded together (vLLM's name)
+  --base_url        a running server's URL
   --concurrency     requests in flight; a comma-separated list of levels where a script sweeps
   --output_dir      where JSON / markdown reports go; default runs/<script>, `--output_dir=docs` publishes
   --dtype           weights / activations / KV cache dtype (auto: the checkpoint's)
@@ -11,13 +13,13 @@
   --gsm8k_dir       the folder of GSM8K's train.jsonl / test.jsonl (default: $RECGUIDE_GSM8K_DIR, else
                     ../shared/data/gsm8k beside the repository)
 
-Old names stay as aliases (`deprecated_alias`) or, where the old flag named a file rather than a folder
-(`--out_json`, `--out_md`, `--out`), as flags that still win when given (`report_path`); either way a warning names
-the new flag. Errors in flag values exit with a one-line message that names the flag, not a traceback."""
+One name per concept, no aliases; `run` reads vLLM's dashed spellings (`--max-num-seqs`) as the underscored ones.
+Errors in flag values exit with a one-line message that names the flag, not a traceback."""
 
 from __future__ import annotations
 
 import os
+import re
 import sys
 
 from absl import app, flags, logging
@@ -28,21 +30,45 @@ REPO_ROOT = str(gsm8k.REPO_ROOT)
 GSM8K_DIR = gsm8k.default_gsm8k_dir()  # read once, when the flags are defined
 
 DTYPES = ["auto", "float32", "bfloat16", "float16"]
-_DEPRECATED: list[tuple[str, str]] = []  # (old, new) aliases defined by this process
 _DATA_SPLIT = {"data": "test"}  # the GSM8K split each data flag defaults to
 
 
 HELP_ARGS = ("-h", "-help", "--help", "--helpshort")
 
 
+def underscored(argv: list[str]) -> list[str]:
+  """`--max-num-seqs[=4]` -> `--max_num_seqs[=4]`: vLLM spells flags with dashes, absl only knows underscores, so
+  both spellings work. Values and everything after a bare `--` are left as they are."""
+  out = list(argv[:1])
+  for i, arg in enumerate(argv[1:], 1):
+    if arg == "--":
+      return out + list(argv[i:])
+    m = re.fullmatch(r"(--?)([A-Za-z][\w-]*)(=.*)?", arg, flags=re.S)
+    out.append(m.group(1) + m.group(2).replace("-", "_") + (m.group(3) or "") if m else arg)
+  return out
+
+
+def adopt_used_flags() -> None:
+  """Lists in the script's `--help` the flags the modules it uses defined (absl shows only the main module's):
+  every non-absl module's flags become key flags of the script."""
+  main = sys.argv[0]
+  for module in list(flags.FLAGS.flags_by_module_dict()):
+    if module != main and not module.startswith("absl."):
+      for flag in flags.FLAGS.get_key_flags_for_module(module):
+        flags.FLAGS.register_key_flag_for_module(main, flag)
+
+
 def run(main, flags_parser=None) -> None:
-  """absl's `app.run`, except that `-h` / `--help` / `--helpshort` (and `--helpfull`) print the usage and exit 0, as
-  serve.py and vLLM's commands do (absl exits 1, and `-h` is not an absl flag)."""
+  """absl's `app.run`, for every launch script: dashed flag names are read as underscored ones, and `-h` / `--help`
+  / `--helpshort` (and `--helpfull`) print the usage, with the flags of the modules the script uses, and exit 0,
+  as vLLM's commands do (absl exits 1, and `-h` is not an absl flag)."""
   parse_rest = flags_parser or app.parse_flags_with_usage
 
   def parse(argv):
+    argv = underscored(argv)
     args = argv[1:argv.index("--")] if "--" in argv else argv[1:]
     if any(a in HELP_ARGS for a in args):
+      adopt_used_flags()
       app.usage(shorthelp=True, writeto_stdout=True, exitcode=0)
     if "--helpfull" in args:
       app.usage(writeto_stdout=True, exitcode=0)
@@ -51,20 +77,9 @@ def run(main, flags_parser=None) -> None:
   app.run(main, flags_parser=parse)
 
 
-def deprecated_alias(old: str, new: str) -> None:
-  """`--old` keeps working as `--new`; `warn_deprecated` names the new flag when the old one was used."""
-  flags.DEFINE_alias(old, new)
-  _DEPRECATED.append((old, new))
-
-
-def warn_deprecated() -> None:
-  for old, new in _DEPRECATED:
-    if old in flags.FLAGS and flags.FLAGS[old].present:
-      logging.warning("--%s is deprecated; use --%s", old, new)
-
-
-def define_checkpoint_flag(help_text: str = "Checkpoint dir (default: the bundled model).") -> None:
-  flags.DEFINE_string("checkpoint", None, help_text)
+def define_model_flag(help_text: str = "Checkpoint dir (default: the bundled model).") -> None:
+  """--model, vLLM's name for the model to load: our checkpoint directory."""
+  flags.DEFINE_string("model", None, help_text)
 
 
 def define_dtype_flag(default: str = "auto", choices: list[str] | None = None) -> None:
@@ -87,8 +102,8 @@ def define_data_flag(split: str, name: str = "data", what: str = "prompts") -> N
 
 
 def define_model_flags(max_model_len: int = 1024) -> None:
-  """--checkpoint, --attention, --dtype and --max_model_len of a script that builds an LLM."""
-  define_checkpoint_flag()
+  """--model, --attention, --dtype and --max_model_len of a script that builds an LLM."""
+  define_model_flag()
   flags.DEFINE_enum("attention", "auto", ["auto", "reference", "pallas"], "Attention implementation.")
   define_dtype_flag()
   flags.DEFINE_integer("max_model_len", max_model_len, "Longest prompt + output of the engine, in tokens.")
@@ -103,13 +118,10 @@ def define_model_and_data_flags(split: str = "test", num_prompts: int = 32, max_
   flags.DEFINE_integer("max_tokens", max_tokens, "New tokens per request (greedy, stops at EOS).")
 
 
-def define_output_flags(script: str, legacy_files: dict[str, str] | None = None) -> None:
-  """--output_dir (default runs/<script>) and, per old file flag, `legacy_files[old] = file name` of that report
-  inside --output_dir (e.g. {"out_json": "bench_linear.json"}); an old file flag, when given, still names the file."""
+def define_output_flags(script: str) -> None:
+  """--output_dir (default runs/<script>)."""
   flags.DEFINE_string("output_dir", os.path.join(REPO_ROOT, "runs", script),
                       "Where the reports go (default: runs/<script>; `docs` writes the published copies in docs/).")
-  for old, name in (legacy_files or {}).items():
-    flags.DEFINE_string(old, None, f"Deprecated: the file itself, instead of --output_dir/{name}.")
 
 
 def output_dir() -> str:
@@ -120,15 +132,9 @@ def output_dir() -> str:
   return os.path.join(REPO_ROOT, "docs") if os.path.normpath(out) == "docs" else out
 
 
-def report_path(file_name: str, legacy_flag: str | None = None) -> str:
-  """Where a report file goes: the old file flag's path when it was given (with a deprecation warning), else
-  --output_dir/file_name. Creates the folder."""
-  old = flags.FLAGS[legacy_flag].value if legacy_flag and legacy_flag in flags.FLAGS else None
-  if old:
-    logging.warning("--%s is deprecated; use --output_dir (this run writes %s)", legacy_flag, old)
-    path = old
-  else:
-    path = os.path.join(output_dir(), file_name)
+def report_path(file_name: str) -> str:
+  """--output_dir/file_name; creates the folder."""
+  path = os.path.join(output_dir(), file_name)
   os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
   return path
 
@@ -160,11 +166,9 @@ def int_list(name: str, minimum: int = 1) -> list[int]:
 
 
 def quiet_logging() -> None:
-  """orbax logs every step of a checkpoint read at INFO; keep it quiet unless --verbosity was given. Also warns
-  about deprecated flag names used on this command line."""
+  """orbax logs every step of a checkpoint read at INFO; keep it quiet unless --verbosity was given."""
   if flags.FLAGS["verbosity"].using_default_value:
     logging.set_verbosity(logging.WARNING)
-  warn_deprecated()
 
 
 def weights_flag(name: str, count: int) -> tuple[float, ...]:

@@ -32,7 +32,7 @@ class EngineConfig:
   # True: one batch per planned block size; False: planned block sizes share one batch padded to the largest;
   # "auto": per step, whichever the strategy's cost model prices cheaper
   bucketing: bool | str = "auto"
-  kv_cache_memory_fraction: float | None = None  # vLLM's gpu_memory_utilization
+  gpu_memory_utilization: float | None = None  # of the device memory; what weights and activations leave is KV
   device_memory_gb: float | None = None
   runner_options: Mapping[str, Any] = dataclasses.field(default_factory=dict)  # other RunnerConfig fields by name
 

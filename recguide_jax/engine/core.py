@@ -134,6 +134,10 @@ class Engine:
   def has_work(self) -> bool:
     return bool(self.waiting or self.running)
 
+  def kv_pages(self) -> tuple[int, int]:
+    """(KV pages owned by requests, usable KV pages: all but the null page)."""
+    return self.allocator.num_used, self.allocator.num_pages - 1
+
   def run_until_done(self) -> None:
     while self.has_work():
       self.step()

@@ -9,18 +9,18 @@ import logging
 import threading
 import time
 
-from recguide_jax.engine.core import Engine
+from recguide_jax.engine.protocol import ServingEngine
 from recguide_jax.requests import QueueFull, Request, RequestError, SamplingParams
 
 log = logging.getLogger("recguide_jax.engine")
 
 
 class EngineThread:
-  """Runs an Engine on its own thread. Other threads (an asyncio event loop) only validate requests and drop them
-  into an inbox, so they never wait for a device step; the engine thread moves the inbox into the engine between
-  steps."""
+  """Runs a `ServingEngine` (one group or data-parallel groups) on its own thread. Other threads (an asyncio event
+  loop) only validate requests and drop them into an inbox, so they never wait for a device step; the engine thread
+  moves the inbox into the engine between steps."""
 
-  def __init__(self, engine: Engine):
+  def __init__(self, engine: ServingEngine):
     self.engine = engine
     self._cond = threading.Condition()
     self._inbox: collections.deque = collections.deque()

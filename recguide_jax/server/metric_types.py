@@ -88,14 +88,14 @@ def engine_snapshot(engine_thread) -> dict:
   """The engine-wide figures both the collector and the stats line read, copied once."""
   eng = engine_thread.engine
   totals = _copy(eng.totals)
-  usable = max(eng.allocator.num_pages - 1, 1)
+  used, total = eng.kv_pages()
   return {
       "totals": totals,
       "per_position": _copy(eng.accepted_per_position),
       "block_sizes": _copy(eng.block_size_choices),
       "running": len(eng.running),
       "waiting": engine_thread.queue_depth,
-      "pages_used": eng.allocator.num_used,
-      "pages_total": eng.allocator.num_pages - 1,
-      "kv_usage": eng.allocator.num_used / usable,
+      "pages_used": used,
+      "pages_total": total,
+      "kv_usage": used / max(total, 1),
   }
