@@ -74,16 +74,13 @@ def model_config():
 
 def policy_runner_config(name: str):
   """(policy, RunnerConfig) exactly as `LLM` builds them for `policy=name` (no block_sizes override)."""
-  from recguide_jax import policies
-  from recguide_jax.llm import DEFAULT_DECODE_STEPS
-  from recguide_jax.runner import RunnerConfig
-  policy = policies.make_policy(name, _BLOCK_SIZE.value)
-  sizes = tuple(sorted(set(policy.block_sizes()))) or (_BLOCK_SIZE.value,)
-  pages_per_seq = -(-(_MAX_MODEL_LEN.value + max(sizes + (_PREFILL_CHUNK.value,))) // _PAGE_SIZE.value)
-  rc = RunnerConfig(num_pages=_NUM_PAGES.value or _MAX_BATCH.value * pages_per_seq + 1, page_size=_PAGE_SIZE.value,
-                    max_model_len=_MAX_MODEL_LEN.value, max_num_seqs=_MAX_NUM_SEQS.value, block_sizes=sizes,
-                    prefill_chunk=_PREFILL_CHUNK.value, compile_cache_dir=None, decode_steps=DEFAULT_DECODE_STEPS)
-  return policy, rc
+  from recguide_jax.aot.compile import policy_runner_config as serving_config
+  from recguide_jax.runtime.runner import RunnerConfig
+  policy, rc, _, _ = serving_config(name, block_size=_BLOCK_SIZE.value, max_num_seqs=_MAX_NUM_SEQS.value,
+                                    max_model_len=_MAX_MODEL_LEN.value, page_size=_PAGE_SIZE.value,
+                                    prefill_chunk=_PREFILL_CHUNK.value)
+  pages = _NUM_PAGES.value or _MAX_NUM_SEQS.value * rc.pages_per_seq + 1
+  return policy, RunnerConfig(**{**rc.__dict__, "num_pages": pages})
 
 
 def bench_policy(name: str, cfg, dtype) -> dict:

@@ -52,8 +52,9 @@ def _pow2(n: int) -> bool:
   return n > 0 and n & (n - 1) == 0
 
 
-def unsupported(variant: str, q_shape, page_size: int | None) -> str | None:
-  """Why the compiled (not interpreted) kernel cannot take these shapes, or None."""
+def unsupported(variant: str, q_shape, page_size: int | None, page_lanes: int | None = None) -> str | None:
+  """Why the compiled (not interpreted) kernel cannot take these shapes, or None. `page_lanes`: the last dim of one
+  device's pages (its KV heads * head_dim)."""
   d = q_shape[-1]
   if variant == "gpu":
     if not (_pow2(d) and d >= 16):
@@ -62,11 +63,14 @@ def unsupported(variant: str, q_shape, page_size: int | None) -> str | None:
       return f"Triton needs a power-of-two page_size, got {page_size}"
   elif page_size is not None and page_size % 8:
     return f"Mosaic wants page_size a multiple of 8, got {page_size}"
+  elif page_lanes is not None and page_lanes % 128:
+    # narrower pages get a TPU layout other than the kernel's row-major one: XLA would copy the cache every call
+    return f"Mosaic wants a device's KV heads * head_dim a multiple of 128 lanes, got {page_lanes}"
   return None
 
 
 def resolve(impl: str, q_shape=(1, 1, 1, 128), page_size: int | None = None,
-            platform: str | None = None) -> tuple[str, str | None, bool]:
+            platform: str | None = None, page_lanes: int | None = None) -> tuple[str, str | None, bool]:
   """-> (path, variant, interpret): path "reference" or "pallas"; variant "tpu"/"gpu" for pallas."""
   if impl not in IMPLS:
     raise ValueError(f"attention impl must be one of {IMPLS}, got {impl!r}")
@@ -78,7 +82,7 @@ def resolve(impl: str, q_shape=(1, 1, 1, 128), page_size: int | None = None,
   variant = impl.removeprefix("pallas_") if impl.startswith("pallas_") else native
   interpret = not on_accel or variant != native
   if not interpret:
-    why = unsupported(variant, q_shape, page_size)
+    why = unsupported(variant, q_shape, page_size, page_lanes)
     if why and impl == "auto":
       return "reference", None, False
     if why:
@@ -93,8 +97,11 @@ def block_attention(q: jax.Array, k_block: jax.Array, v_block: jax.Array, block_
   """`attention.block_attention_ref`'s contract, computed by the implementation `impl` resolves to. With `layer`
   (an int or the scan's int32 layer index) the pages are every layer's [L, num_pages, page_size, Hkv * D] and both
   paths read that layer's pages in place (never a per-layer slice, which would copy the layer)."""
-  page_size = k_pages.shape[-2] if (k_pages is not None and page_table is not None) else None
-  path, variant, interpret = resolve(impl, q.shape, page_size)
+  paged = k_pages is not None and page_table is not None
+  page_size = k_pages.shape[-2] if paged else None
+  mesh = sharding.active_mesh()
+  tp = sharding.mesh_size(mesh, sharding.TP) if mesh is not None else 1
+  path, variant, interpret = resolve(impl, q.shape, page_size, page_lanes=k_pages.shape[-1] // tp if paged else None)
   kwargs = dict(k_pages=k_pages, v_pages=v_pages, page_table=page_table, prefix_len=prefix_len, scale=scale,
                 layer=layer)
   if path == "reference":
@@ -109,8 +116,7 @@ def block_attention(q: jax.Array, k_block: jax.Array, v_block: jax.Array, block_
     from pallas_kernels import block_attention_tpu as kernel
   else:
     from pallas_kernels import block_attention_gpu as kernel
-  mesh = sharding.active_mesh()
-  if mesh is not None and sharding.mesh_size(mesh, sharding.TP) > 1:
+  if tp > 1:
     return _per_shard(kernel.block_attention, mesh, q, k_block, v_block, block_mask, interpret=interpret, **kwargs)
   return kernel.block_attention(q, k_block, v_block, block_mask, interpret=interpret, **kwargs)
 

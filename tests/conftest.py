@@ -13,6 +13,13 @@ if ROOT not in sys.path:
   sys.path.insert(0, ROOT)
 
 
+# libtpu (the test extra's TPU compiler, for tests/test_aot.py) would have jax look for a TPU on this host: the suite
+# runs on the CPU, and libtpu must never ask a cloud metadata server for a TPU's description
+os.environ.setdefault("TPU_SKIP_MDS_QUERY", "1")
+if importlib.util.find_spec("libtpu") and not os.environ.get("JAX_PLATFORMS"):
+  os.environ["JAX_PLATFORMS"] = "cpu"
+
+
 def _cpu_only_jax() -> bool:
   """No accelerator plugin installed (or JAX_PLATFORMS=cpu): every backend this session and its subprocesses
   get is the host CPU. Decided without initializing a backend, since XLA_FLAGS must be set before that."""

@@ -1,0 +1,123 @@
+"""Ahead-of-time compiles for accelerators (recguide_jax/aot, launch/aot_compile.py): target parsing, the HLO checks
+on program text, and every linear and recguide variant of a small lane-dense model compiled by the real TPU compiler
+(libtpu, the test extra) and, where jax's CUDA plugin is installed, by XLA:GPU for an H100."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from recguide_jax.aot import inspect as hlo
+from recguide_jax.aot import targets
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def test_targets_parse_and_refuse_with_the_known_chips():
+  t = targets.parse_target("v5e:2x2")
+  assert t.num_devices == 4 and t.platform is targets.Platform.TPU and t.name == "v5e:2x2"
+  assert targets.parse_target("h200").num_devices == 1
+  assert targets.parse_target("H100:2").shape == (2,)
+  for bad in ("a100", "v5e:2xq", "h100:2x2", "v5p:0x2"):
+    with pytest.raises(ValueError, match="--target"):
+      targets.parse_target(bad)
+  config = targets.CHIPS["h200"].gpu_target_config()
+  assert "core_count: 132" in config and "major: 9" in config and str(141 * 2 ** 30) in config
+
+
+PROGRAM = """HloModule jit_fn, is_scheduled=true
+
+%fused_computation.1 (param_0: bf16[4,1000,16,256]) -> bf16[4,1000,16,256] {
+  %param_0 = bf16[4,1000,16,256]{3,2,1,0} parameter(0)
+  ROOT %neg.9 = bf16[4,1000,16,256]{3,2,1,0} negate(%param_0)
+}
+
+%region_0.1 (a: f32[], b: f32[]) -> pred[] {
+  ROOT %lt = pred[] compare(f32[] %a, f32[] %b), direction=LT
+}
+
+ENTRY %main.2 (cache: bf16[4,1000,16,256], upd: bf16[4,1,16,256], logits: f32[8,16,4096]) -> bf16[4,1000,16,256] {
+  %cache = bf16[4,1000,16,256]{3,2,1,0} parameter(0)
+  %logits = f32[8,16,4096]{2,1,0} parameter(2)
+  %copy.3 = bf16[4,1000,16,256]{1,3,2,0} copy(%cache), metadata={op_name="jit(fn)/reshape"}
+  %fusion.2 = bf16[4,1000,16,256]{3,2,1,0} fusion(%copy.3), kind=kLoop, calls=%fused_computation.1
+  %scatter_fusion = bf16[4,1000,16,256]{3,2,1,0} fusion(%fusion.2), kind=kCustom, calls=%fused_computation.1
+  %small = f32[8,16]{1,0} reduce(%logits), dimensions={2}
+  %sort.1 = (f32[8,16,4096]{2,1,0}, s32[8,16,4096]{2,1,0}) sort(%logits, %iota), dimensions={2}, to_apply=%region_0.1
+  %cc = f32[8,16,4096]{2,1,0} custom-call(%logits), custom_call_target="tpu_custom_call"
+  ROOT %out = bf16[4,1000,16,256]{3,2,1,0} add(%fusion.2, %fusion.2)
+}
+"""
+
+
+def test_large_buffers_names_cache_sized_results_but_not_fusion_bodies_views_or_in_place_updates():
+  cache = 4 * 1000 * 16 * 256 * 2
+  found = hlo.large_buffers(PROGRAM, cache // 10)
+  assert [b.name for b in found] == ["copy.3", "fusion.2", "out"]  # not %neg.9 (a fusion body), not the scatter
+  assert found[0].opcode == "copy" and found[0].shape == "bf16[4,1000,16,256]" and found[0].nbytes == cache
+  assert found[0].op_name == "jit(fn)/reshape"
+  assert hlo.large_buffers(PROGRAM, 2 * cache) == []
+
+
+def test_vocabulary_sorts_and_kernel_calls():
+  assert len(hlo.vocabulary_sorts(PROGRAM, 4096)) == 1
+  assert hlo.vocabulary_sorts(PROGRAM, 4097) == []  # a sort of fewer elements than a vocabulary (shard)
+  assert hlo.kernel_calls(PROGRAM) == {"tpu_custom_call": 1}
+
+
+def _small_lane_dense_model(tmp_path) -> str:
+  """The bundled model's config at 2 layers with 128-lane KV pages (one KV head of 128 per device at tp=2)."""
+  with open(os.path.join(ROOT, "checkpoints", "nld-tiny-gsm8k", "config.json")) as f:
+    cfg = json.load(f)
+  cfg.update(num_hidden_layers=2, hidden_size=256, intermediate_size=512, num_attention_heads=4,
+             num_key_value_heads=2, head_dim=128, vocab_size=2048)
+  (tmp_path / "config.json").write_text(json.dumps(cfg))
+  return str(tmp_path)
+
+
+def _aot(tmp_path, target: str, tp: int) -> list[dict]:
+  out = tmp_path / "out"
+  env = {**os.environ, "PYTHONPATH": ROOT}
+  proc = subprocess.run(
+      [sys.executable, os.path.join(ROOT, "launch", "aot_compile.py"), f"--target={target}",
+       f"--tensor_parallel_size={tp}", f"--preset={_small_lane_dense_model(tmp_path)}", "--lora_rank=16",
+       "--policies=linear,recguide", "--max_num_seqs=4", "--max_model_len=256", "--scope=startup",
+       f"--output_dir={out}"], env=env, capture_output=True, text=True, timeout=1800)
+  assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+  runs = []
+  for name in sorted(os.listdir(out)):
+    if name.endswith(".json"):
+      with open(out / name) as f:
+        runs.append(json.load(f))
+  assert (out / "aot_compile.md").read_text().count("| yes |") == 2
+  return runs
+
+
+def _check(runs, kernel: str):
+  assert {r["policy"] for r in runs} == {"linear", "recguide"}
+  for r in runs:
+    assert r["ok"] and r["fits"], r
+    labels = {v["label"] for v in r["variants"]}
+    assert {"prefill", "decode", "draft", "verify"} <= labels, labels
+    for v in r["variants"]:
+      assert v["problems"] == [] and v["vocabulary_sorts"] == [], v
+      assert v["temp_bytes"] < 0.1 * r["cache_bytes_per_device"], v
+      assert v["transient_bytes"] <= r["plan"]["activation_bytes"], v
+    paged = [v for v in r["variants"] if v["label"] in ("decode", "verify")]
+    assert all(kernel in v["kernel_calls"] for v in paged), paged
+
+
+def test_every_variant_compiles_for_a_tpu_slice_with_no_cache_sized_temporaries(tmp_path):
+  why = targets.missing_compiler(targets.Platform.TPU)
+  if why:
+    pytest.skip(why)
+  _check(_aot(tmp_path, "v5e:2x2", 2), "tpu_custom_call")
+
+
+def test_every_variant_compiles_for_an_h100_with_triton_kernels(tmp_path):
+  why = targets.missing_compiler(targets.Platform.GPU)
+  if why:
+    pytest.skip(why)
+  _check(_aot(tmp_path, "h100", 1), "__gpu$xla.gpu.triton")
