@@ -124,6 +124,7 @@ def prepare_environment() -> None:
   Backends stay on the CPU (the targets' devices come from their topologies, not from a backend)."""
   os.environ.setdefault("JAX_PLATFORMS", "cpu")
   os.environ.setdefault("TPU_SKIP_MDS_QUERY", "1")  # no cloud metadata server to ask
+  os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")  # compile-only: no chip for two processes to contend for
   os.environ.setdefault("JAX_SKIP_CUDA_CONSTRAINTS_CHECK", "1")  # its CUDA version probe calls cuInit
   os.environ.setdefault("CUDA_VISIBLE_DEVICES", "-1")
 
