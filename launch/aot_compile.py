@@ -56,18 +56,11 @@ _OUTPUT_DIR = flags.DEFINE_string("output_dir", os.path.join(ROOT, "runs", "aot"
 
 
 def model_config():
-  from recguide_jax.config import PRESETS, NLDConfig
-  if _PRESET.value in PRESETS:
-    cfg = PRESETS[_PRESET.value]
-  elif os.path.exists(os.path.join(_PRESET.value, "config.json")):
-    cfg = NLDConfig.from_json_file(os.path.join(_PRESET.value, "config.json"))
-  else:
-    raise app.UsageError(f"--preset must be one of {sorted(PRESETS)} or a checkpoint directory, got {_PRESET.value!r}")
-  if _LORA_RANK.value < 0:
-    raise app.UsageError(f"--lora_rank must be >= 0, got {_LORA_RANK.value}")
-  if _LORA_RANK.value and not cfg.lora_rank:
-    cfg = cfg.replace(lora_rank=_LORA_RANK.value, lora_alpha=4.0 * _LORA_RANK.value)
-  return cfg
+  from recguide_jax.aot.compile import shapes_config
+  try:
+    return shapes_config(_PRESET.value, _LORA_RANK.value)
+  except ValueError as e:
+    raise app.UsageError(str(e)) from None
 
 
 def as_json(report) -> dict:

@@ -93,6 +93,24 @@ def policy_runner_config(policy_name: str, *, block_size: int, max_num_seqs: int
   return strategy, engine_config.runner_config(sizes, num_pages), strategy.step_kinds(), strategy.block_sizes()
 
 
+def shapes_config(preset: str, lora_rank: int):
+  """The model a compile runs: a preset of recguide_jax/config.py or a checkpoint directory's config.json, with
+  NLD's draft LoRA of `lora_rank` added when the config has none. A ValueError names the flag."""
+  import os
+  from recguide_jax.config import PRESETS, NLDConfig
+  if preset in PRESETS:
+    cfg = PRESETS[preset]
+  elif os.path.exists(os.path.join(preset, "config.json")):
+    cfg = NLDConfig.from_json_file(os.path.join(preset, "config.json"))
+  else:
+    raise ValueError(f"--preset must be one of {sorted(PRESETS)} or a checkpoint directory, got {preset!r}")
+  if lora_rank < 0:
+    raise ValueError(f"--lora_rank must be >= 0, got {lora_rank}")
+  if lora_rank and not cfg.lora_rank:
+    cfg = cfg.replace(lora_rank=lora_rank, lora_alpha=4.0 * lora_rank)
+  return cfg
+
+
 def plan_and_compile(cfg, target: Target, *, policy: str, tp: int, dtype: str = "bfloat16", block_size: int = 16,
                      max_num_seqs: int = 32, max_model_len: int = 4096, page_size: int = 16, prefill_chunk: int = 64,
                      num_pages: int | None = None, fraction: float = memory_plan_lib.DEFAULT_FRACTION,
