@@ -11,6 +11,7 @@ chip's memory), then every variant of the policy at the plan's cache size. Each 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import time
 from typing import Callable, Sequence
 
@@ -124,16 +125,27 @@ def plan_and_compile(cfg, target: Target, *, policy: str, tp: int, dtype: str = 
                                               max_model_len=max_model_len, page_size=page_size,
                                               prefill_chunk=prefill_chunk)
   mesh = target_mesh(target, tp)
+  plan = functools.partial(
+      memory_plan_lib.plan_memory, cfg, dtype=dtype, page_size=page_size, max_model_len=max_model_len,
+      max_num_seqs=max_num_seqs, max_block=rc.max_block, device=f"{target.chip.description} ({target.name})",
+      device_bytes=target.chip.memory_bytes, fraction=fraction, num_pages=num_pages,
+      weights=memory_plan_lib.weights_bytes(cfg, dtype, tp), tp=tp)
   with attention_dispatch.target_platform(target.platform.value):
-    progress(f"{target.name} tp={tp} {policy}: measuring the activation peak (largest variant of each kind)")
-    activation = None
-    if num_pages is None:
-      activation = memory_plan_lib.measure_activation(cfg, dtype, rc, kinds, blocks, attention=attention, mesh=mesh)
-    plan = memory_plan_lib.plan_memory(
-        cfg, dtype=dtype, page_size=page_size, max_model_len=max_model_len, max_num_seqs=max_num_seqs,
-        max_block=rc.max_block, device=f"{target.chip.description} ({target.name})",
-        device_bytes=target.chip.memory_bytes, fraction=fraction, num_pages=num_pages,
-        weights=memory_plan_lib.weights_bytes(cfg, dtype, tp), activation=activation, tp=tp)
+    # The activation peak is measured where the cache will be: the largest variant of each kind compiled at the
+    # pages the weights leave, not extrapolated from two small caches as memory_plan's probe does (for NLD-8B on
+    # XLA:GPU that charged 2.6 MB per page that no variant at the planned size needs: 64 GB of an H200). The
+    # variants are then compiled at the plan's own, smaller cache and each checked against this reserve.
+    most = plan()
+    progress(f"{target.name} tp={tp} {policy}: measuring the activation peak at {most.num_pages} KV pages")
+    t0 = time.perf_counter()
+    probe = _abstract_runner(cfg, dtype, dataclasses.replace(rc, num_pages=most.num_pages), attention, mesh)
+    held = _nbytes(probe.state) + _nbytes(probe.cache)
+    peaks = {v.name: _transient_bytes(probe.compiled(v), held)
+             for v in memory_plan_lib.probe_variants(probe.variants(kinds, blocks))}
+    activation = memory_plan_lib.ActivationProfile(
+        base_bytes=max(peaks.values()), per_page_bytes=0.0, variants=peaks, probe_pages=most.num_pages,
+        compile_seconds=time.perf_counter() - t0, backend=target.platform.value)
+    plan = plan(activation=activation)
     progress(plan.summary())
     runner = _abstract_runner(cfg, dtype, dataclasses.replace(rc, num_pages=plan.num_pages), attention, mesh)
     persistent = _nbytes(runner.state) + _nbytes(runner.cache)
