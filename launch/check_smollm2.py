@@ -1,4 +1,5 @@
 """Checks the converted SmolLM2-135M-Instruct (launch/get_smollm2.py) against transformers, fp32 on the CPU.
+Needs the test extra (torch, transformers): `pip install -e ".[test]"`.
 
 The reference is transformers' LlamaForCausalLM holding the weights transformers' own GGUF loader dequantizes from
 the same file (with its own undoing of llama.cpp's Q/K permutation), and its own GGUF tokenizer; so the check covers
@@ -11,6 +12,7 @@ tokens/s at batch 1 (64 new tokens; for a fair comparison with transformers use 
 Exits 1 when the prompt ids or greedy tokens differ or the logits differ by more than --atol.
 """
 
+import importlib
 import json
 import os
 import pathlib
@@ -36,9 +38,14 @@ def main(argv):
   if not flags.FLAGS["verbosity"].present:
     logging.set_verbosity(logging.WARNING)
   import numpy as np
-  import torch
-  from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
-  from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
+  try:  # by name: the test extra's packages, not the package's dependencies
+    torch = importlib.import_module("torch")
+    transformers = importlib.import_module("transformers")
+    load_gguf_checkpoint = importlib.import_module("transformers.modeling_gguf_pytorch_utils").load_gguf_checkpoint
+  except ImportError as e:
+    sys.exit(f"error: the check runs Hugging Face transformers; install it with `pip install -e \".[test]\"` ({e})")
+  AutoTokenizer, LlamaConfig, LlamaForCausalLM = (transformers.AutoTokenizer, transformers.LlamaConfig,
+                                                  transformers.LlamaForCausalLM)
 
   from recguide_jax import LLM, SamplingParams, checkpoint
   from recguide_jax.attention import causal_mask

@@ -16,8 +16,8 @@ import tomllib
 REPO = pathlib.Path(__file__).resolve().parents[1]
 SHIPPED = ("recguide_jax", "pallas_kernels", "launch")
 # Launch scripts that say in their docstring that they need an extra: their imports must come with that extra.
-# (bench_peer runs transformers' own model as the peer, so it needs torch + transformers: the test extra.)
-NEEDS_EXTRA = {"launch/bench_peer.py": "test"}
+# (bench_peer and check_smollm2 run transformers' own model as the reference: torch + transformers, the test extra.)
+NEEDS_EXTRA = {"launch/bench_peer.py": "test", "launch/check_smollm2.py": "test"}
 
 
 def _norm(name: str) -> str:
