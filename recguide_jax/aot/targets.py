@@ -137,5 +137,5 @@ def missing_compiler(platform: Platform) -> str | None:
         "libtpu is not installed (pip install 'jax[tpu]'; it runs on a CPU host as a compiler)")
   import importlib.metadata
   plugins = {ep.name for ep in importlib.metadata.entry_points(group="jax_plugins")}
-  return None if any(p.startswith("xla_cuda") or "cuda" in p for p in plugins) else (
+  return None if any("cuda" in p for p in plugins) else (
       "jax's CUDA plugin is not installed (pip install -e '.[cuda]'; it compiles for a GPU without one)")
