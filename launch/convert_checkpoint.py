@@ -24,7 +24,8 @@ _MASK_TOKEN = flags.DEFINE_string("mask_token", None, "--gguf only: the vocabula
 _OUTPUT_DIR = flags.DEFINE_string("output_dir", None, "Output directory (config.json + params/ + tokenizer files).")
 _DTYPE = flags.DEFINE_enum("dtype", "bfloat16", ["bfloat16", "float32"], "dtype of the stored params.")
 _LORA_DIR = flags.DEFINE_string("lora_dir", None, "Optional PEFT draft LoRA directory (adapter_config.json + "
-                                "adapter_model.safetensors), e.g. <hf_dir>/linear_spec_lora.")
+                                "adapter_model.safetensors), e.g. <hf_dir>/linear_spec_lora, or with --gguf a draft "
+                                "adapter trained for it (checkpoints/smollm2-135m-instruct-draft).")
 flags.mark_flags_as_required(["output_dir"])
 
 
@@ -71,8 +72,8 @@ def main(argv):
 
 
 def _convert_gguf(gguf_path: str) -> None:
-  if _LORA_DIR.value is not None:
-    _fail("--lora_dir applies to --hf_dir only")
+  if _LORA_DIR.value is not None and not os.path.isdir(_LORA_DIR.value):
+    _fail(f"--lora_dir: {_LORA_DIR.value} is not a directory")
   if not os.path.isfile(gguf_path):
     _fail(f"--gguf: {gguf_path} is not a file")
   from recguide_jax.checkpoint import CheckpointError
@@ -80,11 +81,14 @@ def _convert_gguf(gguf_path: str) -> None:
   from recguide_jax.convert import gguf
 
   try:
-    cfg = gguf.convert_gguf_checkpoint(gguf_path, _OUTPUT_DIR.value, dtype=_DTYPE.value, mask_token=_MASK_TOKEN.value)
+    cfg = gguf.convert_gguf_checkpoint(gguf_path, _OUTPUT_DIR.value, dtype=_DTYPE.value, mask_token=_MASK_TOKEN.value,
+                                       lora_dir=_LORA_DIR.value)
   except (ConfigError, CheckpointError, OSError) as e:
     _fail(f"--gguf {gguf_path}: {e}")
+  lora = (f", draft LoRA r={cfg.lora_rank} alpha={cfg.lora_alpha:g} on {','.join(cfg.lora_target_modules)}"
+          if cfg.lora_rank else "")
   print(f"wrote {_OUTPUT_DIR.value}: {cfg.num_hidden_layers} layers, {cfg.num_params():,} params, {_DTYPE.value}, "
-        f"mask token id {cfg.mask_token_id}")
+        f"mask token id {cfg.mask_token_id}{lora}")
 
 
 if __name__ == "__main__":

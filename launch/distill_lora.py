@@ -22,6 +22,22 @@ FLAGS = flags.FLAGS
 cli.define_model_flag("Base checkpoint dir, distilled for its own draft LoRA (default: the bundled model).")
 cli.define_data_flag("train")
 flags.DEFINE_integer("num_prompts", None, "Prompts from the start of --data (default: all).")
+flags.DEFINE_integer("num_chat", 0, "Train prompts of the shipped chat set (benchmarks/data/chat_prompts.jsonl) "
+                     "added to the GSM8K ones (their targets go to targets_chat.jsonl).")
+flags.DEFINE_bool("targets_only", False, "Generate (or extend) the targets and stop.")
+flags.DEFINE_integer("num_eval", 0, "Held-out prompts per set (GSM8K test from --eval_data, the chat set's held-out "
+                     "topics) whose targets measure tau during training (0: the last --val_fraction of the rows).")
+cli.define_data_flag("test", name="eval_data", what="held-out tau")
+flags.DEFINE_list("lora_target_modules", ["o_proj"], "Projections the adapter adapts (NLD's: o_proj; a plain "
+                  "Llama: q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj).")
+flags.DEFINE_bool("train_mask_embedding", False, "Also train the mask token's embedding row (a vocabulary whose "
+                  "mask token is a spare reserved token).")
+flags.DEFINE_bool("resume", False, "Continue the training run in --output_dir (required when one is there).")
+flags.DEFINE_integer("eval_batches", 8, "Held-out batches per tau evaluation.")
+flags.DEFINE_integer("log_every", 10, "Log the training metrics every N steps.")
+flags.DEFINE_bool("final_eval", True, "Print the held-out tau of the base draft and the adapter at the end.")
+flags.DEFINE_string("adapter_dir", None, "If set, write the adapter alone here (PEFT: adapter_config.json + "
+                    "adapter_model.safetensors, bf16), for `convert_checkpoint.py --gguf ... --lora_dir`.")
 flags.DEFINE_integer("max_tokens", 160, "Greedy tokens per target continuation.")
 flags.DEFINE_integer("concurrency", 64, "Requests in flight while generating targets.")
 cli.define_dtype_flag()  # of the model that generates the targets (serve in the dtype you distil for)
@@ -45,6 +61,36 @@ flags.DEFINE_integer("eval_every", 150, "Held-out teacher-forced tau every N ste
 flags.DEFINE_integer("steps", None, "Stop after this many more steps (for running in slices).")
 
 
+def _target_sets(base: str, tokenizer, data: str) -> tuple[list[dict], dict[str, list[dict]]]:
+  """(training rows, {held-out set name: rows}): each set's greedy targets, generated where missing (the engine
+  is built only then: its compile is most of a short run)."""
+  from recguide_jax import benchmarks as bench
+  from recguide_jax.benchmarks import chat
+  from recguide_jax.train import distill
+  out = FLAGS.output_dir
+  sets = [("targets.jsonl", bench.gsm8k_prompts(data, FLAGS.num_prompts or 1 << 30, tokenizer))]
+  if FLAGS.num_chat:
+    sets.append(("targets_chat.jsonl", chat.chat_prompts(tokenizer, "train", FLAGS.num_chat)))
+  if FLAGS.num_eval:  # held out: GSM8K test questions and the chat prompts of held-out topics
+    sets.append(("eval_gsm8k_test.jsonl", bench.gsm8k_prompts(cli.data_path("eval_data"), FLAGS.num_eval, tokenizer)))
+    sets.append(("eval_chat_heldout.jsonl", chat.chat_prompts(tokenizer, "heldout", FLAGS.num_eval)))
+  llm, rows = None, {}
+  for name, prompts in sets:
+    path = os.path.join(out, name)
+    have = sum(1 for l in open(path) if l.strip()) if os.path.exists(path) else 0
+    if have < len(prompts) and llm is None:
+      from recguide_jax import LLM
+      llm = LLM(base, policy="ar", max_num_seqs=FLAGS.concurrency, dtype=FLAGS.dtype,
+                max_model_len=FLAGS.max_model_len, warmup=False)
+    rows[name] = distill.generate_targets(llm, prompts, path, max_tokens=FLAGS.max_tokens,
+                                          concurrency=FLAGS.concurrency)
+  train = rows["targets.jsonl"]
+  if "targets_chat.jsonl" in rows:
+    train = distill.interleave(train, rows["targets_chat.jsonl"])
+  evals = {n[len("eval_"):-len(".jsonl")]: r for n, r in rows.items() if n.startswith("eval_")}
+  return train, evals
+
+
 def main(argv):
   del argv
   cli.quiet_logging()
@@ -57,27 +103,41 @@ def main(argv):
     sys.exit("error: --lora_rank and --lora_alpha must be positive")
   if FLAGS.warmup_steps >= FLAGS.total_steps:
     sys.exit("error: need --warmup_steps < --total_steps")
-  from recguide_jax import LLM, benchmarks as bench, llm as llm_lib
+  from recguide_jax.config import LORA_TARGET_MODULES
+  bad = [m for m in FLAGS.lora_target_modules if m not in LORA_TARGET_MODULES]
+  if bad or not FLAGS.lora_target_modules:
+    sys.exit(f"error: --lora_target_modules: {bad or 'none'} (choose from {','.join(LORA_TARGET_MODULES)})")
+  from recguide_jax import llm as llm_lib
+  from recguide_jax.tokenizer import Tokenizer
   from recguide_jax.train import distill
   base = FLAGS.model or str(llm_lib.default_checkpoint())
+  state_dir = os.path.join(FLAGS.output_dir, "train_state")
+  if os.path.isdir(state_dir) and os.listdir(state_dir) and not FLAGS.resume and not FLAGS.targets_only:
+    sys.exit(f"error: {state_dir} holds a training run; pass --resume to continue it or pick another --output_dir")
   os.makedirs(FLAGS.output_dir, exist_ok=True)
-  llm = LLM(base, policy="ar", max_num_seqs=FLAGS.concurrency, dtype=FLAGS.dtype, max_model_len=FLAGS.max_model_len)
-  prompts = bench.gsm8k_prompts(data, FLAGS.num_prompts or 1 << 30, llm.tokenizer)
-  rows = distill.generate_targets(llm, prompts, os.path.join(FLAGS.output_dir, "targets.jsonl"),
-                                  max_tokens=FLAGS.max_tokens, concurrency=FLAGS.concurrency)
-  del llm
+  rows, evals = _target_sets(base, Tokenizer.from_dir(base), data)
+  if FLAGS.targets_only:
+    print(f"{len(rows)} training target rows, held out: {({k: len(v) for k, v in evals.items()})}")
+    return
   dc = distill.DistillConfig(
       out_dir=FLAGS.output_dir, base_checkpoint=base, lora_rank=FLAGS.lora_rank, lora_alpha=FLAGS.lora_alpha,
+      lora_target_modules=tuple(m for m in LORA_TARGET_MODULES if m in FLAGS.lora_target_modules),
+      train_mask_embedding=FLAGS.train_mask_embedding,
       seq_len=FLAGS.seq_len, batch_size=FLAGS.batch_size, total_steps=FLAGS.total_steps,
       warmup_steps=FLAGS.warmup_steps, lr=FLAGS.lr, block_sizes=sizes, block_probs=probs, mode_probs=modes,
-      seed=FLAGS.seed, save_every=FLAGS.save_every, eval_every=FLAGS.eval_every)
-  trainer = distill.DraftLoraTrainer(dc, rows)
+      seed=FLAGS.seed, save_every=FLAGS.save_every, eval_every=FLAGS.eval_every, eval_batches=FLAGS.eval_batches,
+      log_every=FLAGS.log_every)
+  trainer = distill.DraftLoraTrainer(dc, rows, eval_rows=evals or None)
   trainer.run(FLAGS.steps)
-  base_tau = trainer.accept_proxy(lora_on=False)
-  lora_tau = trainer.accept_proxy()
-  for blk in sizes:
-    print(f"held-out teacher-forced tau at B={blk}: base draft {base_tau.get(blk, float('nan')):.3f} -> "
-          f"with the adapter {lora_tau.get(blk, float('nan')):.3f}")
+  for name, val in (trainer.val_sets.items() if FLAGS.final_eval else ()):
+    base_tau = trainer.accept_proxy(lora_on=False, val=val)
+    lora_tau = trainer.accept_proxy(val=val)
+    for blk in sizes:
+      print(f"{name}: held-out teacher-forced tau at B={blk}: base draft {base_tau.get(blk, float('nan')):.3f} -> "
+            f"with the adapter {lora_tau.get(blk, float('nan')):.3f} (step {trainer.step})")
+  if FLAGS.adapter_dir:
+    trainer.export_adapter(FLAGS.adapter_dir)
+    print(f"wrote the draft adapter (step {trainer.step}) to {FLAGS.adapter_dir}")
   if FLAGS.export_dir and trainer.step >= dc.total_steps:
     trainer.export(FLAGS.export_dir)
     print(f"exported base + draft LoRA to {FLAGS.export_dir}")

@@ -15,6 +15,9 @@ import os
 from typing import Any, Mapping
 
 
+# The projections a draft LoRA may adapt (PEFT module names), in the model's order.
+LORA_TARGET_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
 # The block sizes of speculative decoding (NLD's, and what RecGuide's tables are fitted for): the one definition
 # the runtime, the engine and RecGuide import.
 BLOCK_SIZES = (8, 16, 32)
@@ -56,9 +59,11 @@ class NLDConfig:
   block_size: int = 32
   # True: the output head is the embedding matrix (Llama checkpoints such as SmolLM2); False: NLD's own head.
   tie_word_embeddings: bool = False
-  # Optional draft LoRA on o_proj (PEFT linear_spec_lora): rank 0 means no adapter.
+  # Optional draft LoRA (PEFT linear_spec_lora): rank 0 means no adapter. NLD's is on o_proj; a draft adapter
+  # trained here for a plain Llama may target any of LORA_TARGET_MODULES (PEFT's `target_modules`).
   lora_rank: int = 0
   lora_alpha: float = 0.0
+  lora_target_modules: tuple[str, ...] = ("o_proj",)
 
   def __post_init__(self):
     positive = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
@@ -92,6 +97,10 @@ class NLDConfig:
       raise ConfigError(f"config field 'tie_word_embeddings' must be a boolean, got {self.tie_word_embeddings!r}")
     if self.lora_rank < 0 or (self.lora_rank > 0 and self.lora_alpha <= 0):
       raise ConfigError(f"LoRA needs rank >= 0 and alpha > 0, got rank={self.lora_rank} alpha={self.lora_alpha}")
+    unknown = [m for m in self.lora_target_modules if m not in LORA_TARGET_MODULES]
+    if unknown or not self.lora_target_modules or len(set(self.lora_target_modules)) != len(self.lora_target_modules):
+      raise ConfigError(f"config field 'draft_lora.target_modules' must name distinct modules of "
+                        f"{list(LORA_TARGET_MODULES)}, got {list(self.lora_target_modules)}")
 
   # ---- derived quantities -----------------------------------------------------------------------------------
   @property
@@ -112,6 +121,17 @@ class NLDConfig:
     per_layer = h * nq * d + 2 * h * nkv * d + nq * d * h + 3 * h * i + 2 * h
     heads = 1 if self.tie_word_embeddings else 2  # embedding (+ an untied head)
     return heads * self.vocab_size * h + self.num_hidden_layers * per_layer + h
+
+  def lora_shapes(self) -> dict[str, tuple[int, int]]:
+    """(in, out) of every projection the draft LoRA adapts (empty without one)."""
+    h, i, q, kv = (self.hidden_size, self.intermediate_size, self.num_attention_heads * self.head_dim,
+                   self.num_key_value_heads * self.head_dim)
+    dims = {"q_proj": (h, q), "k_proj": (h, kv), "v_proj": (h, kv), "o_proj": (q, h), "gate_proj": (h, i),
+            "up_proj": (h, i), "down_proj": (i, h)}
+    return {m: dims[m] for m in self.lora_target_modules} if self.lora_rank else {}
+
+  def lora_num_params(self) -> int:
+    return self.num_hidden_layers * self.lora_rank * sum(a + b for a, b in self.lora_shapes().values())
 
   def replace(self, **changes) -> "NLDConfig":
     return dataclasses.replace(self, **changes)
@@ -177,6 +197,7 @@ class NLDConfig:
         eos_token_ids=eos_ids, pad_token_id=raw.get("pad_token_id"),
         block_size=int(raw.get("block_size", 32)), tie_word_embeddings=raw.get("tie_word_embeddings", False),
         lora_rank=int(lora.get("r", 0)), lora_alpha=float(lora.get("lora_alpha", 0.0)),
+        lora_target_modules=_target_modules(lora.get("target_modules", ["o_proj"])),
         **kwargs)
 
   def to_hf_dict(self) -> dict[str, Any]:
@@ -203,7 +224,8 @@ class NLDConfig:
         "tie_word_embeddings": self.tie_word_embeddings, "attention_bias": False, "mlp_bias": False,
     }
     if self.lora_rank:
-      out["draft_lora"] = {"r": self.lora_rank, "lora_alpha": self.lora_alpha, "target_modules": ["o_proj"]}
+      out["draft_lora"] = {"r": self.lora_rank, "lora_alpha": self.lora_alpha,
+                           "target_modules": list(self.lora_target_modules)}
     return out
 
   @classmethod
@@ -218,6 +240,15 @@ class NLDConfig:
   def save_json(self, path: str | os.PathLike) -> None:
     with open(path, "w") as f:
       json.dump(self.to_hf_dict(), f, indent=2)
+
+
+def _target_modules(value) -> tuple[str, ...]:
+  """PEFT's `target_modules` (a name or a list) in the model's order."""
+  names = [value] if isinstance(value, str) else list(value)
+  if any(not isinstance(n, str) for n in names):
+    raise ConfigError(f"config field 'draft_lora.target_modules' must be a list of module names, got {value!r}")
+  known = [m for m in LORA_TARGET_MODULES if m in names]
+  return tuple(known) + tuple(n for n in names if n not in LORA_TARGET_MODULES)
 
 
 def _nld_preset(hidden: int, inter: int, layers: int, theta: float) -> NLDConfig:

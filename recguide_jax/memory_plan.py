@@ -70,10 +70,9 @@ def kv_page_bytes(cfg, page_size: int, dtype: str, tp: int = 1) -> int:
 
 
 def param_count(cfg) -> int:
-  """Parameters of an NLD model of `cfg`: the backbone (NLDConfig.num_params) plus the draft LoRA on o_proj.
+  """Parameters of an NLD model of `cfg`: the backbone (NLDConfig.num_params) plus the draft LoRA.
   Closed form, so a plan for a 14B model needs no model built (tests check it against the abstract model)."""
-  lora = cfg.num_hidden_layers * cfg.lora_rank * (cfg.num_attention_heads * cfg.head_dim + cfg.hidden_size)
-  return cfg.num_params() + lora
+  return cfg.num_params() + cfg.lora_num_params()
 
 
 def weights_bytes(cfg, dtype: str, tp: int = 1) -> int:

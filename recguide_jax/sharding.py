@@ -17,8 +17,9 @@ logical names to mesh axes. A logical axis whose size the mesh axis does not div
 - q/k/v projections: columns (heads) over tp; o_proj: rows (heads) over tp, so attention needs one all-reduce
   after o_proj per layer and nothing before it (each device attends its own heads over its own KV pages).
 - MLP: gate/up columns and down rows over tp: one all-reduce after down_proj.
-- Draft LoRA on o_proj: lora_a's input rows (heads) over tp like o_proj (a partial sum, reduced with it); lora_b
-  (rank x hidden, small) replicated.
+- Draft LoRA (`<proj>.lora_a` [in, r], `.lora_b` [r, out]): each factor's in/out dims follow its projection's
+  (o_proj's and down_proj's lora_a rows over tp: a partial sum reduced with the projection's; q/k/v/gate/up's
+  lora_b columns over tp, like their outputs); the rank axis is replicated.
 - The embedding and the diffusion head: over the vocabulary. For the head this is what the profile favours: the
   head is the largest single matmul of a decode step (hidden x 131k for NLD) and with its columns split the logits
   stay vocab-sharded through the softmax/argmax/entropy reductions (which exchange [b, Q] statistics), whereas a
@@ -54,8 +55,20 @@ PARAM_AXES: dict[str, tuple[str, ...]] = {
     "layers.self_attn.k_proj.kernel": ("layers", "embed", "kv_heads"),
     "layers.self_attn.v_proj.kernel": ("layers", "embed", "kv_heads"),
     "layers.self_attn.o_proj.kernel": ("layers", "q_heads", "embed"),
-    "layers.self_attn.lora_a": ("layers", "q_heads", "lora"),
-    "layers.self_attn.lora_b": ("layers", "lora", "embed"),
+    "layers.self_attn.q_proj.lora_a": ("layers", "embed", "lora"),
+    "layers.self_attn.q_proj.lora_b": ("layers", "lora", "q_heads"),
+    "layers.self_attn.k_proj.lora_a": ("layers", "embed", "lora"),
+    "layers.self_attn.k_proj.lora_b": ("layers", "lora", "kv_heads"),
+    "layers.self_attn.v_proj.lora_a": ("layers", "embed", "lora"),
+    "layers.self_attn.v_proj.lora_b": ("layers", "lora", "kv_heads"),
+    "layers.self_attn.o_proj.lora_a": ("layers", "q_heads", "lora"),
+    "layers.self_attn.o_proj.lora_b": ("layers", "lora", "embed"),
+    "layers.mlp.gate_proj.lora_a": ("layers", "embed", "lora"),
+    "layers.mlp.gate_proj.lora_b": ("layers", "lora", "mlp"),
+    "layers.mlp.up_proj.lora_a": ("layers", "embed", "lora"),
+    "layers.mlp.up_proj.lora_b": ("layers", "lora", "mlp"),
+    "layers.mlp.down_proj.lora_a": ("layers", "mlp", "lora"),
+    "layers.mlp.down_proj.lora_b": ("layers", "lora", "embed"),
     "layers.post_attention_layernorm.weight": ("layers", "norm"),
     "layers.mlp.gate_proj.kernel": ("layers", "embed", "mlp"),
     "layers.mlp.up_proj.kernel": ("layers", "embed", "mlp"),
@@ -200,7 +213,9 @@ def replicate_kv_heads(kernel, num_kv_heads: int, head_dim: int, r: int):
   return jnp.repeat(heads, r, axis=-2).reshape(*lead, num_kv_heads * r * head_dim)
 
 
-KV_PROJECTIONS = ("layers.self_attn.k_proj.kernel", "layers.self_attn.v_proj.kernel")
+# the weights whose last dim is kv_heads * head_dim (a draft LoRA's lora_b included): replicated with the heads
+KV_PROJECTIONS = ("layers.self_attn.k_proj.kernel", "layers.self_attn.v_proj.kernel",
+                  "layers.self_attn.k_proj.lora_b", "layers.self_attn.v_proj.lora_b")
 
 
 # ---- rules -> PartitionSpecs ----------------------------------------------------------------------------------------

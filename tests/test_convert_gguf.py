@@ -264,3 +264,58 @@ def test_cli_names_the_flag():
   assert proc.returncode == 1 and "--gguf" in proc.stderr
   proc = _run_cli("--gguf=/nonexistent/model.gguf", "--hf_dir=/tmp", "--output_dir=/tmp/never")
   assert proc.returncode == 1 and "--hf_dir" in proc.stderr and "--gguf" in proc.stderr
+
+
+def test_draft_adapter_attaches_at_conversion_and_keeps_the_verifier(small_tensors, tmp_path):
+  """--lora_dir with --gguf: the PEFT draft adapter (LoRA on every projection + the mask token's embedding row)
+  lands in the checkpoint, the verifier is the GGUF's model, and greedy LinearSS equals greedy AR."""
+  from recguide_jax import policies
+  from recguide_jax.config import LORA_TARGET_MODULES
+  from recguide_jax.convert import peft
+  path = write_gguf(tmp_path / "model.gguf", *small_tensors)
+  base_cfg = convert_gguf_checkpoint(path, tmp_path / "base", progress=False)
+  cfg = base_cfg.replace(lora_rank=4, lora_alpha=16.0, lora_target_modules=LORA_TARGET_MODULES)
+  rng = np.random.default_rng(0)
+  flat = {name: rng.normal(0, 0.3, sds.shape).astype(np.float32)
+          for name, sds in checkpoint.param_shapes(cfg).items() if name.endswith(("lora_a", "lora_b"))}
+  mask_row = rng.normal(0, 0.5, cfg.hidden_size).astype(np.float32)
+  peft.write_adapter(tmp_path / "adapter", cfg, flat, mask_row, dtype="float32")
+  proc = _run_cli(f"--gguf={path}", f"--output_dir={tmp_path / 'ours'}", "--dtype=float32",
+                  f"--lora_dir={tmp_path / 'adapter'}")
+  assert proc.returncode == 0, proc.stderr
+  assert "draft LoRA r=4" in proc.stdout
+  base, ours = checkpoint.load_model(tmp_path / "base"), checkpoint.load_model(tmp_path / "ours")
+  assert ours.cfg == cfg
+  got = checkpoint.flatten_params(nnx_state(ours))
+  want = checkpoint.flatten_params(nnx_state(base))
+  for name, value in got.items():
+    if name in flat:
+      np.testing.assert_array_equal(np.asarray(value), flat[name])
+    elif name == "embed_tokens.embedding":
+      rows = np.arange(cfg.vocab_size) != cfg.mask_token_id
+      np.testing.assert_array_equal(np.asarray(value)[rows], np.asarray(want[name])[rows])
+      np.testing.assert_array_equal(np.asarray(value)[cfg.mask_token_id], mask_row)
+    else:
+      np.testing.assert_array_equal(np.asarray(value), np.asarray(want[name]))
+  llm = LLM(model=tmp_path / "ours", policy="linear", block_size=8, max_num_seqs=2, max_model_len=96, page_size=8,
+            prefill_chunk=16, warmup=False, compile_cache_dir=None)
+  prompts = [[5, 9, 17, 33, 40, 41], [60, 61, 62, 7]]
+  params = SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True)
+  spec = [o.token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+  llm.set_policy(policies.ARPolicy())
+  assert [o.token_ids for o in llm.generate(prompts, params, use_tqdm=False)] == spec
+
+  # only the mask token's row may be replaced: any other would change the verifier
+  raw = json.loads((tmp_path / "adapter" / "adapter_config.json").read_text())
+  (tmp_path / "adapter" / "adapter_config.json").write_text(json.dumps({**raw, "trainable_token_indices": [7]}))
+  with pytest.raises(ConversionError, match="'trainable_token_indices' may name only the mask token"):
+    convert_gguf_checkpoint(path, tmp_path / "bad", lora_dir=tmp_path / "adapter", progress=False)
+  (tmp_path / "adapter" / "adapter_config.json").write_text(json.dumps({**raw, "target_modules": ["lm_head"]}))
+  with pytest.raises(ConversionError, match="'target_modules'"):
+    convert_gguf_checkpoint(path, tmp_path / "bad", lora_dir=tmp_path / "adapter", progress=False)
+
+
+def nnx_state(model):
+  from flax import nnx
+  return nnx.state(model, nnx.Param).to_pure_dict()
+

@@ -174,3 +174,38 @@ def test_exported_adapter_checkpoint_serves_lossless(tmp_path, base_dir):
   logits = distill.draft_logits(model, xt, x0, 8)[0, 16:24].at[:, model.cfg.mask_token_id].set(-jnp.inf)
   trained_conf = np.asarray(jnp.max(jax.nn.softmax(logits, axis=-1), axis=-1))
   np.testing.assert_allclose(served_conf[1:], trained_conf[1:], atol=1e-4)
+
+
+def test_llama_adapter_on_every_projection_with_a_trained_mask_embedding(tmp_path):
+  """A plain Llama's draft adapter (tied head, LoRA on every projection, the mask row trained): the verifier's logits
+  stay the base's except the mask token's own (never sampled), and the PEFT export reads back exactly."""
+  from recguide_jax.config import LORA_TARGET_MODULES
+  from recguide_jax.convert import peft
+  cfg = tiny_config(tie_word_embeddings=True, rope_type="default", llama_4_scaling_beta=0.0, rope_factor=1.0)
+  ckpt_lib.save_model(tmp_path / "base", NLDModel(cfg, rngs=nnx.Rngs(4)))
+  dc = distill.DistillConfig(out_dir=str(tmp_path / "run"), base_checkpoint=str(tmp_path / "base"), lora_rank=4,
+                             lora_alpha=16.0, lora_target_modules=LORA_TARGET_MODULES, train_mask_embedding=True,
+                             seq_len=64, batch_size=2, total_steps=4, warmup_steps=1, lr=3e-3, block_sizes=(8,),
+                             block_probs=(1.0,), save_every=4, eval_every=0)
+  tr = distill.DraftLoraTrainer(dc, _rows(), progress=False, eval_rows={"a": _rows(8, 1), "b": _rows(8, 2)})
+  base = ckpt_lib.load_model(tmp_path / "base")
+  tokens = jnp.asarray(np.random.default_rng(1).integers(8, 100, size=(2, 16)), jnp.int32)
+  np.testing.assert_allclose(_logits(tr.model(), tokens, True), _logits(base, tokens, False), atol=1e-6)
+  tr.run()
+  assert set(tr.evaluate()) == {f"eval_tau_{n}_8" for n in "ab"}
+  others = np.arange(cfg.vocab_size) != MASK
+  np.testing.assert_array_equal(np.asarray(_logits(tr.model(), tokens, False))[..., others],
+                                np.asarray(_logits(base, tokens, False))[..., others])
+  mask_row = np.asarray(tr.params["mask_embed"])
+  assert not np.allclose(mask_row, np.asarray(base.embed_tokens.embedding[...][MASK]))
+  tr.export_adapter(tmp_path / "adapter", dtype="float32")
+  raw = json.loads((tmp_path / "adapter" / "adapter_config.json").read_text())
+  assert raw["target_modules"] == list(LORA_TARGET_MODULES) and raw["trainable_token_indices"] == [MASK]
+  read_cfg, flat, rows = peft.read_adapter(tmp_path / "adapter", cfg)
+  assert read_cfg.lora_target_modules == LORA_TARGET_MODULES and read_cfg.lora_rank == 4
+  want = ckpt_lib.flatten_params(tr.params["lora"].to_pure_dict())
+  assert set(flat) == set(want) and len(flat) == 2 * len(LORA_TARGET_MODULES)
+  for name, value in flat.items():
+    np.testing.assert_array_equal(value, np.asarray(want[name]))
+  np.testing.assert_array_equal(rows[MASK], mask_row)
+

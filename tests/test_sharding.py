@@ -19,7 +19,7 @@ from jax.sharding import PartitionSpec as P
 
 from conftest import COMPILE_FLAGS
 from recguide_jax import attention, attention_dispatch, checkpoint, data_parallel, memory_plan, sharding
-from recguide_jax.config import PRESETS
+from recguide_jax.config import LORA_TARGET_MODULES, PRESETS
 from recguide_jax.model import abstract_model
 from recguide_jax.runtime import Runner, RunnerConfig, StepKey, StepKind
 from recguide_jax.runtime.steps import example_host_args
@@ -67,7 +67,8 @@ def test_mesh_flags(monkeypatch):
 
 
 def test_every_weight_has_a_rule_and_the_rules_split_heads_mlp_and_vocab():
-  cfg = PRESETS["nld-8b"].replace(lora_rank=128, lora_alpha=512.0)  # with NLD's draft LoRA
+  cfg = PRESETS["nld-8b"].replace(lora_rank=128, lora_alpha=512.0,  # a draft LoRA on every projection
+                                   lora_target_modules=LORA_TARGET_MODULES)
   shapes = checkpoint.param_shapes(cfg, jnp.bfloat16)
   mesh = sharding.abstract_mesh(sharding.MeshShape(tp=8))
   specs = {name: sharding.param_spec(name, sds.shape, mesh) for name, sds in shapes.items()}
@@ -76,8 +77,10 @@ def test_every_weight_has_a_rule_and_the_rules_split_heads_mlp_and_vocab():
   assert specs["layers.self_attn.q_proj.kernel"] == P(None, None, tp)  # columns: heads
   assert specs["layers.self_attn.k_proj.kernel"] == P(None, None, tp)
   assert specs["layers.self_attn.o_proj.kernel"] == P(None, tp)  # rows: heads
-  assert specs["layers.self_attn.lora_a"] == P(None, tp)  # the adapter's input rows follow o_proj's
-  assert specs["layers.self_attn.lora_b"] == P()
+  assert specs["layers.self_attn.o_proj.lora_a"] == P(None, tp)  # the adapter's input rows follow o_proj's
+  assert specs["layers.self_attn.o_proj.lora_b"] == P()
+  assert specs["layers.self_attn.q_proj.lora_b"] == P(None, None, tp)  # output columns follow q_proj's
+  assert specs["layers.mlp.down_proj.lora_a"] == P(None, tp)
   assert specs["layers.mlp.gate_proj.kernel"] == specs["layers.mlp.up_proj.kernel"] == P(None, None, tp)
   assert specs["layers.mlp.down_proj.kernel"] == P(None, tp)
   assert specs["embed_tokens.embedding"] == P(tp)  # vocabulary rows

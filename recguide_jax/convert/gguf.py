@@ -212,8 +212,10 @@ def _dequantized(t: gguf.ReaderTensor) -> np.ndarray:
 
 
 def convert_gguf_checkpoint(gguf_path: str | os.PathLike, out_dir: str | os.PathLike, *, dtype: str = "float32",
-                            mask_token: str | None = None, progress: bool = True) -> NLDConfig:
-  """Converts the llama GGUF at `gguf_path` into our format in `out_dir`; returns the config.
+                            mask_token: str | None = None, lora_dir: str | os.PathLike | None = None,
+                            progress: bool = True) -> NLDConfig:
+  """Converts the llama GGUF at `gguf_path` into our format in `out_dir`; returns the config. `lora_dir`: a PEFT
+  draft adapter trained for this model (convert/peft.py: LoRA factors and the mask token's embedding row).
 
   Raises ConversionError (a CheckpointError / ValueError) or ConfigError naming the metadata key or tensor.
   Memory: the converted params (one copy, in `dtype`) plus one dequantized tensor at a time.
@@ -230,6 +232,10 @@ def convert_gguf_checkpoint(gguf_path: str | os.PathLike, out_dir: str | os.Path
   cfg = read_config(reader, mask_token=mask_token)
   tokenizer = build_tokenizer(reader)
   plan = _tensor_plan(reader, cfg)
+  lora_flat, token_rows = {}, {}
+  if lora_dir is not None:
+    from recguide_jax.convert import peft
+    cfg, lora_flat, token_rows = peft.read_adapter(lora_dir, cfg)
   expected = param_shapes(cfg)
   out_dtype = OUT_DTYPES[dtype]
   flat = {name: np.empty(sds.shape, out_dtype) for name, sds in expected.items()}
@@ -246,6 +252,10 @@ def convert_gguf_checkpoint(gguf_path: str | os.PathLike, out_dir: str | os.Path
       w = _unpermute(w, cfg.num_key_value_heads)
     dst = flat[ours] if layer is None else flat[ours][layer]
     dst[...] = w.T if transpose else w
+  for name, w in lora_flat.items():
+    flat[name][...] = w
+  for token, row in token_rows.items():  # the drafter's mask embedding (the mask token is never sampled)
+    flat["embed_tokens.embedding"][token] = row
 
   out_dir.mkdir(parents=True, exist_ok=True)
   # config.json is written last, so an interrupted conversion never leaves a directory load_model accepts.

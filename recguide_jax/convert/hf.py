@@ -25,7 +25,7 @@ import numpy as np
 from tqdm import tqdm
 
 from recguide_jax.checkpoint import CONFIG_FILE, TOKENIZER_FILES, CheckpointError, param_shapes, save_params
-from recguide_jax.config import NLDConfig
+from recguide_jax.config import LORA_TARGET_MODULES, NLDConfig
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
@@ -167,9 +167,15 @@ def _base_names(cfg: NLDConfig) -> dict[str, tuple[str, bool, int | None]]:
   return names
 
 
-def _lora_names(cfg: NLDConfig) -> dict[str, tuple[str, bool, int | None]]:
-  return {f"{_LORA_PREFIX}.{i}.self_attn.o_proj.{hf}.weight": (f"layers.self_attn.{ours}", True, i)
-          for i in range(cfg.num_hidden_layers) for hf, ours in _LORA_TENSORS.items()}
+def lora_names(cfg: NLDConfig, prefix: str = _LORA_PREFIX) -> dict[str, tuple[str, bool, int | None]]:
+  """PEFT adapter tensor name -> (our stacked name, transpose, layer row) for every module the adapter targets."""
+  out = {}
+  for module in cfg.lora_target_modules:
+    parent = "self_attn" if module in ("q_proj", "k_proj", "v_proj", "o_proj") else "mlp"
+    for i in range(cfg.num_hidden_layers):
+      for hf, ours in _LORA_TENSORS.items():
+        out[f"{prefix}.{i}.{parent}.{module}.{hf}.weight"] = (f"layers.{parent}.{module}.{ours}", True, i)
+  return out
 
 
 def _plan(names: dict[str, tuple[str, bool, int | None]], refs: dict[str, _TensorRef], where: pathlib.Path,
@@ -186,7 +192,9 @@ def _plan(names: dict[str, tuple[str, bool, int | None]], refs: dict[str, _Tenso
   return [_Item(refs[hf], ours, transpose, layer) for hf, (ours, transpose, layer) in names.items()]
 
 
-def _read_lora_config(lora_dir: pathlib.Path) -> tuple[int, float]:
+def read_lora_config(lora_dir: pathlib.Path, allowed_targets: tuple[str, ...] = ("o_proj",)
+                     ) -> tuple[int, float, tuple[str, ...], dict]:
+  """(r, lora_alpha, target modules, the whole adapter_config.json) of a PEFT adapter directory."""
   path = lora_dir / LORA_CONFIG_FILE
   if not path.exists():
     raise ConversionError(f"LoRA directory {lora_dir} has no {LORA_CONFIG_FILE}")
@@ -196,8 +204,9 @@ def _read_lora_config(lora_dir: pathlib.Path) -> tuple[int, float]:
       raise ConversionError(f"{path} is missing field '{key}'")
   targets = raw["target_modules"]
   targets = [targets] if isinstance(targets, str) else list(targets)
-  if targets != ["o_proj"]:
-    raise ConversionError(f"{path}: field 'target_modules' must be ['o_proj'] (NLD draft LoRA), got {targets}")
+  if not targets or any(t not in allowed_targets for t in targets):
+    raise ConversionError(f"{path}: field 'target_modules' must name modules of {list(allowed_targets)}, got "
+                          f"{targets}")
   # Our forward applies alpha/r; these PEFT variants would need a different update rule.
   for key in ("use_rslora", "use_dora"):
     if raw.get(key):
@@ -205,7 +214,7 @@ def _read_lora_config(lora_dir: pathlib.Path) -> tuple[int, float]:
   r, alpha = raw["r"], raw["lora_alpha"]
   if not isinstance(r, int) or isinstance(r, bool) or r <= 0 or not isinstance(alpha, (int, float)) or alpha <= 0:
     raise ConversionError(f"{path}: fields 'r' and 'lora_alpha' must be positive, got r={r!r} lora_alpha={alpha!r}")
-  return r, float(alpha)
+  return r, float(alpha), tuple(m for m in LORA_TARGET_MODULES if m in targets), raw
 
 
 def _check_shapes(cfg: NLDConfig, plan: list[_Item]) -> None:
@@ -246,12 +255,12 @@ def convert_hf_checkpoint(hf_dir: str | os.PathLike, out_dir: str | os.PathLike,
     lora_dir = pathlib.Path(lora_dir)
     if not lora_dir.is_dir():
       raise ConversionError(f"LoRA directory {lora_dir} does not exist")
-    r, alpha = _read_lora_config(lora_dir)
+    r, alpha, _, _ = read_lora_config(lora_dir)  # NLD's draft LoRA: o_proj
     cfg = cfg.replace(lora_rank=r, lora_alpha=alpha)
     weights = lora_dir / LORA_WEIGHTS_FILE
     if not weights.exists():
       raise ConversionError(f"LoRA directory {lora_dir} has no {LORA_WEIGHTS_FILE}")
-    plan += _plan(_lora_names(cfg), _read_header(weights), lora_dir, cfg)
+    plan += _plan(lora_names(cfg), _read_header(weights), lora_dir, cfg)
   _check_shapes(cfg, plan)
 
   # One dtype for every tensor (the fp32 LoRA included): load_model restores all params in a single dtype.

@@ -1,5 +1,6 @@
 """The NLD backbone in Flax NNX: Ministral3 decoder (pre-RMSNorm, GQA, YaRN RoPE, Llama-4 query scale, SwiGLU)
-with an untied `diffusion_head` and an optional draft LoRA on `o_proj` that is switched on per token. A plain Llama
+with an untied `diffusion_head` and an optional draft LoRA (on `o_proj` as NLD's, or on any of the attention and
+MLP projections `NLDConfig.lora_target_modules` names) that is switched on per token. A plain Llama
 is the same module under its config: default RoPE, no query scale, and the embedding as the output head
 (`tie_word_embeddings`: no `diffusion_head` parameter at all).
 
@@ -126,14 +127,21 @@ class RMSNorm(nnx.Module):
 
 class Dense(nnx.Linear):
   """A bias-free nnx.Linear whose kernel may be held [out, in] (`KernelLayout.OUT_IN`, set by
-  `with_kernel_layout`; the instance attribute `kernel_layout` is static, part of the graph)."""
+  `with_kernel_layout`; the instance attribute `kernel_layout` is static, part of the graph), with an optional
+  draft LoRA (`lora_a` [in, r], `lora_b` [r, out]: PEFT's lora_A / lora_B transposed) added only where the
+  per-token `lora_mask` is on, so the same weights serve the verifier (off) and the drafter (on)."""
   kernel_layout = KernelLayout.IN_OUT
 
-  def __call__(self, x):
+  def __call__(self, x, lora_mask: jax.Array | None = None, lora_scale: float = 0.0):
     if self.kernel_layout is KernelLayout.IN_OUT:
-      return super().__call__(x)
-    x, w = self.promote_dtype((x, self.kernel[...]), dtype=self.dtype)
-    return matmul_out_in(x, w, self.precision)
+      y = super().__call__(x)
+    else:
+      xp, w = self.promote_dtype((x, self.kernel[...]), dtype=self.dtype)
+      y = matmul_out_in(xp, w, self.precision)
+    if lora_mask is not None and hasattr(self, "lora_a"):
+      delta = (x @ self.lora_a[...].astype(x.dtype)) @ self.lora_b[...].astype(x.dtype)
+      y = y + (lora_scale * delta * lora_mask[..., None].astype(delta.dtype)).astype(y.dtype)
+    return y
 
 
 def matmul_out_in(x: jax.Array, w: jax.Array, precision=None) -> jax.Array:
@@ -161,9 +169,18 @@ def matmul_out_in(x: jax.Array, w: jax.Array, precision=None) -> jax.Array:
   return y.astype(x.dtype).reshape(*lead, w.shape[0])
 
 
-def _dense(rngs, din, dout, dtype, param_dtype, std=0.02):
-  return Dense(din, dout, use_bias=False, dtype=dtype, param_dtype=param_dtype,
-               kernel_init=nnx.initializers.normal(std), rngs=rngs)
+def _dense(rngs, din, dout, dtype, param_dtype, std=0.02, lora_rank: int = 0):
+  layer = Dense(din, dout, use_bias=False, dtype=dtype, param_dtype=param_dtype,
+                kernel_init=nnx.initializers.normal(std), rngs=rngs)
+  if lora_rank:
+    # B starts at zero so a fresh adapter is the identity.
+    layer.lora_a = nnx.Param(nnx.initializers.normal(0.02)(rngs.params(), (din, lora_rank), param_dtype))
+    layer.lora_b = nnx.Param(jnp.zeros((lora_rank, dout), param_dtype))
+  return layer
+
+
+def _lora_rank(cfg: NLDConfig, module: str) -> int:
+  return cfg.lora_rank if module in cfg.lora_target_modules else 0
 
 
 class Attention(nnx.Module):
@@ -171,22 +188,19 @@ class Attention(nnx.Module):
   def __init__(self, cfg: NLDConfig, *, dtype, param_dtype, rngs: nnx.Rngs):
     h, nq, nkv, d = cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
     self.cfg = cfg
-    self.q_proj = _dense(rngs, h, nq * d, dtype, param_dtype)
-    self.k_proj = _dense(rngs, h, nkv * d, dtype, param_dtype)
-    self.v_proj = _dense(rngs, h, nkv * d, dtype, param_dtype)
-    self.o_proj = _dense(rngs, nq * d, h, dtype, param_dtype)
-    if cfg.lora_rank:
-      # PEFT layout transposed to (in, out); B starts at zero so a fresh adapter is the identity.
-      self.lora_a = nnx.Param(nnx.initializers.normal(0.02)(rngs.params(), (nq * d, cfg.lora_rank), param_dtype))
-      self.lora_b = nnx.Param(jnp.zeros((cfg.lora_rank, h), param_dtype))
+    self.q_proj = _dense(rngs, h, nq * d, dtype, param_dtype, lora_rank=_lora_rank(cfg, "q_proj"))
+    self.k_proj = _dense(rngs, h, nkv * d, dtype, param_dtype, lora_rank=_lora_rank(cfg, "k_proj"))
+    self.v_proj = _dense(rngs, h, nkv * d, dtype, param_dtype, lora_rank=_lora_rank(cfg, "v_proj"))
+    self.o_proj = _dense(rngs, nq * d, h, dtype, param_dtype, lora_rank=_lora_rank(cfg, "o_proj"))
 
   def __call__(self, x, inp: ForwardInputs, cache: KVCache | None, layer: jax.Array | int):
     """x: [b, Q, H]; cache: every layer's pages (or None); layer: this layer's index into them."""
     cfg = self.cfg
     b, nq_tok, _ = x.shape
-    q = self.q_proj(x).reshape(b, nq_tok, cfg.num_attention_heads, cfg.head_dim)
-    k = self.k_proj(x).reshape(b, nq_tok, cfg.num_key_value_heads, cfg.head_dim)
-    v = self.v_proj(x).reshape(b, nq_tok, cfg.num_key_value_heads, cfg.head_dim)
+    lora = (inp.lora_mask if cfg.lora_rank else None), cfg.lora_scale
+    q = self.q_proj(x, *lora).reshape(b, nq_tok, cfg.num_attention_heads, cfg.head_dim)
+    k = self.k_proj(x, *lora).reshape(b, nq_tok, cfg.num_key_value_heads, cfg.head_dim)
+    v = self.v_proj(x, *lora).reshape(b, nq_tok, cfg.num_key_value_heads, cfg.head_dim)
     # under a tp mesh each device keeps its own heads from here to o_proj (no-ops on one device)
     q = sharding.constrain(q, "batch", "length", "act_heads", "head_dim")
     k = sharding.constrain(k, "batch", "length", "act_kv_heads", "head_dim")
@@ -213,22 +227,21 @@ class Attention(nnx.Module):
         layer=layer if cache is not None else None)
     out = sharding.constrain(out, "batch", "length", "act_heads", "head_dim")
     out = out.reshape(b, nq_tok, cfg.num_attention_heads * cfg.head_dim)
-    y = self.o_proj(out)
-    if cfg.lora_rank and inp.lora_mask is not None:
-      delta = (out @ self.lora_a[...].astype(out.dtype)) @ self.lora_b[...].astype(out.dtype)
-      y = y + cfg.lora_scale * delta * inp.lora_mask[..., None].astype(y.dtype)
-    return y, cache
+    return self.o_proj(out, *lora), cache
 
 
 class MLP(nnx.Module):
 
   def __init__(self, cfg: NLDConfig, *, dtype, param_dtype, rngs: nnx.Rngs):
-    self.gate_proj = _dense(rngs, cfg.hidden_size, cfg.intermediate_size, dtype, param_dtype)
-    self.up_proj = _dense(rngs, cfg.hidden_size, cfg.intermediate_size, dtype, param_dtype)
-    self.down_proj = _dense(rngs, cfg.intermediate_size, cfg.hidden_size, dtype, param_dtype)
+    h, i = cfg.hidden_size, cfg.intermediate_size
+    self.gate_proj = _dense(rngs, h, i, dtype, param_dtype, lora_rank=_lora_rank(cfg, "gate_proj"))
+    self.up_proj = _dense(rngs, h, i, dtype, param_dtype, lora_rank=_lora_rank(cfg, "up_proj"))
+    self.down_proj = _dense(rngs, i, h, dtype, param_dtype, lora_rank=_lora_rank(cfg, "down_proj"))
+    self.lora_scale = cfg.lora_scale
 
-  def __call__(self, x):
-    return self.down_proj(jax.nn.silu(self.gate_proj(x)) * self.up_proj(x))
+  def __call__(self, x, lora_mask: jax.Array | None = None):
+    lora = lora_mask, self.lora_scale
+    return self.down_proj(jax.nn.silu(self.gate_proj(x, *lora)) * self.up_proj(x, *lora), *lora)
 
 
 class DecoderLayer(nnx.Module):
@@ -242,7 +255,7 @@ class DecoderLayer(nnx.Module):
   def __call__(self, h, inp: ForwardInputs, cache: KVCache | None, layer: jax.Array | int):
     a, cache = self.self_attn(self.input_layernorm(h), inp, cache, layer)
     h = h + a
-    h = h + self.mlp(self.post_attention_layernorm(h))
+    h = h + self.mlp(self.post_attention_layernorm(h), inp.lora_mask if self.mlp.lora_scale else None)
     # the residual stream is replicated over tp: the all-reduces after o_proj and down_proj land here
     return sharding.constrain(h, "batch", "length", "act_embed"), cache
 

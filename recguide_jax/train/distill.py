@@ -32,6 +32,7 @@ from flax import nnx
 from recguide_jax import checkpoint as ckpt_lib
 from recguide_jax.model import ForwardInputs, NLDModel
 from recguide_jax.train import data as data_lib
+from recguide_jax.train.data import PackedBatches
 from recguide_jax.train.trainer import Trainer
 
 SEEDED, UNSEEDED, PARTIAL = 0, 1, 2
@@ -47,6 +48,8 @@ def generate_targets(llm, prompts: list[list[int]], out_path: str | pathlib.Path
   done = [json.loads(l) for l in out_path.read_text().splitlines() if l.strip()] if out_path.exists() else []
   if len(done) > len(prompts) or any(d["prompt"] != list(p) for d, p in zip(done, prompts)):
     raise ValueError(f"{out_path} holds targets for other prompts; delete it or pick another --out_dir")
+  if len(done) == len(prompts):
+    return done  # nothing to generate: `llm` may be None
   llm.set_policy(policies.ARPolicy())
   params = SamplingParams(max_tokens=max_tokens, temperature=0.0)
   bar = None
@@ -67,6 +70,22 @@ def generate_targets(llm, prompts: list[list[int]], out_path: str | pathlib.Path
   if bar is not None:
     bar.close()
   return done
+
+
+def interleave(a: list, b: list) -> list:
+  """a and b merged evenly (each keeps its order), so a held-out tail and every batch see both prompt sets."""
+  n = len(a) + len(b)
+  if not a or not b:
+    return list(a) + list(b)
+  out, i, j = [], 0, 0
+  for k in range(n):
+    if j >= len(b) or (i < len(a) and i * len(b) <= j * len(a)):
+      out.append(a[i])
+      i += 1
+    else:
+      out.append(b[j])
+      j += 1
+  return out
 
 
 def target_documents(rows: list[dict]) -> tuple[list[np.ndarray], list[np.ndarray]]:
@@ -94,6 +113,17 @@ def draft_noise(key: jax.Array, x0: jax.Array, block_size: int, mask_token_id: i
   partial = jax.random.uniform(k_mask, (b, n)) < rate
   masked = jnp.where(mode == UNSEEDED, True, jnp.where(mode == SEEDED, ~first, partial & ~first))
   return jnp.where(masked, mask_token_id, x0), masked, mode
+
+
+def with_mask_embedding(frozen: nnx.State, mask_embed: jax.Array | None, mask_token_id: int) -> nnx.State:
+  """The frozen state with `mask_embed` [H] as the mask token's embedding row (None: unchanged), a new State (the
+  arrays of `frozen` are not touched). A tied head then also scores the mask token with it, which changes nothing
+  served: sampling always excludes the mask token."""
+  if mask_embed is None:
+    return frozen
+  emb = frozen["embed_tokens"]["embedding"]
+  new = emb.replace(emb[...].at[mask_token_id].set(mask_embed.astype(emb[...].dtype)))
+  return nnx.State({**frozen, "embed_tokens": nnx.State({**frozen["embed_tokens"], "embedding": new})})
 
 
 def draft_logits(model, xt: jax.Array, x0: jax.Array, block_size: int) -> jax.Array:
@@ -143,6 +173,8 @@ class DistillConfig:
   base_checkpoint: str
   lora_rank: int = 128
   lora_alpha: float = 512.0  # NLD's adapter: r 128, alpha 512 (scale 4)
+  lora_target_modules: tuple[str, ...] = ("o_proj",)  # NLD's; a plain Llama's adapter may take every projection
+  train_mask_embedding: bool = False  # also train the mask token's embedding row (a vocabulary without one)
   seq_len: int = 512
   batch_size: int = 8
   total_steps: int = 1000
@@ -168,9 +200,9 @@ def _is_lora(path, value) -> bool:
   return bool(path) and path[-1] in ("lora_a", "lora_b")
 
 
-def with_fresh_lora(base, rank: int, alpha: float, seed: int):
+def with_fresh_lora(base, rank: int, alpha: float, seed: int, target_modules: tuple[str, ...] = ("o_proj",)):
   """A model with `base`'s weights (any adapter it had is dropped) and a new zero-effect LoRA (B = 0)."""
-  cfg = base.cfg.replace(lora_rank=rank, lora_alpha=alpha)
+  cfg = base.cfg.replace(lora_rank=rank, lora_alpha=alpha, lora_target_modules=tuple(target_modules))
   param_dtype = jax.tree.leaves(nnx.state(base, nnx.Param))[0].dtype
   model = NLDModel(cfg, rngs=nnx.Rngs(seed), dtype=param_dtype, param_dtype=param_dtype)
   base_flat = {k: v for k, v in ckpt_lib.flatten_params(nnx.state(base, nnx.Param).to_pure_dict()).items()
@@ -187,27 +219,41 @@ class DraftLoraTrainer(Trainer):
   the loop are the joint trainer's (the train state holds the adapter and its optimizer state only)."""
 
   # pylint: disable-next=super-init-not-called
-  def __init__(self, dc: DistillConfig, rows: list[dict], *, progress: bool = True):
+  def __init__(self, dc: DistillConfig, rows: list[dict], *, progress: bool = True,
+               eval_rows: dict[str, list[dict]] | None = None):
+    """`eval_rows`: named held-out target sets ({"gsm8k_test": rows, ...}); each gets its own teacher-forced tau
+    (`eval_tau_<name>_<B>`). Without them the last `val_fraction` of `rows` is held out."""
     self.tc = dc
     self.out = pathlib.Path(dc.out_dir)
     self.out.mkdir(parents=True, exist_ok=True)
     self.progress = progress
     self.base_dir = pathlib.Path(dc.base_checkpoint)
     base = ckpt_lib.load_model(self.base_dir)
-    model = with_fresh_lora(base, dc.lora_rank, dc.lora_alpha, dc.seed)
+    model = with_fresh_lora(base, dc.lora_rank, dc.lora_alpha, dc.seed, dc.lora_target_modules)
     self.cfg = model.cfg
-    self.graphdef, self.params, self.frozen = nnx.split(model, _is_lora, ...)
+    self.graphdef, lora, self.frozen = nnx.split(model, _is_lora, ...)
+    # what trains: the adapter, and the mask token's embedding row (initialised from the base row)
+    self.params = {"lora": lora}
+    if dc.train_mask_embedding:
+      self.params["mask_embed"] = jnp.asarray(model.embed_tokens.embedding[...][self.cfg.mask_token_id])
     docs, weights = target_documents(rows)
-    n_val = max(1, int(len(docs) * dc.val_fraction)) if dc.val_fraction > 0 else 0
+    n_val = max(1, int(len(docs) * dc.val_fraction)) if dc.val_fraction > 0 and not eval_rows else 0
     split = len(docs) - n_val
     self.batches = data_lib.PackedBatches(docs[:split], dc.seq_len, dc.batch_size, dc.seed, weights=weights[:split])
-    self.val_batches = (data_lib.PackedBatches(docs[split:], dc.seq_len, dc.batch_size, 12345,
-                                               weights=weights[split:]) if n_val else None)
+    self.val_sets = {}
+    for name, r in (eval_rows or ({"val": rows[split:]} if n_val else {})).items():
+      d, w = target_documents(r)
+      self.val_sets[name] = data_lib.PackedBatches(d, dc.seq_len, min(dc.batch_size, 4), 12345, weights=w)
+    self.val_batches = next(iter(self.val_sets.values()), None)
     self._init_train_state()  # the adapter (self.params) is what trains
     self._proxy = {}
 
+  def _merge(self, params, frozen):
+    frozen = with_mask_embedding(frozen, params.get("mask_embed"), self.cfg.mask_token_id)
+    return nnx.merge(self.graphdef, params["lora"], frozen)
+
   def model(self):
-    return nnx.merge(self.graphdef, self.params, self.frozen)
+    return self._merge(self.params, self.frozen)
 
   def _train_step_fn(self, block_size: int):
     if block_size in self._steps:
@@ -216,8 +262,7 @@ class DraftLoraTrainer(Trainer):
 
     def step_fn(lora, opt_state, frozen, x0, weight, rng):
       def loss_fn(p):
-        return draft_distill_loss(nnx.merge(self.graphdef, p, frozen), x0, weight, rng, block_size, mask_id,
-                                  dc.mode_probs)
+        return draft_distill_loss(self._merge(p, frozen), x0, weight, rng, block_size, mask_id, dc.mode_probs)
 
       (_, metrics), grads = jax.value_and_grad(loss_fn, has_aux=True)(lora)
       updates, opt_state = self.tx.update(grads, opt_state, lora)
@@ -237,29 +282,36 @@ class DraftLoraTrainer(Trainer):
     self.step += 1
     return {k: float(v) for k, v in metrics.items()} | {"step": s, "block_size": blk}
 
-  def accept_proxy(self, lora_on: bool = True) -> dict[int, float]:
-    """Teacher-forced LinearSS accepted length per block size on the held-out targets (see seeded_accept_proxy);
-    lora_on=False measures the base model's draft the same way."""
-    if self.val_batches is None:
+  def accept_proxy(self, lora_on: bool = True, val: PackedBatches | None = None) -> dict[int, float]:
+    """Teacher-forced LinearSS accepted length per block size on held-out targets (`val`, default the first held-out
+    set; see seeded_accept_proxy); lora_on=False measures the base model's draft the same way (adapter off, the
+    base mask embedding)."""
+    val = self.val_batches if val is None else val
+    if val is None:
       return {}
     out = {}
-    n = min(self.tc.eval_batches, self.val_batches.batches_per_epoch)
-    params = self.params if lora_on else jax.tree.map(jnp.zeros_like, self.params)  # A = B = 0: adapter off
+    n = min(self.tc.eval_batches, max(val.batches_per_epoch, 1))
+    params = self.params if lora_on else {"lora": jax.tree.map(jnp.zeros_like, self.params["lora"])}
     for blk in self.tc.block_sizes:
       if blk not in self._proxy:
         mask_id = self.cfg.mask_token_id
         self._proxy[blk] = jax.jit(lambda p, f, x, w, blk=blk: seeded_accept_proxy(
-            nnx.merge(self.graphdef, p, f), x, w, blk, mask_id))
+            self._merge(p, f), x, w, blk, mask_id))
       total = count = 0
       for i in range(n):
-        x0, w = self.val_batches.weighted_batch(i)
+        x0, w = val.weighted_batch(i)
         s, c = self._proxy[blk](params, self.frozen, jnp.asarray(x0), jnp.asarray(w))
         total, count = total + int(s), count + int(c)
       out[blk] = total / max(count, 1)
     return out
 
   def evaluate(self) -> dict:
-    return {f"eval_tau_proxy_{b}": v for b, v in self.accept_proxy().items()}
+    if len(self.val_sets) <= 1:
+      return {f"eval_tau_proxy_{b}": v for b, v in self.accept_proxy().items()}
+    out = {}
+    for name, val in self.val_sets.items():
+      out |= {f"eval_tau_{name}_{b}": v for b, v in self.accept_proxy(val=val).items()}
+    return out
 
   def progress_postfix(self, m: dict) -> dict:
     return {"ce": f"{m['draft_ce']:.3f}", "acc": f"{m['draft_acc']:.3f}", "B": m["block_size"]}
@@ -272,16 +324,26 @@ class DraftLoraTrainer(Trainer):
     if not rows:
       return
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 4))
+    names = [None] if len(self.val_sets) <= 1 else list(self.val_sets)
     for blk in self.tc.block_sizes:
       r = [x for x in rows if x["block_size"] == blk]
       ax1.plot([x["step"] for x in r], [x["draft_ce"] for x in r], label=f"draft CE, B={blk} (train)")
-      ev = [x for x in rows if x.get(f"eval_tau_proxy_{blk}") is not None]
-      ax2.plot([x["step"] for x in ev], [x[f"eval_tau_proxy_{blk}"] for x in ev], "o-", label=f"B={blk}")
+      for name in names:
+        key = f"eval_tau_proxy_{blk}" if name is None else f"eval_tau_{name}_{blk}"
+        ev = [x for x in rows if x.get(key) is not None]
+        ax2.plot([x["step"] for x in ev], [x[key] for x in ev], "o-", label=f"B={blk}" + (f" {name}" if name else ""))
     ax1.set_xlabel("step"), ax1.set_ylabel("cross-entropy (nats)"), ax1.legend(), ax1.grid(alpha=0.3)
     ax2.set_xlabel("step"), ax2.set_ylabel("teacher-forced tau (held-out)"), ax2.legend(), ax2.grid(alpha=0.3)
     fig.tight_layout()
     fig.savefig(self.out / "loss_curves.png", dpi=110)
     plt.close(fig)
+
+  def export_adapter(self, directory: str | pathlib.Path, dtype: str = "bfloat16") -> None:
+    """Writes the adapter alone as a PEFT directory (convert/peft.py), attached to the base at conversion."""
+    from recguide_jax.convert import peft
+    flat = {k: np.asarray(v) for k, v in ckpt_lib.flatten_params(self.params["lora"].to_pure_dict()).items()}
+    mask = self.params.get("mask_embed")
+    peft.write_adapter(directory, self.cfg, flat, None if mask is None else np.asarray(mask), dtype=dtype)
 
   def export(self, directory: str | pathlib.Path) -> None:
     """Writes the serving checkpoint: the base weights plus the adapter, config.json with `draft_lora`, and every
