@@ -11,14 +11,14 @@ import sys
 import numpy as np
 import pytest
 
-from recguide_jax.orchestrator import adaptive as ad
-from recguide_jax.orchestrator import overlap as ov
-from recguide_jax.orchestrator import overlap_fit as ovf
-from recguide_jax.orchestrator import profile as pf
-from recguide_jax.orchestrator import rho_search as rs
-from recguide_jax.orchestrator import traces as tr
-from recguide_jax.orchestrator import value_fit as vf
-from recguide_jax.orchestrator import value_model as vm
+from recguide_jax.recguide import adaptive as ad
+from recguide_jax.recguide import overlap as ov
+from recguide_jax.recguide.fit import overlap_fit as ovf
+from recguide_jax.recguide import profile as pf
+from recguide_jax.recguide.fit import rho_search as rs
+from recguide_jax.recguide.fit import traces as tr
+from recguide_jax.recguide.fit import value_fit as vf
+from recguide_jax.recguide import value_model as vm
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -391,7 +391,7 @@ def test_recguide_tables_round_trip_and_runtime(model, tmp_path):
 
 
 def test_policy_carries_the_fitted_overlap_delta(model, tmp_path):
-  from recguide_jax.orchestrator.controller import PAPER_DELTA, RecGuideStrategy
+  from recguide_jax.recguide.controller import PAPER_DELTA, RecGuideStrategy
   levels = (ad.LevelTable(1, 0.1, pf.load_profile("b200_nld8b").costs(1), 32),)
   plain = ad.RecGuideTables(model, levels, "b200_nld8b")
   assert "overlap_delta" not in plain.to_json() and RecGuideStrategy(16, tables=plain).delta == PAPER_DELTA
@@ -479,28 +479,6 @@ def test_fit_tables_end_to_end(tmp_path):
   assert proc.returncode != 0 and "bad.jsonl:1" in proc.stderr and "A[8]" in proc.stderr
 
 
-def test_tables_keep_their_earlier_names(model, tmp_path):
-  """Checkpoints fitted before the rename ship `recguide_policy.json` with schema "recguide-policy/1": they load
-  as before, and the earlier names of the API still work."""
-  import recguide_jax.orchestrator as orch
-  from recguide_jax import llm as llm_lib
-  levels = (ad.LevelTable(8, 0.2, pf.load_profile("b200_nld8b").costs(8), 16),)
-  tables = ad.RecGuideTables(model, levels, "b200_nld8b")
-  old = tmp_path / "recguide_policy.json"
-  old.write_text(json.dumps(dict(tables.to_json(), schema="recguide-policy/1")))
-  assert ad.tables_path(tmp_path) == old
-  for loaded in (ad.load_tables(tmp_path), ad.load_policy(old), llm_lib.recguide_defaults(tmp_path)["tables"]):
-    assert loaded.to_json() == tables.to_json() and loaded.version == tables.version
-  tables.save(tmp_path)  # the new name wins where both exist
-  assert ad.tables_path(tmp_path) == tmp_path / "recguide_tables.json"
-  assert (ad.AdaptivePolicyTables, ad.LevelPolicy, ad.PolicyError, ad.load_policy) == (
-      ad.RecGuideTables, ad.LevelTable, ad.TablesError, ad.load_tables)
-  assert orch.AdaptivePolicyTables is orch.RecGuideTables and orch.load_policy is orch.load_tables
-  from recguide_jax.orchestrator.controller import RecGuideStrategy
-  from recguide_jax.orchestrator.policy import RecGuidePolicy
-  assert RecGuidePolicy is RecGuideStrategy
-
-
 def test_profile_script_random_tiny(tmp_path):
   out = tmp_path / "profile_cpu_tiny.json"
   stdout = _run(["launch/profile.py", "--random_tiny", "--max-num-seqs=2", "--block_sizes=8", "--repeats=1",
@@ -510,7 +488,7 @@ def test_profile_script_random_tiny(tmp_path):
   assert p.levels == (1, 2) and p.block_sizes == (8,) and p.name == "cpu_tiny" and p.backend == "cpu"
   assert p.cost(1, 8) > 0 and not p.ar_estimated and p.draft_ms is not None
   assert p.cost(2, 8) == pytest.approx(p.forward_costs(2, 8)[0] + p.forward_costs(2, 8)[1], rel=0.5)
-  from recguide_jax.runner import Runner
+  from recguide_jax.runtime.runner import Runner
   if hasattr(Runner, "fused"):
     assert not p.fused_estimated and p.fused_cost(2, 8) > 0
 

@@ -33,7 +33,7 @@ from typing import Any, Mapping
 import numpy as np
 
 # the fused forward that fused_ms measures: the paper's tree of 3 branch slots (4B query tokens)
-from recguide_jax.orchestrator.overlap import MAX_BRANCHES as FUSED_SLOTS
+from recguide_jax.recguide.overlap import MAX_BRANCHES as FUSED_SLOTS
 
 SCHEMA = "recguide-profile/1"
 PROFILE_DIR = "profiles"
@@ -247,7 +247,7 @@ class HardwareProfile:
 
 
 def _shipped_dir():
-  return importlib.resources.files("recguide_jax.orchestrator") / PROFILE_DIR
+  return importlib.resources.files("recguide_jax.recguide") / PROFILE_DIR
 
 
 def available_profiles() -> tuple[str, ...]:

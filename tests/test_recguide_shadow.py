@@ -5,8 +5,8 @@ import json
 
 from recguide_jax import SamplingParams
 from recguide_jax.decoding.builtin import ARStrategy
-from recguide_jax.orchestrator import traces
-from recguide_jax.orchestrator.shadow import ShadowTraceStrategy
+from recguide_jax.recguide.fit import traces
+from recguide_jax.recguide.fit.shadow import ShadowTraceStrategy
 
 PARAMS = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
 PROMPTS = [[5, 6, 7, 5, 6, 7], [9, 10, 11], [40] * 7]

@@ -29,14 +29,13 @@ from typing import Callable
 
 import numpy as np
 
-from recguide_jax.config import BLOCK_SIZES
+from recguide_jax.model.config import BLOCK_SIZES
 from recguide_jax.decoding import grouping, rounds
 from recguide_jax.decoding.strategy import RoundKind, RoundPlan, StepView, Strategy
-from recguide_jax.orchestrator import calibration, overlap as ov, signals
-from recguide_jax.orchestrator.estimates import OnlineStats, ValueCalibration  # noqa: F401  (OnlineStats: re-exported)
-from recguide_jax.orchestrator.overlap_round import OverlapRound
+from recguide_jax.recguide import calibration, overlap as ov, signals
+from recguide_jax.recguide.estimates import OnlineStats, ValueCalibration  # noqa: F401  (OnlineStats: re-exported)
+from recguide_jax.recguide.overlap_round import OverlapRound
 
-BLOCKS = BLOCK_SIZES  # earlier name
 
 
 class Regime(enum.StrEnum):
@@ -83,8 +82,8 @@ class RecGuideStrategy(Strategy):
                fixed_regime: str | None = None, entropy_head_cap: int | None = None, calibrate: bool = True,
                overlap_slots: int | None = None, prefix_exponent: float | None = None, batch_priced: bool = True,
                tie_margin: float = TIE_MARGIN):
-    if block_size not in BLOCKS:
-      raise ValueError(f"recguide block_size must be one of {BLOCKS}, got {block_size}")
+    if block_size not in BLOCK_SIZES:
+      raise ValueError(f"recguide block_size must be one of {BLOCK_SIZES}, got {block_size}")
     self.block_size = block_size
     if delta is None:  # the threshold fitted with the tables (launch/fit_delta.py), else the paper's
       delta = tables.overlap_delta if tables is not None and tables.overlap_delta is not None else PAPER_DELTA
@@ -135,7 +134,7 @@ class RecGuideStrategy(Strategy):
     # with calibration on, the fitted values are corrected online too: by what verification returns here
     self.value_calibration = ValueCalibration()
     if tables is not None:  # start the online estimates from the fitted model's unconditional values
-      self.stats.accepted = {b: tables.value_model.value(b, None) for b in BLOCKS}
+      self.stats.accepted = {b: tables.value_model.value(b, None) for b in BLOCK_SIZES}
       # and overlap's branch reuse rate from what the fitted planner measured, where the tables carry it: a prior
       # that flatters overlap buys rounds of it at loads where it loses before the running average corrects it
       if tables.overlap_hit_rate is not None:
@@ -167,10 +166,10 @@ class RecGuideStrategy(Strategy):
                    Regime.OVERLAP: RoundPlan(self.overlap_round, block_size)}
 
   def block_sizes(self):
-    return BLOCKS
+    return BLOCK_SIZES
 
   def step_kinds(self):
-    from recguide_jax.runner import fused_kind
+    from recguide_jax.runtime.runner import fused_kind
     return ("prefill", "draft", "verify", fused_kind(self.overlap_slots), "gverify")
 
   # ---- costs ---------------------------------------------------------------------------------------------------------
@@ -199,7 +198,7 @@ class RecGuideStrategy(Strategy):
     return self._profiled_round_cost(kind, blk, concurrency)
 
   def _linear_costs(self, concurrency: int) -> dict[int, float]:
-    return {b: self._round_cost(RoundKind.LINEAR, b, concurrency) for b in BLOCKS}
+    return {b: self._round_cost(RoundKind.LINEAR, b, concurrency) for b in BLOCK_SIZES}
 
   def round_cost(self, batch: int, block_size: int) -> float:
     return self._round_cost(RoundKind.LINEAR, block_size, batch)
@@ -236,7 +235,7 @@ class RecGuideStrategy(Strategy):
 
   def _rates(self, c: int, estimates: StepEstimates) -> dict[str, float]:
     return {key: self._rate(key, c, self._round_cost, estimates)
-            for key in ("ar", *(f"linear{b}" for b in BLOCKS), "overlap")}
+            for key in ("ar", *(f"linear{b}" for b in BLOCK_SIZES), "overlap")}
 
   def step_estimates(self, batch=None, values=None) -> StepEstimates:
     """What the regime rates rest on. `batch`: the step's requests, when known (overlap's draft share is then theirs,
@@ -258,7 +257,7 @@ class RecGuideStrategy(Strategy):
     left_out = sum(not self._overlaps(r) for r in batch) if batch and self.overlap else 0
     if values is None:
       return StepEstimates(self.stats.accepted, share, left_out)
-    return StepEstimates({b: sum(v[b] for v in values) / len(values) for b in BLOCKS}, share, left_out)
+    return StepEstimates({b: sum(v[b] for v in values) / len(values) for b in BLOCK_SIZES}, share, left_out)
 
   def overlap_draft_share(self, batch) -> float | None:
     """The share of overlap rounds that pay a draft forward, from this step to the end of `batch`'s requests that
@@ -293,7 +292,7 @@ class RecGuideStrategy(Strategy):
     draft = max(cost(RoundKind.OVERLAP_DRAFT, blk, c) - fused, 0.0)
     round_ms = fused + draft * self._draft_forward_share(blk, c, estimates.draft_share)
     if estimates.rows_left_out:  # their LinearSS round, at its cheapest block
-      round_ms += cost(RoundKind.LINEAR, BLOCKS[0], estimates.rows_left_out)
+      round_ms += cost(RoundKind.LINEAR, BLOCK_SIZES[0], estimates.rows_left_out)
     return estimates.accepted[blk] / round_ms
 
   def regime(self, concurrency: int, batch=None, values=None) -> Regime:
@@ -429,7 +428,7 @@ class RecGuideStrategy(Strategy):
     tokens it may still emit (a longer block buys nothing past max_tokens)."""
     left = self._remaining(req)
     if self.tables is None:
-      return self.stats.accepted if left >= BLOCKS[-1] else {b: min(v, left) for b, v in self.stats.accepted.items()}
+      return self.stats.accepted if left >= BLOCK_SIZES[-1] else {b: min(v, left) for b, v in self.stats.accepted.items()}
     values = self._model_values(req, left)
     if not self.calibrate:
       return values
@@ -440,7 +439,7 @@ class RecGuideStrategy(Strategy):
     hist = self.state(req).history
     model = self.tables.value_model
     s, z = (signals.signal_s(hist, model.window), signals.stratum(hist)) if hist else (None, None)
-    return model.values(s, z) if left >= BLOCKS[-1] else model.values_capped(s, z, left)
+    return model.values(s, z) if left >= BLOCK_SIZES[-1] else model.values_capped(s, z, left)
 
   def _adaptive_block(self, req, concurrency: int, costs: dict[int, float] | None = None) -> int:
     """The per-request rule. `costs`: the LinearSS round cost per B at this concurrency when the caller has them
@@ -456,8 +455,8 @@ class RecGuideStrategy(Strategy):
     values = self._values(req)
     if costs is None:
       costs = self._linear_costs(c)
-    scores = {b: values[b] / costs[b] for b in BLOCKS}
-    return max(BLOCKS, key=lambda b: (scores[b], -b))
+    scores = {b: values[b] / costs[b] for b in BLOCK_SIZES}
+    return max(BLOCK_SIZES, key=lambda b: (scores[b], -b))
 
   def plan_step(self, reqs, concurrency: int, values=None) -> tuple[str, list[int]]:
     """The plan for a step's adaptive requests, priced as a batch: (name, block per request, 1 for AR). `values`:
@@ -483,7 +482,7 @@ class RecGuideStrategy(Strategy):
     best_name, best_blocks, best_rate = None, rule, -1.0
     if self.switch and not self.fixed_regime:  # AR is the switch's candidate (a pinned regime stays LinearSS)
       best_name, best_blocks, best_rate = Regime.AR.value, [1] * n, n / self._round_cost(RoundKind.AR, 1, n)
-    for name, blocks in [*((f"linear{b}", [b] * n) for b in BLOCKS), ("rule", rule)]:
+    for name, blocks in [*((f"linear{b}", [b] * n) for b in BLOCK_SIZES), ("rule", rule)]:
       cost = grouping.plan_cost(blocks, self.round_cost)
       rate = sum(v[b] for v, b in zip(values, blocks)) / cost
       if rate > best_rate * (1 + max(self.tie_margin, 1e-9)):
@@ -580,7 +579,7 @@ class RecGuideStrategy(Strategy):
         if len(state.history) > HISTORY:
           del state.history[0]
       return
-    if self.calibrate and self.tables is not None and block_size in BLOCKS:
+    if self.calibrate and self.tables is not None and block_size in BLOCK_SIZES:
       # what the value model predicted for this round (the history before it) against what it returned
       predicted = self._model_values(req, self._remaining(req))[block_size]  # observe runs before emission
       self.value_calibration.observe(block_size, predicted, accepted)
@@ -590,11 +589,8 @@ class RecGuideStrategy(Strategy):
     state.history.append(signals.make_record(result.entropy[row], accepted, block_size, eos=eos, head_cap=cap))
     if len(state.history) > HISTORY:
       del state.history[0]
-    if block_size in BLOCKS:  # an overlap round's too: it verifies a block of its B as LinearSS does
+    if block_size in BLOCK_SIZES:  # an overlap round's too: it verifies a block of its B as LinearSS does
       self.stats.observe_verified(block_size, accepted)
 
   def observe_overlap(self, req, hit: bool) -> None:
     self.stats.observe_overlap(hit)
-
-
-RecGuidePolicy = RecGuideStrategy  # earlier name (deprecated alias)

@@ -9,13 +9,12 @@ import json
 
 import numpy as np
 
-from recguide_jax.config import BLOCK_SIZES
+from recguide_jax.model.config import BLOCK_SIZES
 from recguide_jax.decoding.rounds import draft_verify
 from recguide_jax.decoding.strategy import Group, Round, RoundContext, RoundKind, RoundPlan, StepView, Strategy
-from recguide_jax.orchestrator import signals
-from recguide_jax.requests import Forward
+from recguide_jax.recguide import signals
+from recguide_jax.engine.requests import Forward
 
-BLOCKS = BLOCK_SIZES  # earlier name
 EXPLORE = {None: {16: 1.0}, 8: {8: 0.55, 16: 0.35, 32: 0.10}, 16: {8: 0.25, 16: 0.50, 32: 0.25},
            32: {8: 0.10, 16: 0.35, 32: 0.55}}
 
@@ -60,7 +59,7 @@ class ShadowTraceStrategy(Strategy):
     self.round = ShadowRound(self)
 
   def block_sizes(self):
-    return BLOCKS
+    return BLOCK_SIZES
 
   def step_kinds(self):
     return ("prefill", "draft", "verify")
@@ -91,4 +90,3 @@ class ShadowTraceStrategy(Strategy):
         f.write(json.dumps(row) + "\n")
 
 
-ShadowTracePolicy = ShadowTraceStrategy  # earlier name

@@ -14,7 +14,7 @@ CPU backend does), so the variants that write the cache are compiled at two cach
 charged to every page of the plan.
 
 The planning itself is a pure function of shapes and stated sizes, so a plan for an 8B model on an H200 can be
-computed (and tested) without one: `python -m recguide_jax.memory_report --presets nld-8b --devices h200` (the
+computed (and tested) without one: `python -m recguide_jax.cache.memory_report --presets nld-8b --devices h200` (the
 probe then runs on this machine's CPU; see `memory_report.offline_plans` for how its figures are read). The server
 plans before it loads anything and refuses a plan that does not fit, naming the numbers and the flag to change.
 
@@ -87,8 +87,8 @@ def weights_bytes(cfg, dtype: str, tp: int = 1) -> int:
 
 @functools.lru_cache(maxsize=None)
 def _sharded_param_elements(cfg, tp: int) -> int:
-  from recguide_jax import sharding
-  from recguide_jax.checkpoint import param_shapes
+  from recguide_jax.parallel import sharding
+  from recguide_jax.model.checkpoint import param_shapes
   try:
     run_cfg = sharding.mesh_config(cfg, tp)
   except sharding.MeshError as e:
@@ -139,10 +139,10 @@ def _abstract_runner(cfg, dtype: str, runner_config, attention: str, mesh=None) 
   import jax.numpy as jnp
   from flax import nnx
 
-  from recguide_jax import attention_dispatch
-  from recguide_jax import sharding
-  from recguide_jax.model import NLDModel, abstract_model
-  from recguide_jax.runner import Runner
+  from recguide_jax.attention import dispatch as attention_dispatch
+  from recguide_jax.parallel import sharding
+  from recguide_jax.model.nld import NLDModel, abstract_model
+  from recguide_jax.runtime.runner import Runner
   dt = jnp.dtype(dtype)
   if mesh is not None:
     model = abstract_model(cfg, mesh, dtype=dt, attention_impl=attention)
@@ -365,7 +365,8 @@ def plan_for_device(cfg, *, dtype: str, runner_config, kinds: Sequence[str], blo
   import jax
   tp, group = 1, None
   if mesh is not None:
-    from recguide_jax import data_parallel, sharding
+    from recguide_jax.parallel import data_parallel
+    from recguide_jax.parallel import sharding
     group = data_parallel.first_group(data_parallel.resolve_mesh(mesh))
     tp = sharding.mesh_size(group, sharding.TP)
     device = device or group.devices.flat[0]
@@ -387,10 +388,3 @@ def plan_for_device(cfg, *, dtype: str, runner_config, kinds: Sequence[str], blo
   plan()  # refuses at once (before the probe's compiles) what cannot fit even without activations
   return plan(activation=measure_activation(cfg, dtype, runner_config, kinds, block_sizes, attention=attention,
                                             mesh=group if tp > 1 else None))
-
-
-
-
-if __name__ == "__main__":  # the reports' CLI, kept under its old name: `python -m recguide_jax.memory_plan ...`
-  import runpy
-  runpy.run_module("recguide_jax.memory_report", run_name="__main__", alter_sys=True)

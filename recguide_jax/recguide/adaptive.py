@@ -3,7 +3,7 @@ rho_C * T_C(B) and the frozen per-load tables fitted for a checkpoint and shippe
 rho_C is searched offline by `rho_search.py`).
 
 Tables JSON `recguide_tables.json`, schema "recguide-tables/1" (written by launch/fit_tables.py, read by
-`load_tables`; files of the earlier name `recguide_policy.json` and schema "recguide-policy/1" load the same):
+`load_tables`):
 
   {
     "schema": "recguide-tables/1",
@@ -37,13 +37,11 @@ import types
 from typing import Any, Mapping, Sequence
 
 
-from recguide_jax.orchestrator import value_model as vm
-from recguide_jax.orchestrator.overlap import MAX_SLOTS, PLANNERS
+from recguide_jax.recguide import value_model as vm
+from recguide_jax.recguide.overlap import MAX_SLOTS, PLANNERS
 
 SCHEMA = "recguide-tables/1"
-LEGACY_SCHEMAS = ("recguide-policy/1",)  # read, never written (the same content under its earlier name)
 TABLES_FILENAME = "recguide_tables.json"  # where a checkpoint directory ships its fitted tables
-LEGACY_FILENAMES = ("recguide_policy.json",)  # earlier checkpoints ship the same file under this name
 # NLD's official fixed recipe = the "Fixed Block" baseline, used for a request's first round (no history yet)
 COLD_START = types.MappingProxyType({1: 32, 2: 32, 4: 32, 8: 16, 16: 16, 32: 16, 64: 8, 128: 8})
 LINSPACE_POINTS = 33
@@ -247,7 +245,7 @@ class RecGuideTables:
   def from_json(cls, raw: Any, where: str = "tables") -> "RecGuideTables":
     if not isinstance(raw, Mapping):
       raise TablesError(f"{where}: the tables must be a JSON object")
-    if raw.get("schema") != SCHEMA and raw.get("schema") not in LEGACY_SCHEMAS:
+    if raw.get("schema") != SCHEMA:
       raise TablesError(f"{where}: field 'schema' must be {SCHEMA!r}, got {raw.get('schema')!r}")
     for key in ("levels", "value_model", "profile"):
       if key not in raw:
@@ -301,12 +299,9 @@ class RecGuideTables:
 
 
 def tables_path(checkpoint_dir: str | os.PathLike) -> pathlib.Path | None:
-  """The tables file a checkpoint directory ships (`recguide_tables.json`, else its earlier name), or None."""
-  for name in (TABLES_FILENAME, *LEGACY_FILENAMES):
-    path = pathlib.Path(checkpoint_dir) / name
-    if path.is_file():
-      return path
-  return None
+  """The tables file a checkpoint directory ships (`recguide_tables.json`), or None."""
+  path = pathlib.Path(checkpoint_dir) / TABLES_FILENAME
+  return path if path.is_file() else None
 
 
 def load_tables(path: str | os.PathLike) -> RecGuideTables:
@@ -322,10 +317,3 @@ def load_tables(path: str | os.PathLike) -> RecGuideTables:
     raise TablesError(f"{path}: not valid JSON ({e})") from None
   return RecGuideTables.from_json(raw, str(path))
 
-
-# earlier names (the fitted tables were called a "policy"), kept so existing code keeps working
-AdaptivePolicyTables = RecGuideTables
-LevelPolicy = LevelTable
-PolicyError = TablesError
-POLICY_FILENAME = TABLES_FILENAME
-load_policy = load_tables

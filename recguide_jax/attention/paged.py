@@ -15,7 +15,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from recguide_jax.kv_cache import TRASH_PAGE, gather_prefix
+from recguide_jax.cache.kv_cache import TRASH_PAGE, gather_prefix
 
 NEG_INF = -1e30  # finite, as in attention.py: a fully masked chunk contributes exp(-1e30 - m) = 0, never NaN
 CHUNK_TOKENS = 256  # prefix tokens per iteration of the whole-chunk loop (rounded to whole pages)

@@ -29,8 +29,8 @@ from typing import Any, Iterable, Mapping, Sequence
 
 import numpy as np
 
-from recguide_jax.orchestrator.signals import STRATA
-from recguide_jax.orchestrator.value_model import TraceError
+from recguide_jax.recguide.signals import STRATA
+from recguide_jax.recguide.value_model import TraceError
 
 
 def validate_row(row: Any, where: str = "trace row") -> dict:

@@ -27,9 +27,9 @@ import jax
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 
-from recguide_jax import kv_cache
-from recguide_jax import live_attention
-from recguide_jax import sharding
+from recguide_jax.cache import kv_cache
+from recguide_jax.attention import paged as live_attention
+from recguide_jax.parallel import sharding
 
 IMPLS = ("auto", "reference", "pallas", "pallas_tpu", "pallas_gpu")
 

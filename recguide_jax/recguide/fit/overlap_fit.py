@@ -9,7 +9,7 @@ from typing import Sequence
 
 import numpy as np
 
-from recguide_jax.orchestrator.overlap import CORRECTION, plan_expected_hit
+from recguide_jax.recguide.overlap import CORRECTION, plan_expected_hit
 
 
 @dataclasses.dataclass(frozen=True)

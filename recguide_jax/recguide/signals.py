@@ -12,7 +12,7 @@ from typing import Mapping, Sequence
 
 import numpy as np
 
-from recguide_jax.config import BLOCK_SIZES
+from recguide_jax.model.config import BLOCK_SIZES
 
 STRATA = tuple(f"b{b}_{'full' if full else 'partial'}" for b in BLOCK_SIZES for full in (False, True))
 

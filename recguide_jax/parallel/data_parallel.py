@@ -24,18 +24,18 @@ import itertools
 import types
 from typing import Callable, Sequence
 
-from recguide_jax import sharding
-from recguide_jax.requests import QueueFull, Request, SamplingParams
+from recguide_jax.parallel import sharding
+from recguide_jax.engine.requests import QueueFull, Request, SamplingParams
 
 # RecGuide's fitted tables and profiles are read-only mappings (types.MappingProxyType), which `copy.deepcopy`
 # cannot copy by default; copied as mappings, each group's policy gets its own (equal) tables
 copyreg.pickle(types.MappingProxyType, lambda m: (types.MappingProxyType, (dict(m),)))
 
 
-def policy_copy(policy):
+def strategy_copy(strategy):
   """A group's own copy of a decoding policy (its per-load calibration and controller state must not be shared by
   groups stepping concurrently)."""
-  return copy.deepcopy(policy)
+  return copy.deepcopy(strategy)
 
 
 def resolve_mesh(mesh, devices=None):
@@ -51,8 +51,8 @@ def resolve_mesh(mesh, devices=None):
 def build_runners(model, runner_config, mesh) -> list:
   """One Runner per dp group of `mesh` (None: one runner on the model's device), each over the model's weights
   placed on its group's tp sub-mesh (a model already on a group's sub-mesh is used as it is)."""
-  from recguide_jax.model import shard_model
-  from recguide_jax.runtime import Runner
+  from recguide_jax.model.nld import shard_model
+  from recguide_jax.runtime.runner import Runner
   if mesh is None:
     return [Runner(model, runner_config)]
   runners = []
@@ -203,13 +203,13 @@ class DataParallelEngine:
     return sum(used), sum(usable)
 
   @property
-  def policy(self):
-    return self.engines[0].policy
+  def strategy(self):
+    return self.engines[0].strategy
 
-  @policy.setter
-  def policy(self, policy) -> None:
+  @strategy.setter
+  def strategy(self, strategy) -> None:
     for i, e in enumerate(self.engines):
-      e.policy = policy if i == 0 else policy_copy(policy)
+      e.strategy = strategy if i == 0 else strategy_copy(strategy)
 
   def close(self) -> None:
     self._pool.shutdown(wait=False)

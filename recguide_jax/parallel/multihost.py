@@ -71,7 +71,7 @@ def _flag(name):
 def mesh_shape_from_flags():
   """--mesh, or --dp/--tp, as a sharding.MeshShape; None when none is given (one device, no mesh). Contradicting
   flags are refused."""
-  from recguide_jax import sharding
+  from recguide_jax.parallel import sharding
   spec, tp, dp = _flag("mesh"), _flag("tensor_parallel_size"), _flag("data_parallel_size")
   if spec:
     shape = sharding.parse_mesh(spec)
@@ -89,7 +89,7 @@ def mesh_shape_from_flags():
 
 def mesh_from_flags():
   """The jax Mesh the flags ask for over every process's devices, or None (one device)."""
-  from recguide_jax import sharding
+  from recguide_jax.parallel import sharding
   shape = mesh_shape_from_flags()
   return None if shape is None else sharding.make_mesh(shape)
 

@@ -7,9 +7,9 @@ from typing import Mapping, Sequence
 
 import numpy as np
 
-from recguide_jax.orchestrator.signals import STRATA
-from recguide_jax.orchestrator.traces import nested_weights, validate_rows
-from recguide_jax.orchestrator.value_model import SurvivalTable, TraceError, ValueModel
+from recguide_jax.recguide.signals import STRATA
+from recguide_jax.recguide.fit.traces import nested_weights, validate_rows
+from recguide_jax.recguide.value_model import SurvivalTable, TraceError, ValueModel
 
 
 def weighted_quantile_edges(s: np.ndarray, w: np.ndarray, bins: int) -> np.ndarray:

@@ -26,8 +26,8 @@ import numpy as np
 import orbax.checkpoint as ocp
 from flax import nnx
 
-from recguide_jax.config import NLDConfig
-from recguide_jax.model import KernelLayout, LayerLoop, NLDModel, with_kernel_layout, with_layer_loop
+from recguide_jax.model.config import NLDConfig
+from recguide_jax.model.nld import KernelLayout, LayerLoop, NLDModel, with_kernel_layout, with_layer_loop
 
 PARAMS_DIR = "params"
 CONFIG_FILE = "config.json"
@@ -222,8 +222,8 @@ def load_model(directory: str | os.PathLike, *, dtype: str | None = None,
   if mesh is not None:
     if sharding is not None:
       raise ValueError("load_model: pass `sharding` or `mesh`, not both")
-    from recguide_jax import sharding as sharding_lib
-    from recguide_jax.model import model_from_params
+    from recguide_jax.parallel import sharding as sharding_lib
+    from recguide_jax.model.nld import model_from_params
     directory = pathlib.Path(directory)
     if not (directory / CONFIG_FILE).exists():
       raise CheckpointError(f"{directory} has no {CONFIG_FILE}")

@@ -11,8 +11,9 @@ from typing import Mapping, Sequence
 
 import numpy as np
 
-from recguide_jax.orchestrator import traces, value_model as vm
-from recguide_jax.orchestrator.adaptive import LINSPACE_POINTS, TablesError
+from recguide_jax.recguide import value_model as vm
+from recguide_jax.recguide.fit import traces
+from recguide_jax.recguide.adaptive import LINSPACE_POINTS, TablesError
 
 
 

@@ -9,9 +9,9 @@ import jax
 import numpy as np
 
 from recguide_jax.decoding.strategy import Group, Round, RoundContext, RoundKind
-from recguide_jax.orchestrator import overlap as ov
-from recguide_jax.orchestrator.overlap_fit import OverlapTrace
-from recguide_jax.requests import Forward
+from recguide_jax.recguide import overlap as ov
+from recguide_jax.recguide.fit.overlap_fit import OverlapTrace
+from recguide_jax.engine.requests import Forward
 
 
 class OverlapRound(Round):
@@ -68,7 +68,7 @@ class OverlapRound(Round):
       tokens[i], positions[i], mask[i], lora[i], write[i] = t[:qn], pos[:qn], m[:qn, :qn], lo[:qn], w[:qn]
     res, br_tok, br_sig = ctx.runner.fused(tokens, positions, mask, lora, write, prefix_len, page_table, samp, blk)
     res.draft_tokens, res.draft_signals = drafts, signals
-    from recguide_jax.runner import fused_kind
+    from recguide_jax.runtime.runner import fused_kind
     ctx.count_forward(fused_kind(slots) if any_branch else Forward.VERIFY, blk, len(reqs))
     for i, r in enumerate(reqs):
       r.stats.forwards[Forward.VERIFY] += 1
