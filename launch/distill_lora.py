@@ -103,12 +103,12 @@ def main(argv):
     sys.exit("error: --lora_rank and --lora_alpha must be positive")
   if FLAGS.warmup_steps >= FLAGS.total_steps:
     sys.exit("error: need --warmup_steps < --total_steps")
-  from recguide_jax.config import LORA_TARGET_MODULES
+  from recguide_jax.model.config import LORA_TARGET_MODULES
   bad = [m for m in FLAGS.lora_target_modules if m not in LORA_TARGET_MODULES]
   if bad or not FLAGS.lora_target_modules:
     sys.exit(f"error: --lora_target_modules: {bad or 'none'} (choose from {','.join(LORA_TARGET_MODULES)})")
   from recguide_jax import llm as llm_lib
-  from recguide_jax.tokenizer import Tokenizer
+  from recguide_jax.text.tokenizer import Tokenizer
   from recguide_jax.train import distill
   base = FLAGS.model or str(llm_lib.default_checkpoint())
   state_dir = os.path.join(FLAGS.output_dir, "train_state")

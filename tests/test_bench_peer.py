@@ -99,7 +99,7 @@ def test_export_rejects_unknown_and_misstacked_names():
     bench_peer.export_state_dict({"layers.mlp.up_proj.kernel": np.zeros((3, 4, 5))}, num_layers=2)
   # stacked and per-layer layouts give the same transformers tensors; the draft LoRA is not part of the AR model
   w = np.arange(24, dtype=np.float32).reshape(2, 3, 4)
-  stacked = bench_peer.export_state_dict({"layers.mlp.up_proj.kernel": w, "layers.self_attn.lora_a": w}, 2)
+  stacked = bench_peer.export_state_dict({"layers.mlp.up_proj.kernel": w, "layers.self_attn.o_proj.lora_a": w}, 2)
   per_layer = bench_peer.export_state_dict({f"layers.{i}.mlp.up_proj.kernel": w[i] for i in range(2)}, 2)
   assert set(stacked) == set(per_layer) == {"model.layers.0.mlp.up_proj.weight", "model.layers.1.mlp.up_proj.weight"}
   for k in stacked:

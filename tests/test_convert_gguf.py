@@ -22,11 +22,16 @@ import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from recguide_jax import LLM, SamplingParams, checkpoint
-from recguide_jax.attention import causal_mask
-from recguide_jax.convert import ConversionError, convert_gguf_checkpoint
-from recguide_jax.model import ForwardInputs
-from recguide_jax.tokenizer import Tokenizer as OurTokenizer
+from recguide_jax import LLM
+
+from recguide_jax import SamplingParams
+
+from recguide_jax.model import checkpoint
+from recguide_jax.attention.reference import causal_mask
+from recguide_jax.convert.hf import ConversionError
+from recguide_jax.convert.gguf import convert_gguf_checkpoint
+from recguide_jax.model.nld import ForwardInputs
+from recguide_jax.text.tokenizer import Tokenizer as OurTokenizer
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 ATOL = 1e-4
@@ -269,8 +274,8 @@ def test_cli_names_the_flag():
 def test_draft_adapter_attaches_at_conversion_and_keeps_the_verifier(small_tensors, tmp_path):
   """--lora_dir with --gguf: the PEFT draft adapter (LoRA on every projection + the mask token's embedding row)
   lands in the checkpoint, the verifier is the GGUF's model, and greedy LinearSS equals greedy AR."""
-  from recguide_jax import policies
-  from recguide_jax.config import LORA_TARGET_MODULES
+  from recguide_jax.decoding.builtin import ARStrategy
+  from recguide_jax.model.config import LORA_TARGET_MODULES
   from recguide_jax.convert import peft
   path = write_gguf(tmp_path / "model.gguf", *small_tensors)
   base_cfg = convert_gguf_checkpoint(path, tmp_path / "base", progress=False)
@@ -302,7 +307,7 @@ def test_draft_adapter_attaches_at_conversion_and_keeps_the_verifier(small_tenso
   prompts = [[5, 9, 17, 33, 40, 41], [60, 61, 62, 7]]
   params = SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True)
   spec = [o.token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
-  llm.set_policy(policies.ARPolicy())
+  llm.set_policy(ARStrategy())
   assert [o.token_ids for o in llm.generate(prompts, params, use_tqdm=False)] == spec
 
   # only the mask token's row may be replaced: any other would change the verifier

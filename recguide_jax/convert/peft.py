@@ -17,7 +17,7 @@ import pathlib
 import ml_dtypes
 import numpy as np
 
-from recguide_jax.config import NLDConfig
+from recguide_jax.model.config import NLDConfig
 from recguide_jax.convert import hf
 from recguide_jax.convert.hf import ConversionError
 
@@ -79,7 +79,7 @@ def read_adapter(directory: str | pathlib.Path, cfg: NLDConfig) -> tuple[NLDConf
   directory = pathlib.Path(directory)
   if not directory.is_dir():
     raise ConversionError(f"LoRA directory {directory} does not exist")
-  from recguide_jax.config import LORA_TARGET_MODULES
+  from recguide_jax.model.config import LORA_TARGET_MODULES
   r, alpha, targets, raw = hf.read_lora_config(directory, LORA_TARGET_MODULES)
   cfg = cfg.replace(lora_rank=r, lora_alpha=alpha, lora_target_modules=targets)
   weights = directory / hf.LORA_WEIGHTS_FILE
