@@ -63,32 +63,45 @@ flags.DEFINE_integer("steps", None, "Stop after this many more steps (for runnin
 
 def _target_sets(base: str, tokenizer, data: str) -> tuple[list[dict], dict[str, list[dict]]]:
   """(training rows, {held-out set name: rows}): each set's greedy targets, generated where missing (the engine
-  is built only then: its compile is most of a short run)."""
+  is built only then: its compile is most of a short run). The held-out sets come first, then the training sets
+  grow --concurrency prompts at a time in turn, each wave saved, so a run stopped at any point keeps a balanced
+  mix and the next one continues it."""
   from recguide_jax import benchmarks as bench
   from recguide_jax.benchmarks import chat
   from recguide_jax.train import distill
   out = FLAGS.output_dir
-  sets = [("targets.jsonl", bench.gsm8k_prompts(data, FLAGS.num_prompts or 1 << 30, tokenizer))]
-  if FLAGS.num_chat:
-    sets.append(("targets_chat.jsonl", chat.chat_prompts(tokenizer, "train", FLAGS.num_chat)))
+  evals = []
   if FLAGS.num_eval:  # held out: GSM8K test questions and the chat prompts of held-out topics
-    sets.append(("eval_gsm8k_test.jsonl", bench.gsm8k_prompts(cli.data_path("eval_data"), FLAGS.num_eval, tokenizer)))
-    sets.append(("eval_chat_heldout.jsonl", chat.chat_prompts(tokenizer, "heldout", FLAGS.num_eval)))
+    evals = [("eval_gsm8k_test.jsonl", bench.gsm8k_prompts(cli.data_path("eval_data"), FLAGS.num_eval, tokenizer)),
+             ("eval_chat_heldout.jsonl", chat.chat_prompts(tokenizer, "heldout", FLAGS.num_eval))]
+  train = [("targets.jsonl", bench.gsm8k_prompts(data, FLAGS.num_prompts or 1 << 30, tokenizer))]
+  if FLAGS.num_chat:
+    train.append(("targets_chat.jsonl", chat.chat_prompts(tokenizer, "train", FLAGS.num_chat)))
   llm, rows = None, {}
-  for name, prompts in sets:
+
+  def extend(name, prompts, upto):
+    nonlocal llm
     path = os.path.join(out, name)
     have = sum(1 for l in open(path) if l.strip()) if os.path.exists(path) else 0
+    prompts = prompts[:max(have, upto)]
     if have < len(prompts) and llm is None:
       from recguide_jax import LLM
       llm = LLM(base, policy="ar", max_num_seqs=FLAGS.concurrency, dtype=FLAGS.dtype,
                 max_model_len=FLAGS.max_model_len, warmup=False)
-    rows[name] = distill.generate_targets(llm, prompts, path, max_tokens=FLAGS.max_tokens,
+    rows[name] = distill.generate_targets(llm, prompts, path, max_tokens=FLAGS.max_tokens, chunk=FLAGS.concurrency,
                                           concurrency=FLAGS.concurrency)
-  train = rows["targets.jsonl"]
+
+  for name, prompts in evals:
+    extend(name, prompts, len(prompts))
+  wave = 0
+  while wave == 0 or any(len(rows[n]) < len(p) for n, p in train):
+    wave += 1
+    for name, prompts in train:
+      extend(name, prompts, wave * FLAGS.concurrency)
+  rows_train = rows["targets.jsonl"]
   if "targets_chat.jsonl" in rows:
-    train = distill.interleave(train, rows["targets_chat.jsonl"])
-  evals = {n[len("eval_"):-len(".jsonl")]: r for n, r in rows.items() if n.startswith("eval_")}
-  return train, evals
+    rows_train = distill.interleave(rows_train, rows["targets_chat.jsonl"])
+  return rows_train, {n[len("eval_"):-len(".jsonl")]: rows[n] for n, _ in evals}
 
 
 def main(argv):
