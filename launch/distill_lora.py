@@ -128,6 +128,9 @@ def main(argv):
   if os.path.isdir(state_dir) and os.listdir(state_dir) and not FLAGS.resume and not FLAGS.targets_only:
     sys.exit(f"error: {state_dir} holds a training run; pass --resume to continue it or pick another --output_dir")
   os.makedirs(FLAGS.output_dir, exist_ok=True)
+  from recguide_jax.llm import DEFAULT_COMPILE_CACHE
+  from recguide_jax.runtime.compilation import enable_compile_cache
+  enable_compile_cache(str(DEFAULT_COMPILE_CACHE))  # a resumed run reuses the train/eval step executables
   rows, evals = _target_sets(base, Tokenizer.from_dir(base), data)
   if FLAGS.targets_only:
     print(f"{len(rows)} training target rows, held out: {({k: len(v) for k, v in evals.items()})}")

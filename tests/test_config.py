@@ -130,6 +130,8 @@ def test_missing_rope_fields_are_named():
     ({"hidden_size": 0}, "hidden_size"),
     ({"rope_parameters": {**_ROPE_8B, "rope_type": "linear"}}, "rope_parameters.rope_type"),
     ({"draft_lora": {"r": 8, "lora_alpha": 0}}, "LoRA"),
+    ({"draft_lora": {"r": 8, "lora_alpha": 16, "target_modules": ["o_proj", "lm_head"]}}, "draft_lora.target_modules"),
+    ({"draft_lora": {"r": 8, "lora_alpha": 16, "target_modules": []}}, "draft_lora.target_modules"),
 ])
 def test_bad_values_are_named(change, field):
   with pytest.raises(ConfigError, match=f"{field}"):
@@ -148,3 +150,15 @@ def test_invalid_json_is_a_config_error(tmp_path):
   (tmp_path / "config.json").write_text("{not json")
   with pytest.raises(ConfigError, match="not valid JSON"):
     NLDConfig.from_json_file(tmp_path / "config.json")
+
+
+def test_draft_lora_target_modules_round_trip():
+  """NLD's adapter (o_proj, the default when unnamed) and a plain Llama's on every projection, in the model's order."""
+  assert NLDConfig.from_hf_dict({**HF_8B, "draft_lora": {"r": 8, "lora_alpha": 16}}).lora_target_modules == ("o_proj",)
+  cfg = NLDConfig.from_hf_dict({**HF_8B, "draft_lora": {"r": 8, "lora_alpha": 16,
+                                                         "target_modules": ["down_proj", "q_proj", "o_proj"]}})
+  assert cfg.lora_target_modules == ("q_proj", "o_proj", "down_proj")
+  assert NLDConfig.from_hf_dict(cfg.to_hf_dict()) == cfg
+  h, q, i = cfg.hidden_size, cfg.num_attention_heads * cfg.head_dim, cfg.intermediate_size
+  assert cfg.lora_num_params() == cfg.num_hidden_layers * 8 * ((h + q) + (q + h) + (i + h))
+

@@ -37,7 +37,9 @@ def test_param_count_is_the_models():
   from flax import nnx
 
   from recguide_jax.model.nld import NLDModel
-  for cfg in (MICRO, MICRO.replace(lora_rank=4, lora_alpha=8.0)):
+  every = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+  for cfg in (MICRO, MICRO.replace(lora_rank=4, lora_alpha=8.0),
+              MICRO.replace(lora_rank=4, lora_alpha=8.0, lora_target_modules=every)):
     abstract = nnx.eval_shape(lambda: NLDModel(cfg, rngs=nnx.Rngs(0)))
     assert mp.param_count(cfg) == sum(math.prod(x.shape) for x in jax.tree.leaves(nnx.state(abstract, nnx.Param)))
   assert mp.weights_bytes(MICRO, "bfloat16") == 2 * mp.param_count(MICRO)
