@@ -25,6 +25,8 @@ flags.DEFINE_integer("num_prompts", None, "Prompts from the start of --data (def
 flags.DEFINE_integer("num_chat", 0, "Train prompts of the shipped chat set (benchmarks/data/chat_prompts.jsonl) "
                      "added to the GSM8K ones (their targets go to targets_chat.jsonl).")
 flags.DEFINE_bool("targets_only", False, "Generate (or extend) the targets and stop.")
+flags.DEFINE_bool("generate", True, "Generate the missing targets first (--nogenerate: train on the ones there are, "
+                  "e.g. while another process extends them).")
 flags.DEFINE_integer("num_eval", 0, "Held-out prompts per set (GSM8K test from --eval_data, the chat set's held-out "
                      "topics) whose targets measure tau during training (0: the last --val_fraction of the rows).")
 cli.define_data_flag("test", name="eval_data", what="held-out tau")
@@ -83,7 +85,7 @@ def _target_sets(base: str, tokenizer, data: str) -> tuple[list[dict], dict[str,
     nonlocal llm
     path = os.path.join(out, name)
     have = sum(1 for l in open(path) if l.strip()) if os.path.exists(path) else 0
-    prompts = prompts[:max(have, upto)]
+    prompts = prompts[:max(have, upto) if FLAGS.generate else have]
     if have < len(prompts) and llm is None:
       from recguide_jax import LLM
       llm = LLM(base, policy="ar", max_num_seqs=FLAGS.concurrency, dtype=FLAGS.dtype,
@@ -94,14 +96,14 @@ def _target_sets(base: str, tokenizer, data: str) -> tuple[list[dict], dict[str,
   for name, prompts in evals:
     extend(name, prompts, len(prompts))
   wave = 0
-  while wave == 0 or any(len(rows[n]) < len(p) for n, p in train):
+  while wave == 0 or (FLAGS.generate and any(len(rows[n]) < len(p) for n, p in train)):
     wave += 1
     for name, prompts in train:
       extend(name, prompts, wave * FLAGS.concurrency)
   rows_train = rows["targets.jsonl"]
   if "targets_chat.jsonl" in rows:
     rows_train = distill.interleave(rows_train, rows["targets_chat.jsonl"])
-  return rows_train, {n[len("eval_"):-len(".jsonl")]: rows[n] for n, _ in evals}
+  return rows_train, {n[len("eval_"):-len(".jsonl")]: rows[n] for n, _ in evals if rows[n]}
 
 
 def main(argv):

@@ -242,10 +242,15 @@ class DraftLoraTrainer(Trainer):
     n_val = max(1, int(len(docs) * dc.val_fraction)) if dc.val_fraction > 0 and not eval_rows else 0
     split = len(docs) - n_val
     self.batches = data_lib.PackedBatches(docs[:split], dc.seq_len, dc.batch_size, dc.seed, weights=weights[:split])
+    if not self.batches.batches_per_epoch:
+      raise ValueError(f"{len(docs[:split])} training documents fill no batch of {dc.batch_size} x {dc.seq_len} "
+                       "tokens: generate more targets or lower --batch_size / --seq_len")
     self.val_sets = {}
     for name, r in (eval_rows or ({"val": rows[split:]} if n_val else {})).items():
       d, w = target_documents(r)
-      self.val_sets[name] = data_lib.PackedBatches(d, dc.seq_len, min(dc.batch_size, 4), 12345, weights=w)
+      val = data_lib.PackedBatches(d, dc.seq_len, min(dc.batch_size, 4), 12345, weights=w)
+      if val.batches_per_epoch:  # too few held-out tokens for one batch: not measured
+        self.val_sets[name] = val
     self.val_batches = next(iter(self.val_sets.values()), None)
     self._init_train_state()  # the adapter (self.params) is what trains
     self._proxy = {}
