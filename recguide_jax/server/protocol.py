@@ -19,16 +19,15 @@ import json
 
 from pydantic import BaseModel, ValidationError
 
-from recguide_jax import requests as _requests
-from recguide_jax.requests import RequestError, SamplingParams, seed_of_sample
+from recguide_jax.engine import requests as _requests
+from recguide_jax.engine.requests import RequestError, SamplingParams
 from recguide_jax.server import schema
 from recguide_jax.server.body import (DEFAULT_MAX_BODY_BYTES, MAX_JSON_DEPTH, MAX_NUMBER_CHARS,  # noqa: F401
                                       check_content_type, parse_json, sane_request_id)
 from recguide_jax.server.errors import APIError, _cap, encodable, error_body, error_type  # noqa: F401
 from recguide_jax.server.errors import bad_type as _bad_type, show as _show  # noqa: F401
-from recguide_jax.tokenizer import Tokenizer, TokenizerError
+from recguide_jax.text.tokenizer import Tokenizer, TokenizerError
 
-seed_of_choice = seed_of_sample  # choice i's seed
 # names a chat_template_kwargs entry may not override: the template's own inputs
 _TEMPLATE_RESERVED = frozenset({"messages", "add_generation_prompt", "bos_token", "eos_token"})
 COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
