@@ -495,3 +495,21 @@ def test_logprobs_up_to_20(server):
   assert_error(post(server, "/v1/completions", {"prompt": "hi", "logprobs": 21}), 400, "logprobs")
   assert_error(post(server, "/v1/chat/completions", {"messages": CHAT, "logprobs": True, "top_logprobs": 21}), 400,
                "top_logprobs")
+
+
+@pytest.mark.parametrize("body,param,words", [
+    ({"prompt": [5, True]}, "prompt", "prompt[1] must be an integer"),
+    ({"prompt": [[5], ["a"]]}, "prompt", "prompt[1][0] must be an integer"),
+    ({"prompt": {"a": 1}}, "prompt", "prompt must be a string, a list of strings, a list of token ids"),
+    ({"prompt": [5], "stop": [1]}, "stop", "stop[0] must be a string"),
+    ({"prompt": [5], "n": True}, "n", "n must be an integer, got true"),
+    ({"prompt": [5], "temperature": "hot"}, "temperature", "temperature must be a number"),
+    ({"prompt": [5], "logit_bias": {"x": 1}}, "logit_bias", "logit_bias keys must be token ids"),
+    ({"prompt": [5], "stream": True, "stream_options": {"nope": 1}}, "stream_options.nope", "unrecognized"),
+    ({"prompt": [[5]] * 1025}, "prompt", "at most 1024"),
+])
+def test_request_models_name_the_field(body, param, words):
+  """pydantic's errors become one OpenAI-shaped 400 naming the field and quoting the value (no model needed)."""
+  with pytest.raises(protocol.APIError) as e:
+    protocol.parse_completion(body, None, MODEL, 320)
+  assert e.value.status == 400 and e.value.param == param and words in e.value.message, e.value.message

@@ -9,11 +9,12 @@ ask. The body reaching these models already passed `body.parse_json` (size, dept
 
 from __future__ import annotations
 
+import json
 from typing import Any, Literal, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, ValidationError
 
-from recguide_jax.server.errors import APIError, show
+from recguide_jax.server.errors import APIError, _cap, show
 
 _STRICT = ConfigDict(strict=True, extra="allow")
 
@@ -105,10 +106,6 @@ class DetokenizeRequest(BaseModel):
   tokens: Optional[list[int]] = None
 
 
-def known_fields(model: type[BaseModel]) -> frozenset[str]:
-  return frozenset(model.model_fields)
-
-
 _FIELD_NAMES = frozenset().union(*(m.model_fields for m in (CompletionRequest, ChatCompletionRequest, Message,
                                                             TextPart, StreamOptions, TokenizeRequest,
                                                             DetokenizeRequest)))
@@ -168,10 +165,9 @@ def api_error(e: ValidationError, body: dict) -> APIError:
   if not errors:
     return APIError(400, "invalid request", None, "invalid_type")
   first = errors[0]
-  if first["type"] == "extra_forbidden":
-    path = _path(first["loc"])
-    return APIError(400, f"unrecognized request argument supplied: {path}", _param(first["loc"]),
-                    "unknown_parameter")
+  if first["type"] == "extra_forbidden":  # the client's key: escaped and capped
+    path = _path(first["loc"][:-1]) + "." + _cap(json.dumps(str(first["loc"][-1]))[1:-1])
+    return APIError(400, f"unrecognized request argument supplied: {path}", path, "unknown_parameter")
   base, _ = _kept(first["loc"])
   candidates = [(err, *_kept(err["loc"])) for err in errors]
   candidates = [c for c in candidates if c[1][:len(base)] == base]
