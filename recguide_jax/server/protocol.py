@@ -22,10 +22,10 @@ from pydantic import BaseModel, ValidationError
 from recguide_jax.engine import requests as _requests
 from recguide_jax.engine.requests import RequestError, SamplingParams
 from recguide_jax.server import schema
-from recguide_jax.server.body import (DEFAULT_MAX_BODY_BYTES, MAX_JSON_DEPTH, MAX_NUMBER_CHARS,  # noqa: F401
-                                      check_content_type, parse_json, sane_request_id)
-from recguide_jax.server.errors import APIError, _cap, encodable, error_body, error_type  # noqa: F401
-from recguide_jax.server.errors import bad_type as _bad_type, show as _show  # noqa: F401
+# the app reads the body through this module
+from recguide_jax.server.body import (DEFAULT_MAX_BODY_BYTES, check_content_type, parse_json,  # noqa: F401
+                                      sane_request_id)
+from recguide_jax.server.errors import APIError, _cap, show as _show
 from recguide_jax.text.tokenizer import Tokenizer, TokenizerError
 
 # names a chat_template_kwargs entry may not override: the template's own inputs
