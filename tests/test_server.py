@@ -29,7 +29,7 @@ import server_fixtures as sf  # noqa: E402
 from recguide_jax import LLM
 
 from recguide_jax import SamplingParams  # noqa: E402
-from recguide_jax.server.streaming import TextDeltas, final_text, stop_position  # noqa: E402
+from recguide_jax.server.streaming import TextDeltas, stop_position  # noqa: E402
 from recguide_jax.text.tokenizer import Tokenizer  # noqa: E402
 
 MODEL = "nld-test"  # the checkpoint directory's name: the default served model name
@@ -170,7 +170,9 @@ def test_text_deltas_concatenate_to_final_text(tokenizer, data):
     out += deltas.update(emitted)  # the engine reports the tokens of the step that hit a stop string too
     if stop_position(tokenizer.decode(emitted), stops) is not None:
       break
-  final = final_text(tokenizer, emitted, stops)
+  text = tokenizer.decode(emitted)  # the engine's rule over the whole output: cut before the earliest stop string
+  pos = stop_position(text, stops)
+  final = text if pos is None else text[:pos]
   out += deltas.finish(final)
   assert out == final
 
@@ -324,7 +326,7 @@ COMPLETION_ERRORS = [
     ({"prompt": "hi", "top_p": 0}, 400, "top_p"),
     ({"prompt": "hi", "top_p": 1.5}, 400, "top_p"),
     ({"prompt": "hi", "top_k": -3}, 400, "top_k"),
-    ({"prompt": "hi", "logprobs": 9}, 400, "logprobs"),
+    ({"prompt": "hi", "logprobs": 21}, 400, "logprobs"),
     ({"prompt": "hi", "seed": 1.5}, 400, "seed"),
     ({"prompt": "hi", "stop": [""]}, 400, "stop"),
     ({"prompt": "hi", "stop": 5}, 400, "stop"),
@@ -341,7 +343,7 @@ COMPLETION_ERRORS = [
     ({"prompt": 123}, 400, "prompt"),
     ({"prompt": ""}, 400, "prompt"),
     ({"prompt": []}, 400, "prompt"),
-    ({"prompt": ["a", "b"]}, 400, "prompt"),
+    ({"prompt": ["a", ""]}, 400, "prompt"),
     ({"prompt": [5, 10**6]}, 400, "prompt"),
     ({"prompt": [5, True]}, 400, "prompt"),
     ({"prompt": [5] * (MAX_MODEL_LEN + 10)}, 413, "prompt"),
@@ -350,9 +352,10 @@ CHAT_ERRORS = [
     ({}, 400, "messages"),
     ({"messages": []}, 400, "messages"),
     ({"messages": "hi"}, 400, "messages"),
-    ({"messages": [{"role": "user"}]}, 400, "messages"),
-    ({"messages": [{"content": "hi"}]}, 400, "messages"),
-    ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]}, 400, "messages"),
+    ({"messages": [{"role": "user"}]}, 400, "messages[0].content"),
+    ({"messages": [{"content": "hi"}]}, 400, "messages[0].role"),
+    ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]}, 400,
+     "messages[0].content[0].type"),
     ({"messages": CHATS[0], "max_completion_tokens": 0}, 400, "max_completion_tokens"),
     ({"messages": CHATS[0], "top_logprobs": 2}, 400, "top_logprobs"),
     ({"messages": CHATS[0], "logprobs": True, "top_logprobs": 50}, 400, "top_logprobs"),
