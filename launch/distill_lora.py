@@ -1,12 +1,15 @@
-"""Trains NLD's draft LoRA (o_proj, all layers) by self-distillation: the frozen base model's greedy AR continuations
-of GSM8K train prompts are the targets of its own one-shot block drafts (LoRA on for draft tokens only). The
-verifier is unchanged, so greedy outputs stay identical and speculation stays lossless; only tau moves.
+"""Trains a draft adapter by self-distillation: the frozen base model's greedy AR continuations of training prompts
+are the targets of its own one-shot block drafts (adapter on for draft tokens only). The verifier is unchanged, so
+greedy outputs stay identical and speculation stays lossless; only tau moves. NLD's adapter is a LoRA on o_proj
+(the default); a plain Llama converted from a GGUF (SmolLM2) takes one on every projection plus its mask token's
+embedding row (--lora_target_modules, --train_mask_embedding; see docs/smollm2_draft.md).
 
   python launch/distill_lora.py --output_dir runs/distill --export_dir checkpoints/nld-tiny-gsm8k
 
-Phase 1 writes <output_dir>/targets.jsonl (resumable, chunk by chunk); phase 2 trains the adapter (orbax checkpoints in
-<output_dir>/train_state, resumable); the export writes the base weights + adapter and `draft_lora` in config.json.
-Re-running the same command resumes.
+Phase 1 writes the targets (<output_dir>/targets.jsonl from GSM8K train, targets_chat.jsonl from the shipped chat
+set's train split, eval_*.jsonl from held-out prompts; resumable wave by wave); phase 2 trains the adapter (orbax
+checkpoints in <output_dir>/train_state; --resume continues a run); --export_dir writes the base weights + adapter,
+--adapter_dir the adapter alone as a PEFT directory (for `convert_checkpoint.py --gguf ... --lora_dir`).
 """
 
 import os
