@@ -6,12 +6,17 @@ budget; the weights and the measured activation peak come off it first and the r
     KV bytes = device memory * fraction - weights - activation peak
     pages    = KV bytes / (2 * layers * page_size * kv_heads * head_dim * dtype bytes)
 
-The activation peak is measured, not guessed: the largest step variant of every kind the policy runs is compiled
-from abstract shapes (`jax.ShapeDtypeStruct`: no weight and no KV page is allocated), and XLA's memory analysis
-of each executable gives its temporaries plus the non-persistent inputs and outputs that live across it (a draft's
-`[b, B, V]` distributions, which the next verify reads). A backend may copy the cache in a donated update (XLA's
-CPU backend does), so the variants that write the cache are compiled at two cache sizes and the growth per page is
-charged to every page of the plan.
+The activation peak is measured, not guessed: step variants are compiled from abstract shapes
+(`jax.ShapeDtypeStruct`: no weight and no KV page is allocated), and XLA's memory analysis of each executable gives
+its temporaries plus the non-persistent inputs and outputs that live across it (a draft's `[b, B, V]`
+distributions, which the next verify reads).
+- On an accelerator (`fit_activation`; also `launch/aot_compile.py` for a chip this host does not have) every
+  variant the server compiles, every batch bucket, is compiled at the plan's own cache size, and the plan is made
+  again while one needs more than the reserve (the largest batch is not always the peak: NLD-8B's batch-1 decode on
+  XLA:GPU needs more than its batch-32 one).
+- On a CPU with a stated --device_memory_gb (`measure_activation`), the largest variant of each kind at two small
+  cache sizes: XLA's CPU backend copies the cache in a donated update, so the growth per page is charged to every
+  page of the plan.
 
 The planning itself is a pure function of shapes and stated sizes, so a plan for an 8B model on an H200 can be
 computed (and tested) without one: `python -m recguide_jax.memory_report --presets nld-8b --devices h200` (the
@@ -211,6 +216,76 @@ def measure_activation(cfg, dtype: str, runner_config, kinds: Sequence[str], blo
                            compile_seconds=time.perf_counter() - t0, backend=jax.default_backend())
 
 
+# ---- the activation reserve from the compiled programs at the planned size (accelerators) --------------------------
+
+RESERVE_HEADROOM = 1.02  # on the largest transient measured: buffer assignment may differ a little between cache sizes
+MAX_PLAN_ROUNDS = 3
+
+
+def reserve_bytes(peak: int) -> int:
+  """The activation reserve for a measured transient peak: RESERVE_HEADROOM over it, in whole MiB."""
+  mib = 2 ** 20
+  return -(-int(peak * RESERVE_HEADROOM) // mib) * mib
+
+
+@dataclasses.dataclass
+class FittedPlan:
+  """A plan whose activation reserve covers every variant as compiled at the plan's own cache size."""
+  plan: "MemoryPlan"
+  runner: Any  # the abstract runner at plan.num_pages, every variant compiled (`runner.compiled(v)` is cached)
+  transients: dict  # StepKey -> transient bytes at plan.num_pages
+  seconds: dict  # StepKey -> compile seconds (the last round's)
+  probe: ActivationProfile  # the first reserve: the largest variant of each kind at the pages the weights leave
+  rounds: list  # per re-plan: (reserve it had, the variant over it, that variant's transient)
+
+
+def fit_activation(plan, runner_at, variants_of, progress=None, backend: str = "") -> FittedPlan:
+  """The memory plan of an accelerator from its own compiler, measured where the cache will be.
+
+  `plan(activation=None)` -> MemoryPlan; `runner_at(num_pages)` -> an abstract Runner; `variants_of(runner)` -> the
+  StepKeys the server compiles (every batch bucket). First the reserve is the transient peak of the largest variant
+  of each kind (`probe_variants`) compiled at the pages the weights alone leave; then every variant is compiled at
+  the plan's pages, and when one needs more than the reserve (NLD-8B on two H100s: linear's batch-1 decode, 1.02 GB
+  over the 0.89 GB of its batch-32 variants) the plan is made again with that peak, its variants recompiled at the
+  new size, until every variant fits (MemoryPlanError after MAX_PLAN_ROUNDS, or when the cache no longer fits)."""
+  say = progress or (lambda line: None)
+  most = plan()
+  t0 = time.perf_counter()
+  probe_runner = runner_at(most.num_pages)
+  held = _nbytes(probe_runner.state) + _nbytes(probe_runner.cache)
+  todo = probe_variants(variants_of(probe_runner))
+  say(f"memory plan: the largest variant of each kind ({len(todo)}) at {most.num_pages} KV pages")
+  peaks = {v.name: _transient_bytes(probe_runner.compiled(v), held) for v in todo}
+  probe = ActivationProfile(base_bytes=reserve_bytes(max(peaks.values())), per_page_bytes=0.0, variants=peaks,
+                            probe_pages=most.num_pages, compile_seconds=time.perf_counter() - t0, backend=backend)
+  del probe_runner
+  activation, rounds = probe, []
+  for _ in range(MAX_PLAN_ROUNDS):
+    fitted = plan(activation=activation)
+    runner = runner_at(fitted.num_pages)
+    held = _nbytes(runner.state) + _nbytes(runner.cache)
+    variants = variants_of(runner)
+    say(f"{fitted.summary()}\nmemory plan: compiling every variant ({len(variants)}) at {fitted.num_pages} KV pages")
+    transients, seconds = {}, {}
+    for v in variants:
+      t0 = time.perf_counter()
+      compiled = runner.compiled(v)
+      seconds[v] = time.perf_counter() - t0
+      transients[v] = _transient_bytes(compiled, held)
+      say(f"  {v.name:18s} {seconds[v]:6.1f} s  transient {transients[v] / GB:6.3f} GB")
+    worst = max(transients, key=transients.get)
+    if transients[worst] <= fitted.activation_bytes:
+      return FittedPlan(fitted, runner, transients, seconds, probe, rounds)
+    rounds.append((fitted.activation_bytes, worst.name, transients[worst]))
+    say(f"memory plan: {worst.name} needs {_gb(transients[worst])} at {fitted.num_pages} pages, more than the "
+        f"{_gb(fitted.activation_bytes)} reserved: planning again with it")
+    activation = dataclasses.replace(probe, base_bytes=reserve_bytes(transients[worst]),
+                                     variants={v.name: t for v, t in transients.items()},
+                                     probe_pages=fitted.num_pages)
+  raise MemoryPlanError(f"memory plan: the activation reserve did not settle in {MAX_PLAN_ROUNDS} rounds "
+                        f"({', '.join(f'{n} needs {_gb(t)} > {_gb(r)}' for r, n, t in rounds)})")
+
+
 # ---- the plan ------------------------------------------------------------------------------------------------------
 
 @dataclasses.dataclass(frozen=True)
@@ -385,8 +460,15 @@ def plan_for_device(cfg, *, dtype: str, runner_config, kinds: Sequence[str], blo
   if device_bytes is None or not measure:
     return plan()
   plan()  # refuses at once (before the probe's compiles) what cannot fit even without activations
-  return plan(activation=measure_activation(cfg, dtype, runner_config, kinds, block_sizes, attention=attention,
-                                            mesh=group if tp > 1 else None))
+  if device.platform == "cpu":  # a stated --device_memory_gb: XLA:CPU copies the cache in a donated update
+    return plan(activation=measure_activation(cfg, dtype, runner_config, kinds, block_sizes, attention=attention,
+                                              mesh=group if tp > 1 else None))
+  # an accelerator: every variant the server compiles, compiled at the plan's own cache size (`fit_activation`);
+  # the warm-up then compiles the same programs (from the compile cache when one is set)
+  runner_at = lambda n: _abstract_runner(cfg, dtype, dataclasses.replace(runner_config, num_pages=n), attention,
+                                         group if tp > 1 else None)
+  return fit_activation(plan, runner_at, lambda r: r.variants(tuple(kinds), tuple(block_sizes)),
+                        backend=device.platform).plan
 
 
 

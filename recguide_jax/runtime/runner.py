@@ -11,7 +11,8 @@ variants concurrently (XLA compiles outside the GIL), and with `background` it c
 bucket of each variant before returning (every batch fits it) and builds the smaller buckets on a background
 thread; `bucket_for` routes a batch to the smallest bucket that is ready, so no request waits on a compile.
 
-With a mesh, every variant is jitted with explicit shardings: the state's own, the cache's (`cache_sharding`), and
+With a mesh, every variant is jitted with explicit shardings: the state's own, the cache's (`cache_sharding`),
+the draft distributions [b, B, V] split over the vocabulary as the logits are (`sharding.step_io_sharding`), and
 replicated small host inputs and results.
 """
 
@@ -227,10 +228,11 @@ class Runner:
     placed = lambda spec: spec.sharding if isinstance(spec.sharding, NamedSharding) else replicated
     state_sh = jax.tree.map(placed, self._state_spec)
     cache_sh = jax.tree.map(placed, self._cache_spec)
-    in_sh = (state_sh, cache_sh) + tuple(replicated for _ in host_args)
+    io = lambda x: sharding.step_io_sharding(self.mesh, x.shape, self.cfg.vocab_size)
+    in_sh = (state_sh, cache_sh) + tuple(io(x) for x in host_args)
     with sharding.mesh_context(self.mesh):
       outs = jax.eval_shape(fn, self._state_spec, self._cache_spec, *host_args)
-    out_sh = jax.tree.map(lambda _: replicated, outs)
+    out_sh = jax.tree.map(io, outs)
     if key.kind.writes_cache:
       out_sh = (cache_sh,) + tuple(out_sh[1:])
     return jax.jit(fn, in_shardings=in_sh, out_shardings=out_sh, donate_argnums=donate)

@@ -17,7 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from recguide_jax import sampling
+from recguide_jax import sampling, sharding
 from recguide_jax.model import ForwardInputs, NLDModel
 from recguide_jax.runtime.step_key import StepKey, StepKind
 from recguide_jax.runtime.uncertainty import draft_signals, verifier_entropy
@@ -179,7 +179,14 @@ class StepFunctions:
       b = tokens.shape[0]
       inp = ForwardInputs(tokens=tokens, positions=positions, block_mask=mask, prefix_len=prefix_len,
                           page_table=page_table, kv_write=write, lora_mask=lora if cfg.lora_rank else None)
-      logits, cache = self._model(state)(inp, cache)
+      model = self._model(state)
+      h, cache = model.hidden(inp, cache)
+      vocab = vocab_shard_size(cfg.vocab_size)
+      # one head matmul over every position when its logits are small; else the verified block's here and the
+      # branches' in position slices below, so the step never holds [b, (1 + slots) B, V] float32 (issue 33: 1.9 GB
+      # per v5e chip for NLD-8B at tp=4, batch 32, B=32)
+      together = not branches or position_slices(b, tokens.shape[1], vocab) == 1
+      logits = model.logits(h if together else h[:, :blk])
       v_logits = logits[:, :blk]
       drafted = tokens[:, :blk]
       p = sampling.processed_probs(v_logits, temperature, top_k, top_p, cfg.mask_token_id)
@@ -191,14 +198,23 @@ class StepFunctions:
       ent = verifier_entropy(v_logits, cfg)
       if not branches:
         return cache, accepted, out, lp, top_lp, top_ids, ent
-      br_logits = logits[:, blk:].reshape(b * branches, blk, -1)
-      br_in = tokens[:, blk:].reshape(b * branches, blk)
-      br_tok = sampling.argmax(sampling.exclude_token(br_logits, cfg.mask_token_id))
-      # a correction block keeps its alt token in slot 0; the continuation's slot 0 is the guessed bonus
-      br_tok = br_tok.at[:, 0].set(jnp.where(br_in[:, 0] != cfg.mask_token_id, br_in[:, 0], br_tok[:, 0]))
-      sig = draft_signals(br_logits, br_tok, cfg)
-      return (cache, accepted, out, lp, top_lp, top_ids, ent, br_tok.reshape(b, branches, blk),
-              sig.reshape(b, branches, 3, blk))
+      br_in = tokens[:, blk:]  # [b, slots * B]
+      first = (jnp.arange(branches * blk) % blk == 0)[None, :]  # slot 0 of each branch block
+
+      def branch_drafts(br_logits, in_slice, first_slice):
+        br_tok = sampling.argmax(sampling.exclude_token(br_logits, cfg.mask_token_id))
+        # a correction block keeps its alt token in slot 0; the continuation's slot 0 is the guessed bonus
+        br_tok = jnp.where(first_slice & (in_slice != cfg.mask_token_id), in_slice, br_tok)
+        return br_tok, draft_signals(br_logits, br_tok, cfg).swapaxes(1, 2)  # [b, w], [b, w, 3]
+
+      first = jnp.broadcast_to(first, br_in.shape)
+      if together:
+        br_tok, sig = branch_drafts(logits[:, blk:], br_in, first)
+      else:
+        br_tok, sig = map_position_slices(lambda h_slice, *rest: branch_drafts(model.logits(h_slice), *rest),
+                                          (h[:, blk:], br_in, first), vocab)
+      sig = sig.reshape(b, branches, blk, 3).swapaxes(2, 3)
+      return (cache, accepted, out, lp, top_lp, top_ids, ent, br_tok.reshape(b, branches, blk), sig)
 
     return fn
 
@@ -254,6 +270,48 @@ class StepFunctions:
       return tokens, steps
 
     return fn
+
+
+# Position slices of a step's logits: a slice's [b, w, V / tp] float32 logits stay under LOGITS_SLICE_BYTES per
+# device while it has at least MIN_SLICE_ROWS rows (b * w), below which re-reading the head's weights once per slice
+# would cost a memory-bound step more than the memory saved
+LOGITS_SLICE_BYTES = 128 * 2 ** 20
+MIN_SLICE_ROWS = 256
+
+
+def vocab_shard_size(vocab: int) -> int:
+  """Vocabulary entries of the logits on one device: split over tp under a mesh (model.logits' constraint)."""
+  mesh = sharding.active_mesh()
+  tp = sharding.mesh_size(mesh, sharding.TP) if mesh is not None else 1
+  return vocab // tp if tp > 1 and vocab % tp == 0 else vocab
+
+
+def position_slices(rows: int, positions: int, vocab: int) -> int:
+  """How many equal slices the logits of `positions` positions of `rows` rows are built in (a divisor of
+  `positions`): the fewest whose float32 logits fit LOGITS_SLICE_BYTES, but none thinner than MIN_SLICE_ROWS rows."""
+  total, n = rows * positions * vocab * 4, 1
+  for d in range(2, positions + 1):
+    if total // n <= LOGITS_SLICE_BYTES:
+      break
+    if positions % d:
+      continue
+    if rows * (positions // d) < MIN_SLICE_ROWS:
+      break
+    n = d
+  return n
+
+
+def map_position_slices(fn: Callable, xs: tuple, vocab: int):
+  """`fn` over slices of the position axis (axis 1) of the arrays `xs` ([b, T, ...]), one slice at a time
+  (`lax.map` over `position_slices` of them); its results ([b, w, ...], positions on axis 1) joined back."""
+  b, t = xs[0].shape[:2]
+  n = position_slices(b, t, vocab)
+  if n == 1:
+    return fn(*xs)
+  w = t // n
+  split = lambda x: x.reshape((b, n, w) + x.shape[2:]).swapaxes(0, 1)  # [n, b, w, ...]
+  outs = jax.lax.map(lambda args: fn(*args), tuple(split(x) for x in xs))
+  return jax.tree.map(lambda y: y.swapaxes(0, 1).reshape((b, t) + y.shape[3:]), outs)
 
 
 SCORE_SLICE = 16  # positions whose [b, SCORE_SLICE, V] logits a SCORE step holds at once
