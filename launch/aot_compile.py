@@ -53,6 +53,8 @@ _TEMP_LIMIT = flags.DEFINE_float("temp_limit", 0.1, "Largest temporaries allowed
                                  "cache.")
 _SCOPE = flags.DEFINE_enum("scope", "all", ["startup", "all"], "startup: the largest batch bucket of every variant "
                            "(what serve.py compiles before it listens); all: every bucket.")
+_VARIANTS = flags.DEFINE_list("variants", [], "Only the variants whose kind/block/batch name matches one of these "
+                              "patterns (fused/32/*); the plan's reserve then covers these only. Default: all.")
 _OUTPUT_DIR = flags.DEFINE_string("output_dir", os.path.join(ROOT, "runs", "aot"), "Where the JSON and the "
                                   "markdown go (docs/aot for the shipped table).")
 
@@ -138,7 +140,7 @@ def main(argv):
   failed = False
   for policy in _POLICIES.value:
     run = {"preset": preset, "target": target.name, "chip": target.chip.description, "tp": tp, "policy": policy,
-           "scope": _SCOPE.value, "dtype": _DTYPE.value, "attention": _ATTENTION.value, "jax": jax.__version__,
+           "scope": _SCOPE.value if not _VARIANTS.value else f"{_SCOPE.value}, {','.join(_VARIANTS.value)}", "dtype": _DTYPE.value, "attention": _ATTENTION.value, "jax": jax.__version__,
            "max_num_seqs": _MAX_NUM_SEQS.value, "max_model_len": _MAX_MODEL_LEN.value, "page_size": _PAGE_SIZE.value,
            "time": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")}
     try:
@@ -147,6 +149,7 @@ def main(argv):
           max_num_seqs=_MAX_NUM_SEQS.value, max_model_len=_MAX_MODEL_LEN.value, page_size=_PAGE_SIZE.value,
           prefill_chunk=_PREFILL_CHUNK.value, num_pages=_NUM_PAGES.value or None, fraction=_UTILIZATION.value,
           attention=_ATTENTION.value, temp_limit=_TEMP_LIMIT.value, startup_only=_SCOPE.value == "startup",
+          only=tuple(_VARIANTS.value),
           progress=lambda line: print(line, flush=True))
       run.update(as_json(report))
     except MemoryPlanError as e:

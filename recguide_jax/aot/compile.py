@@ -12,6 +12,7 @@ then checked:
 from __future__ import annotations
 
 import dataclasses
+import fnmatch
 import functools
 from typing import Callable, Sequence
 
@@ -118,6 +119,7 @@ def plan_and_compile(cfg, target: Target, *, policy: str, tp: int, dtype: str = 
                      max_num_seqs: int = 32, max_model_len: int = 4096, page_size: int = 16, prefill_chunk: int = 64,
                      num_pages: int | None = None, fraction: float = memory_plan_lib.DEFAULT_FRACTION,
                      attention: str = "pallas", temp_limit: float = 0.1, startup_only: bool = False,
+                     only: Sequence[str] = (),
                      progress: Callable[[str], None] = print) -> TargetReport:
   """The memory plan of `target` for `policy`, then every variant compiled at its cache size and checked.
   Raises memory_plan.MemoryPlanError when the plan does not fit the chip."""
@@ -135,7 +137,13 @@ def plan_and_compile(cfg, target: Target, *, policy: str, tp: int, dtype: str = 
 
   def variants_of(runner):
     variants = runner.variants(kinds, blocks)
-    return [v for v in variants if v.batch == rc.max_batch] if startup_only else variants
+    if startup_only:
+      variants = [v for v in variants if v.batch == rc.max_batch]
+    if only:  # name patterns ("fused/32/*"): a partial plan, over these variants only
+      variants = [v for v in variants if any(fnmatch.fnmatchcase(v.name, p) for p in only)]
+      if not variants:
+        raise ValueError(f"--variants {','.join(only)} matches none of the policy's variants")
+    return variants
 
   with attention_dispatch.target_platform(target.platform.value):
     # the plan serve.py makes on the chip (memory_plan.fit_activation): its reserve from every variant compiled
