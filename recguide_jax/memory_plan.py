@@ -239,7 +239,8 @@ class FittedPlan:
   rounds: list  # per re-plan: (reserve it had, the variant over it, that variant's transient)
 
 
-def fit_activation(plan, runner_at, variants_of, progress=None, backend: str = "") -> FittedPlan:
+def fit_activation(plan, runner_at, variants_of, progress=None, backend: str = "",
+                   workers: int | None = None) -> FittedPlan:
   """The memory plan of an accelerator from its own compiler, measured where the cache will be.
 
   `plan(activation=None)` -> MemoryPlan; `runner_at(num_pages)` -> an abstract Runner; `variants_of(runner)` -> the
@@ -247,15 +248,23 @@ def fit_activation(plan, runner_at, variants_of, progress=None, backend: str = "
   of each kind (`probe_variants`) compiled at the pages the weights alone leave; then every variant is compiled at
   the plan's pages, and when one needs more than the reserve (NLD-8B on two H100s: linear's batch-1 decode, 1.02 GB
   over the 0.89 GB of its batch-32 variants) the plan is made again with that peak, its variants recompiled at the
-  new size, until every variant fits (MemoryPlanError after MAX_PLAN_ROUNDS, or when the cache no longer fits)."""
+  new size, until every variant fits (MemoryPlanError after MAX_PLAN_ROUNDS, or when the cache no longer fits).
+  `workers` variants compile at once (default: one per core, at most 8; XLA compiles outside the GIL)."""
   say = progress or (lambda line: None)
   most = plan()
+  workers = max(1, workers or min(os.cpu_count() or 1, 8))
+  with concurrent.futures.ThreadPoolExecutor(max_workers=workers) as pool:
+    return _fit(plan, runner_at, variants_of, say, backend, most, pool)
+
+
+def _fit(plan, runner_at, variants_of, say, backend, most, pool) -> FittedPlan:
   t0 = time.perf_counter()
   probe_runner = runner_at(most.num_pages)
   held = _nbytes(probe_runner.state) + _nbytes(probe_runner.cache)
   todo = probe_variants(variants_of(probe_runner))
   say(f"memory plan: the largest variant of each kind ({len(todo)}) at {most.num_pages} KV pages")
-  peaks = {v.name: _transient_bytes(probe_runner.compiled(v), held) for v in todo}
+  peaks = dict(zip([v.name for v in todo],
+                   pool.map(lambda v: _transient_bytes(probe_runner.compiled(v), held), todo)))
   probe = ActivationProfile(base_bytes=reserve_bytes(max(peaks.values())), per_page_bytes=0.0, variants=peaks,
                             probe_pages=most.num_pages, compile_seconds=time.perf_counter() - t0, backend=backend)
   del probe_runner
@@ -267,12 +276,16 @@ def fit_activation(plan, runner_at, variants_of, progress=None, backend: str = "
     variants = variants_of(runner)
     say(f"{fitted.summary()}\nmemory plan: compiling every variant ({len(variants)}) at {fitted.num_pages} KV pages")
     transients, seconds = {}, {}
-    for v in variants:
+
+    def measure(v, runner=runner, held=held):
       t0 = time.perf_counter()
       compiled = runner.compiled(v)
       seconds[v] = time.perf_counter() - t0
       transients[v] = _transient_bytes(compiled, held)
       say(f"  {v.name:18s} {seconds[v]:6.1f} s  transient {transients[v] / GB:6.3f} GB")
+
+    list(pool.map(measure, variants))
+    transients = {v: transients[v] for v in variants}  # in the runner's order
     worst = max(transients, key=transients.get)
     if transients[worst] <= fitted.activation_bytes:
       return FittedPlan(fitted, runner, transients, seconds, probe, rounds)

@@ -119,7 +119,7 @@ def plan_and_compile(cfg, target: Target, *, policy: str, tp: int, dtype: str = 
                      max_num_seqs: int = 32, max_model_len: int = 4096, page_size: int = 16, prefill_chunk: int = 64,
                      num_pages: int | None = None, fraction: float = memory_plan_lib.DEFAULT_FRACTION,
                      attention: str = "pallas", temp_limit: float = 0.1, startup_only: bool = False,
-                     only: Sequence[str] = (),
+                     only: Sequence[str] = (), workers: int = 1,
                      progress: Callable[[str], None] = print) -> TargetReport:
   """The memory plan of `target` for `policy`, then every variant compiled at its cache size and checked.
   Raises memory_plan.MemoryPlanError when the plan does not fit the chip."""
@@ -151,7 +151,7 @@ def plan_and_compile(cfg, target: Target, *, policy: str, tp: int, dtype: str = 
     progress(f"{target.name} tp={tp} {policy}:")
     fitted = memory_plan_lib.fit_activation(
         plan, lambda n: _abstract_runner(cfg, dtype, dataclasses.replace(rc, num_pages=n), attention, mesh),
-        variants_of, progress=progress, backend=target.platform.value)
+        variants_of, progress=progress, backend=target.platform.value, workers=workers)
     plan, runner = fitted.plan, fitted.runner
     cache_bytes = _nbytes(runner.cache)
     vocab = runner.cfg.vocab_size // tp  # a sort of any vocabulary shard is a sort of the vocabulary
