@@ -239,6 +239,19 @@ class FittedPlan:
   rounds: list  # per re-plan: (reserve it had, the variant over it, that variant's transient)
 
 
+def _compiled(runner, v, num_pages: int):
+  """`runner.compiled(v)`; a program the compiler cannot fit in the device's memory at all is a MemoryPlanError that
+  names the variant, any other failure says which variant it was."""
+  try:
+    return runner.compiled(v)
+  except Exception as e:
+    if "RESOURCE_EXHAUSTED" in str(e):
+      raise MemoryPlanError(f"memory plan: {v.name} at {num_pages} KV pages does not fit the device: "
+                            f"{str(e).splitlines()[0][:300]}") from None
+    e.add_note(f"compiling {v.name} at {num_pages} KV pages")
+    raise
+
+
 def fit_activation(plan, runner_at, variants_of, progress=None, backend: str = "",
                    workers: int | None = None) -> FittedPlan:
   """The memory plan of an accelerator from its own compiler, measured where the cache will be.
@@ -264,7 +277,7 @@ def _fit(plan, runner_at, variants_of, say, backend, most, pool) -> FittedPlan:
   todo = probe_variants(variants_of(probe_runner))
   say(f"memory plan: the largest variant of each kind ({len(todo)}) at {most.num_pages} KV pages")
   peaks = dict(zip([v.name for v in todo],
-                   pool.map(lambda v: _transient_bytes(probe_runner.compiled(v), held), todo)))
+                   pool.map(lambda v: _transient_bytes(_compiled(probe_runner, v, most.num_pages), held), todo)))
   probe = ActivationProfile(base_bytes=reserve_bytes(max(peaks.values())), per_page_bytes=0.0, variants=peaks,
                             probe_pages=most.num_pages, compile_seconds=time.perf_counter() - t0, backend=backend)
   del probe_runner
@@ -279,7 +292,7 @@ def _fit(plan, runner_at, variants_of, say, backend, most, pool) -> FittedPlan:
 
     def measure(v, runner=runner, held=held):
       t0 = time.perf_counter()
-      compiled = runner.compiled(v)
+      compiled = _compiled(runner, v, fitted.num_pages)
       seconds[v] = time.perf_counter() - t0
       transients[v] = _transient_bytes(compiled, held)
       say(f"  {v.name:18s} {seconds[v]:6.1f} s  transient {transients[v] / GB:6.3f} GB")
