@@ -90,8 +90,9 @@ def markdown(runs: list[dict]) -> str:
            "from abstract weights, at the KV cache the memory plan fits on the chip (`--gpu_memory_utilization` "
            "0.9 by default). Per device; GB = 1e9 bytes. Temp: XLA's temporaries; transient: temporaries plus the "
            "inputs and outputs that are neither weights nor cache; reserve: the plan's activation reserve, from every "
-           "variant compiled at the plan's cache size (first: the largest variant of each kind at the pages the "
-           "weights leave, where the plan starts; memory_plan.fit_activation). A run is OK "
+           "variant compiled at the plan's cache size (first: the largest variant of each kind, compiled at a cache "
+           "that leaves 10% of the budget to activations, where the plan starts; memory_plan.fit_activation). A run "
+           "is OK "
            "when every variant's temporaries are under the limit of the cache, its transient memory within the "
            "reserve, and no step sorts the vocabulary.", "",
            "| model | target | tp | policy | variants | weights GB | KV cache GB | reserve GB (first) | largest temp GB "

@@ -218,6 +218,10 @@ def measure_activation(cfg, dtype: str, runner_config, kinds: Sequence[str], blo
 
 # ---- the activation reserve from the compiled programs at the planned size (accelerators) --------------------------
 
+# where the first reserve is measured: the cache that leaves this share of the budget to the activations. A TPU
+# compiler fits a program's temporaries in what its arguments leave of HBM, scheduling for less memory when pressed
+# (or failing): at a cache that fills the whole budget the measured peaks come out low, or do not compile at all
+PROBE_RESERVE_SHARE = 0.1
 RESERVE_HEADROOM = 1.02  # on the largest transient measured: buffer assignment may differ a little between cache sizes
 MAX_PLAN_ROUNDS = 3
 
@@ -235,7 +239,7 @@ class FittedPlan:
   runner: Any  # the abstract runner at plan.num_pages, every variant compiled (`runner.compiled(v)` is cached)
   transients: dict  # StepKey -> transient bytes at plan.num_pages
   seconds: dict  # StepKey -> compile seconds (the last round's)
-  probe: ActivationProfile  # the first reserve: the largest variant of each kind at the pages the weights leave
+  probe: ActivationProfile  # the first reserve: the largest variant of each kind (see fit_activation)
   rounds: list  # per re-plan: (reserve it had, the variant over it, that variant's transient)
 
 
@@ -258,13 +262,17 @@ def fit_activation(plan, runner_at, variants_of, progress=None, backend: str = "
 
   `plan(activation=None)` -> MemoryPlan; `runner_at(num_pages)` -> an abstract Runner; `variants_of(runner)` -> the
   StepKeys the server compiles (every batch bucket). First the reserve is the transient peak of the largest variant
-  of each kind (`probe_variants`) compiled at the pages the weights alone leave; then every variant is compiled at
+  of each kind (`probe_variants`) compiled at the cache that leaves PROBE_RESERVE_SHARE of the budget to the
+  activations (less, and a TPU compiler squeezes or refuses the program); then every variant is compiled at
   the plan's pages, and when one needs more than the reserve (NLD-8B on two H100s: linear's batch-1 decode, 1.02 GB
   over the 0.89 GB of its batch-32 variants) the plan is made again with that peak, its variants recompiled at the
   new size, until every variant fits (MemoryPlanError after MAX_PLAN_ROUNDS, or when the cache no longer fits).
   `workers` variants compile at once (default: one per core, at most 8; XLA compiles outside the GIL)."""
   say = progress or (lambda line: None)
   most = plan()
+  if most.sized_by == "memory" and most.budget_bytes:
+    share = int(PROBE_RESERVE_SHARE * most.budget_bytes)
+    most = plan(activation=ActivationProfile(share, 0.0, {}, 0, 0.0, backend))
   workers = max(1, workers or min(os.cpu_count() or 1, 8))
   with concurrent.futures.ThreadPoolExecutor(max_workers=workers) as pool:
     return _fit(plan, runner_at, variants_of, say, backend, most, pool)
