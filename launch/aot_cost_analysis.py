@@ -31,9 +31,9 @@ _OUTPUT = flags.DEFINE_string("output", os.path.join(ROOT, "runs", "aot", "cost_
 
 def main(argv):
   del argv
-  from recguide_jax import attention_dispatch
+  from recguide_jax.attention import dispatch as attention_dispatch
   from recguide_jax.aot.compile import policy_runner_config, shapes_config, target_mesh
-  from recguide_jax.memory_plan import _abstract_runner
+  from recguide_jax.cache.memory_plan import _abstract_runner
   from recguide_jax.runtime.step_key import StepKey
   target = targets.parse_target(_TARGET.value)
   _, rc, _, _ = policy_runner_config("recguide", block_size=16, max_num_seqs=32, max_model_len=256, page_size=16,

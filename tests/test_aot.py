@@ -129,10 +129,10 @@ import dataclasses, json, sys
 sys.path.insert(0, {root!r})
 from recguide_jax.aot import targets
 targets.prepare_environment()
-from recguide_jax import attention_dispatch
+from recguide_jax.attention import dispatch as attention_dispatch
 from recguide_jax.aot import inspect as hlo
 from recguide_jax.aot.compile import policy_runner_config, shapes_config, target_mesh
-from recguide_jax.memory_plan import _abstract_runner
+from recguide_jax.cache.memory_plan import _abstract_runner
 from recguide_jax.runtime import steps
 from recguide_jax.runtime.step_key import StepKey, StepKind
 cfg = shapes_config({model!r}, 16)
