@@ -31,6 +31,7 @@ mesh=...)`, `launch/serve.py --mesh`; `docs/memory_plans_mesh.md` for 4x / 8x TP
 from __future__ import annotations
 
 import concurrent.futures
+import contextvars
 import dataclasses
 import functools
 import math
@@ -238,6 +239,13 @@ class FittedPlan:
   rounds: list  # per re-plan: (reserve it had, the variant over it, that variant's transient)
 
 
+def _map(pool, fn, items) -> list:
+  """`pool.map` with each task in a copy of the caller's context: the compiles trace under its context variables
+  (`attention.dispatch.target_platform`: without it a worker thread lowers a TPU step with the reference attention,
+  26 GB of temporaries for NLD-8B's draft/32/32 on a v5e)."""
+  return [f.result() for f in [pool.submit(contextvars.copy_context().run, fn, x) for x in items]]
+
+
 def _compiled(runner, v, num_pages: int):
   """`runner.compiled(v)`; a program the compiler cannot fit in the device's memory at all is a MemoryPlanError that
   names the variant, any other failure says which variant it was."""
@@ -280,7 +288,7 @@ def _fit(plan, runner_at, variants_of, say, backend, most, pool) -> FittedPlan:
   todo = probe_variants(variants_of(probe_runner))
   say(f"memory plan: the largest variant of each kind ({len(todo)}) at {most.num_pages} KV pages")
   peaks = dict(zip([v.name for v in todo],
-                   pool.map(lambda v: _transient_bytes(_compiled(probe_runner, v, most.num_pages), held), todo)))
+                   _map(pool, lambda v: _transient_bytes(_compiled(probe_runner, v, most.num_pages), held), todo)))
   probe = ActivationProfile(base_bytes=reserve_bytes(max(peaks.values())), per_page_bytes=0.0, variants=peaks,
                             probe_pages=most.num_pages, compile_seconds=time.perf_counter() - t0, backend=backend)
   del probe_runner
@@ -300,7 +308,7 @@ def _fit(plan, runner_at, variants_of, say, backend, most, pool) -> FittedPlan:
       transients[v] = _transient_bytes(compiled, held)
       say(f"  {v.name:18s} {seconds[v]:6.1f} s  transient {transients[v] / GB:6.3f} GB")
 
-    list(pool.map(measure, variants))
+    _map(pool, measure, variants)
     transients = {v: transients[v] for v in variants}  # in the runner's order
     worst = max(transients, key=transients.get)
     if transients[worst] <= fitted.activation_bytes:
