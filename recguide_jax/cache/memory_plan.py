@@ -214,9 +214,9 @@ def measure_activation(cfg, dtype: str, runner_config, kinds: Sequence[str], blo
 
 # ---- the activation reserve from the compiled programs at the planned size (accelerators) --------------------------
 
-# where the first reserve is measured: the cache that leaves this share of the budget to the activations. A TPU
-# compiler fits a program's temporaries in what its arguments leave of HBM, scheduling for less memory when pressed
-# (or failing): at a cache that fills the whole budget the measured peaks come out low, or do not compile at all
+# where the first reserve is measured: the cache that leaves this share of the budget to the activations. libtpu
+# refuses a program whose arguments and temporaries exceed HBM: at a cache that fills the whole budget a step needing
+# more than the rest (1.45 GB on a v5e) would not compile at all, though it fits the plan's smaller cache
 PROBE_RESERVE_SHARE = 0.1
 RESERVE_HEADROOM = 1.02  # on the largest transient measured: buffer assignment may differ a little between cache sizes
 MAX_PLAN_ROUNDS = 3
@@ -266,7 +266,7 @@ def fit_activation(plan, runner_at, variants_of, progress=None, backend: str = "
   `plan(activation=None)` -> MemoryPlan; `runner_at(num_pages)` -> an abstract Runner; `variants_of(runner)` -> the
   StepKeys the server compiles (every batch bucket). First the reserve is the transient peak of the largest variant
   of each kind (`probe_variants`) compiled at the cache that leaves PROBE_RESERVE_SHARE of the budget to the
-  activations (less, and a TPU compiler squeezes or refuses the program); then every variant is compiled at
+  activations (less, and libtpu may refuse a program that fits the final plan); then every variant is compiled at
   the plan's pages, and when one needs more than the reserve (NLD-8B on two H100s: linear's batch-1 decode, 1.02 GB
   over the 0.89 GB of its batch-32 variants) the plan is made again with that peak, its variants recompiled at the
   new size, until every variant fits (MemoryPlanError after MAX_PLAN_ROUNDS, or when the cache no longer fits).
