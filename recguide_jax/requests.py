@@ -380,6 +380,7 @@ class Request:
   # None once shared, or when there is none
   prefill_source: "Request | None" = dataclasses.field(default=None, repr=False)
   shared_prompt_tokens: int = 0  # prompt tokens taken from prefill_source's pages instead of computed
+  num_cached_tokens: int = 0  # prompt tokens taken from the prefix cache (vLLM's name) instead of computed
 
   @property
   def finished(self) -> bool:

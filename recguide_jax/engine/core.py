@@ -45,14 +45,15 @@ class Engine:
   It is also the `RoundContext` its strategy's rounds run with (`batch_arrays`, `reserve`, `verified`, ...)."""
 
   def __init__(self, runner: Runner, strategy: Strategy, *, tokenizer=None, max_queue: int = 1024,
-               bucketing: bool | str = "auto"):
+               bucketing: bool | str = "auto", enable_prefix_caching: bool = True):
     self.runner = runner
     self.cfg = runner.cfg
     self.rc = runner.config
     self.strategy = strategy
     self.tokenizer = tokenizer
     self.max_queue = max_queue
-    self.allocator = PageAllocator(self.rc.num_pages, self.rc.page_size, self.rc.pages_per_seq)
+    self.allocator = PageAllocator(self.rc.num_pages, self.rc.page_size, self.rc.pages_per_seq,
+                                   enable_prefix_caching=enable_prefix_caching)
     self.scheduler = Scheduler(self.allocator, self.rc.max_batch, self.rc.max_block)
     self._eos = frozenset(self.cfg.eos_token_ids)
     self._ids = itertools.count()
@@ -142,6 +143,33 @@ class Engine:
         return True
     return False
 
+  def _match_prefix(self, req: Request) -> None:
+    """Automatic prefix caching: an admitted request takes the cached pages of its prompt's longest cached page
+    prefix and prefills only the rest. Not a sample that shares another's prefill (it forks that one's pages) nor
+    one that scores its prompt (every position's logprobs are computed); both still register their pages."""
+    if not self.allocator.enable_prefix_caching:
+      return
+    match = req.prefill_source is None and req.params.prompt_logprobs is None
+    hit = self.allocator.match_prefix(req.request_id, req.prompt_ids, match)
+    if not match:
+      return
+    self.totals["prefix_cache_queries"] += len(req.prompt_ids)
+    self.totals["prefix_cache_hits"] += hit
+    self.totals["prompt_tokens"] += hit  # vLLM counts every prompt token, cached or computed
+    if hit:
+      req.prefilled = req.num_cached_tokens = hit
+      # each forward's sampling key is (seed, round): skip the rounds of the chunks not run, so the first token is
+      # drawn with the key it would have had without the cache (seeded output is the same either way)
+      chunk = self.rc.prefill_chunk
+      n = len(req.prompt_ids)
+      req.round_counter += -(-n // chunk) - -(-(n - hit) // chunk)
+
+  def reset_prefix_cache(self) -> bool:
+    """Forgets every cached prompt prefix (vLLM's `reset_prefix_cache`); pages owned by running requests stay
+    theirs."""
+    self.allocator.reset_prefix_cache()
+    return True
+
   def has_work(self) -> bool:
     return bool(self.waiting or self.running)
 
@@ -160,6 +188,7 @@ class Engine:
     for req in self.scheduler.admit():
       try:
         self.allocator.add(req.request_id)
+        self._match_prefix(req)
         self.strategy.on_admit(req)
       except Exception as e:  # this request only: its pages are freed, the others are admitted as usual
         self.fail_request(req, "admitting it", e)

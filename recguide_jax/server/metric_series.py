@@ -58,6 +58,10 @@ class Collector:
                 snap["kv_usage"])
     yield counter("prompt_tokens", "Number of prefill tokens processed.", totals.get("prompt_tokens", 0))
     yield counter("generation_tokens", "Number of generation tokens processed.", totals.get("generated_tokens", 0))
+    yield counter("prefix_cache_queries", "Prefix cache queries, in terms of number of queried tokens.",
+                  totals.get("prefix_cache_queries", 0))
+    yield counter("prefix_cache_hits", "Prefix cache hits, in terms of number of cached tokens.",
+                  totals.get("prefix_cache_hits", 0))
     yield labeled_counter("request_success", "Count of finished requests by finish reason.", "finished_reason",
                           [(r, finished.get(r, 0)) for r in sorted(set(FINISH_REASONS) | set(finished))])
     yield histogram("request_prompt_tokens", "Number of prefill tokens per finished request.", m.prompt_len)
