@@ -9,8 +9,8 @@ import pytest
 from recguide_jax import SamplingParams
 from recguide_jax.decoding.builtin import ARStrategy, DiffusionStrategy, LinearStrategy
 from recguide_jax.decoding.strategy import Round, RoundPlan, Strategy
-from recguide_jax.engine import RequestError
-from recguide_jax.orchestrator.controller import RecGuideStrategy
+from recguide_jax.engine.requests import RequestError
+from recguide_jax.recguide.controller import RecGuideStrategy
 from tests.test_engine import varied_prompts
 from tests.test_recguide_policy import flat_profile
 

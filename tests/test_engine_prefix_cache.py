@@ -9,7 +9,7 @@ import pytest
 
 from recguide_jax import SamplingParams
 from recguide_jax.decoding.builtin import ARStrategy, DiffusionStrategy, LinearStrategy
-from recguide_jax.orchestrator.controller import RecGuideStrategy
+from recguide_jax.recguide.controller import RecGuideStrategy
 from tests.test_recguide_policy import flat_profile
 
 RNG = np.random.default_rng(5)

@@ -12,10 +12,13 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from recguide_jax import LLM, SamplingParams
-from recguide_jax import policies, sampling
+from recguide_jax import LLM
+
+from recguide_jax import SamplingParams
+from recguide_jax.decoding.builtin import ARStrategy, LinearStrategy
+from recguide_jax.runtime import sampling
 from recguide_jax.benchmarks.stats import pooled_chisquare_pvalue
-from recguide_jax.model import ForwardInputs, NLDModel
+from recguide_jax.model.nld import ForwardInputs, NLDModel
 from tests.conftest import tiny_config
 
 VOCAB = 6
@@ -95,9 +98,9 @@ def chi_square_pvalue(samples, exact):
 @pytest.fixture(scope="module")
 def samplers(small_vocab_model):
   out = {}
-  for name, rule, policy in [("ar", "leviathan", policies.ARPolicy()),
-                             ("leviathan", "leviathan", policies.LinearPolicy(8)),
-                             ("reference", "reference", policies.LinearPolicy(8))]:
+  for name, rule, policy in [("ar", "leviathan", ARStrategy()),
+                             ("leviathan", "leviathan", LinearStrategy(8)),
+                             ("reference", "reference", LinearStrategy(8))]:
     out[name] = LLM(model=small_vocab_model, policy=policy, max_num_seqs=32, max_model_len=32, page_size=4,
                     prefill_chunk=4, rule=rule, warmup=False, compile_cache_dir=None)
   return out
@@ -328,7 +331,8 @@ def test_greedy_rows_ignore_their_filters():
 def test_no_step_sorts_the_vocabulary():
   """The compiled verify, decode and draft steps of a tiny model hold no sort (nor top-k), and neither does the
   sampling program lowered for GPU and TPU."""
-  from recguide_jax.runtime import Runner, RunnerConfig, StepKey, StepKind
+  from recguide_jax.runtime.runner import Runner, RunnerConfig
+  from recguide_jax.runtime.step_key import StepKey, StepKind
   model = NLDModel(tiny_config(), rngs=nnx.Rngs(1))
   runner = Runner(model, RunnerConfig(num_pages=8, page_size=8, max_model_len=32, max_batch=2, block_sizes=(8,),
                                       prefill_chunk=8, compile_cache_dir=None))
@@ -376,7 +380,7 @@ def control_case(seed=0, b=3, t=5, v=13):
 def device_controls(params, prompts, outputs, vocab, stop_ids=(0,)):
   """The engine's control arrays for requests in the given state."""
   from recguide_jax.engine.core import control_arrays
-  from recguide_jax.requests import Request, sampling_row
+  from recguide_jax.engine.requests import Request, sampling_row
 
   reqs = []
   for i, (p, prompt, out) in enumerate(zip(params, prompts, outputs)):
@@ -424,7 +428,7 @@ def test_multi_step_decode_counts_the_tokens_of_earlier_steps():
 
 
 def test_sampling_controls_are_validated_naming_the_field():
-  from recguide_jax.requests import RequestError
+  from recguide_jax.engine.requests import RequestError
 
   for field, value, match in [("presence_penalty", 2.5, "in \\[-2, 2\\]"), ("frequency_penalty", float("nan"), "in"),
                               ("repetition_penalty", 0.0, "greater than zero"), ("min_p", 1.5, "in \\[0, 1\\]"),

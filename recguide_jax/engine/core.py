@@ -28,11 +28,11 @@ import numpy as np
 from recguide_jax.decoding.strategy import Group, RoundPlan, StepView, Strategy
 from recguide_jax.engine import output, prefill
 from recguide_jax.engine.scheduler import Scheduler, group_plans
-from recguide_jax.kv_cache import PageAllocator
-from recguide_jax.requests import (NEUTRAL_CONTROLS, QueueFull, Request, RequestError, SamplingParams, fold_seed,
-                                   sampling_row)
-from recguide_jax.runner import Runner, SamplingArrays
-from recguide_jax.runtime.steps import empty_controls
+from recguide_jax.cache.kv_cache import PageAllocator
+from recguide_jax.engine.requests import (NEUTRAL_CONTROLS, QueueFull, Request, RequestError, SamplingParams,
+                                          fold_seed, sampling_row)
+from recguide_jax.runtime.runner import Runner
+from recguide_jax.runtime.steps import SamplingArrays, empty_controls
 
 MIN_CONTROL_LEN = 64  # control lists are padded to a power of two from here (one compiled variant per length)
 
@@ -66,15 +66,6 @@ class Engine:
     self.forward_log: list[tuple[str, int, int]] | None = None  # set to [] to record every forward
     self.signal_log: list[dict] | None = None  # set to [] to record per-round draft signals (analysis)
     self.step_count = 0
-
-  # the decoding strategy under its earlier name (launch scripts and servers set `engine.policy`)
-  @property
-  def policy(self) -> Strategy:
-    return self.strategy
-
-  @policy.setter
-  def policy(self, strategy: Strategy) -> None:
-    self.strategy = strategy
 
   @property
   def waiting(self):
