@@ -41,6 +41,11 @@ import numpy as np
 TRASH_PAGE = 0
 
 
+def pages_per_seq(max_model_len: int, max_block: int, page_size: int) -> int:
+  """Pages one sequence of `max_model_len` pledges: a verify may write up to one block past its last token."""
+  return -(-(max_model_len + max_block) // page_size)
+
+
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass
 class KVCache:
