@@ -2,12 +2,14 @@
 
 The real compilers run on this CPU: libtpu (`pip install "jax[tpu]"`) for TPU slices, XLA:GPU and Triton
 (`pip install -e ".[cuda]"`) for NVIDIA GPUs, from abstract weights (nothing is allocated). Per target and policy:
-the memory plan `serve.py` would make on the chip (its activation peak measured by compiling the largest variant of
-each kind for the target), then every variant at the plan's cache size, with per-device arguments / temporaries /
-output / aliased bytes, compile seconds, and three checks that fail the run (exit status 1):
+the memory plan `serve.py` would make on the chip (memory_plan.fit_activation: every variant compiled at the plan's
+own cache size, planned again while one needs more than the reserve; "plan vs compiled" is printed), then per
+variant the per-device arguments / temporaries / output / aliased bytes and compile seconds, and checks that fail
+the run (exit status 1):
+- the plan fits the chip (a MemoryPlanError: nothing left for the KV cache once the weights and the reserve are in),
 - temporaries under --temp_limit of the device's KV cache (a larger one is a copy of the cache; the largest such
   HLO instructions are named),
-- transient memory within the activation peak the plan reserved,
+- transient memory within the activation reserve of the plan,
 - no sort over the whole vocabulary.
 
   python launch/aot_compile.py --target v5e:2x2 --tensor_parallel_size 4          # NLD-8B, linear + recguide
@@ -51,6 +53,8 @@ _TEMP_LIMIT = flags.DEFINE_float("temp_limit", 0.1, "Largest temporaries allowed
                                  "cache.")
 _SCOPE = flags.DEFINE_enum("scope", "all", ["startup", "all"], "startup: the largest batch bucket of every variant "
                            "(what serve.py compiles before it listens); all: every bucket.")
+_VARIANTS = flags.DEFINE_list("variants", [], "Only the variants whose kind/block/batch name matches one of these "
+                              "patterns (fused/32/*); the plan's reserve then covers these only. Default: all.")
 _OUTPUT_DIR = flags.DEFINE_string("output_dir", os.path.join(ROOT, "runs", "aot"), "Where the JSON and the "
                                   "markdown go (docs/aot for the shipped table).")
 
@@ -73,6 +77,8 @@ def as_json(report) -> dict:
     row["problems"] = v.problems(report.cache_bytes_per_device, report.temp_limit, report.plan.activation_bytes)
     variants.append(row)
   return {"plan": report.plan.as_dict(), "plan_summary": report.plan.summary(),
+          "probe_reserve_bytes": report.probe_reserve_bytes,
+          "replans": [{"reserve_bytes": r, "variant": n, "transient_bytes": t} for r, n, t in report.replans],
           "cache_bytes_per_device": report.cache_bytes_per_device, "variants": variants,
           "fits": True, "ok": not report.problems}
 
@@ -83,11 +89,15 @@ def markdown(runs: list[dict]) -> str:
            "Written by `launch/aot_compile.py`: every step variant of the policy compiled by the target's own compiler "
            "from abstract weights, at the KV cache the memory plan fits on the chip (`--gpu_memory_utilization` "
            "0.9 by default). Per device; GB = 1e9 bytes. Temp: XLA's temporaries; transient: temporaries plus the "
-           "inputs and outputs that are neither weights nor cache; reserve: the plan's activation peak. A run is OK "
+           "inputs and outputs that are neither weights nor cache; reserve: the plan's activation reserve, from every "
+           "variant compiled at the plan's cache size (first: the largest variant of each kind, compiled at a cache "
+           "that leaves 10% of the budget to activations, where the plan starts; memory_plan.fit_activation). A run "
+           "is OK "
            "when every variant's temporaries are under the limit of the cache, its transient memory within the "
            "reserve, and no step sorts the vocabulary.", "",
-           "| model | target | tp | policy | variants | weights GB | KV cache GB | reserve GB | largest temp GB (variant) | "
-           "largest transient GB | compile s (sum) | OK |", "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+           "| model | target | tp | policy | variants | weights GB | KV cache GB | reserve GB (first) | largest temp GB "
+           "(variant) | largest transient GB (variant) | compile s (sum) | OK |",
+           "|---|---|---|---|---|---|---|---|---|---|---|---|"]
   for r in sorted(runs, key=lambda r: (r["preset"], r["target"], r["tp"], r["policy"])):
     if not r["fits"]:
       lines.append(f"| {r['preset']} | {r['target']} | {r['tp']} | {r['policy']} | - | - | - | - | - | - | - | does "
@@ -95,11 +105,13 @@ def markdown(runs: list[dict]) -> str:
       continue
     vs, plan = r["variants"], r["plan"]
     top = max(vs, key=lambda v: v["temp_bytes"])
+    peak = max(vs, key=lambda v: v["transient_bytes"])
+    first = f" ({gb(r['probe_reserve_bytes'])})" if r.get("probe_reserve_bytes") else ""
     problems = sorted({p.split(" (")[0] for v in vs for p in v["problems"]})
     lines.append(f"| {r['preset']} | {r['target']} | {r['tp']} | {r['policy']} | {len(vs)} ({r['scope']}) | "
                  f"{gb(plan['weights_bytes'])} | {gb(r['cache_bytes_per_device'])} | "
-                 f"{gb(plan['activation_bytes'] or 0)} | {gb(top['temp_bytes'])} ({top['variant']}) | "
-                 f"{gb(max(v['transient_bytes'] for v in vs))} | {sum(v['compile_s'] for v in vs):.0f} | "
+                 f"{gb(plan['activation_bytes'] or 0)}{first} | {gb(top['temp_bytes'])} ({top['variant']}) | "
+                 f"{gb(peak['transient_bytes'])} ({peak['variant']}) | {sum(v['compile_s'] for v in vs):.0f} | "
                  f"{'yes' if r['ok'] else 'no: ' + '; '.join(problems)} |")
   lines += ["", "Per variant: the JSON files beside this one (`variants`: bytes, compile seconds, kernel custom calls, "
             "the largest buffers, vocabulary sorts)."]
@@ -129,7 +141,7 @@ def main(argv):
   failed = False
   for policy in _POLICIES.value:
     run = {"preset": preset, "target": target.name, "chip": target.chip.description, "tp": tp, "policy": policy,
-           "scope": _SCOPE.value, "dtype": _DTYPE.value, "attention": _ATTENTION.value, "jax": jax.__version__,
+           "scope": _SCOPE.value if not _VARIANTS.value else f"{_SCOPE.value}, {','.join(_VARIANTS.value)}", "dtype": _DTYPE.value, "attention": _ATTENTION.value, "jax": jax.__version__,
            "max_num_seqs": _MAX_NUM_SEQS.value, "max_model_len": _MAX_MODEL_LEN.value, "page_size": _PAGE_SIZE.value,
            "time": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")}
     try:
@@ -138,6 +150,7 @@ def main(argv):
           max_num_seqs=_MAX_NUM_SEQS.value, max_model_len=_MAX_MODEL_LEN.value, page_size=_PAGE_SIZE.value,
           prefill_chunk=_PREFILL_CHUNK.value, num_pages=_NUM_PAGES.value or None, fraction=_UTILIZATION.value,
           attention=_ATTENTION.value, temp_limit=_TEMP_LIMIT.value, startup_only=_SCOPE.value == "startup",
+          only=tuple(_VARIANTS.value),
           progress=lambda line: print(line, flush=True))
       run.update(as_json(report))
     except MemoryPlanError as e:

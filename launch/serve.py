@@ -85,6 +85,10 @@ _BACKGROUND_COMPILE = flags.DEFINE_boolean(
 _WARMUP_PROMPT_LOGPROBS = flags.DEFINE_boolean(
     "warmup_prompt_logprobs", False, "Also compile the prefill variant that scores the prompt (echo with logprobs, "
     "lm-eval's loglikelihood) before serving; by default the first such request compiles it and waits.")
+_ENABLE_PREFIX_CACHING = flags.DEFINE_boolean(
+    "enable_prefix_caching", True, "Automatic prefix caching (vLLM's, on by default): full KV pages of prompts are "
+    "kept and shared by their token prefix, so requests repeating a system prompt or few-shot examples prefill only "
+    "the rest. --no-enable-prefix-caching turns it off.")
 _COMPILE_CACHE_DIR = flags.DEFINE_string("compile_cache_dir", None, "Persistent XLA compilation cache. Default: "
                                          "$RECGUIDE_COMPILE_CACHE or ~/.cache/recguide_jax/xla; '' disables it.")
 _SERVED_MODEL_NAME = flags.DEFINE_string("served_model_name", None, "Model name clients pass as `model`. Default: "
@@ -306,7 +310,8 @@ def main(argv):
                       gpu_memory_utilization=_GPU_MEMORY_UTILIZATION.value, device_memory_gb=_DEVICE_MEMORY_GB.value,
                       background_compile=_BACKGROUND_COMPILE.value, mesh=mesh,
                       warmup_prompt_logprobs=_WARMUP_PROMPT_LOGPROBS.value, layer_loop=_LAYER_LOOP.value,
-                      kernel_layout=_KERNEL_LAYOUT.value, decode_steps=_DECODE_STEPS.value)
+                      kernel_layout=_KERNEL_LAYOUT.value, decode_steps=_DECODE_STEPS.value,
+                      enable_prefix_caching=_ENABLE_PREFIX_CACHING.value)
   except (CheckpointError, ConfigError, TokenizerError, OSError) as e:
     _fail(f"--model: {e}")
   except ValueError as e:

@@ -141,7 +141,8 @@ class LLM:
                policy_kwargs: dict | None = None, gpu_memory_utilization: float | None = None,
                device_memory_gb: float | None = None, background_compile: bool = False, mesh=None,
                runner_options: dict | None = None, bucketing: bool | str = "auto", warmup_prompt_logprobs: bool = False,
-               layer_loop: str = "auto", kernel_layout: str = "auto", decode_steps: int = DEFAULT_DECODE_STEPS):
+               layer_loop: str = "auto", kernel_layout: str = "auto", decode_steps: int = DEFAULT_DECODE_STEPS,
+               enable_prefix_caching: bool = True):
     """vLLM's names where they exist: `model` (a checkpoint directory: config.json, params/, tokenizer files;
     default `$RECGUIDE_CHECKPOINT`, else the bundled model; or an `NLDModel` already in memory), `max_num_seqs` (the
     most requests decoded together), `gpu_memory_utilization`, `max_model_len`, `dtype` ("auto": the checkpoint's).
@@ -169,7 +170,10 @@ class LLM:
     auto: out_in, whose small matmuls XLA:CPU runs faster, on a CPU device without a mesh, else in_out).
     `decode_steps`: AR decode steps one device call may run (vLLM's multi-step scheduling; `RunnerConfig`): used
     while no request waits to be admitted or prefilled, it saves a dispatch, a read-back and the host's per-step work
-    on all but one of the steps; a request stops at its own stop condition inside the call. 1 turns it off."""
+    on all but one of the steps; a request stops at its own stop condition inside the call. 1 turns it off.
+    `enable_prefix_caching` (vLLM's, on by default): full KV pages of prompts are kept and shared by their token
+    prefix, so a request repeating an earlier prompt's prefix (a system prompt, few-shot examples) prefills only
+    the rest; `reset_prefix_cache()` forgets them."""
     from absl import logging
 
     from recguide_jax.attention import dispatch as attention_dispatch
@@ -218,6 +222,7 @@ class LLM:
         prefill_chunk=prefill_chunk, block_sizes=tuple(block_sizes) if block_sizes else None, dtype=dtype, rule=rule,
         compile_cache_dir=str(compile_cache_dir) if compile_cache_dir else None, warmup=warmup, max_queue=max_queue,
         attention=attention, bucketing=bucketing, gpu_memory_utilization=fraction, device_memory_gb=device_memory_gb,
+        enable_prefix_caching=enable_prefix_caching,
         runner_options={"background_compile": background_compile, "layer_loop": layer_loop,
                         "kernel_layout": kernel_layout, "decode_steps": decode_steps,
                         **(runner_options or {})})
@@ -245,7 +250,8 @@ class LLM:
     self.runner_config = dataclasses.replace(config, num_pages=self.memory_plan.num_pages, layer_loop=loop,
                                              kernel_layout=layout)
     self.engine = build_engine(model, self.runner_config, self.strategy, mesh=self.mesh,
-                              tokenizer=tokenizer, max_queue=max_queue, bucketing=self.engine_config.bucketing)
+                               tokenizer=tokenizer, max_queue=max_queue, bucketing=self.engine_config.bucketing,
+                               enable_prefix_caching=self.engine_config.enable_prefix_caching)
     self.runner = self.engine.runner
     if warmup:
       self.runner.warmup(self._kinds, self._kind_sizes)
@@ -255,6 +261,10 @@ class LLM:
     self.strategy = policy if isinstance(policy, Strategy) else make_strategy(
         policy, block_size, threshold)
     self.engine.strategy = self.strategy
+
+  def reset_prefix_cache(self) -> bool:
+    """Forgets every cached prompt prefix (vLLM's `LLM.reset_prefix_cache`)."""
+    return self.engine.reset_prefix_cache()
 
   def get_tokenizer(self) -> Tokenizer:
     """The checkpoint's tokenizer (vLLM's `LLM.get_tokenizer()`)."""

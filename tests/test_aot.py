@@ -3,6 +3,7 @@ on program text, and every linear and recguide variant of a small lane-dense mod
 (libtpu, the test extra) and, where jax's CUDA plugin is installed, by XLA:GPU for an H100."""
 
 import json
+import math
 import os
 import subprocess
 import sys
@@ -121,3 +122,59 @@ def test_every_variant_compiles_for_an_h100_with_triton_kernels(tmp_path):
   if why:
     pytest.skip(why)
   _check(_aot(tmp_path, "h100", 1), "__gpu$xla.gpu.triton")
+
+
+_LOGITS_PROBE = """
+import dataclasses, json, sys
+sys.path.insert(0, {root!r})
+from recguide_jax.aot import targets
+targets.prepare_environment()
+from recguide_jax.attention import dispatch as attention_dispatch
+from recguide_jax.aot import inspect as hlo
+from recguide_jax.aot.compile import policy_runner_config, shapes_config, target_mesh
+from recguide_jax.cache.memory_plan import _abstract_runner
+from recguide_jax.runtime import steps
+from recguide_jax.runtime.step_key import StepKey, StepKind
+cfg = shapes_config({model!r}, 16)
+tp, b, blk = 2, 4, 8
+# the budget of one branch block's logits per slice, as NLD-8B's batch-32 fused/32 gets at tp=4 on a v5e
+steps.LOGITS_SLICE_BYTES, steps.MIN_SLICE_ROWS = b * blk * cfg.vocab_size // tp * 4, 1
+_, rc, _, _ = policy_runner_config("recguide", block_size=blk, max_num_seqs=b, max_model_len=256, page_size=16,
+                                   prefill_chunk=64)
+out = {{}}
+with attention_dispatch.target_platform("tpu"):
+  runner = _abstract_runner(cfg, "bfloat16", dataclasses.replace(rc, num_pages=64), "pallas",
+                            target_mesh(targets.parse_target("v5e:2x2"), tp))
+  for key in (StepKey(StepKind.FUSED, blk, b, 3), StepKey(StepKind.DRAFT, blk, b)):
+    compiled = runner.compiled(key)
+    shapes = []
+    for line in compiled.as_text().splitlines():
+      m = hlo._INSTRUCTION.match(line)
+      if m:
+        shapes += [dims for dt, dims in hlo._arrays(m.group(2)) if dt == "f32" and dims]
+    out[key.name] = {{"f32": shapes, "output_bytes": compiled.memory_analysis().output_size_in_bytes}}
+print("RESULT" + json.dumps(out))
+"""
+
+
+def test_recguide_logits_stay_vocab_sharded_and_sliced_on_a_tpu(tmp_path):
+  """Issue 33: the fused step held [b, 4B, V] float32 logits (1.9 GB per v5e chip for NLD-8B) and the draft gathered
+  its [b, B, V] distributions onto every device. Compiled by libtpu at tp=2 with a slice budget of one block: no
+  float32 array spans the whole vocabulary, and no logits array spans more than one block of positions."""
+  why = targets.missing_compiler(targets.Platform.TPU)
+  if why:
+    pytest.skip(why)
+  model = _small_lane_dense_model(tmp_path)
+  proc = subprocess.run([sys.executable, "-c", _LOGITS_PROBE.format(root=ROOT, model=model)],
+                        env={**os.environ, "PYTHONPATH": ROOT}, capture_output=True, text=True, timeout=1200)
+  assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+  out = json.loads(proc.stdout.split("RESULT", 1)[1])
+  vocab, b, blk = 2048, 4, 8
+  for name, found in out.items():
+    logits = [dims for dims in found["f32"] if dims[-1] in (vocab, vocab // 2)]
+    assert logits, name  # the check sees the step's logits at all
+    assert all(dims[-1] == vocab // 2 for dims in logits), (name, logits)  # never the whole vocabulary
+    rows = max(math.prod(dims[:-1]) for dims in logits)
+    assert rows <= b * blk, (name, logits)  # [b, B] positions at most: one block, not the tree's four
+  # the draft distributions leave the draft split over the vocabulary: [b, B, V / tp] float32 per device
+  assert out[f"draft/{blk}/{b}"]["output_bytes"] < b * blk * vocab * 4

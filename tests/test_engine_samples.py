@@ -80,6 +80,7 @@ def test_n_greedy_samples_share_one_prefill(tiny_llm):
   eng = tiny_llm.engine
   params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
   one = generate(tiny_llm, ARStrategy(), PROMPT, params)
+  tiny_llm.reset_prefix_cache()  # the first sample computes its whole prompt, not a cached prefix
   before = dict(eng.totals)
   out = generate(tiny_llm, ARStrategy(), PROMPT, SamplingParams(**{**vars(params), "n": 3}))
   delta = {k: eng.totals[k] - before.get(k, 0) for k in ("prompt_tokens", "prompt_tokens_shared",
@@ -124,6 +125,7 @@ def test_aborted_samples_free_only_their_own_pages(tiny_llm):
   alone = generate(tiny_llm, ARStrategy(), PROMPT, params)
   assert third.output_ids == alone.token_ids
   # a source aborted before its prompt is cached: the sibling prefills on its own
+  tiny_llm.reset_prefix_cache()
   first = eng.add_request(PROMPT, params)
   second = eng.add_request(PROMPT, params, prefill_source=first.request_id)
   eng.step()

@@ -132,7 +132,13 @@ def test_forked_pages_are_reference_counted(prompt_len, ops):
       except OutOfPages:
         pass
     elif op == "crop":
-      alloc.crop(seq, min(n, alloc.length(seq)))
+      target = min(n, alloc.length(seq))
+      into = alloc.pages(seq)[target // 8] if target % 8 else None  # the page its next write would go to
+      if into is not None and any(into in alloc.pages(s) for s in live if s != seq):
+        with pytest.raises(ValueError, match="shared page"):  # its next write would need a copy-on-write
+          alloc.crop(seq, target)
+      else:
+        alloc.crop(seq, target)
     else:
       alloc.free(seq)
       live.discard(seq)
@@ -141,6 +147,95 @@ def test_forked_pages_are_reference_counted(prompt_len, ops):
     alloc.free(seq)
   alloc.check()
   assert alloc.num_used == 0 and alloc.num_shared == 0
+
+
+def admit(alloc, seq, prompt):
+  """What the engine does with a prompt: match its cached prefix, prefill the rest, register its full pages."""
+  alloc.add(seq)
+  hit = alloc.match_prefix(seq, prompt)
+  alloc.reserve(seq, len(prompt))
+  alloc.commit(seq, len(prompt))
+  alloc.register_prefix(seq)
+  return hit
+
+
+@settings(max_examples=120, deadline=None)
+@given(st.lists(st.tuples(st.sampled_from(["admit", "grow", "free", "reset"]), st.integers(0, 5),
+                          st.lists(st.integers(0, 2), min_size=1, max_size=30)), max_size=40))
+def test_prefix_cache_accounting_property(ops):
+  """Prompts over a 3-token alphabet share prefixes often: whatever the order of admissions, growth, frees and
+  resets, a match takes exactly the longest cached run of whole pages of the prompt (never its last token), no page
+  is lost, double-owned or cached twice, and once everything is freed and the cache reset every page is free."""
+  alloc = PageAllocator(num_pages=24, page_size=4, max_pages_per_seq=12, enable_prefix_caching=True)
+  prompts, live = {}, set()
+  for op, seq, prompt in ops:
+    if op == "admit" and seq not in live:
+      if alloc.num_free < alloc.pages_for(len(prompt)):
+        continue
+      cached = set(alloc._cached)
+      want = 0
+      for h in alloc.prompt_hashes(prompt)[:alloc.shareable_tokens(len(prompt)) // 4]:
+        if h not in cached:
+          break
+        want += 4
+      assert admit(alloc, seq, prompt) == want
+      prompts[seq] = prompt
+      live.add(seq)
+    elif op == "grow" and seq in live:
+      try:
+        alloc.reserve(seq, alloc.length(seq) + len(prompt))
+        alloc.commit(seq, alloc.length(seq) + len(prompt))
+      except OutOfPages:
+        pass
+    elif op == "free" and seq in live:
+      alloc.free(seq)
+      live.discard(seq)
+    elif op == "reset":
+      alloc.reset_prefix_cache()
+    alloc.check()
+  for seq in live:
+    alloc.free(seq)
+  alloc.check()
+  assert alloc.num_used == 0
+  alloc.reset_prefix_cache()
+  alloc.check()
+  assert alloc.num_free == alloc.num_pages - 1 and alloc.num_cached == 0
+
+
+def test_prefix_cache_keys_are_prefix_chains_and_evicts_least_recently_used():
+  alloc = PageAllocator(num_pages=9, page_size=2, max_pages_per_seq=8, enable_prefix_caching=True)
+  assert admit(alloc, "a", [1, 2, 3, 4, 5]) == 0
+  assert admit(alloc, "b", [1, 2, 3, 4, 9]) == 4  # both full pages (the last token is never taken)
+  assert alloc.pages("b")[:2] == alloc.pages("a")[:2] and alloc.num_shared == 2
+  assert admit(alloc, "c", [7, 7, 3, 4, 5]) == 0  # page [3, 4] after another first page is another prefix
+  assert admit(alloc, "d", [1, 2, 3, 4]) == 2  # [3, 4] holds the last token: only [1, 2] is taken
+  for seq in "abcd":
+    alloc.free(seq)
+  alloc.check()
+  assert alloc.num_used == 0 and alloc.num_cached == 4 and alloc.num_free == 8
+  # release order, least recent first: a's [3, 4] (b let go of it last), c's two pages, then [1, 2] (d)
+  alloc.add("e")
+  alloc.reserve("e", 4 * 2)  # the four free pages
+  assert alloc.num_cached == 4
+  alloc.reserve("e", 5 * 2)  # evicts a's [3, 4]: the prefix [1, 2, 3, 4] is cached no more
+  assert alloc.num_cached == 3
+  assert admit(alloc, "f", [1, 2, 3, 4, 5]) == 2  # [1, 2] is; f's two fresh pages evict c's, the next least recent
+  assert alloc.num_cached == 2 and alloc.num_free == 0  # [1, 2] and f's own [3, 4]
+  alloc.check()
+  alloc.free("f")
+  alloc.free("e")
+  alloc.reset_prefix_cache()
+  alloc.check()
+  assert alloc.num_free == 8 and alloc.num_cached == 0
+
+
+def test_shared_cached_pages_are_never_cut_into():
+  alloc = PageAllocator(num_pages=9, page_size=2, max_pages_per_seq=8, enable_prefix_caching=True)
+  admit(alloc, "a", [1, 2, 3, 4, 5])
+  with pytest.raises(ValueError, match="copy-on-write"):
+    alloc.crop("a", 3)  # its next step would write into the cached page [3, 4]
+  alloc.crop("a", 4)  # whole pages: the next write starts a fresh page
+  alloc.check()
 
 
 def test_fork_refuses_what_it_cannot_share():

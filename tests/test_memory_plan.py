@@ -224,3 +224,51 @@ def test_server_flags_of_the_plan_are_checked_at_once():
   for flag in ("--gpu_memory_utilization", "--max_num_seqs", "--dtype", "--device_memory_gb", "--model",
                "--tensor_parallel_size", "--data_parallel_size", "--served_model_name", "--max_model_len"):
     assert flag in help_text.stdout
+
+
+class _FakeCompiled:
+  def __init__(self, temp):
+    self.temp = temp
+
+  def memory_analysis(self):
+    from types import SimpleNamespace
+    return SimpleNamespace(temp_size_in_bytes=self.temp, argument_size_in_bytes=0, output_size_in_bytes=0,
+                           alias_size_in_bytes=0)
+
+
+class _FakeRunner:
+  """An abstract runner's interface to the plan: variants, and a compiled program's memory analysis per variant (here
+  a function of the variant and the cache size)."""
+  compiles: list = []
+
+  def __init__(self, num_pages, temp_of):
+    self.num_pages, self.temp_of, self.state, self.cache = num_pages, temp_of, {}, {}
+
+  def compiled(self, v):
+    _FakeRunner.compiles.append((v.name, self.num_pages))
+    return _FakeCompiled(self.temp_of(v, self.num_pages))
+
+
+def test_fit_activation_plans_again_when_a_smaller_bucket_needs_more_than_the_largest():
+  """NLD-8B on two H100s: linear's batch-1 decode needs 1.02 GB, more than the 0.89 GB of the batch-32 variants the
+  first reserve comes from. The plan is made again with the most any variant needs at the plan's own cache size."""
+  import functools
+  from recguide_jax.runtime.step_key import StepKey, StepKind
+  variants = [StepKey(StepKind.DECODE, 1, b) for b in (1, 8, 32)] + [StepKey(StepKind.VERIFY, 16, 32)]
+  temp = {"decode/1/1": 1.02e9, "decode/1/8": 0.5e9, "decode/1/32": 0.89e9, "verify/16/32": 0.7e9}
+  plan = functools.partial(mp.plan_memory, PRESETS["nld-8b"], dtype="bfloat16", page_size=16, max_model_len=4096,
+                           max_num_seqs=32, max_block=64, device="h100", device_bytes=80 * 2 ** 30, fraction=0.9,
+                           tp=2)
+  _FakeRunner.compiles = []
+  fitted = mp.fit_activation(plan, lambda n: _FakeRunner(n, lambda v, n: int(temp[v.name])), lambda r: variants,
+                             workers=1)
+  assert fitted.probe.base_bytes == mp.reserve_bytes(int(0.89e9))  # the largest of each kind: decode/1/32
+  assert fitted.rounds and fitted.rounds[0][1] == "decode/1/1"
+  assert fitted.plan.activation_bytes == mp.reserve_bytes(int(1.02e9)) >= max(fitted.transients.values())
+  assert {v.name for v in fitted.transients} == set(temp)
+  assert all(n == fitted.plan.num_pages for _, n in _FakeRunner.compiles[-len(variants):])  # at the final size
+  assert fitted.plan.num_pages < plan(activation=fitted.probe).num_pages
+  # a reserve that leaves no KV page for one sequence: the plan is refused, naming the figures
+  with pytest.raises(mp.MemoryPlanError, match="does not fit"):
+    mp.fit_activation(plan, lambda n: _FakeRunner(n, lambda v, n: int(80e9 if v.batch == 1 else 1e9)),
+                      lambda r: variants, workers=1)

@@ -286,3 +286,50 @@ def test_best_sweep_row_prices_first_then_tokens_per_forward():
   assert ovf.best_sweep_row(deltas) is deltas[1]
   with pytest.raises(ValueError):
     ovf.best_sweep_row([])
+
+
+def test_fused_branch_drafts_built_in_position_slices_equal_one_pass(tiny_model, monkeypatch):
+  """With large logits the fused step builds the branches' logits in position slices (issue 33: [b, 4B, V] float32
+  did not fit a TPU's activation reserve); its branch tokens, signals and verify results equal the one-pass step."""
+  from recguide_jax.cache.kv_cache import PageAllocator
+  from recguide_jax.runtime import steps
+  from recguide_jax.runtime.runner import Runner, RunnerConfig
+  from recguide_jax.runtime.steps import SamplingArrays
+  cfg = tiny_model.cfg
+  blk, mask_id = 8, cfg.mask_token_id
+  rng = np.random.default_rng(3)
+  alloc = PageAllocator(64, 8, 16)
+  rows = []
+  for r, n in enumerate((13, 21)):
+    alloc.add(r)
+    alloc.reserve(r, 64)
+    branches = [ov.Branch("correction", 3, alt=77), ov.Branch("continuation", blk)]
+    rows.append(ov.tree_layout(blk, rng.integers(4, 128, blk), branches, n, mask_id) + (n, alloc.page_table_row(r, 16)))
+  tokens, pos, mask, lora, write, prefix, pt = (np.stack([np.asarray(x[i]) for x in rows]) for i in range(7))
+  samp = SamplingArrays.greedy(2)
+
+  def run():
+    runner = Runner(tiny_model, RunnerConfig(num_pages=64, page_size=8, max_model_len=120, max_batch=2,
+                                             block_sizes=(8,), prefill_chunk=8))
+    res, br_tok, br_sig = runner.fused(tokens, pos, mask, lora, write, prefix.astype(np.int32), pt, samp, blk)
+    return res, br_tok, br_sig
+
+  one = run()
+  assert steps.position_slices(2, tokens.shape[1], cfg.vocab_size) == 1
+  monkeypatch.setattr(steps, "LOGITS_SLICE_BYTES", 2 * blk * cfg.vocab_size * 4)  # a slice of one branch block
+  monkeypatch.setattr(steps, "MIN_SLICE_ROWS", 1)
+  assert steps.position_slices(2, 2 * blk, cfg.vocab_size) == 2
+  sliced = run()
+  np.testing.assert_array_equal(sliced[1], one[1])
+  np.testing.assert_allclose(sliced[2], one[2], atol=1e-6)
+  np.testing.assert_array_equal(sliced[0].tokens, one[0].tokens)
+  np.testing.assert_array_equal(sliced[0].accepted, one[0].accepted)
+
+
+def test_position_slices_keep_logits_under_the_budget_but_rows_dense():
+  from recguide_jax.runtime.steps import LOGITS_SLICE_BYTES, position_slices
+  # NLD-8B at tp=4 (32768 vocabulary entries per device), batch 32, three branch blocks of 32: one slice per block
+  assert position_slices(32, 96, 32768) == 3 and 32 * 32 * 32768 * 4 <= LOGITS_SLICE_BYTES
+  assert position_slices(1, 96, 32768) == 1  # small logits: one head matmul
+  assert position_slices(4, 96, 131072) == 1  # thinner slices would re-read the head's weights for few rows
+  assert position_slices(256, 7, 131072) == 7  # a prime count of positions still divides

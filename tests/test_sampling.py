@@ -43,12 +43,44 @@ def exact_distribution(model, params: SamplingParams):
   b, n = seqs.shape
   logits, _ = model(ForwardInputs(tokens=seqs, positions=jnp.broadcast_to(jnp.arange(n), (b, n)),
                                   block_mask=jnp.tril(jnp.ones((n, n), bool))))
+  probs = {}
+  if params.has_controls:  # the controls depend on each continuation's own history: vLLM's formulas, in numpy
+    logits = np.asarray(logits)
+    for i, cont in enumerate(conts):
+      probs[cont] = float(np.prod([reference_probs(logits[i, len(PROMPT) - 1 + j], PROMPT, cont[:j], params)[tok]
+                                   for j, tok in enumerate(cont)]))
+    return probs
   p = np.asarray(sampling.processed_probs(logits, jnp.full((b,), params.temperature), jnp.full((b,), params.top_k),
                                           jnp.full((b,), params.top_p), MASK))
-  probs = {}
   for i, cont in enumerate(conts):
     probs[cont] = float(np.prod([p[i, len(PROMPT) - 1 + j, tok] for j, tok in enumerate(cont)]))
   return probs
+
+
+def reference_logits(logits, prompt, output, params: SamplingParams, stop_ids=(0,), mask=MASK):
+  """vLLM's processing of one position's logits [V] (float64 numpy), written from its sampler: min_tokens holds the
+  stop ids back, logit_bias is added, then repetition (prompt + output), frequency and presence penalties."""
+  v = logits.shape[-1]
+  x = np.array(logits, np.float64)
+  x[mask] = -np.inf
+  if len(output) < params.min_tokens:
+    x[list(stop_ids)] = -np.inf
+  for t, bias in (params.logit_bias or {}).items():
+    x[t] += min(100.0, max(-100.0, bias))
+  counts = np.bincount(np.asarray(output, int), minlength=v).astype(np.float64)
+  seen = counts > 0
+  seen_any = seen | (np.bincount(np.asarray(prompt, int), minlength=v) > 0)
+  rep = np.where(seen_any, params.repetition_penalty, 1.0)
+  x = np.where(x > 0, x / rep, x * rep)
+  return x - params.frequency_penalty * counts - params.presence_penalty * seen
+
+
+def reference_probs(logits, prompt, output, params: SamplingParams, **kw):
+  """The sampled distribution: processed logits, temperature, then min-p relative to the most likely token."""
+  x = reference_logits(logits, prompt, output, params, **kw) / params.temperature
+  p = np.exp(x - x.max())
+  p = np.where(p >= params.min_p * p.max(), p, 0.0)
+  return p / p.sum()
 
 
 def chi_square_pvalue(samples, exact):
@@ -76,7 +108,12 @@ def samplers(small_vocab_model):
 
 @pytest.mark.parametrize("params", [SamplingParams(max_tokens=N_TOKENS, temperature=1.0, ignore_eos=True),
                                     SamplingParams(max_tokens=N_TOKENS, temperature=0.7, top_k=4, top_p=0.9,
-                                                   ignore_eos=True)], ids=["t1", "t0.7-topk-topp"])
+                                                   ignore_eos=True),
+                                    # min_tokens holds EOS (0) back for two tokens even with ignore_eos, as in vLLM
+                                    SamplingParams(max_tokens=N_TOKENS, temperature=0.8, repetition_penalty=1.6,
+                                                   presence_penalty=0.5, frequency_penalty=0.4, min_p=0.08,
+                                                   min_tokens=2, logit_bias={2: 0.7, 3: -0.5}, ignore_eos=True)],
+                         ids=["t1", "t0.7-topk-topp", "controls"])
 def test_speculative_sampling_matches_ar(small_vocab_model, samplers, params):
   exact = exact_distribution(small_vocab_model, params)
   assert abs(sum(exact.values()) - 1) < 1e-4
@@ -326,3 +363,86 @@ def test_each_use_of_a_round_key_draws_from_its_own_stream():
   split = jax.vmap(lambda k: jax.random.split(k, 3))(jax.random.wrap_key_data(keys))
   for stream, i in ((sampling.PREFILL_STREAM, 0), (sampling.RESIDUAL_STREAM, 1), (sampling.VERIFIER_STREAM, 2)):
     np.testing.assert_array_equal(data[streams.index(stream)], np.asarray(jax.random.key_data(split[:, i])))
+
+
+def control_case(seed=0, b=3, t=5, v=13):
+  """Random logits, drafts and per-row controls for a batch (numpy), and the rows' SamplingParams."""
+  rng = np.random.default_rng(seed)
+  logits = rng.normal(0, 2, size=(b, t, v)).astype(np.float32)
+  params, prompts, outputs = [], [], []
+  for r in range(b):
+    params.append(SamplingParams(temperature=1.0, repetition_penalty=[1.0, 1.7, 0.6][r % 3],
+                                 presence_penalty=[0.0, 0.5, -1.0][r % 3], frequency_penalty=[0.3, 0.0, 1.1][r % 3],
+                                 min_p=[0.0, 0.1, 0.3][r % 3], min_tokens=[0, 4, 6][r % 3],
+                                 logit_bias={int(rng.integers(v)): float(rng.normal(0, 3))}, max_tokens=10))
+    prompts.append([int(x) for x in rng.integers(0, v, 6)])
+    outputs.append([int(x) for x in rng.integers(0, v, int(rng.integers(0, 4)))])
+  drafts = rng.integers(0, v, size=(b, t)).astype(np.int32)
+  return logits, params, prompts, outputs, drafts
+
+
+def device_controls(params, prompts, outputs, vocab, stop_ids=(0,)):
+  """The engine's control arrays for requests in the given state."""
+  from recguide_jax.engine.core import control_arrays
+  from recguide_jax.engine.requests import Request, sampling_row
+
+  reqs = []
+  for i, (p, prompt, out) in enumerate(zip(params, prompts, outputs)):
+    r = Request(str(i), prompt, p, output_ids=list(out))
+    r.sampling = sampling_row(p, 0, prompt, stop_ids)
+    reqs.append(r)
+  return control_arrays(reqs, len(reqs), vocab)
+
+
+def test_controls_follow_vllms_definitions_at_every_verify_position():
+  """Each verify position j is processed as AR decoding processes it after the draft tokens 1..j were emitted:
+  vLLM's min_tokens, logit_bias, repetition / frequency / presence penalties and min-p, checked against a numpy
+  transcription of vLLM's sampler."""
+  logits, params, prompts, outputs, drafts = control_case()
+  b, t, v = logits.shape
+  ctl = device_controls(params, prompts, outputs, v)
+  assert ctl.ids.shape[1] >= 64 and (ctl.ids[:, -1] == v).all()  # padded with the dropped id
+  got = np.asarray(sampling.processed_probs(jnp.asarray(logits), jnp.ones(b), jnp.zeros(b, jnp.int32), jnp.ones(b),
+                                            MASK, sampling.Controls(*ctl), jnp.asarray(drafts[:, 1:])))
+  for r in range(b):
+    for j in range(t):
+      want = reference_probs(logits[r, j], prompts[r], outputs[r] + list(drafts[r, 1:j + 1]), params[r])
+      np.testing.assert_allclose(got[r, j], want, rtol=2e-5, atol=1e-6, err_msg=f"row {r} position {j}")
+  # greedy rows take the argmax of the processed logits (penalties change it; min-p never does)
+  greedy = np.asarray(sampling.processed_probs(jnp.asarray(logits), jnp.zeros(b), jnp.zeros(b, jnp.int32),
+                                               jnp.ones(b), MASK, sampling.Controls(*ctl), jnp.asarray(drafts[:, 1:])))
+  for r in range(b):
+    for j in range(t):
+      want = reference_logits(logits[r, j], prompts[r], outputs[r] + list(drafts[r, 1:j + 1]), params[r])
+      assert greedy[r, j].argmax() == want.argmax() and greedy[r, j].max() == 1.0
+
+
+def test_multi_step_decode_counts_the_tokens_of_earlier_steps():
+  """A multi-step decode's step s sees the s tokens the earlier steps sampled (extra, offset s), and min_tokens
+  counts them."""
+  logits, params, prompts, outputs, drafts = control_case(seed=1, t=1)
+  b, _, v = logits.shape
+  ctl = sampling.Controls(*device_controls(params, prompts, outputs, v))
+  for s in range(3):
+    got = np.asarray(sampling.processed_probs(jnp.asarray(logits), jnp.ones(b), jnp.zeros(b, jnp.int32), jnp.ones(b),
+                                              MASK, ctl, jnp.asarray(drafts[:, :3]), s))
+    for r in range(b):
+      want = reference_probs(logits[r, 0], prompts[r], outputs[r] + list(drafts[r, :s]), params[r])
+      np.testing.assert_allclose(got[r, 0], want, rtol=2e-5, atol=1e-6)
+
+
+def test_sampling_controls_are_validated_naming_the_field():
+  from recguide_jax.engine.requests import RequestError
+
+  for field, value, match in [("presence_penalty", 2.5, "in \\[-2, 2\\]"), ("frequency_penalty", float("nan"), "in"),
+                              ("repetition_penalty", 0.0, "greater than zero"), ("min_p", 1.5, "in \\[0, 1\\]"),
+                              ("min_tokens", 20, "at most max_tokens"), ("min_tokens", -1, "non-negative"),
+                              ("logit_bias", {VOCAB: 1.0}, "invalid token id 6 \\(the vocabulary is \\[0, 6\\)\\)"),
+                              ("logit_bias", {-1: 1.0}, "invalid token id"), ("logit_bias", {1: float("inf")}, "finite"),
+                              ("logit_bias", [1, 2], "mapping")]:
+    with pytest.raises(RequestError, match=match) as e:
+      SamplingParams(max_tokens=10, **{field: value}).validate(VOCAB)
+    assert e.value.param == field and str(e.value).startswith(field)
+  ok = SamplingParams(max_tokens=10, presence_penalty=-2, frequency_penalty=2, repetition_penalty=3.0, min_p=1.0,
+                      min_tokens=10, logit_bias={0: -100, 5: 1e6})
+  assert ok.validate(VOCAB) is ok and ok.has_controls and not SamplingParams(logit_bias={}, min_p=0).has_controls

@@ -513,3 +513,15 @@ def test_request_models_name_the_field(body, param, words):
   with pytest.raises(protocol.APIError) as e:
     protocol.parse_completion(body, None, MODEL, 320)
   assert e.value.status == 400 and e.value.param == param and words in e.value.message, e.value.message
+
+
+def test_sampling_controls_are_served_and_checked(server):
+  """vLLM's penalties, min_p, min_tokens and logit_bias are served (200);
+  a value the engine cannot take is a 400 naming the field."""
+  body = {"prompt": [5, 6, 7], "max_tokens": 6, "temperature": 0, "presence_penalty": 0.5,
+          "frequency_penalty": 0.4, "repetition_penalty": 1.3, "min_p": 0.1, "min_tokens": 3, "logit_bias": {"9": 2.0}}
+  r = post(server, "/v1/completions", body)
+  assert r.status_code == 200, r.text[:400]
+  for field, value in [("logit_bias", {"999999": 1.0}), ("presence_penalty", 2.5), ("repetition_penalty", 0),
+                       ("min_p", 1.5), ("min_tokens", 7)]:
+    assert_error(post(server, "/v1/completions", {**body, field: value}), 400, field)

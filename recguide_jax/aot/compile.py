@@ -1,8 +1,9 @@
 """Compile every step variant a server would build, for a target it does not run on, and check the programs.
 
-`plan_and_compile` does what `LLM` / `launch/serve.py` do on the target before they serve: the memory plan (the
-activation peak measured by compiling the largest variant of each kind for the target, then KV pages from the
-chip's memory), then every variant of the policy at the plan's cache size. Each compiled variant is checked:
+`plan_and_compile` does what `LLM` / `launch/serve.py` do on the target before they serve: the memory plan
+(`memory_plan.fit_activation`: a first activation reserve from the largest variant of each kind, then every variant
+compiled at the plan's cache size, planned again while one needs more than the reserve). Each compiled variant is
+then checked:
 - its temporaries stay under `temp_limit` of the device's KV cache (a larger one is a copy of the cache),
 - its transient memory stays within the activation peak the plan reserved,
 - no sort runs over the whole vocabulary (top-p by sorting; the sampler selects without sorting).
@@ -11,8 +12,8 @@ chip's memory), then every variant of the policy at the plan's cache size. Each 
 from __future__ import annotations
 
 import dataclasses
+import fnmatch
 import functools
-import time
 from typing import Callable, Sequence
 
 import jax.numpy as jnp
@@ -59,6 +60,8 @@ class TargetReport:
   cache_bytes_per_device: int
   temp_limit: float
   variants: tuple[VariantReport, ...]
+  probe_reserve_bytes: int = 0  # the first reserve: the largest variant of each kind (memory_plan.fit_activation)
+  replans: tuple = ()  # (reserve, variant over it, its transient) per re-plan
 
   @property
   def problems(self) -> dict[str, list[str]]:
@@ -116,11 +119,12 @@ def plan_and_compile(cfg, target: Target, *, policy: str, tp: int, dtype: str = 
                      max_num_seqs: int = 32, max_model_len: int = 4096, page_size: int = 16, prefill_chunk: int = 64,
                      num_pages: int | None = None, fraction: float = memory_plan_lib.DEFAULT_FRACTION,
                      attention: str = "pallas", temp_limit: float = 0.1, startup_only: bool = False,
+                     only: Sequence[str] = (), workers: int = 1,
                      progress: Callable[[str], None] = print) -> TargetReport:
   """The memory plan of `target` for `policy`, then every variant compiled at its cache size and checked.
   Raises memory_plan.MemoryPlanError when the plan does not fit the chip."""
   from recguide_jax.attention import dispatch as attention_dispatch
-  from recguide_jax.cache.memory_plan import _abstract_runner, _nbytes, _transient_bytes
+  from recguide_jax.cache.memory_plan import _abstract_runner, _nbytes
   _, rc, kinds, blocks = policy_runner_config(policy, block_size=block_size, max_num_seqs=max_num_seqs,
                                               max_model_len=max_model_len, page_size=page_size,
                                               prefill_chunk=prefill_chunk)
@@ -130,47 +134,47 @@ def plan_and_compile(cfg, target: Target, *, policy: str, tp: int, dtype: str = 
       max_num_seqs=max_num_seqs, max_block=rc.max_block, device=f"{target.chip.description} ({target.name})",
       device_bytes=target.chip.memory_bytes, fraction=fraction, num_pages=num_pages,
       weights=memory_plan_lib.weights_bytes(cfg, dtype, tp), tp=tp)
-  with attention_dispatch.target_platform(target.platform.value):
-    # The activation peak is measured where the cache will be: the largest variant of each kind compiled at the
-    # pages the weights leave, not extrapolated from two small caches as memory_plan's probe does (for NLD-8B on
-    # XLA:GPU that charged 2.6 MB per page that no variant at the planned size needs: 64 GB of an H200). The
-    # variants are then compiled at the plan's own, smaller cache and each checked against this reserve.
-    most = plan()
-    progress(f"{target.name} tp={tp} {policy}: measuring the activation peak at {most.num_pages} KV pages")
-    t0 = time.perf_counter()
-    probe = _abstract_runner(cfg, dtype, dataclasses.replace(rc, num_pages=most.num_pages), attention, mesh)
-    held = _nbytes(probe.state) + _nbytes(probe.cache)
-    peaks = {v.name: _transient_bytes(probe.compiled(v), held)
-             for v in memory_plan_lib.probe_variants(probe.variants(kinds, blocks))}
-    activation = memory_plan_lib.ActivationProfile(
-        base_bytes=max(peaks.values()), per_page_bytes=0.0, variants=peaks, probe_pages=most.num_pages,
-        compile_seconds=time.perf_counter() - t0, backend=target.platform.value)
-    plan = plan(activation=activation)
-    progress(plan.summary())
-    runner = _abstract_runner(cfg, dtype, dataclasses.replace(rc, num_pages=plan.num_pages), attention, mesh)
-    persistent = _nbytes(runner.state) + _nbytes(runner.cache)
-    cache_bytes = _nbytes(runner.cache)
-    vocab = runner.cfg.vocab_size // tp  # a sort of any vocabulary shard is a sort of the vocabulary
+
+  def variants_of(runner):
     variants = runner.variants(kinds, blocks)
     if startup_only:
       variants = [v for v in variants if v.batch == rc.max_batch]
+    if only:  # name patterns ("fused/32/*"): a partial plan, over these variants only
+      variants = [v for v in variants if any(fnmatch.fnmatchcase(v.name, p) for p in only)]
+      if not variants:
+        raise ValueError(f"--variants {','.join(only)} matches none of the policy's variants")
+    return variants
+
+  with attention_dispatch.target_platform(target.platform.value):
+    # the plan serve.py makes on the chip (memory_plan.fit_activation): its reserve from every variant compiled
+    # at the plan's own cache size, so the variants reported below are those very programs
+    progress(f"{target.name} tp={tp} {policy}:")
+    fitted = memory_plan_lib.fit_activation(
+        plan, lambda n: _abstract_runner(cfg, dtype, dataclasses.replace(rc, num_pages=n), attention, mesh),
+        variants_of, progress=progress, backend=target.platform.value, workers=workers)
+    plan, runner = fitted.plan, fitted.runner
+    cache_bytes = _nbytes(runner.cache)
+    vocab = runner.cfg.vocab_size // tp  # a sort of any vocabulary shard is a sort of the vocabulary
+    worst = max(fitted.transients, key=fitted.transients.get)
+    progress(f"plan vs compiled: the largest variant of each kind reserved {fitted.probe.base_bytes / 1e9:.3f} GB; "
+             f"the plan reserves {plan.activation_bytes / 1e9:.3f} GB; compiled at {plan.num_pages} pages, the most "
+             f"any variant needs is {fitted.transients[worst] / 1e9:.3f} GB ({worst.name})")
     reports = []
-    for v in variants:
-      t0 = time.perf_counter()
-      compiled = runner.compiled(v)
-      seconds = time.perf_counter() - t0
+    for v, transient in fitted.transients.items():
+      compiled = runner.compiled(v)  # cached by fit_activation
       m = compiled.memory_analysis()
       text = compiled.as_text()
       report = VariantReport(
-          variant=v.name, label=v.label, compile_s=round(seconds, 2), argument_bytes=int(m.argument_size_in_bytes),
-          temp_bytes=int(m.temp_size_in_bytes), output_bytes=int(m.output_size_in_bytes),
-          alias_bytes=int(m.alias_size_in_bytes), transient_bytes=_transient_bytes(compiled, persistent),
+          variant=v.name, label=v.label, compile_s=round(fitted.seconds[v], 2),
+          argument_bytes=int(m.argument_size_in_bytes), temp_bytes=int(m.temp_size_in_bytes),
+          output_bytes=int(m.output_size_in_bytes), alias_bytes=int(m.alias_size_in_bytes), transient_bytes=transient,
           large_buffers=tuple(hlo.large_buffers(text, int(temp_limit * cache_bytes))),
           vocabulary_sorts=tuple(hlo.vocabulary_sorts(text, vocab)), kernel_calls=hlo.kernel_calls(text))
       reports.append(report)
       flags = report.problems(cache_bytes, temp_limit, plan.activation_bytes)
-      progress(f"  {v.name:18s} {seconds:6.1f} s  args {report.argument_bytes / 1e9:7.3f} GB  temp "
+      progress(f"  {v.name:18s} {report.compile_s:6.1f} s  args {report.argument_bytes / 1e9:7.3f} GB  temp "
                f"{report.temp_bytes / 1e9:6.3f} GB  transient {report.transient_bytes / 1e9:6.3f} GB"
                + (f"  PROBLEM: {'; '.join(flags)}" if flags else ""))
   return TargetReport(target=target.name, policy=policy, tp=tp, plan=plan, cache_bytes_per_device=cache_bytes,
-                      temp_limit=temp_limit, variants=tuple(reports))
+                      temp_limit=temp_limit, variants=tuple(reports), probe_reserve_bytes=fitted.probe.base_bytes,
+                      replans=tuple(fitted.rounds))

@@ -38,11 +38,14 @@ HELP_ARGS = ("-h", "-help", "--help", "--helpshort")
 
 def underscored(argv: list[str]) -> list[str]:
   """`--max-num-seqs[=4]` -> `--max_num_seqs[=4]`: vLLM spells flags with dashes, absl only knows underscores, so
-  both spellings work. Values and everything after a bare `--` are left as they are."""
+  both spellings work; vLLM's negated booleans (`--no-enable-prefix-caching`) become absl's (`--noenable_...`).
+  Values and everything after a bare `--` are left as they are."""
   out = list(argv[:1])
   for i, arg in enumerate(argv[1:], 1):
     if arg == "--":
       return out + list(argv[i:])
+    if arg.startswith("--no-") and "=" not in arg:
+      arg = "--no" + arg[len("--no-"):]
     m = re.fullmatch(r"(--?)([A-Za-z][\w-]*)(=.*)?", arg, flags=re.S)
     out.append(m.group(1) + m.group(2).replace("-", "_") + (m.group(3) or "") if m else arg)
   return out

@@ -13,6 +13,14 @@ floats' bits as unsigned integers (`storage_dtype`). Host side: `PageAllocator` 
 crop and free only change the host's tables and per-request lengths (a crop is a length change; pages past the new
 length are returned).
 
+Automatic prefix caching (vLLM's, on by default in the engine): a full page of a prompt, once prefilled, is
+registered under the hash of its token prefix chain (sha256 of the parent page's hash and the page's tokens, so equal
+hashes mean equal prefixes), and a later request whose prompt starts with the same pages takes them by reference
+(`match_prefix`) and prefills only the rest. A cached page that no request owns any more is kept, least recently
+used first, until the allocator needs a page and evicts it. Only pages that are full of prompt tokens and below a
+request's committed length are registered: every step writes at or past a request's committed length, so a cached
+page is never written again (`crop` refuses to cut into one, which would need a copy-on-write).
+
 Samples of one prompt (`n > 1`) share its prefill: `fork` gives a sibling the full pages of the prompt another
 request already wrote, reference-counted, so a page returns to the free list only when its last owner lets go of
 it. Only full pages are shared and every step writes at or past a request's committed length, so a shared page is
@@ -21,8 +29,10 @@ never written again; the partial last page is the sibling's own (the engine reco
 
 from __future__ import annotations
 
+import collections
 import dataclasses
-from typing import Iterable
+import hashlib
+from typing import Iterable, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -170,7 +180,7 @@ class PageAllocator:
   and each request's committed length fits the pages it owns.
   """
 
-  def __init__(self, num_pages: int, page_size: int, max_pages_per_seq: int):
+  def __init__(self, num_pages: int, page_size: int, max_pages_per_seq: int, enable_prefix_caching: bool = False):
     if num_pages < 2:
       raise ValueError("num_pages must be >= 2 (page 0 is the reserved trash page)")
     if page_size <= 0 or max_pages_per_seq <= 0:
@@ -183,15 +193,27 @@ class PageAllocator:
     self._pages: dict[object, list[int]] = {}
     self._length: dict[object, int] = {}
     self._refs: dict[int, int] = {}  # owners of each page held by more than one request (absent: one owner)
+    self.enable_prefix_caching = enable_prefix_caching
+    self._cached: dict[bytes, int] = {}  # prefix chain hash -> the page holding that prefix's last page of K/V
+    self._page_hash: dict[int, bytes] = {}  # the inverse
+    # cached pages no request owns, least recently released first: free for the taking, reused if matched first
+    self._evictable: collections.OrderedDict[int, None] = collections.OrderedDict()
+    self._prompt_hashes: dict[object, list[bytes]] = {}  # each request's full prompt pages' chain hashes
 
   # -- queries --
   @property
   def num_free(self) -> int:
-    return len(self._free)
+    """Pages a request can be given: the free list and the cached pages nobody owns (evicted on demand)."""
+    return len(self._free) + len(self._evictable)
+
+  @property
+  def num_cached(self) -> int:
+    """Pages registered in the prefix cache (owned or not)."""
+    return len(self._page_hash)
 
   @property
   def num_used(self) -> int:
-    return self.num_pages - 1 - len(self._free)
+    return self.num_pages - 1 - self.num_free
 
   def pages_for(self, num_tokens: int) -> int:
     return -(-num_tokens // self.page_size)
@@ -199,7 +221,7 @@ class PageAllocator:
   def can_hold(self, seq_id, num_tokens: int) -> bool:
     have = len(self._pages.get(seq_id, ()))
     need = self.pages_for(num_tokens)
-    return need <= self.max_pages_per_seq and need - have <= len(self._free)
+    return need <= self.max_pages_per_seq and need - have <= self.num_free
 
   def length(self, seq_id) -> int:
     return self._length[seq_id]
@@ -242,14 +264,79 @@ class PageAllocator:
     return self._length[dst]
 
   def _release(self, page: int) -> None:
-    """Drops one owner of `page`; the last one returns it to the free list."""
+    """Drops one owner of `page`; the last one returns it to the free list (a cached page: to the evictable ones,
+    as the most recently used)."""
     refs = self._refs.get(page, 1)
     if refs > 2:
       self._refs[page] = refs - 1
     elif refs == 2:
       del self._refs[page]
+    elif page in self._page_hash:
+      self._evictable[page] = None
     else:
       self._free.append(page)
+
+  def _take(self) -> int:
+    """A page for a request: from the free list, else the least recently used unowned cached page (evicted)."""
+    if self._free:
+      return self._free.pop()
+    page, _ = self._evictable.popitem(last=False)
+    del self._cached[self._page_hash.pop(page)]
+    return page
+
+  # -- prefix caching --
+  def prompt_hashes(self, prompt_ids: Sequence[int]) -> list[bytes]:
+    """The chain hash of each full page of a prompt: sha256(parent hash + the page's int32 tokens)."""
+    tokens = np.asarray(prompt_ids, np.int32)
+    out, parent = [], b""
+    for i in range(len(tokens) // self.page_size):
+      parent = hashlib.sha256(parent + tokens[i * self.page_size:(i + 1) * self.page_size].tobytes()).digest()
+      out.append(parent)
+    return out
+
+  def match_prefix(self, seq_id, prompt_ids: Sequence[int], match: bool = True) -> int:
+    """Gives `seq_id` (added, holding no pages) the cached pages of its prompt's longest cached page prefix, by
+    reference (unless not `match`), and remembers its prompt's page hashes for `register_prefix`. Never the page of
+    the last prompt token's position (its forward samples the first output token). Returns the tokens taken (its
+    committed length); 0 with prefix caching off."""
+    if not self.enable_prefix_caching:
+      return 0
+    if self._pages[seq_id]:
+      raise ValueError(f"prefix match into {seq_id!r}, which already holds pages")
+    hashes = self._prompt_hashes[seq_id] = self.prompt_hashes(prompt_ids)
+    pages = self._pages[seq_id]
+    for h in hashes[:self.shareable_tokens(len(prompt_ids)) // self.page_size if match else 0]:
+      page = self._cached.get(h)
+      if page is None:
+        break
+      if page in self._evictable:
+        del self._evictable[page]
+      else:
+        self._refs[page] = self._refs.get(page, 1) + 1
+      pages.append(page)
+    self._length[seq_id] = len(pages) * self.page_size
+    return self._length[seq_id]
+
+  def register_prefix(self, seq_id) -> None:
+    """Registers `seq_id`'s full prompt pages below its committed length in the prefix cache (a prefix some other
+    page already holds keeps that page)."""
+    hashes = self._prompt_hashes.get(seq_id)
+    if not hashes:
+      return
+    pages = self._pages[seq_id]
+    for i in range(min(len(hashes), self._length[seq_id] // self.page_size)):
+      h, page = hashes[i], pages[i]
+      if h not in self._cached and page not in self._page_hash:
+        self._cached[h] = page
+        self._page_hash[page] = h
+
+  def reset_prefix_cache(self) -> None:
+    """Forgets every cached prefix (vLLM's `reset_prefix_cache`): unowned cached pages return to the free list;
+    owned ones become their owners' own."""
+    self._free.extend(reversed(self._evictable))
+    self._evictable.clear()
+    self._cached.clear()
+    self._page_hash.clear()
 
   def reserve(self, seq_id, num_tokens: int) -> None:
     """Makes sure the sequence has pages for positions [0, num_tokens); raises OutOfPages and changes nothing
@@ -260,10 +347,10 @@ class PageAllocator:
       raise OutOfPages(f"{num_tokens} tokens exceed the per-sequence limit of "
                        f"{self.max_pages_per_seq * self.page_size}")
     extra = need - len(pages)
-    if extra > len(self._free):
-      raise OutOfPages(f"need {extra} more KV pages, {len(self._free)} free")
+    if extra > self.num_free:
+      raise OutOfPages(f"need {extra} more KV pages, {self.num_free} free")
     for _ in range(max(extra, 0)):
-      pages.append(self._free.pop())
+      pages.append(self._take())
 
   def commit(self, seq_id, length: int) -> None:
     """Sets the committed length (after a verify/prefill wrote K/V); pages must already be reserved."""
@@ -275,9 +362,14 @@ class PageAllocator:
     """Truncates to `length` committed tokens and returns pages past it to the free list."""
     if length > self._length[seq_id]:
       raise ValueError(f"crop to {length} > committed length {self._length[seq_id]}")
-    self._length[seq_id] = length
     pages = self._pages[seq_id]
     keep = self.pages_for(length)
+    if length % self.page_size and keep <= len(pages):
+      last = pages[keep - 1]  # kept partly: the next step writes into it
+      if last in self._page_hash or last in self._refs:
+        raise ValueError(f"crop of {seq_id!r} to {length} would have it write into a shared page (copy-on-write "
+                         "is not implemented: only whole committed prompt pages are shared)")
+    self._length[seq_id] = length
     while len(pages) > keep:
       self._release(pages.pop())
 
@@ -288,6 +380,7 @@ class PageAllocator:
   def free(self, seq_id) -> None:
     pages = self._pages.pop(seq_id, None)
     self._length.pop(seq_id, None)
+    self._prompt_hashes.pop(seq_id, None)
     for p in reversed(pages or ()):
       self._release(p)
 
@@ -301,6 +394,10 @@ class PageAllocator:
     """Raises AssertionError if any page is lost, double-owned or a length exceeds its capacity."""
     seen = set(self._free)
     assert len(seen) == len(self._free), "duplicate page in free list"
+    assert not seen & set(self._evictable), "a page both free and cached"
+    assert set(self._evictable) <= set(self._page_hash), "an evictable page that is not cached"
+    assert {self._cached[h] for h in self._page_hash.values()} == set(self._page_hash), "cache tables disagree"
+    seen |= set(self._evictable)
     assert TRASH_PAGE not in seen, "trash page on the free list"
     owners: dict[int, int] = {}
     for seq_id, pages in self._pages.items():

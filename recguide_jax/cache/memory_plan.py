@@ -6,12 +6,17 @@ budget; the weights and the measured activation peak come off it first and the r
     KV bytes = device memory * fraction - weights - activation peak
     pages    = KV bytes / (2 * layers * page_size * kv_heads * head_dim * dtype bytes)
 
-The activation peak is measured, not guessed: the largest step variant of every kind the policy runs is compiled
-from abstract shapes (`jax.ShapeDtypeStruct`: no weight and no KV page is allocated), and XLA's memory analysis
-of each executable gives its temporaries plus the non-persistent inputs and outputs that live across it (a draft's
-`[b, B, V]` distributions, which the next verify reads). A backend may copy the cache in a donated update (XLA's
-CPU backend does), so the variants that write the cache are compiled at two cache sizes and the growth per page is
-charged to every page of the plan.
+The activation peak is measured, not guessed: step variants are compiled from abstract shapes
+(`jax.ShapeDtypeStruct`: no weight and no KV page is allocated), and XLA's memory analysis of each executable gives
+its temporaries plus the non-persistent inputs and outputs that live across it (a draft's `[b, B, V]`
+distributions, which the next verify reads).
+- On an accelerator (`fit_activation`; also `launch/aot_compile.py` for a chip this host does not have) every
+  variant the server compiles, every batch bucket, is compiled at the plan's own cache size, and the plan is made
+  again while one needs more than the reserve (the largest batch is not always the peak: NLD-8B's batch-1 decode on
+  XLA:GPU needs more than its batch-32 one).
+- On a CPU with a stated --device_memory_gb (`measure_activation`), the largest variant of each kind at two small
+  cache sizes: XLA's CPU backend copies the cache in a donated update, so the growth per page is charged to every
+  page of the plan.
 
 The planning itself is a pure function of shapes and stated sizes, so a plan for an 8B model on an H200 can be
 computed (and tested) without one: `python -m recguide_jax.cache.memory_report --presets nld-8b --devices h200` (the
@@ -26,6 +31,7 @@ mesh=...)`, `launch/serve.py --mesh`; `docs/memory_plans_mesh.md` for 4x / 8x TP
 from __future__ import annotations
 
 import concurrent.futures
+import contextvars
 import dataclasses
 import functools
 import math
@@ -205,6 +211,117 @@ def measure_activation(cfg, dtype: str, runner_config, kinds: Sequence[str], blo
                            compile_seconds=time.perf_counter() - t0, backend=jax.default_backend())
 
 
+# ---- the activation reserve from the compiled programs at the planned size (accelerators) --------------------------
+
+# where the first reserve is measured: the cache that leaves this share of the budget to the activations. libtpu
+# refuses a program whose arguments and temporaries exceed HBM: at a cache that fills the whole budget a step needing
+# more than the rest (1.45 GB on a v5e) would not compile at all, though it fits the plan's smaller cache
+PROBE_RESERVE_SHARE = 0.1
+RESERVE_HEADROOM = 1.02  # on the largest transient measured: buffer assignment may differ a little between cache sizes
+MAX_PLAN_ROUNDS = 3
+
+
+def reserve_bytes(peak: int) -> int:
+  """The activation reserve for a measured transient peak: RESERVE_HEADROOM over it, in whole MiB."""
+  mib = 2 ** 20
+  return -(-int(peak * RESERVE_HEADROOM) // mib) * mib
+
+
+@dataclasses.dataclass
+class FittedPlan:
+  """A plan whose activation reserve covers every variant as compiled at the plan's own cache size."""
+  plan: "MemoryPlan"
+  runner: Any  # the abstract runner at plan.num_pages, every variant compiled (`runner.compiled(v)` is cached)
+  transients: dict  # StepKey -> transient bytes at plan.num_pages
+  seconds: dict  # StepKey -> compile seconds (the last round's)
+  probe: ActivationProfile  # the first reserve: the largest variant of each kind (see fit_activation)
+  rounds: list  # per re-plan: (reserve it had, the variant over it, that variant's transient)
+
+
+def _map(pool, fn, items) -> list:
+  """`pool.map` with each task in a copy of the caller's context: the compiles trace under its context variables
+  (`attention.dispatch.target_platform`: without it a worker thread lowers a TPU step with the reference attention,
+  26 GB of temporaries for NLD-8B's draft/32/32 on a v5e)."""
+  return [f.result() for f in [pool.submit(contextvars.copy_context().run, fn, x) for x in items]]
+
+
+def _compiled(runner, v, num_pages: int):
+  """`runner.compiled(v)`; a program the compiler cannot fit in the device's memory at all is a MemoryPlanError that
+  names the variant, any other failure says which variant it was."""
+  try:
+    return runner.compiled(v)
+  except Exception as e:
+    if "RESOURCE_EXHAUSTED" in str(e):
+      raise MemoryPlanError(f"memory plan: {v.name} at {num_pages} KV pages does not fit the device: "
+                            f"{str(e).splitlines()[0][:300]}") from None
+    e.add_note(f"compiling {v.name} at {num_pages} KV pages")
+    raise
+
+
+def fit_activation(plan, runner_at, variants_of, progress=None, backend: str = "",
+                   workers: int | None = None) -> FittedPlan:
+  """The memory plan of an accelerator from its own compiler, measured where the cache will be.
+
+  `plan(activation=None)` -> MemoryPlan; `runner_at(num_pages)` -> an abstract Runner; `variants_of(runner)` -> the
+  StepKeys the server compiles (every batch bucket). First the reserve is the transient peak of the largest variant
+  of each kind (`probe_variants`) compiled at the cache that leaves PROBE_RESERVE_SHARE of the budget to the
+  activations (less, and libtpu may refuse a program that fits the final plan); then every variant is compiled at
+  the plan's pages, and when one needs more than the reserve (NLD-8B on two H100s: linear's batch-1 decode, 1.02 GB
+  over the 0.89 GB of its batch-32 variants) the plan is made again with that peak, its variants recompiled at the
+  new size, until every variant fits (MemoryPlanError after MAX_PLAN_ROUNDS, or when the cache no longer fits).
+  `workers` variants compile at once (default: one per core, at most 8; XLA compiles outside the GIL)."""
+  say = progress or (lambda line: None)
+  most = plan()
+  if most.sized_by == "memory" and most.budget_bytes:
+    share = int(PROBE_RESERVE_SHARE * most.budget_bytes)
+    most = plan(activation=ActivationProfile(share, 0.0, {}, 0, 0.0, backend))
+  workers = max(1, workers or min(os.cpu_count() or 1, 8))
+  with concurrent.futures.ThreadPoolExecutor(max_workers=workers) as pool:
+    return _fit(plan, runner_at, variants_of, say, backend, most, pool)
+
+
+def _fit(plan, runner_at, variants_of, say, backend, most, pool) -> FittedPlan:
+  t0 = time.perf_counter()
+  probe_runner = runner_at(most.num_pages)
+  held = _nbytes(probe_runner.state) + _nbytes(probe_runner.cache)
+  todo = probe_variants(variants_of(probe_runner))
+  say(f"memory plan: the largest variant of each kind ({len(todo)}) at {most.num_pages} KV pages")
+  peaks = dict(zip([v.name for v in todo],
+                   _map(pool, lambda v: _transient_bytes(_compiled(probe_runner, v, most.num_pages), held), todo)))
+  probe = ActivationProfile(base_bytes=reserve_bytes(max(peaks.values())), per_page_bytes=0.0, variants=peaks,
+                            probe_pages=most.num_pages, compile_seconds=time.perf_counter() - t0, backend=backend)
+  del probe_runner
+  activation, rounds = probe, []
+  for _ in range(MAX_PLAN_ROUNDS):
+    fitted = plan(activation=activation)
+    runner = runner_at(fitted.num_pages)
+    held = _nbytes(runner.state) + _nbytes(runner.cache)
+    variants = variants_of(runner)
+    say(f"{fitted.summary()}\nmemory plan: compiling every variant ({len(variants)}) at {fitted.num_pages} KV pages")
+    transients, seconds = {}, {}
+
+    def measure(v, runner=runner, held=held):
+      t0 = time.perf_counter()
+      compiled = _compiled(runner, v, fitted.num_pages)
+      seconds[v] = time.perf_counter() - t0
+      transients[v] = _transient_bytes(compiled, held)
+      say(f"  {v.name:18s} {seconds[v]:6.1f} s  transient {transients[v] / GB:6.3f} GB")
+
+    _map(pool, measure, variants)
+    transients = {v: transients[v] for v in variants}  # in the runner's order
+    worst = max(transients, key=transients.get)
+    if transients[worst] <= fitted.activation_bytes:
+      return FittedPlan(fitted, runner, transients, seconds, probe, rounds)
+    rounds.append((fitted.activation_bytes, worst.name, transients[worst]))
+    say(f"memory plan: {worst.name} needs {_gb(transients[worst])} at {fitted.num_pages} pages, more than the "
+        f"{_gb(fitted.activation_bytes)} reserved: planning again with it")
+    activation = dataclasses.replace(probe, base_bytes=reserve_bytes(transients[worst]),
+                                     variants={v.name: t for v, t in transients.items()},
+                                     probe_pages=fitted.num_pages)
+  raise MemoryPlanError(f"memory plan: the activation reserve did not settle in {MAX_PLAN_ROUNDS} rounds "
+                        f"({', '.join(f'{n} needs {_gb(t)} > {_gb(r)}' for r, n, t in rounds)})")
+
+
 # ---- the plan ------------------------------------------------------------------------------------------------------
 
 @dataclasses.dataclass(frozen=True)
@@ -381,5 +498,12 @@ def plan_for_device(cfg, *, dtype: str, runner_config, kinds: Sequence[str], blo
   if device_bytes is None or not measure:
     return plan()
   plan()  # refuses at once (before the probe's compiles) what cannot fit even without activations
-  return plan(activation=measure_activation(cfg, dtype, runner_config, kinds, block_sizes, attention=attention,
-                                            mesh=group if tp > 1 else None))
+  if device.platform == "cpu":  # a stated --device_memory_gb: XLA:CPU copies the cache in a donated update
+    return plan(activation=measure_activation(cfg, dtype, runner_config, kinds, block_sizes, attention=attention,
+                                              mesh=group if tp > 1 else None))
+  # an accelerator: every variant the server compiles, compiled at the plan's own cache size (`fit_activation`);
+  # the warm-up then compiles the same programs (from the compile cache when one is set)
+  runner_at = lambda n: _abstract_runner(cfg, dtype, dataclasses.replace(runner_config, num_pages=n), attention,
+                                         group if tp > 1 else None)
+  return fit_activation(plan, runner_at, lambda r: r.variants(tuple(kinds), tuple(block_sizes)),
+                        backend=device.platform).plan

@@ -34,6 +34,8 @@ class EngineConfig:
   bucketing: bool | str = "auto"
   gpu_memory_utilization: float | None = None  # of the device memory; what weights and activations leave is KV
   device_memory_gb: float | None = None
+  # vLLM's automatic prefix caching: full prompt pages shared across requests by their token prefix (kv_cache.py)
+  enable_prefix_caching: bool = True
   runner_options: Mapping[str, Any] = dataclasses.field(default_factory=dict)  # other RunnerConfig fields by name
 
   def __post_init__(self):
@@ -53,6 +55,8 @@ class EngineConfig:
       raise ValueError(f"attention must be one of {IMPLS}, got {self.attention!r}")
     if not any(self.bucketing is c or self.bucketing == c and isinstance(c, str) for c in BUCKETING_CHOICES):
       raise ValueError(f"bucketing must be one of {BUCKETING_CHOICES}, got {self.bucketing!r}")
+    if not isinstance(self.enable_prefix_caching, bool):
+      raise ValueError(f"enable_prefix_caching must be a boolean, got {self.enable_prefix_caching!r}")
     if self.compile_cache_dir is not None:
       object.__setattr__(self, "compile_cache_dir", os.fspath(self.compile_cache_dir))
     object.__setattr__(self, "runner_options", dict(self.runner_options))

@@ -29,9 +29,12 @@ from recguide_jax.decoding.strategy import Group, RoundPlan, StepView, Strategy
 from recguide_jax.engine import output, prefill
 from recguide_jax.engine.scheduler import Scheduler, group_plans
 from recguide_jax.cache.kv_cache import PageAllocator
-from recguide_jax.engine.requests import QueueFull, Request, RequestError, SamplingParams, fold_seed, sampling_row
+from recguide_jax.engine.requests import (NEUTRAL_CONTROLS, QueueFull, Request, RequestError, SamplingParams,
+                                          fold_seed, sampling_row)
 from recguide_jax.runtime.runner import Runner
-from recguide_jax.runtime.steps import SamplingArrays
+from recguide_jax.runtime.steps import SamplingArrays, empty_controls
+
+MIN_CONTROL_LEN = 64  # control lists are padded to a power of two from here (one compiled variant per length)
 
 log = logging.getLogger("recguide_jax.engine")
 
@@ -42,14 +45,15 @@ class Engine:
   It is also the `RoundContext` its strategy's rounds run with (`batch_arrays`, `reserve`, `verified`, ...)."""
 
   def __init__(self, runner: Runner, strategy: Strategy, *, tokenizer=None, max_queue: int = 1024,
-               bucketing: bool | str = "auto"):
+               bucketing: bool | str = "auto", enable_prefix_caching: bool = True):
     self.runner = runner
     self.cfg = runner.cfg
     self.rc = runner.config
     self.strategy = strategy
     self.tokenizer = tokenizer
     self.max_queue = max_queue
-    self.allocator = PageAllocator(self.rc.num_pages, self.rc.page_size, self.rc.pages_per_seq)
+    self.allocator = PageAllocator(self.rc.num_pages, self.rc.page_size, self.rc.pages_per_seq,
+                                   enable_prefix_caching=enable_prefix_caching)
     self.scheduler = Scheduler(self.allocator, self.rc.max_batch, self.rc.max_block)
     self._eos = frozenset(self.cfg.eos_token_ids)
     self._ids = itertools.count()
@@ -82,6 +86,12 @@ class Engine:
         params.validate(self.cfg.vocab_size)
         raise RequestError(f"{field} is not available with the {self.strategy.name} policy (denoised tokens have "
                            "no AR distribution)", field)
+    if params.has_controls and not self.strategy.supports_logprobs:
+      # a denoised block is sampled all at once: there is no per-position output history to penalize against
+      params.validate(self.cfg.vocab_size)
+      field = next(f for f, v in NEUTRAL_CONTROLS.items() if getattr(params, f) not in (None, v))
+      raise RequestError(f"{field} is not available with the {self.strategy.name} policy (denoised tokens have no "
+                         "AR distribution to apply sampling controls to)", field)
     return self.scheduler.validate(prompt_ids, params, self.cfg.vocab_size, self.rc.max_model_len)
 
   def add_request(self, prompt_ids: Sequence[int], params: SamplingParams, request_id: str | None = None,
@@ -100,7 +110,8 @@ class Engine:
     rid = request_id or f"req-{next(self._ids)}"
     seed = params.seed if params.seed is not None else int(np.random.randint(0, 2**31 - 1))
     req = Request(rid, list(prompt_ids), params, on_update=on_update, rng_seed=fold_seed(seed))
-    req.sampling = sampling_row(params, req.rng_seed)  # before it can join a batch: a bad value fails it alone
+    # before it can join a batch: a bad value fails it alone
+    req.sampling = sampling_row(params, req.rng_seed, req.prompt_ids, self.cfg.eos_token_ids)
     if arrival is not None:
       req.arrival = arrival
     if prefill_source is not None:
@@ -123,6 +134,33 @@ class Engine:
         return True
     return False
 
+  def _match_prefix(self, req: Request) -> None:
+    """Automatic prefix caching: an admitted request takes the cached pages of its prompt's longest cached page
+    prefix and prefills only the rest. Not a sample that shares another's prefill (it forks that one's pages) nor
+    one that scores its prompt (every position's logprobs are computed); both still register their pages."""
+    if not self.allocator.enable_prefix_caching:
+      return
+    match = req.prefill_source is None and req.params.prompt_logprobs is None
+    hit = self.allocator.match_prefix(req.request_id, req.prompt_ids, match)
+    if not match:
+      return
+    self.totals["prefix_cache_queries"] += len(req.prompt_ids)
+    self.totals["prefix_cache_hits"] += hit
+    self.totals["prompt_tokens"] += hit  # vLLM counts every prompt token, cached or computed
+    if hit:
+      req.prefilled = req.num_cached_tokens = hit
+      # each forward's sampling key is (seed, round): skip the rounds of the chunks not run, so the first token is
+      # drawn with the key it would have had without the cache (seeded output is the same either way)
+      chunk = self.rc.prefill_chunk
+      n = len(req.prompt_ids)
+      req.round_counter += -(-n // chunk) - -(-(n - hit) // chunk)
+
+  def reset_prefix_cache(self) -> bool:
+    """Forgets every cached prompt prefix (vLLM's `reset_prefix_cache`); pages owned by running requests stay
+    theirs."""
+    self.allocator.reset_prefix_cache()
+    return True
+
   def has_work(self) -> bool:
     return bool(self.waiting or self.running)
 
@@ -141,6 +179,7 @@ class Engine:
     for req in self.scheduler.admit():
       try:
         self.allocator.add(req.request_id)
+        self._match_prefix(req)
         self.strategy.on_admit(req)
       except Exception as e:  # this request only: its pages are freed, the others are admitted as usual
         self.fail_request(req, "admitting it", e)
@@ -224,7 +263,7 @@ class Engine:
     built or changed elsewhere); a value that does not fit fails this request alone."""
     if r.sampling is None:
       try:
-        r.sampling = sampling_row(r.params, fold_seed(r.rng_seed))
+        r.sampling = sampling_row(r.params, fold_seed(r.rng_seed), r.prompt_ids, self.cfg.eos_token_ids)
       except Exception as e:
         self.fail_request(r, "converting its sampling parameters", e)
         return False
@@ -260,6 +299,8 @@ class Engine:
       samp.keys[i] = (row.seed, r.round_counter & 0xFFFFFFFF)
       samp.top_logprobs[i] = r.params.logprobs or 0
       r.round_counter += rounds
+    if any(r.sampling.controls is not None for r in reqs):
+      samp.controls = control_arrays(reqs, b, self.cfg.vocab_size)
     return b, page_table, prefix_len, samp
 
   def decode_steps(self, reqs: Sequence[Request]) -> int:
@@ -401,3 +442,44 @@ class Engine:
       self.finish(r, "error", message)
     self.waiting.clear()
     self.running.clear()
+
+
+def control_arrays(reqs: Sequence[Request], b: int, vocab_size: int):
+  """The sampling controls of a padded batch (sampling.Controls of numpy arrays): each row's sparse list holds its
+  prompt's distinct tokens (repetition_penalty), its output's distinct tokens with their counts (any penalty), its
+  logit_bias entries and, while fewer than min_tokens tokens are out, its stop ids; padded to the longest row's
+  length rounded up to a power of two (>= MIN_CONTROL_LEN), so a batch reuses a few compiled lengths."""
+  parts = []
+  for r in reqs:
+    c = r.sampling.controls
+    if c is None:
+      parts.append(None)
+      continue
+    if c.penalizes_output and r.output_ids:
+      out_ids, out_counts = np.unique(np.asarray(r.output_ids, np.int32), return_counts=True)
+    else:
+      out_ids, out_counts = np.zeros(0, np.int32), np.zeros(0, np.int64)
+    left = max(0, c.min_tokens - len(r.output_ids))
+    stop_ids = c.stop_ids if left else np.zeros(0, np.int32)
+    parts.append((c, left, out_ids, out_counts, stop_ids))
+  longest = max(len(p[0].prompt_ids) + len(p[2]) + len(p[0].bias_ids) + len(p[4]) for p in parts if p is not None)
+  length = max(MIN_CONTROL_LEN, 1 << max(0, longest - 1).bit_length())
+  ctl = empty_controls(b, length, vocab_size)
+  for i, p in enumerate(parts):
+    if p is None:
+      continue
+    c, left, out_ids, out_counts, stop_ids = p
+    ctl.presence[i], ctl.frequency[i], ctl.repetition[i], ctl.min_p[i] = (
+        c.presence_penalty, c.frequency_penalty, c.repetition_penalty, c.min_p)
+    ctl.min_tokens_left[i] = left
+    spans = {}
+    k = 0
+    for name, ids in (("prompt", c.prompt_ids), ("output", out_ids), ("bias", c.bias_ids), ("stop", stop_ids)):
+      spans[name] = slice(k, k + len(ids))
+      ctl.ids[i, spans[name]] = ids
+      k += len(ids)
+    ctl.in_prompt[i, spans["prompt"]] = True
+    ctl.counts[i, spans["output"]] = out_counts
+    ctl.bias[i, spans["bias"]] = c.bias
+    ctl.stop[i, spans["stop"]] = True
+  return ctl

@@ -30,6 +30,9 @@ def append_tokens(r: Request, toks: list[int], lps, top_lp, top_ids, eos: frozen
   returned list then is what is left of this round's)."""
   eos = frozenset() if r.params.ignore_eos else eos
   stop_ids = set(r.params.stop_token_ids or ())
+  # vLLM's min_tokens: no stop condition but max_tokens ends the output before it holds min_tokens tokens (the
+  # sampler holds EOS and the stop ids back until then; this guards the host's side)
+  min_tokens = r.params.min_tokens or 0
   new: list[int] = []
   reason = None
   for k, t in enumerate(toks):
@@ -40,7 +43,7 @@ def append_tokens(r: Request, toks: list[int], lps, top_lp, top_ids, eos: frozen
       if r.params.logprobs and top_lp is not None:
         entry["top_logprobs"] = {int(top_ids[k][j]): float(top_lp[k][j]) for j in range(r.params.logprobs)}
       r.logprobs.append(entry)
-    if t in eos or t in stop_ids:
+    if (t in eos or t in stop_ids) and len(r.output_ids) + len(new) >= min_tokens:
       reason = "stop"
       r.stop_reason = None if t in eos else t  # vLLM's: an EOS token is no stop reason
       break
@@ -52,8 +55,12 @@ def append_tokens(r: Request, toks: list[int], lps, top_lp, top_ids, eos: frozen
     if r.stop_text is None:
       r.stop_text = StopText(IncrementalDetokenizer(tokenizer), StopChecker(r.params.stop_strings))
     st = r.stop_text
-    st.detokenizer.add(new)
-    pos = st.checker.find(st.detokenizer.text)
+    early = max(0, min(len(new), min_tokens - (len(r.output_ids) - len(new))))
+    if early:  # text of the first min_tokens tokens is searched (so never again) but cannot stop, as in vLLM
+      st.detokenizer.add(new[:early])
+      st.checker.find(st.detokenizer.text)
+    st.detokenizer.add(new[early:])
+    pos = st.checker.find(st.detokenizer.text) if early < len(new) else None
     if pos is not None:
       n = st.detokenizer.tokens_reaching(pos)
       cut = len(r.output_ids) - n

@@ -47,6 +47,7 @@ def run_prefill(eng, reqs: list[Request], score: bool = False) -> None:
     r.prefilled += n
     eng.totals["prompt_tokens"] += n  # live, for /metrics and the periodic stats line
     eng.allocator.commit(r.request_id, r.prefilled)
+    eng.allocator.register_prefix(r.request_id)  # its prompt's pages now full and committed join the prefix cache
     r.stats.forwards[Forward.PREFILL] += 1
   # other samples of a prompt cached just now take its pages before its first token can finish it
   share_prefills(eng)

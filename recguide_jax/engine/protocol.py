@@ -41,6 +41,10 @@ class ServingEngine(Protocol):
     """(KV pages owned by requests, usable KV pages), over every group."""
     ...
 
+  def reset_prefix_cache(self) -> bool:
+    """Forgets every cached prompt prefix, in every group."""
+    ...
+
   def validate_request(self, prompt_ids: Sequence[int], params: SamplingParams) -> list[int]: ...
 
   def add_request(self, prompt_ids: Sequence[int], params: SamplingParams, request_id: str | None = None,

@@ -25,6 +25,9 @@ MAX_STOP_STRINGS = 16
 MAX_STOP_CHARS = 256  # per stop string: held-back stream tails are checked against every prefix of every stop
 MAX_STOP_TOKEN_IDS = 256
 MAX_SAMPLES = 16  # most samples (`n`) of one prompt: each is a request of its own in the engine
+MAX_LOGIT_BIAS = 1024  # entries of one request's logit_bias (each is an entry of its row's sparse control list)
+LOGIT_BIAS_CLAMP = 100.0  # vLLM's OpenAI layer clamps each bias to [-100, 100] (the OpenAI API's range)
+PENALTY_RANGE = (-2.0, 2.0)  # vLLM's range of presence_penalty and frequency_penalty
 
 def describe(value, limit: int = 40) -> str:
   """A short, always-encodable rendering of a client-supplied value for an error message: ASCII escapes instead of
@@ -76,10 +79,36 @@ class SamplingRow:
   top_k: np.int32
   top_p: np.float32
   seed: np.uint32
+  # the sampling controls (vLLM's logits processors; runtime/sampling.py `apply_controls`): None when the request
+  # sets none of them, so its batches run the steps without them
+  controls: "ControlRow | None" = None
 
 
-def sampling_row(params: "SamplingParams", rng_seed: int) -> SamplingRow:
-  """Raises RequestError (naming the field) if a value does not fit its array type; silent float overflow counts."""
+@dataclasses.dataclass(frozen=True)
+class ControlRow:
+  """A request's sampling controls in their array types. The token-keyed parts are sparse: the prompt's distinct
+  tokens (for repetition_penalty), the logit_bias entries and the stop token ids min_tokens suppresses; the output
+  tokens' counts are added per step (they grow)."""
+  presence_penalty: np.float32
+  frequency_penalty: np.float32
+  repetition_penalty: np.float32
+  min_p: np.float32
+  min_tokens: int
+  prompt_ids: np.ndarray  # [n] int32 distinct prompt tokens (empty unless repetition_penalty != 1)
+  bias_ids: np.ndarray  # [n] int32
+  bias: np.ndarray  # [n] float32
+  stop_ids: np.ndarray  # [n] int32: suppressed while fewer than min_tokens tokens are out (empty if min_tokens 0)
+
+  @property
+  def penalizes_output(self) -> bool:
+    return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1)
+
+
+def sampling_row(params: "SamplingParams", rng_seed: int, prompt_ids: Sequence[int] = (),
+                 eos_token_ids: Sequence[int] = ()) -> SamplingRow:
+  """Raises RequestError (naming the field) if a value does not fit its array type; silent float overflow counts.
+  `prompt_ids` (repetition_penalty counts them) and `eos_token_ids` (min_tokens holds them back, as vLLM does
+  whatever ignore_eos says) are only read when the request sets sampling controls."""
   temperature = float(params.temperature)
   if 0 < temperature < MIN_TEMPERATURE:
     temperature = MIN_TEMPERATURE
@@ -91,7 +120,28 @@ def sampling_row(params: "SamplingParams", rng_seed: int) -> SamplingRow:
     if not (info.min <= value <= info.max) or (isinstance(value, float) and not np.isfinite(value)):
       raise RequestError(f"{name} {describe(value)} does not fit the engine's {np.dtype(dtype).name} array", name)
     out[name] = dtype(value)
+  if params.has_controls:
+    out["controls"] = control_row(params, prompt_ids, eos_token_ids)
   return SamplingRow(**out)
+
+
+def control_row(params: "SamplingParams", prompt_ids: Sequence[int], eos_token_ids: Sequence[int]) -> ControlRow:
+  floats = {}
+  for name in ("presence_penalty", "frequency_penalty", "repetition_penalty", "min_p"):
+    value = float(getattr(params, name) if getattr(params, name) is not None else NEUTRAL_CONTROLS[name])
+    if not np.isfinite(np.float32(value)):
+      raise RequestError(f"{name} {describe(value)} does not fit the engine's float32 array", name)
+    floats[name] = np.float32(value)
+  bias = params.logit_bias or {}
+  bias_ids = np.fromiter((int(t) for t in bias), np.int32, len(bias))
+  bias_values = np.fromiter((min(LOGIT_BIAS_CLAMP, max(-LOGIT_BIAS_CLAMP, float(v))) for v in bias.values()),
+                            np.float32, len(bias))
+  rep = floats["repetition_penalty"] != 1
+  min_tokens = int(params.min_tokens or 0)
+  stops = sorted(set(eos_token_ids) | set(params.stop_token_ids or ())) if min_tokens else []
+  return ControlRow(**floats, min_tokens=min_tokens,
+                    prompt_ids=np.unique(np.asarray(prompt_ids, np.int32)) if rep else np.zeros(0, np.int32),
+                    bias_ids=bias_ids, bias=bias_values, stop_ids=np.asarray(stops, np.int32))
 
 
 class RequestError(ValueError):
@@ -110,9 +160,10 @@ class QueueFull(RequestError):
 
 
 # vLLM's SamplingParams fields with no implementation here -> their neutral values (None is neutral for every one)
-UNIMPLEMENTED_FIELDS = {"presence_penalty": (0.0,), "frequency_penalty": (0.0,), "repetition_penalty": (1.0,),
-                        "min_p": (0.0,), "min_tokens": (0,), "logit_bias": ({},), "bad_words": ([], ()),
-                        "allowed_token_ids": ()}
+UNIMPLEMENTED_FIELDS = {"bad_words": ([], ()), "allowed_token_ids": ()}
+# the sampling controls (vLLM's penalties and logits processors) -> their neutral values (None counts as neutral)
+NEUTRAL_CONTROLS = {"presence_penalty": 0.0, "frequency_penalty": 0.0, "repetition_penalty": 1.0, "min_p": 0.0,
+                    "min_tokens": 0, "logit_bias": {}}
 
 
 @dataclasses.dataclass
@@ -133,14 +184,16 @@ class SamplingParams:
   n: int = 1  # samples of the prompt (`LLM.generate` gives each its own seed, `seed_of_sample`, and one prefill)
   # vLLM's: generate this many samples (>= n) and return the n with the highest cumulative logprob
   best_of: int | None = None
+  # vLLM's sampling controls, applied to the logits of AR decoding and of every verify position alike
+  # (runtime/sampling.py `apply_controls`): speculative output keeps AR's (greedy: equal, sampled: same distribution)
+  presence_penalty: float = 0.0  # subtracted from the logit of every token the output holds
+  frequency_penalty: float = 0.0  # subtracted once per occurrence in the output
+  repetition_penalty: float = 1.0  # divides positive (multiplies negative) logits of tokens in the prompt or output
+  min_p: float = 0.0  # drops tokens whose probability is below min_p times the most likely one's
+  min_tokens: int = 0  # EOS and stop_token_ids are held back (and stop strings ignored) until this many are out
+  logit_bias: dict[int, float] | None = None  # token id -> added to its logit (clamped to [-100, 100])
   # vLLM's fields whose feature this engine does not have: accepted at their neutral value only (code written for
   # vLLM often passes them explicitly), refused otherwise, naming the field
-  presence_penalty: float = 0.0
-  frequency_penalty: float = 0.0
-  repetition_penalty: float = 1.0
-  min_p: float = 0.0
-  min_tokens: int = 0
-  logit_bias: dict[int, float] | None = None
   bad_words: Sequence[str] | None = None
   allowed_token_ids: Sequence[int] | None = None
 
@@ -151,6 +204,11 @@ class SamplingParams:
         off = " or ".join(repr(v) for v in (None, *neutral))
         raise RequestError(f"SamplingParams.{field}={value!r} is not implemented by this engine (only {off}, "
                            "the feature off, is accepted)", field)
+
+  @property
+  def has_controls(self) -> bool:
+    """Whether any sampling control is set to a non-neutral value."""
+    return any(getattr(self, f) is not None and getattr(self, f) != v for f, v in NEUTRAL_CONTROLS.items())
 
   @property
   def num_samples(self) -> int:
@@ -217,7 +275,38 @@ class SamplingParams:
       if not is_int(t) or t < 0 or (vocab_size is not None and t >= vocab_size):
         bad("stop_token_ids", f"holds an invalid token id {describe(t)}"
             + (f" (the vocabulary is [0, {vocab_size}))" if vocab_size is not None else ""))
+    self._validate_controls(vocab_size, bad, is_int, is_number)
     return self
+
+  def _validate_controls(self, vocab_size, bad, is_int, is_number) -> None:
+    """vLLM's ranges: penalties in [-2, 2], repetition_penalty > 0, min_p in [0, 1], min_tokens in [0, max_tokens];
+    logit_bias keys must be token ids of the vocabulary."""
+    finite = lambda v: is_number(v) and np.isfinite(float(v))
+    for field in ("presence_penalty", "frequency_penalty"):
+      v = getattr(self, field)
+      if v is not None and (not finite(v) or not PENALTY_RANGE[0] <= v <= PENALTY_RANGE[1]):
+        bad(field, f"must be a number in [-2, 2], got {describe(v)}")
+    v = self.repetition_penalty
+    if v is not None and (not finite(v) or not 0 < v <= np.finfo(np.float32).max):
+      bad("repetition_penalty", f"must be a finite number greater than zero, got {describe(v)}")
+    if self.min_p is not None and (not finite(self.min_p) or not 0 <= self.min_p <= 1):
+      bad("min_p", f"must be a number in [0, 1], got {describe(self.min_p)}")
+    if self.min_tokens is not None:
+      if not is_int(self.min_tokens) or self.min_tokens < 0:
+        bad("min_tokens", f"must be a non-negative integer, got {describe(self.min_tokens)}")
+      if is_int(self.max_tokens) and self.min_tokens > self.max_tokens:
+        bad("min_tokens", f"must be at most max_tokens ({self.max_tokens}), got {self.min_tokens}")
+    if self.logit_bias is not None:
+      if not isinstance(self.logit_bias, dict):
+        bad("logit_bias", f"must be a mapping of token ids to numbers, got {describe(self.logit_bias)}")
+      if len(self.logit_bias) > MAX_LOGIT_BIAS:
+        bad("logit_bias", f"holds {len(self.logit_bias)} entries, at most {MAX_LOGIT_BIAS} are allowed")
+      for t, v in self.logit_bias.items():
+        if not is_int(t) or t < 0 or (vocab_size is not None and t >= vocab_size):
+          bad("logit_bias", f"holds an invalid token id {describe(t)}"
+              + (f" (the vocabulary is [0, {vocab_size}))" if vocab_size is not None else ""))
+        if not finite(v):
+          bad("logit_bias", f"values must be finite numbers, got {describe(v)} for token {t}")
 
   @property
   def stop_strings(self) -> list[str]:
@@ -293,6 +382,7 @@ class Request:
   # None once shared, or when there is none
   prefill_source: "Request | None" = dataclasses.field(default=None, repr=False)
   shared_prompt_tokens: int = 0  # prompt tokens taken from prefill_source's pages instead of computed
+  num_cached_tokens: int = 0  # prompt tokens taken from the prefix cache (vLLM's name) instead of computed
 
   @property
   def finished(self) -> bool:

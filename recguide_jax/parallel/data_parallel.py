@@ -170,6 +170,9 @@ class DataParallelEngine:
       self._home.pop(r.request_id, None)
     return done
 
+  def reset_prefix_cache(self) -> bool:
+    return all([e.reset_prefix_cache() for e in self.engines])
+
   def has_work(self) -> bool:
     return any(e.has_work() for e in self.engines)
 

@@ -305,6 +305,15 @@ def replicated(mesh) -> NamedSharding:
   return NamedSharding(mesh, P())
 
 
+def step_io_sharding(mesh, shape: Sequence[int], vocab_size: int) -> NamedSharding:
+  """Where a step's input or output lives: a [b, T, vocab] distribution (a draft's q, which the next verify reads)
+  stays split over the vocabulary like the logits it came from, so a draft never gathers [b, B, V] float32 onto
+  every device (1/tp of it each); everything else is small and replicated."""
+  if len(shape) == 3 and shape[-1] == vocab_size:
+    return NamedSharding(mesh, logical_to_mesh(("batch", "length", "vocab"), shape, mesh))
+  return replicated(mesh)
+
+
 def sharding_report(shapes: Mapping[str, Sequence[int]], mesh) -> dict[str, str]:
   """{name: spec} of every parameter on `mesh` (shows which dims are split and which stay replicated)."""
   return {name: str(param_spec(name, tuple(shape), mesh)) for name, shape in shapes.items()}

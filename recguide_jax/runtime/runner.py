@@ -11,7 +11,8 @@ variants concurrently (XLA compiles outside the GIL), and with `background` it c
 bucket of each variant before returning (every batch fits it) and builds the smaller buckets on a background
 thread; `bucket_for` routes a batch to the smallest bucket that is ready, so no request waits on a compile.
 
-With a mesh, every variant is jitted with explicit shardings: the state's own, the cache's (`cache_sharding`), and
+With a mesh, every variant is jitted with explicit shardings: the state's own, the cache's (`cache_sharding`),
+the draft distributions [b, B, V] split over the vocabulary as the logits are (`sharding.step_io_sharding`), and
 replicated small host inputs and results.
 """
 
@@ -220,10 +221,11 @@ class Runner:
     placed = lambda spec: spec.sharding if isinstance(spec.sharding, NamedSharding) else replicated
     state_sh = jax.tree.map(placed, self._state_spec)
     cache_sh = jax.tree.map(placed, self._cache_spec)
-    in_sh = (state_sh, cache_sh) + tuple(replicated for _ in host_args)
+    io = lambda x: sharding.step_io_sharding(self.mesh, x.shape, self.cfg.vocab_size)
+    in_sh = (state_sh, cache_sh) + tuple(io(x) for x in host_args)
     with sharding.mesh_context(self.mesh):
       outs = jax.eval_shape(fn, self._state_spec, self._cache_spec, *host_args)
-    out_sh = jax.tree.map(lambda _: replicated, outs)
+    out_sh = jax.tree.map(io, outs)
     if key.kind.writes_cache:
       out_sh = (cache_sh,) + tuple(out_sh[1:])
     return jax.jit(fn, in_shardings=in_sh, out_shardings=out_sh, donate_argnums=donate)
@@ -364,15 +366,18 @@ class Runner:
     `compiles_after_warmup`, since that request did wait for it."""
     b, chunk = tokens.shape
     if targets is None:
-      key, args = StepKey(StepKind.PREFILL, chunk, b), (tokens, valid, prefix_len, page_table, last_idx)
+      key, args = StepKey(StepKind.PREFILL, chunk, b, controls=samp.controls_len), (tokens, valid, prefix_len,
+                                                                                      page_table, last_idx)
     else:
-      key, args = StepKey(StepKind.SCORE, chunk, b), (tokens, valid, prefix_len, page_table, last_idx, targets)
+      key, args = (StepKey(StepKind.SCORE, chunk, b, controls=samp.controls_len),
+                   (tokens, valid, prefix_len, page_table, last_idx, targets))
     return jax.device_get(self.execute(key, args + samp.args()))  # one device->host transfer for all results
 
   def draft(self, seed, prefix_len, page_table, blk: int, samp: SamplingArrays):
     """Returns device arrays: draft tokens [b, B], their distributions [b, B, V] (for `verify`) and the draft
     signals [b, 3, B] (confidence, top-1/top-2 margin, runner-up token)."""
-    return self.execute(StepKey(StepKind.DRAFT, blk, seed.shape[0]), (seed, prefix_len, page_table) + samp.args())
+    return self.execute(StepKey(StepKind.DRAFT, blk, seed.shape[0], controls=samp.controls_len),
+                        (seed, prefix_len, page_table) + samp.args())
 
   def verify(self, tokens, q, write, prefix_len, page_table, samp: SamplingArrays, steps: int = 1) -> VerifyResult:
     """A verify of `tokens` [b, B] against the draft distributions `q`, or with `q` None an AR decode of the seed
@@ -381,12 +386,12 @@ class Runner:
     if q is None:  # AR decode: nothing to accept; its variant takes no draft distribution at all
       if blk != 1:
         raise ValueError("verify without draft distributions is only AR decode (block of 1)")
-      outs = self.execute(StepKey(StepKind.DECODE, 1, b, steps=steps),
+      outs = self.execute(StepKey(StepKind.DECODE, 1, b, steps=steps, controls=samp.controls_len),
                           (tokens, write, prefix_len, page_table) + samp.args())
     elif steps != 1:
       raise ValueError("only an AR decode (q None) runs several steps per call")
     else:
-      outs = self.execute(StepKey(StepKind.VERIFY, blk, b),
+      outs = self.execute(StepKey(StepKind.VERIFY, blk, b, controls=samp.controls_len),
                           (tokens, q, write, prefix_len, page_table) + samp.args())
     return VerifyResult(*jax.device_get(outs))
 
@@ -397,7 +402,7 @@ class Runner:
     if qn % blk:
       raise ValueError(f"a fused tree holds whole blocks: {qn} query tokens at block {blk}")
     slots = qn // blk - 1
-    key = StepKey(StepKind.FUSED, blk, b, slots) if slots else StepKey(StepKind.GVERIFY, blk, b)
+    key = StepKey(StepKind.FUSED if slots else StepKind.GVERIFY, blk, b, slots, controls=samp.controls_len)
     outs = self.execute(key, (tokens, positions, mask, lora, write, prefix_len, page_table) + samp.args())
     host = jax.device_get(outs)
     res = VerifyResult(*host[:6])
@@ -406,7 +411,7 @@ class Runner:
     return res, host[6], host[7]
 
   def denoise(self, seed, prefix_len, page_table, threshold, blk: int, samp: SamplingArrays, active):
-    outs = self.execute(StepKey(StepKind.DENOISE, blk, seed.shape[0]),
+    outs = self.execute(StepKey(StepKind.DENOISE, blk, seed.shape[0], controls=samp.controls_len),
                         (seed, prefix_len, page_table, threshold) + samp.args() + (active,))
     return jax.device_get(outs)
 

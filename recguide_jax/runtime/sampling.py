@@ -15,7 +15,7 @@ Here p_{j-1} is the verifier distribution at block index j-1, which predicts the
 
 from __future__ import annotations
 
-from typing import Callable
+from typing import Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -114,16 +114,78 @@ def _filter_top_k_top_p(logits: jax.Array, top_k: jax.Array, top_p: jax.Array) -
   return jax.lax.switch(jnp.any(use_k).astype(jnp.int32) + 2 * jnp.any(use_p).astype(jnp.int32), branches, logits)
 
 
+class Controls(NamedTuple):
+  """vLLM's sampling controls of a padded batch (a pytree of device arrays). The token-keyed parts are one sparse
+  list per row, L entries (padding ids = V, dropped by the scatters), so a step holds no per-request [V] state
+  between steps: it scatters them into [b, V] rows of the step's own logits size. Entries may repeat a token: the
+  counts and biases add, the flags OR."""
+  presence: jax.Array  # [b] float32
+  frequency: jax.Array  # [b] float32
+  repetition: jax.Array  # [b] float32 (1: off)
+  min_p: jax.Array  # [b] float32 (0: off)
+  min_tokens_left: jax.Array  # [b] int32: stop ids are held back at positions t with t + offset < this
+  ids: jax.Array  # [b, L] int32
+  counts: jax.Array  # [b, L] float32: occurrences in the output so far
+  in_prompt: jax.Array  # [b, L] bool
+  bias: jax.Array  # [b, L] float32
+  stop: jax.Array  # [b, L] bool
+
+
+def apply_controls(logits: jax.Array, c: Controls, extra: jax.Array | None = None, offset=0) -> jax.Array:
+  """vLLM's order and definitions on logits [b, T, V] float32: min_tokens (stop ids -> -inf) and logit_bias (added),
+  then the penalties: repetition over prompt + output tokens (positive logits divided, the rest multiplied),
+  frequency (times the output count) and presence (once per output token) subtracted.
+
+  Position t sees the output so far plus `extra` [b, E] tokens e < t + offset: a verify's draft tokens before it
+  (extra = block[1:], offset 0), or the tokens earlier steps of a multi-step decode sampled (offset = the step).
+  So each verify position is processed exactly as AR decoding would process it once the draft prefix before it is
+  accepted, which keeps speculative output lossless under the controls."""
+  b, t, v = logits.shape
+  rows = jnp.arange(b)[:, None]
+  scatter = lambda x, dtype: jnp.zeros((b, v), dtype).at[rows, c.ids].max(x, mode="drop")
+  counts = jnp.zeros((b, v), jnp.float32).at[rows, c.ids].add(c.counts, mode="drop")
+  bias = jnp.zeros((b, v), jnp.float32).at[rows, c.ids].add(c.bias, mode="drop")
+  in_prompt, stop = scatter(c.in_prompt, bool), scatter(c.stop, bool)
+  counts = jnp.broadcast_to(counts[:, None, :], (b, t, v))
+  seen = jnp.arange(t)[:, None] + offset  # [T, 1] extra tokens each position sees
+  if extra is not None:
+    e = extra.shape[1]
+    visible = (jnp.arange(e)[None, :] < seen).astype(jnp.float32)  # [T, E]
+    pos = jnp.broadcast_to(jnp.arange(t)[None, :, None], (b, t, e))
+    tok = jnp.broadcast_to(extra[:, None, :], (b, t, e))
+    counts = counts.at[rows[:, :, None], pos, tok].add(jnp.broadcast_to(visible, (b, t, e)), mode="drop")
+  held = stop[:, None, :] & (seen[None, :, :] < c.min_tokens_left[:, None, None])
+  logits = jnp.where(held, NEG_INF, logits) + bias[:, None, :]
+  out_mask = counts > 0
+  rep = jnp.where(in_prompt[:, None, :] | out_mask, c.repetition[:, None, None], 1.0)
+  logits = jnp.where(logits > 0, logits / rep, logits * rep)
+  return logits - c.frequency[:, None, None] * counts - c.presence[:, None, None] * out_mask
+
+
+def filter_min_p(scaled: jax.Array, min_p: jax.Array) -> jax.Array:
+  """vLLM's min-p on tempered logits [b, T, V]: keeps tokens whose probability is at least min_p [b] times the
+  most likely token's (exp(l - max) >= min_p, the softmax's ratio without its normalisation)."""
+  rel = jnp.exp(scaled - jnp.max(scaled, axis=-1, keepdims=True))
+  return jnp.where(rel >= min_p[:, None, None], scaled, NEG_INF)
+
+
 def processed_probs(logits: jax.Array, temperature: jax.Array, top_k: jax.Array, top_p: jax.Array,
-                    mask_token_id: int) -> jax.Array:
-  """The distribution each request samples from: [b, T, V] float32 (one-hot at the argmax for temperature 0)."""
+                    mask_token_id: int, controls: Controls | None = None, extra: jax.Array | None = None,
+                    offset=0) -> jax.Array:
+  """The distribution each request samples from: [b, T, V] float32 (one-hot at the argmax for temperature 0).
+  With `controls`, the logits are processed first (`apply_controls`; `extra` and `offset` place each position's
+  output), and min-p filters the tempered logits before top-k / top-p, as in vLLM."""
   logits = exclude_token(logits.astype(jnp.float32), mask_token_id)
+  if controls is not None:
+    logits = apply_controls(logits, controls, extra, offset)
   greedy = temperature <= 0
   onehot = jax.nn.one_hot(argmax(logits), logits.shape[-1], dtype=jnp.float32)
 
   def tempered(onehot):
     safe_t = jnp.where(greedy, 1.0, temperature)[:, None, None]
     scaled = logits / safe_t
+    if controls is not None:
+      scaled = filter_min_p(scaled, jnp.where(greedy, 0.0, controls.min_p))
     # greedy rows ignore their filters: a batch whose sampled rows filter nothing runs no threshold search
     scaled = _filter_top_k_top_p(scaled, jnp.where(greedy, 0, top_k), jnp.where(greedy, 1.0, top_p))
     return jnp.where(greedy[:, None, None], onehot, jax.nn.softmax(scaled, axis=-1))
@@ -207,11 +269,12 @@ def accept(rule: str, key_data: jax.Array, p: jax.Array, q: jax.Array, draft: ja
     raise ValueError(f"unknown acceptance rule {rule!r}; expected one of {RULES}")
   b, blk, _ = p.shape
   greedy = jnp.zeros((b,), bool) if greedy is None else greedy
-  x = draft[:, 1:]  # [b, B-1] tokens to verify
-  p_prev = p[:, :-1]  # [b, B-1, V] predicts x
+  x = draft[:, 1:]  # [b, B-1] tokens to verify; p[:, j] predicts x[:, j]
   if rule == "leviathan":
-    p_x = jnp.take_along_axis(p_prev, x[..., None], axis=-1)[..., 0]
-    q_x = jnp.take_along_axis(q[:, 1:], x[..., None], axis=-1)[..., 0]
+    # gathered from p and q whole: a gather from the slices p[:, :-1] / q[:, 1:] made XLA copy them ([b, B-1, V]
+    # float32 each, 130 MB per v5e chip for NLD-8B at batch 32, B=32, tp=4)
+    p_x = jnp.take_along_axis(p, jnp.concatenate([x, x[:, -1:]], axis=1)[..., None], axis=-1)[:, :-1, 0]
+    q_x = jnp.take_along_axis(q, draft[..., None], axis=-1)[:, 1:, 0]
     k_u = stream_keys(key_data, UNIFORM_STREAM)
     u = 1.0 - jax.vmap(lambda k: jax.random.uniform(k, (blk - 1,)))(k_u)  # (0, 1]: u*q <= 0 never accepts p=0
     ok = u * q_x <= p_x

@@ -40,6 +40,9 @@ class StepKey:
   batch: int
   slots: int = 0
   steps: int = 1
+  # the length of each row's sparse sampling-control list (sampling.Controls); 0: the step applies no controls. A
+  # batch with controls runs its own variant, compiled on first use, so batches without any pay nothing for them
+  controls: int = 0
 
   def __post_init__(self):
     object.__setattr__(self, "kind", StepKind(self.kind))
@@ -51,6 +54,8 @@ class StepKey:
       raise ValueError(f"only a fused step has branch slots (and it has at least one): {self}")
     if self.steps < 1 or (self.steps > 1 and self.kind != StepKind.DECODE):
       raise ValueError(f"only a decode step runs several steps per call (and at least one): {self}")
+    if self.controls < 0:
+      raise ValueError(f"a step's control list length is non-negative: {self}")
 
   @property
   def query_tokens(self) -> int:
@@ -65,7 +70,8 @@ class StepKey:
   @property
   def name(self) -> str:
     """"kind/block/batch", as reports and tables name a variant ("fused2/16/8"; "decode/1/8x4": 4 steps a call)."""
-    return f"{self.label}/{self.block}/{self.batch}" + (f"x{self.steps}" if self.steps > 1 else "")
+    return (f"{self.label}/{self.block}/{self.batch}" + (f"x{self.steps}" if self.steps > 1 else "")
+            + (f"+c{self.controls}" if self.controls else ""))
 
   @classmethod
   def parse(cls, kind: str | StepKind, block: int, batch: int) -> "StepKey":

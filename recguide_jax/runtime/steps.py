@@ -17,8 +17,9 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from recguide_jax.runtime import sampling
 from recguide_jax.model.nld import ForwardInputs, NLDModel
+from recguide_jax.parallel import sharding
+from recguide_jax.runtime import sampling
 from recguide_jax.runtime.step_key import StepKey, StepKind
 from recguide_jax.runtime.uncertainty import draft_signals, verifier_entropy
 
@@ -34,6 +35,8 @@ class SamplingArrays:
   # when some row does. Optional so that the four-array constructor of earlier releases keeps working: left out,
   # no row reads any
   top_logprobs: np.ndarray | None = None
+  # the batch's sampling controls (numpy leaves), None when no row sets any: the steps then skip them entirely
+  controls: sampling.Controls | None = None
 
   def __post_init__(self):
     if self.top_logprobs is None:
@@ -43,8 +46,28 @@ class SamplingArrays:
   def greedy(cls, b: int) -> "SamplingArrays":
     return cls(np.zeros(b, np.float32), np.zeros(b, np.int32), np.ones(b, np.float32), np.zeros((b, 2), np.uint32))
 
+  @property
+  def controls_len(self) -> int:
+    """The StepKey's `controls`: each row's control list length (0 without controls)."""
+    return 0 if self.controls is None else int(self.controls.ids.shape[1])
+
   def args(self):
-    return (self.temperature, self.top_k, self.top_p, self.keys, self.top_logprobs)
+    return (self.temperature, self.top_k, self.top_p, self.keys, self.top_logprobs) + (
+        tuple(self.controls) if self.controls is not None else ())
+
+
+def empty_controls(b: int, length: int, vocab_size: int) -> sampling.Controls:
+  """Neutral controls of b rows with `length` padding entries each (ids = vocab_size, which the scatters drop)."""
+  f32 = lambda v: np.full((b,), v, np.float32)
+  return sampling.Controls(f32(0), f32(0), f32(1), f32(0), np.zeros(b, np.int32),
+                           np.full((b, length), vocab_size, np.int32), np.zeros((b, length), np.float32),
+                           np.zeros((b, length), bool), np.zeros((b, length), np.float32), np.zeros((b, length), bool))
+
+
+def unpack_sampling(args: tuple):
+  """A step's trailing sampling arguments -> (temperature, top_k, top_p, keys, top_logprobs, controls or None)."""
+  controls = sampling.Controls(*args[5:]) if len(args) > 5 else None
+  return tuple(args[:5]) + (controls,)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -85,7 +108,8 @@ class StepFunctions:
     mask = jnp.tril(jnp.ones((chunk, chunk), bool))
 
     def fn(state, cache, tokens, valid, prefix_len, page_table, last_idx, *rest):
-      targets, (temperature, top_k, top_p, keys, top_logprobs) = (rest[0], rest[1:]) if score else (None, rest)
+      targets, samp = (rest[0], rest[1:]) if score else (None, rest)
+      temperature, top_k, top_p, keys, top_logprobs, controls = unpack_sampling(samp)
       positions = prefix_len[:, None] + jnp.arange(chunk)[None, :]
       inp = ForwardInputs(tokens=tokens, positions=positions, block_mask=mask, prefix_len=prefix_len,
                           page_table=page_table, kv_write=valid)
@@ -93,7 +117,7 @@ class StepFunctions:
       h, cache = model.hidden(inp, cache)
       h_last = jnp.take_along_axis(h, last_idx[:, None, None], axis=1)  # only the last valid token's logits
       logits = model.logits(h_last)  # [b, 1, V]
-      probs = sampling.processed_probs(logits, temperature, top_k, top_p, cfg.mask_token_id)
+      probs = sampling.processed_probs(logits, temperature, top_k, top_p, cfg.mask_token_id, controls)
       tok = sampling.draw(sampling.stream_keys(keys, sampling.PREFILL_STREAM), probs, temperature <= 0)  # [b, 1]
       lp, top_lp, top_ids = sampling.raw_logprobs(logits, tok, cfg.mask_token_id, top_logprobs)
       out = (cache, tok[:, 0], lp[:, 0], top_lp[:, 0], top_ids[:, 0])
@@ -107,8 +131,8 @@ class StepFunctions:
     cfg = self.cfg
     mask = jnp.ones((blk, blk), bool)
 
-    def fn(state, cache, seed, prefix_len, page_table, temperature, top_k, top_p, keys, top_logprobs):
-      del top_logprobs  # a draft reports no logprobs
+    def fn(state, cache, seed, prefix_len, page_table, *samp):
+      temperature, top_k, top_p, keys, _, controls = unpack_sampling(samp)  # a draft reports no logprobs
       b = seed.shape[0]
       tokens = jnp.full((b, blk), cfg.mask_token_id, jnp.int32).at[:, 0].set(seed)
       positions = prefix_len[:, None] + jnp.arange(blk)[None, :]
@@ -116,7 +140,9 @@ class StepFunctions:
       inp = ForwardInputs(tokens=tokens, positions=positions, block_mask=mask, prefix_len=prefix_len,
                           page_table=page_table, lora_mask=lora_mask)
       logits, _ = self._model(state)(inp, cache)
-      q = sampling.processed_probs(logits, temperature, top_k, top_p, cfg.mask_token_id)
+      # the controls as of the committed output (any draft distribution keeps the verify lossless; this one is
+      # closer to the verifier's, so more of it is accepted)
+      q = sampling.processed_probs(logits, temperature, top_k, top_p, cfg.mask_token_id, controls)
       drafted = sampling.draw(sampling.stream_keys(keys, sampling.DRAFT_STREAM), q, temperature <= 0)
       drafted = drafted.at[:, 0].set(seed)
       return drafted, q, draft_signals(logits, drafted, cfg)
@@ -127,12 +153,15 @@ class StepFunctions:
     cfg, rule = self.cfg, self.rule
     mask = jnp.tril(jnp.ones((blk, blk), bool))
 
-    def fn(state, cache, tokens, q, write, prefix_len, page_table, temperature, top_k, top_p, keys, top_logprobs):
+    def fn(state, cache, tokens, q, write, prefix_len, page_table, *samp, extra=None, offset=0):
+      temperature, top_k, top_p, keys, top_logprobs, controls = unpack_sampling(samp)
       positions = prefix_len[:, None] + jnp.arange(blk)[None, :]
       inp = ForwardInputs(tokens=tokens, positions=positions, block_mask=mask, prefix_len=prefix_len,
                           page_table=page_table, kv_write=jnp.broadcast_to(write[:, None], tokens.shape))
       logits, cache = self._model(state)(inp, cache)
-      p = sampling.processed_probs(logits, temperature, top_k, top_p, cfg.mask_token_id)
+      if extra is None and blk > 1:  # position j follows the draft tokens 1..j (block[0], the seed, is output)
+        extra = tokens[:, 1:]
+      p = sampling.processed_probs(logits, temperature, top_k, top_p, cfg.mask_token_id, controls, extra, offset)
       # AR decode (q None): a block of 1 has no draft token, so acceptance only draws the bonus token from p and
       # never reads q; p stands in for it (the same draw as with any q, and nothing is uploaded for it)
       accepted, out = sampling.accept(rule, keys, p, p if q is None else q, tokens, temperature <= 0)
@@ -149,19 +178,22 @@ class StepFunctions:
     condition and drops what the later steps wrote)."""
     verify = self._verify(1)
 
-    def fn(state, cache, tokens, write, prefix_len, page_table, temperature, top_k, top_p, keys, top_logprobs):
+    def fn(state, cache, tokens, write, prefix_len, page_table, *samp):
       if steps == 1:
-        return verify(state, cache, tokens, None, write, prefix_len, page_table, temperature, top_k, top_p, keys,
-                      top_logprobs)
+        return verify(state, cache, tokens, None, write, prefix_len, page_table, *samp)
+      keys = samp[3]
 
       def step(carry, s):
-        cache, tok = carry
-        step_keys = keys.at[:, 1].add(s.astype(keys.dtype))
+        cache, tok, sampled = carry
+        step_samp = samp[:3] + (keys.at[:, 1].add(s.astype(keys.dtype)),) + samp[4:]
+        # the controls of step s count the s tokens earlier steps sampled
         cache, _, out, lp, top_lp, top_ids, ent = verify(state, cache, tok, None, write, prefix_len + s, page_table,
-                                                         temperature, top_k, top_p, step_keys, top_logprobs)
-        return (cache, out), (out[:, 0], lp[:, 0], top_lp[:, 0], top_ids[:, 0], ent[:, 0])
+                                                         *step_samp, extra=sampled, offset=s)
+        sampled = jax.lax.dynamic_update_slice_in_dim(sampled, out, s, axis=1)
+        return (cache, out, sampled), (out[:, 0], lp[:, 0], top_lp[:, 0], top_ids[:, 0], ent[:, 0])
 
-      (cache, _), per_step = jax.lax.scan(step, (cache, tokens), jnp.arange(steps, dtype=jnp.int32))
+      sampled = jnp.zeros((tokens.shape[0], steps), jnp.int32)
+      (cache, _, _), per_step = jax.lax.scan(step, (cache, tokens, sampled), jnp.arange(steps, dtype=jnp.int32))
       out, lp, top_lp, top_ids, ent = (jnp.moveaxis(y, 0, 1) for y in per_step)
       accepted = jnp.full(tokens.shape[:1], steps, jnp.int32)
       return cache, accepted, out, lp, top_lp, top_ids, ent
@@ -174,15 +206,22 @@ class StepFunctions:
     branches = 0 this is a greedy verify of host-provided draft tokens (GVERIFY)."""
     cfg = self.cfg
 
-    def fn(state, cache, tokens, positions, mask, lora, write, prefix_len, page_table, temperature, top_k, top_p,
-           keys, top_logprobs):
+    def fn(state, cache, tokens, positions, mask, lora, write, prefix_len, page_table, *samp):
+      temperature, top_k, top_p, keys, top_logprobs, controls = unpack_sampling(samp)
       b = tokens.shape[0]
       inp = ForwardInputs(tokens=tokens, positions=positions, block_mask=mask, prefix_len=prefix_len,
                           page_table=page_table, kv_write=write, lora_mask=lora if cfg.lora_rank else None)
-      logits, cache = self._model(state)(inp, cache)
+      model = self._model(state)
+      h, cache = model.hidden(inp, cache)
+      vocab = vocab_shard_size(cfg.vocab_size)
+      # one head matmul over every position when its logits are small; else the verified block's here and the
+      # branches' in position slices below, so the step never holds [b, (1 + slots) B, V] float32 (issue 33: 1.9 GB
+      # per v5e chip for NLD-8B at tp=4, batch 32, B=32)
+      together = not branches or position_slices(b, tokens.shape[1], vocab) == 1
+      logits = model.logits(h if together else h[:, :blk])
       v_logits = logits[:, :blk]
       drafted = tokens[:, :blk]
-      p = sampling.processed_probs(v_logits, temperature, top_k, top_p, cfg.mask_token_id)
+      p = sampling.processed_probs(v_logits, temperature, top_k, top_p, cfg.mask_token_id, controls, drafted[:, 1:])
       # the reference rule (accept while an independent verifier sample equals the draft) needs no draft
       # distribution, so no [b, B, V] point mass is built; for greedy rows it is "accept while the verifier's
       # argmax equals the draft", the same as every other rule
@@ -191,14 +230,23 @@ class StepFunctions:
       ent = verifier_entropy(v_logits, cfg)
       if not branches:
         return cache, accepted, out, lp, top_lp, top_ids, ent
-      br_logits = logits[:, blk:].reshape(b * branches, blk, -1)
-      br_in = tokens[:, blk:].reshape(b * branches, blk)
-      br_tok = sampling.argmax(sampling.exclude_token(br_logits, cfg.mask_token_id))
-      # a correction block keeps its alt token in slot 0; the continuation's slot 0 is the guessed bonus
-      br_tok = br_tok.at[:, 0].set(jnp.where(br_in[:, 0] != cfg.mask_token_id, br_in[:, 0], br_tok[:, 0]))
-      sig = draft_signals(br_logits, br_tok, cfg)
-      return (cache, accepted, out, lp, top_lp, top_ids, ent, br_tok.reshape(b, branches, blk),
-              sig.reshape(b, branches, 3, blk))
+      br_in = tokens[:, blk:]  # [b, slots * B]
+      first = (jnp.arange(branches * blk) % blk == 0)[None, :]  # slot 0 of each branch block
+
+      def branch_drafts(br_logits, in_slice, first_slice):
+        br_tok = sampling.argmax(sampling.exclude_token(br_logits, cfg.mask_token_id))
+        # a correction block keeps its alt token in slot 0; the continuation's slot 0 is the guessed bonus
+        br_tok = jnp.where(first_slice & (in_slice != cfg.mask_token_id), in_slice, br_tok)
+        return br_tok, draft_signals(br_logits, br_tok, cfg).swapaxes(1, 2)  # [b, w], [b, w, 3]
+
+      first = jnp.broadcast_to(first, br_in.shape)
+      if together:
+        br_tok, sig = branch_drafts(logits[:, blk:], br_in, first)
+      else:
+        br_tok, sig = map_position_slices(lambda h_slice, *rest: branch_drafts(model.logits(h_slice), *rest),
+                                          (h[:, blk:], br_in, first), vocab)
+      sig = sig.reshape(b, branches, blk, 3).swapaxes(2, 3)
+      return (cache, accepted, out, lp, top_lp, top_ids, ent, br_tok.reshape(b, branches, blk), sig)
 
     return fn
 
@@ -210,9 +258,10 @@ class StepFunctions:
     mask = jnp.ones((blk, blk), bool)
     eos = jnp.asarray(cfg.eos_token_ids, jnp.int32)
 
-    def fn(state, cache, seed, prefix_len, page_table, threshold, temperature, top_k, top_p, keys, top_logprobs,
-           active):
-      del top_logprobs  # diffusion decoding reports no logprobs
+    def fn(state, cache, seed, prefix_len, page_table, threshold, *rest):
+      # diffusion decoding reports no logprobs; the engine refuses sampling controls for it (no AR distribution)
+      temperature, top_k, top_p, keys, _, _ = unpack_sampling(rest[:-1])
+      active = rest[-1]
       b = seed.shape[0]
       model = self._model(state)
       positions = prefix_len[:, None] + jnp.arange(blk)[None, :]
@@ -256,6 +305,48 @@ class StepFunctions:
     return fn
 
 
+# Position slices of a step's logits: a slice's [b, w, V / tp] float32 logits stay under LOGITS_SLICE_BYTES per
+# device while it has at least MIN_SLICE_ROWS rows (b * w), below which re-reading the head's weights once per slice
+# would cost a memory-bound step more than the memory saved
+LOGITS_SLICE_BYTES = 128 * 2 ** 20
+MIN_SLICE_ROWS = 256
+
+
+def vocab_shard_size(vocab: int) -> int:
+  """Vocabulary entries of the logits on one device: split over tp under a mesh (model.logits' constraint)."""
+  mesh = sharding.active_mesh()
+  tp = sharding.mesh_size(mesh, sharding.TP) if mesh is not None else 1
+  return vocab // tp if tp > 1 and vocab % tp == 0 else vocab
+
+
+def position_slices(rows: int, positions: int, vocab: int) -> int:
+  """How many equal slices the logits of `positions` positions of `rows` rows are built in (a divisor of
+  `positions`): the fewest whose float32 logits fit LOGITS_SLICE_BYTES, but none thinner than MIN_SLICE_ROWS rows."""
+  total, n = rows * positions * vocab * 4, 1
+  for d in range(2, positions + 1):
+    if total // n <= LOGITS_SLICE_BYTES:
+      break
+    if positions % d:
+      continue
+    if rows * (positions // d) < MIN_SLICE_ROWS:
+      break
+    n = d
+  return n
+
+
+def map_position_slices(fn: Callable, xs: tuple, vocab: int):
+  """`fn` over slices of the position axis (axis 1) of the arrays `xs` ([b, T, ...]), one slice at a time
+  (`lax.map` over `position_slices` of them); its results ([b, w, ...], positions on axis 1) joined back."""
+  b, t = xs[0].shape[:2]
+  n = position_slices(b, t, vocab)
+  if n == 1:
+    return fn(*xs)
+  w = t // n
+  split = lambda x: x.reshape((b, n, w) + x.shape[2:]).swapaxes(0, 1)  # [n, b, w, ...]
+  outs = jax.lax.map(lambda args: fn(*args), tuple(split(x) for x in xs))
+  return jax.tree.map(lambda y: y.swapaxes(0, 1).reshape((b, t) + y.shape[3:]), outs)
+
+
 SCORE_SLICE = 16  # positions whose [b, SCORE_SLICE, V] logits a SCORE step holds at once
 
 
@@ -283,6 +374,8 @@ def example_host_args(key: StepKey, pages_per_seq: int, vocab_size: int) -> tupl
   b, blk, P = key.batch, key.block, pages_per_seq
   i32 = lambda *s: np.zeros(s, np.int32)
   samp = SamplingArrays.greedy(b).args()
+  if key.controls:
+    samp += tuple(empty_controls(b, key.controls, vocab_size))
   if key.kind == StepKind.PREFILL:
     return (i32(b, blk), np.zeros((b, blk), bool), i32(b), i32(b, P), i32(b)) + samp
   if key.kind == StepKind.SCORE:

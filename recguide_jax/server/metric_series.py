@@ -55,6 +55,10 @@ class Collector:
                 snap["kv_usage"])
     yield counter("prompt_tokens", "Number of prefill tokens processed.", totals.get("prompt_tokens", 0))
     yield counter("generation_tokens", "Number of generation tokens processed.", totals.get("generated_tokens", 0))
+    yield counter("prefix_cache_queries", "Prefix cache queries, in terms of number of queried tokens.",
+                  totals.get("prefix_cache_queries", 0))
+    yield counter("prefix_cache_hits", "Prefix cache hits, in terms of number of cached tokens.",
+                  totals.get("prefix_cache_hits", 0))
     yield from without_created(m.request_success)
     for hist in m.histograms:
       yield from without_created(hist)
