@@ -130,12 +130,13 @@ def test_multi_step_decode_waits_for_nothing_queued(tiny_llm):
 
   def record(key, args):
     if key.kind == "decode":
-      prefilling = any(r.prefilled < len(r.prompt_ids) for r in eng.running if not r.finished)
+      prefilling = any(eng.prefilled(r) < len(r.prompt_ids) for r in eng.running if not r.finished)
       calls.append((key.steps, len(eng.waiting), prefilling))
 
   rounds = []
-  observe = eng.strategy.observe_round
-  eng.strategy.observe_round = lambda kind, blk, rows, seconds: rounds.append((kind, blk))
+  observe = eng.strategy.observe
+  eng.strategy.observe = lambda outcome: rounds.extend([(outcome.output.label, outcome.batch.block)]
+                                                       * outcome.output.rounds)
   tiny_llm.runner.before_execute = record
   try:
     # 9 requests for 8 slots: one waits until the shortest (11 tokens) finishes, then prefills (a 40-token prompt)
@@ -144,7 +145,7 @@ def test_multi_step_decode_waits_for_nothing_queued(tiny_llm):
     eng.run_until_done()
   finally:
     tiny_llm.runner.before_execute = None
-    eng.strategy.observe_round = observe
+    eng.strategy.observe = observe
   assert [len(r.output_ids) for r in reqs] == [11 + 3 * i for i in range(9)]
   assert all(steps == 1 for steps, waiting, prefilling in calls if waiting or prefilling)
   assert any(steps == 4 for steps, _, _ in calls) and any(w for _, w, _ in calls) and any(p for _, _, p in calls)
@@ -279,7 +280,7 @@ def test_no_compiles_after_warmup(tiny_model):
 
 def _groups(sizes):
   from recguide_jax.decoding import rounds
-  from recguide_jax.decoding.strategy import Group
+  from recguide_jax.engine.scheduler import Group
   out = [Group(rounds.LINEAR, b, [object() for _ in range(n)], [b] * n) for b, n in sizes.items()]
   return out + [Group(rounds.AR, 1, [object()], [1])]
 

@@ -11,13 +11,13 @@ from recguide_jax.engine.core import Engine
 from recguide_jax.engine.protocol import ServingEngine
 from recguide_jax.engine.thread import EngineThread
 from recguide_jax.requests import (MAX_STOP_CHARS, MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS, MAX_TEMPERATURE,
-                                   MAX_TOP_LOGPROBS, MIN_TEMPERATURE, SEED_RANGE, Forward, QueueFull, Request,
+                                   MAX_TOP_LOGPROBS, MIN_TEMPERATURE, SEED_RANGE, QueueFull, Request,
                                    RequestError, RequestStats, SamplingParams, SamplingRow, describe, fold_seed,
                                    sampling_row)
 
 __all__ = [
     "MAX_STOP_CHARS", "MAX_STOP_STRINGS", "MAX_STOP_TOKEN_IDS", "MAX_TEMPERATURE", "MAX_TOP_LOGPROBS",
-    "MIN_TEMPERATURE", "SEED_RANGE", "Engine", "EngineConfig", "EngineThread", "Forward", "QueueFull", "Request",
+    "MIN_TEMPERATURE", "SEED_RANGE", "Engine", "EngineConfig", "EngineThread", "QueueFull", "Request",
     "RequestError", "RequestStats", "SamplingParams", "SamplingRow", "ServingEngine", "build_engine", "describe",
     "fold_seed", "sampling_row",
 ]

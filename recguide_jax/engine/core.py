@@ -1,15 +1,15 @@
-"""The host-side engine: admits requests, runs chunked prefill, asks the decoding strategy for each decoding
-request's round, groups the plans into batches, calls each batch's round, commits pages, emits tokens and finishes
-requests. It knows no strategy by name (see `recguide_jax.decoding.strategy`).
+"""The host-side engine: admits requests, runs chunked prefill, asks the decoding strategy for the step's plan,
+groups the plans into batches, runs each batch's round and applies its output (pages, counters, emission). It keeps
+the books; it knows no strategy by name (see `recguide_jax.decoding.strategy`).
 
 Each `step()`:
 1. admits waiting requests (FIFO) while a batch slot and their worst-case KV pages are free;
 2. runs one prefill chunk for requests whose prompt is not fully cached (chunked prefill interleaves with decode;
    `prefill`: prompt scoring, and the samples of one prompt sharing its prefill);
-3. asks the strategy for each decoding request's plan (a round and a block size) given a `StepView`, groups
-   requests by plan (`scheduler.group_plans`) and runs one round per group (padded to its batch bucket);
-4. rounds emit tokens through `verified`/`emit` (stop conditions, pages committed or cropped); finished requests
-   leave the batch.
+3. asks the strategy for a `StepPlan` of the decoding requests (`plan_step`), groups requests by plan
+   (`scheduler.group_plans`) and per group reserves pages, builds the `Batch` and runs its round;
+4. applies each `RoundOutput` (`apply`: pages committed or cropped, stats, emission and stop conditions), then tells
+   the strategy (`observe`); finished requests leave the batch.
 
 Requests join and leave between rounds. Only small arrays cross between host and device.
 """
@@ -25,20 +25,19 @@ from typing import Sequence
 import jax
 import numpy as np
 
-from recguide_jax.decoding.strategy import Group, RoundPlan, StepView, Strategy
+from recguide_jax.decoding.strategy import Batch, RoundOutcome, RoundOutput, RoundPlan, StepView, Strategy
 from recguide_jax.engine import output, prefill
-from recguide_jax.engine.scheduler import Scheduler, group_plans
+from recguide_jax.engine.scheduler import Scheduler, check_queue, group_plans
 from recguide_jax.kv_cache import PageAllocator
-from recguide_jax.requests import QueueFull, Request, RequestError, SamplingParams, fold_seed, sampling_row
-from recguide_jax.runner import Runner, SamplingArrays
+from recguide_jax.requests import Request, RequestError, SamplingParams, fold_seed, sampling_row
+from recguide_jax.runtime.runner import Runner
+from recguide_jax.runtime.steps import SamplingArrays
 
 log = logging.getLogger("recguide_jax.engine")
 
 
 class Engine:
-  """Continuous-batching engine. Not thread-safe by itself: `EngineThread` serialises access for servers.
-
-  It is also the `RoundContext` its strategy's rounds run with (`batch_arrays`, `reserve`, `verified`, ...)."""
+  """Continuous-batching engine. Not thread-safe by itself: `EngineThread` serialises access for servers."""
 
   def __init__(self, runner: Runner, strategy: Strategy, *, tokenizer=None, max_queue: int = 1024,
                bucketing: bool | str = "auto"):
@@ -59,7 +58,7 @@ class Engine:
     # largest; "auto": per step, whichever grouping the strategy's cost model (round_cost) prices cheaper
     self.bucketing = bucketing
     self.forward_log: list[tuple[str, int, int]] | None = None  # set to [] to record every forward
-    self.signal_log: list[dict] | None = None  # set to [] to record per-round draft signals (analysis)
+    self.round_log: list[RoundOutcome] | None = None  # set to [] to record every round's outcome (analysis)
     self.step_count = 0
 
   # the decoding strategy under its earlier name (launch scripts and servers set `engine.policy`)
@@ -103,8 +102,7 @@ class Engine:
                          "(params.sample(i)) with prefill_source naming the first", "n")
     if not validated:
       prompt_ids = self.validate_request(prompt_ids, params)
-    if len(self.waiting) >= self.max_queue:
-      raise QueueFull(f"the request queue is full ({self.max_queue} waiting)")
+    check_queue(len(self.waiting), self.max_queue)
     rid = request_id or f"req-{next(self._ids)}"
     seed = params.seed if params.seed is not None else int(np.random.randint(0, 2**31 - 1))
     req = Request(rid, list(prompt_ids), params, on_update=on_update, rng_seed=fold_seed(seed))
@@ -153,8 +151,8 @@ class Engine:
       except Exception as e:  # this request only: its pages are freed, the others are admitted as usual
         self.fail_request(req, "admitting it", e)
     prefill.share_prefills(self)
-    prefilling = [r for r in self.running if r.prefilled < len(r.prompt_ids) and not r.finished
-                  and r.prefill_source is None and self._sampling_ready(r)]
+    prefilling = [r for r in self.running if not r.finished and r.prefill_source is None
+                  and self.prefilled(r) < len(r.prompt_ids) and self._sampling_ready(r)]
     if prefilling:
       batch = prefilling[:self.rc.max_batch]
       # a chunk whose prompt logprobs are wanted runs the SCORE variant; the others keep the plain prefill
@@ -164,40 +162,152 @@ class Engine:
         if reqs:
           self._isolated(reqs, "prefill", prefill.run_prefill, self, reqs, score)
     decoding = [r for r in self.running if r.seed_token is not None and not r.finished and self._sampling_ready(r)]
-    view = StepView(self.step_count, len(decoding), self.rc.max_batch, self.rc.max_model_len, self.rc.max_block,
-                    self._eos, tuple(decoding), len(self.running))
-    planned: list[tuple[Request, RoundPlan]] = []
+    if decoding:
+      planned = self._plan(decoding)
+      try:
+        groups = group_plans(planned, self.bucketing, self.strategy.round_cost)
+      except Exception:  # a cost-model bug: run the planned groups as they are
+        log.exception("merging the planned groups failed; running them unmerged")
+        groups = group_plans(planned, True, self.strategy.round_cost)
+      for group in groups:
+        for i in range(0, len(group.reqs), self.rc.max_batch):
+          rows = [(r, p) for r, p in zip(group.reqs[i:i + self.rc.max_batch],
+                                         group.planned[i:i + self.rc.max_batch]) if not r.finished]
+          if rows:
+            self.run_round(Batch(group.round, group.block, [r for r, _ in rows],
+                                 np.array([p for _, p in rows], np.int64)))
+    return self.scheduler.take_finished()
+
+  def _view(self, reqs: Sequence[Request]) -> StepView:
+    return StepView(self.step_count, tuple(reqs), self.rc.max_batch, self.rc.max_model_len, self.rc.max_block,
+                    self._eos, len(self.running))
+
+  def _plan(self, decoding: list[Request]) -> list[tuple[Request, RoundPlan]]:
+    """The strategy's plan of the step, row by row; a planning error fails only the request it was planning (the
+    step is then planned one request at a time to find it)."""
+    try:
+      return list(zip(decoding, self._checked_plan(decoding)))
+    except Exception:
+      return self._plan_alone(decoding)
+
+  def _plan_alone(self, decoding: list[Request]) -> list[tuple[Request, RoundPlan]]:
+    planned = []
     for req in decoding:
       try:
-        planned.append((req, self.strategy.plan(req, view)))
+        planned.append((req, self._checked_plan([req])[0]))
       except Exception as e:
         self.fail_request(req, "planning its round", e)
-    try:
-      groups = group_plans(planned, self.bucketing, self.strategy.round_cost)
-    except Exception:  # a cost-model bug: run the planned groups as they are
-      log.exception("merging the planned groups failed; running them unmerged")
-      groups = group_plans(planned, True, self.strategy.round_cost)
-    for group in groups:
-      for i in range(0, len(group.reqs), self.rc.max_batch):
-        rows = [(r, p) for r, p in zip(group.reqs[i:i + self.rc.max_batch], group.planned[i:i + self.rc.max_batch])
-                if not r.finished]
-        if not rows:
-          continue
-        chunk = Group(group.round, group.block, [r for r, _ in rows], [p for _, p in rows])
-        t0 = time.perf_counter()
-        ok, ran = self._isolated(chunk.reqs, f"{group.round.kind} round (block {group.block})", group.round.run,
-                                 self, chunk)
-        if not ok:
-          continue
-        label, rounds = ran if isinstance(ran, tuple) else (ran, 1)
-        # the whole round on the wall clock (batch assembly, forwards, acceptance, emission): what a strategy that
-        # calibrates its cost model online compares regimes by (a multi-step AR call: each step at its share)
-        try:
-          self.strategy.observe_round(label or group.round.kind, group.block, len(chunk.reqs),
-                                      (time.perf_counter() - t0) / rounds)
-        except Exception:
-          log.exception("the strategy's observe_round failed")
-    return self.scheduler.take_finished()
+    return planned
+
+  def _checked_plan(self, reqs: list[Request]) -> tuple[RoundPlan, ...]:
+    plans = self.strategy.plan_step(self._view(reqs)).plans
+    if len(plans) != len(reqs):
+      raise ValueError(f"{self.strategy.name} planned {len(plans)} rounds for {len(reqs)} requests")
+    return plans
+
+  def run_round(self, batch: Batch) -> None:
+    """Builds `batch`'s arrays, runs its round, applies the output and tells the strategy."""
+    t0 = time.perf_counter()
+    what = f"{batch.round.kind} round (block {batch.block})"
+    ok, out = self._isolated(batch.reqs, what, self._run, batch)
+    if not ok:
+      return
+    generated = np.array([len(r.output_ids) for r in batch.reqs], np.int64)
+    ok, _ = self._isolated(batch.reqs, what, self.apply, batch, out)
+    if not ok:
+      return
+    outcome = RoundOutcome(batch, out, generated, time.perf_counter() - t0)
+    if self.round_log is not None:
+      self.round_log.append(outcome)
+    self._isolated([r for r in batch.reqs if not r.finished], f"observing a {what}", self.strategy.observe, outcome)
+
+  def _run(self, batch: Batch) -> RoundOutput:
+    batch.steps = self.decode_steps(batch.reqs) if batch.round.multi_step else 1
+    need = batch.round.reserve(batch.block, batch.steps)
+    for r in batch.reqs:
+      self.allocator.reserve(r.request_id, self.allocator.length(r.request_id) + need)
+    self._fill(batch)
+    return batch.round.run(self.runner, batch)
+
+  def _fill(self, batch: Batch) -> None:
+    """The batch's padded arrays: page table, committed lengths, sampling rows and keys, seed tokens."""
+    reqs, n = batch.reqs, len(batch.reqs)
+    b = batch.b = self.runner.bucket_for(n)
+    batch.bucket_for = self.runner.bucket_for
+    width = self.rc.pages_per_seq
+    batch.page_table = np.zeros((b, width), np.int32)
+    batch.prefix_len = np.zeros((b,), np.int32)
+    batch.seed = np.zeros((b,), np.int32)
+    batch.live = np.zeros((b,), bool)
+    batch.live[:n] = True
+    for i, r in enumerate(reqs):
+      batch.page_table[i] = self.allocator.page_table_row(r.request_id, width)
+      batch.prefix_len[i] = self.allocator.length(r.request_id)
+      batch.seed[i] = r.seed_token if r.seed_token is not None else 0
+    batch.samp = self.sampling_arrays(reqs, b)
+
+  def apply(self, batch: Batch, out: RoundOutput) -> None:
+    """Commits a round's output: pages (each row's committed tokens, what the round wrote past them dropped), the
+    forward ledger and counters, the requests' stats, the sampling keys, then emission and stop conditions."""
+    reqs = batch.reqs
+    for kind, blk, rows in out.forwards:
+      self.totals[f"forwards_{kind}"] += 1
+      if self.forward_log is not None:
+        self.forward_log.append((str(kind), blk, rows))
+    for i, r in enumerate(reqs):
+      rid = r.request_id
+      self.allocator.commit(rid, self.allocator.length(rid) + int(out.commit[i]))
+      self.allocator.trim(rid)
+      r.round_counter += out.key_rounds
+      for kind, counts in out.row_forwards.items():
+        r.stats.forwards[kind] += int(counts[i])
+      blk, acc = int(out.block[i]), int(out.accepted[i])
+      st = r.stats
+      st.rounds += out.rounds
+      st.accepted_lengths.extend([acc] * out.rounds)
+      st.block_sizes.extend([blk] * out.rounds)
+      self.block_size_choices[blk] += out.rounds
+      if out.speculative and blk > 1:
+        self.totals["drafts"] += 1  # one verified draft (vLLM's spec_decode_num_drafts)
+        st.draft_tokens += blk - 1
+        st.accepted_draft_tokens += acc - 1
+        self.totals["draft_tokens"] += blk - 1
+        self.totals["accepted_draft_tokens"] += acc - 1
+        for pos in range(1, acc):
+          self.accepted_per_position[pos] += 1
+    top_lp, top_ids = out.top_logprobs, out.top_ids
+    for i, r in enumerate(reqs):
+      k = int(out.emit[i])
+      if k:
+        self.emit(r, out.tokens[i, :k].tolist(), out.logprobs[i, :k].tolist(),
+                  None if top_lp is None else top_lp[i, :k], None if top_ids is None else top_ids[i, :k])
+
+  def sampling_arrays(self, reqs: Sequence[Request], b: int) -> SamplingArrays:
+    """The padded batch's sampling rows; each row's key is (seed, its round counter)."""
+    samp = SamplingArrays.greedy(b)
+    for i, r in enumerate(reqs):
+      row = r.sampling  # converted when the request was added (or by step, before it joined a batch)
+      samp.temperature[i] = row.temperature
+      samp.top_k[i] = row.top_k
+      samp.top_p[i] = row.top_p
+      samp.keys[i] = (row.seed, r.round_counter & 0xFFFFFFFF)
+      samp.top_logprobs[i] = r.params.logprobs or 0
+    return samp
+
+  def prefilled(self, r: Request) -> int:
+    """Prompt tokens of `r` whose K/V are in the cache (its committed length, while it prefills)."""
+    if r.request_id not in self.allocator.owners():
+      return 0
+    return min(self.allocator.length(r.request_id), len(r.prompt_ids))
+
+  def decode_steps(self, reqs: Sequence[Request]) -> int:
+    """AR steps the next decode call of `reqs` runs: the runner's `decode_steps` when no request waits to be
+    admitted or prefilled (a multi-step call would hold either back for its length) and some request of `reqs` has
+    that many tokens left to generate, else 1."""
+    n = self.rc.decode_steps
+    if n <= 1 or self.waiting or any(not r.finished and self.prefilled(r) < len(r.prompt_ids) for r in self.running):
+      return 1
+    return n if max(r.params.max_tokens - len(r.output_ids) for r in reqs) >= n else 1
 
   # ---- request isolation -----------------------------------------------------------------------------------------
   # Per-request values are converted to their host array types when a request is added (`sampling_row`), so a bad
@@ -242,102 +352,6 @@ class Engine:
     """Fails one request (logged with what it was doing) and no other."""
     log.error("request %s failed while %s; failing it alone", r.request_id, what, exc_info=e)
     self.finish(r, "error", f"engine error: {type(e).__name__}: {e}")
-
-  # ---- the RoundContext: what rounds call ----------------------------------------------------------------------------
-  def count_forward(self, kind: str, blk: int, rows: int) -> None:
-    """Every device forward: engine totals, and the ledger a profile can price (kind, block, live rows)."""
-    self.totals[f"forwards_{kind}"] += 1
-    if self.forward_log is not None:
-      self.forward_log.append((str(kind), blk, rows))
-
-  def batch_arrays(self, reqs: Sequence[Request], rounds: int = 1):
-    n = len(reqs)
-    b = self.runner.bucket_for(n)
-    width = self.rc.pages_per_seq
-    page_table = np.zeros((b, width), np.int32)
-    prefix_len = np.zeros((b,), np.int32)
-    for i, r in enumerate(reqs):
-      page_table[i] = self.allocator.page_table_row(r.request_id, width)
-      prefix_len[i] = self.allocator.length(r.request_id)
-    samp = SamplingArrays.greedy(b)
-    for i, r in enumerate(reqs):
-      row = r.sampling  # converted when the request was added (or by step, before it joined a batch)
-      samp.temperature[i] = row.temperature
-      samp.top_k[i] = row.top_k
-      samp.top_p[i] = row.top_p
-      samp.keys[i] = (row.seed, r.round_counter & 0xFFFFFFFF)
-      samp.top_logprobs[i] = r.params.logprobs or 0
-      r.round_counter += rounds
-    return b, page_table, prefix_len, samp
-
-  def decode_steps(self, reqs: Sequence[Request]) -> int:
-    """AR steps the next decode call of `reqs` runs: the runner's `decode_steps` when no request waits to be
-    admitted or prefilled (a multi-step call would hold either back for its length) and some request of `reqs` has
-    that many tokens left to generate, else 1."""
-    n = self.rc.decode_steps
-    if n <= 1 or self.waiting or any(r.prefilled < len(r.prompt_ids) and not r.finished for r in self.running):
-      return 1
-    return n if max(r.params.max_tokens - len(r.output_ids) for r in reqs) >= n else 1
-
-  def seeds(self, reqs: Sequence[Request], b: int) -> tuple[np.ndarray, np.ndarray]:
-    """Per-row seed tokens and the live-row flag of a padded batch."""
-    seed = np.zeros((b,), np.int32)
-    live = np.zeros((b,), bool)
-    for i, r in enumerate(reqs):
-      seed[i] = r.seed_token
-      live[i] = True
-    return seed, live
-
-  def reserve(self, reqs: Sequence[Request], blk: int) -> None:
-    for r in reqs:
-      self.allocator.reserve(r.request_id, self.allocator.length(r.request_id) + blk)
-
-  def committed(self, req: Request) -> int:
-    return self.allocator.length(req.request_id)
-
-  def commit(self, req: Request, length: int) -> None:
-    self.allocator.commit(req.request_id, length)
-
-  def count_block(self, r: Request, blk: int, accepted: int) -> None:
-    r.stats.rounds += 1
-    r.stats.accepted_lengths.append(accepted)
-    r.stats.block_sizes.append(blk)
-    self.block_size_choices[blk] += 1
-
-  def verified(self, r: Request, blk: int, accepted: int, res, i: int) -> None:
-    c = self.allocator.length(r.request_id)
-    toks = [int(t) for t in res.tokens[i, :accepted]]
-    self.count_block(r, blk, accepted)
-    if blk > 1:
-      self.totals["drafts"] += 1  # one verified draft (vLLM's spec_decode_num_drafts)
-      r.stats.draft_tokens += blk - 1
-      r.stats.accepted_draft_tokens += accepted - 1
-      self.totals["draft_tokens"] += blk - 1
-      self.totals["accepted_draft_tokens"] += accepted - 1
-      for pos in range(1, accepted):
-        self.accepted_per_position[pos] += 1
-    # the cache now holds [seed, accepted drafts]; everything the verify wrote past them is dropped
-    self.allocator.commit(r.request_id, c + accepted)
-    self.allocator.trim(r.request_id)
-    self.strategy.observe(r, blk, accepted, res, i)
-    if self.signal_log is not None and res.draft_signals is not None:
-      self.signal_log.append({"block_size": blk, "accepted": accepted,
-                              "draft": res.draft_tokens[i].tolist(), "out": res.tokens[i, :accepted].tolist(),
-                              "conf": res.draft_signals[i, 0].tolist(), "margin": res.draft_signals[i, 1].tolist(),
-                              "alt": res.draft_signals[i, 2].astype(int).tolist()})
-    self.emit(r, toks, list(res.logprobs[i, :accepted]), res.top_logprobs[i, :accepted], res.top_ids[i, :accepted])
-
-  def decoded(self, r: Request, steps: int, res, i: int) -> None:
-    """After an AR decode call of `steps` steps (`res` [b, steps]): each step is one round of one token in the
-    stats and for `strategy.observe`; the K/V of all steps are committed and the tokens emitted up to the request's
-    stop condition (a request that stops inside the call frees its pages, what later steps wrote with them)."""
-    c = self.allocator.length(r.request_id)
-    for _ in range(steps):
-      self.count_block(r, 1, 1)
-      self.strategy.observe(r, 1, 1, res, i)
-    self.allocator.commit(r.request_id, c + steps)
-    self.emit(r, [int(t) for t in res.tokens[i, :steps]], list(res.logprobs[i, :steps]), res.top_logprobs[i, :steps],
-              res.top_ids[i, :steps])
 
   # ---- emission and finishing ----------------------------------------------------------------------------------------
   def emit(self, r: Request, toks: list[int], lps, top_lp, top_ids) -> None:

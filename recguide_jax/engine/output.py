@@ -66,15 +66,16 @@ def append_tokens(r: Request, toks: list[int], lps, top_lp, top_ids, eos: frozen
   return new, reason
 
 
-def append_prompt_logprobs(r: Request, lps, top_lp, top_ids, num_valid: int) -> None:
+def append_prompt_logprobs(r: Request, lps, top_lp, top_ids, num_valid: int, start: int) -> None:
   """Appends a scored prompt chunk's entries to `r.prompt_logprobs` (vLLM's layout: None for the first prompt
   token, then one entry per prompt token with its logprob given the ones before it and the top
-  `params.prompt_logprobs` entries). `lps[t]` scores the prompt token after chunk position t."""
+  `params.prompt_logprobs` entries). `lps[t]` scores the prompt token after chunk position t (prompt position
+  `start` + t)."""
   if r.prompt_logprobs is None:
     r.prompt_logprobs = [None]
   top = r.params.prompt_logprobs
   for t in range(num_valid):
-    pos = r.prefilled + t + 1
+    pos = start + t + 1
     if pos >= len(r.prompt_ids):
       break
     entry = {"token_id": int(r.prompt_ids[pos]), "logprob": float(lps[t])}
