@@ -1,6 +1,8 @@
 """Engine: losslessness of every decoding path against greedy AR, batch invariance, continuous batching, stop
 conditions, no KV page leaks, and no compilation after warm-up."""
 
+import dataclasses
+
 import jax
 import numpy as np
 import pytest
@@ -119,6 +121,42 @@ def test_multi_step_decode_equals_one_step_calls(tiny_llm, tiny_model, ar_output
     tiny_llm.runner.before_execute = None
   assert 4 in steps_seen and 1 in steps_seen  # multi-step calls ran, and single steps where fewer tokens were left
   assert outs[1][1].token_ids == expected[1][:expected[1].index(stop_tok) + 1]
+
+
+def test_pipelined_decode_is_exact(tiny_llm, ar_outputs):
+  """AR calls dispatched ahead (the next call starts from the previous one's device tokens before the host reads
+  them) give the synchronous engine's streams exactly: greedy, sampled and logprobs, through stop tokens and
+  max_tokens (a request that stops wastes its row of the call in flight), and requests joining mid-run."""
+  prompts, expected = ar_outputs
+  eng = tiny_llm.engine
+  stop = expected[1][9]
+  cases = [SamplingParams(max_tokens=37, temperature=0.0, ignore_eos=True, stop_token_ids=[stop], logprobs=1),
+           SamplingParams(max_tokens=29, temperature=0.8, seed=3)]
+  results = {}
+  for ahead in (False, True):
+    strategy = policies.ARPolicy()
+    strategy.plans_ahead = ahead
+    tiny_llm.set_policy(strategy)
+    ahead_calls, streams, outs = [], {}, []
+    tiny_llm.runner.before_execute = lambda key, args: ahead_calls.append(eng._pending is not None)
+    try:
+      for params in cases:
+        reqs = [eng.add_request(p, dataclasses.replace(params, max_tokens=params.max_tokens + 3 * i), f"r{i}",
+                                on_update=lambda r, new: streams.setdefault(r.request_id, []).append(list(new)))
+                for i, p in enumerate(prompts[:5])]
+        for _ in range(6):
+          eng.step()
+        reqs.append(eng.add_request(prompts[5], params, "late"))  # joins while calls run ahead
+        eng.run_until_done()
+        outs.append([(r.output_ids, r.finish_reason, r.token_logprobs, r.logprobs) for r in reqs])
+        assert eng.allocator.num_used == 0
+        eng.allocator.check()
+    finally:
+      tiny_llm.runner.before_execute = None
+    assert any(ahead_calls) == ahead
+    results[ahead] = (outs, streams)
+  assert results[True] == results[False]
+  assert results[True][0][0][1][0] == expected[1][:expected[1].index(stop) + 1]  # greedy through its stop token
 
 
 def test_multi_step_decode_waits_for_nothing_queued(tiny_llm):

@@ -28,34 +28,70 @@ def verified_output(label: str, res, batch: Batch, accepted: np.ndarray, forward
 
 class ARRound(Round):
   """One token per request and step: decode forwards from the seed token, `batch.steps` of them in one device call
-  (each step's token is the next step's input on the device)."""
+  (each step's token is the next step's input on the device). Pipelined: the engine may dispatch the next call from
+  this one's tokens on the device before it reads this one's back."""
   kind = RoundKind.AR
   multi_step = True
+  pipelined = True
 
-  def run(self, runner, batch: Batch) -> RoundOutput:
+  def ahead(self, batch: Batch) -> tuple[int, int, int]:
+    return batch.steps, batch.steps, batch.steps  # commits every step it runs; a key round per step
+
+  def dispatch(self, runner, batch: Batch, seed=None):
+    """Dispatches the call without waiting; `seed`: the previous call's handle (its last tokens seed this one)."""
+    tokens = batch.seed[:, None] if seed is None else seed[1][:, -1:]
+    return runner.dispatch_decode(tokens, batch.live, batch.prefix_len, batch.page_table, batch.samp, batch.steps)
+
+  def collect(self, runner, batch: Batch, handle) -> RoundOutput:
+    """Reads a dispatched call back (waits for it)."""
+    res = runner.read_verify(handle)
     n, steps = batch.n, batch.steps
-    res = runner.verify(batch.seed[:, None], None, batch.live, batch.prefix_len, batch.page_table, batch.samp,
-                        steps=steps)
     full = np.full((n,), steps, np.int64)
     ones = np.ones((n,), np.int64)
+    # AR writes exactly what it commits: nothing to trim (a pipelined next call's pages are past it)
     return RoundOutput(self.kind, res.tokens[:n], full, res.logprobs[:n], full, ones, ones,
                        [(StepKind.DECODE, 1, n)] * steps, {StepKind.DECODE: full}, res.top_logprobs[:n],
-                       res.top_ids[:n], rounds=steps, speculative=False, key_rounds=steps, verify=res)
+                       res.top_ids[:n], rounds=steps, speculative=False, key_rounds=steps, verify=res, trim=False)
+
+  def run(self, runner, batch: Batch) -> RoundOutput:
+    return self.collect(runner, batch, self.dispatch(runner, batch))
 
 
 class LinearRound(Round):
   """LinearSS: a draft of `block` tokens and one verify forward. Requests planned at a smaller block (padded into
-  this batch) keep at most their planned block of the verified tokens."""
+  this batch) keep at most their planned block of the verified tokens. Pipelined: the next round's seed (the last
+  accepted token) and committed length are taken from this round's verification on the device."""
   kind = RoundKind.LINEAR
   pads_to_largest = True
+  pipelined = True
 
-  def run(self, runner, batch: Batch) -> RoundOutput:
+  def ahead(self, batch: Batch) -> tuple[int, int, int]:
+    return batch.block, 1, 1  # at most a block committed (at least one token), one sampling-key round
+
+  def dispatch(self, runner, batch: Batch, seed=None):
+    if seed is None:
+      tokens, prefix = batch.seed, batch.prefix_len
+    else:  # the previous round's verification, still on the device
+      prev, prev_prefix = seed[0], seed[3]
+      accepted = prev[0]
+      tokens = prev[1][np.arange(batch.b), accepted - 1]
+      prefix = prev_prefix + accepted
+    drafted, q, signals = runner.draft(tokens, prefix, batch.page_table, batch.block, batch.samp)
+    outs = runner.dispatch_verify(drafted, q, batch.live, prefix, batch.page_table, batch.samp)
+    return outs, drafted, signals, prefix
+
+  def collect(self, runner, batch: Batch, handle) -> RoundOutput:
+    outs, drafted, signals, _ = handle
+    res = runner.read_verify(outs)
+    res.draft_tokens, res.draft_signals = drafted, signals  # device arrays: only analysis reads them back
     n, blk = batch.n, batch.block
-    res = draft_verify(runner, blk, batch)
     accepted = np.minimum(res.accepted[:n].astype(np.int64), batch.planned)
     ones = np.ones((n,), np.int64)
     return verified_output(self.kind, res, batch, accepted, [(StepKind.DRAFT, blk, n), (StepKind.VERIFY, blk, n)],
                            {StepKind.DRAFT: ones, StepKind.VERIFY: ones})
+
+  def run(self, runner, batch: Batch) -> RoundOutput:
+    return self.collect(runner, batch, self.dispatch(runner, batch))
 
 
 class DiffusionRound(Round):

@@ -141,6 +141,7 @@ class RoundOutput:
   rounds: int = 1
   speculative: bool = True
   key_rounds: int = 1
+  trim: bool = True  # the round may have written past what it commits (a verify): drop those pages
   verify: Any = None  # the runner's VerifyResult, rows as in the batch
   extra: Any = None
 
@@ -162,6 +163,14 @@ class Round:
   pads_to_largest: bool = False
   # True: a call may run several AR steps (`Batch.steps`); the engine decides how many
   multi_step: bool = False
+  # True: `dispatch(runner, batch, seed)` / `collect(runner, batch, handle)` split `run`, and the next call can start
+  # from the previous call's device outputs (the engine then prepares and dispatches it before it reads that one)
+  pipelined: bool = False
+
+  def ahead(self, batch: "Batch") -> tuple[int, int, int]:
+    """For a pipelined round: (the most tokens a row of `batch` commits, the fewest, its sampling-key rounds): what
+    the engine prepares the next call with before it has read this one back."""
+    raise NotImplementedError
 
   def reserve(self, block: int, steps: int) -> int:
     """Tokens past each row's committed length the round may write (its pages are reserved before `run`)."""
@@ -190,6 +199,9 @@ class Strategy:
   """Base decoding strategy; subclasses implement `plan_step` and may override the hooks."""
   name = "base"
   supports_logprobs = True
+  # True: the strategy's plan of a step does not depend on the outcome of the step before it, so the engine may plan
+  # (and dispatch) a step before it has applied the previous one (the fixed strategies)
+  plans_ahead = False
   plans_ar = False  # True: plans AR rounds (block 1) beside `block_sizes` (metrics show their share from the start)
 
   def plan_step(self, view: StepView) -> StepPlan:

@@ -50,6 +50,7 @@ class Engine:
     self.allocator = PageAllocator(self.rc.num_pages, self.rc.page_size, self.rc.pages_per_seq)
     self.scheduler = Scheduler(self.allocator, self.rc.max_batch, self.rc.max_block)
     self._eos = frozenset(self.cfg.eos_token_ids)
+    self._eos_array = np.array(sorted(self._eos), np.int64)
     self._ids = itertools.count()
     self.totals = collections.Counter()  # engine-wide counters for /metrics
     self.accepted_per_position = collections.Counter()  # block index -> accepted draft tokens there
@@ -59,6 +60,8 @@ class Engine:
     self.bucketing = bucketing
     self.forward_log: list[tuple[str, int, int]] | None = None  # set to [] to record every forward
     self.round_log: list[RoundOutcome] | None = None  # set to [] to record every round's outcome (analysis)
+    # a pipelined round dispatched ahead and not yet applied: (batch, device handle, dispatch time)
+    self._pending: tuple[Batch, object, float] | None = None
     self.step_count = 0
 
   # the decoding strategy under its earlier name (launch scripts and servers set `engine.policy`)
@@ -68,7 +71,15 @@ class Engine:
 
   @policy.setter
   def policy(self, strategy: Strategy) -> None:
+    self.drain()
     self.strategy = strategy
+
+  def drain(self) -> None:
+    """Reads back and applies a call dispatched ahead (before the strategy changes, or to settle the books)."""
+    if self._pending is not None:
+      batch, handle, t0 = self._pending
+      self._pending = None
+      self._finish_round(batch, lambda: batch.round.collect(self.runner, batch, handle), t0)
 
   @property
   def waiting(self):
@@ -144,6 +155,8 @@ class Engine:
   def step(self) -> list[Request]:
     """Runs one iteration; returns the requests that finished in it."""
     self.step_count += 1
+    if self._pending is not None and self._advance_pipeline():
+      return self.scheduler.take_finished()
     for req in self.scheduler.admit():
       try:
         self.allocator.add(req.request_id)
@@ -206,10 +219,24 @@ class Engine:
     return plans
 
   def run_round(self, batch: Batch) -> None:
-    """Builds `batch`'s arrays, runs its round, applies the output and tells the strategy."""
+    """Builds `batch`'s arrays, runs its round, applies the output and tells the strategy. A pipelined round whose
+    batch is the whole decoding set also gets its next call dispatched before this one is read back."""
     t0 = time.perf_counter()
     what = f"{batch.round.kind} round (block {batch.block})"
-    ok, out = self._isolated(batch.reqs, what, self._run, batch)
+    if batch.round.pipelined:
+      ok, handle = self._isolated(batch.reqs, what, self._dispatch, batch)
+      if not ok:
+        return
+      self._pending = self._chain(batch, handle)
+      self._finish_round(batch, lambda: batch.round.collect(self.runner, batch, handle), t0)
+      return
+    self._finish_round(batch, lambda: self._run(batch), t0)
+
+  def _finish_round(self, batch: Batch, output, t0: float) -> None:
+    """Collects a round's output (`output()`), applies it and tells the strategy."""
+    what = f"{batch.round.kind} round (block {batch.block})"
+    done_before = all(r.finished for r in batch.reqs)  # a pipelined call all of whose requests stopped before it
+    ok, out = self._isolated(batch.reqs, what, output)
     if not ok:
       return
     generated = np.array([len(r.output_ids) for r in batch.reqs], np.int64)
@@ -219,79 +246,188 @@ class Engine:
     outcome = RoundOutcome(batch, out, generated, time.perf_counter() - t0)
     if self.round_log is not None:
       self.round_log.append(outcome)
-    self._isolated([r for r in batch.reqs if not r.finished], f"observing a {what}", self.strategy.observe, outcome)
+    if not done_before:
+      self._isolated([r for r in batch.reqs if not r.finished], f"observing a {what}", self.strategy.observe, outcome)
+
+  def _reserve(self, batch: Batch, ahead: int = 0) -> None:
+    need = ahead + batch.round.reserve(batch.block, batch.steps)
+    for r in batch.reqs:
+      self.allocator.reserve(r.request_id, self.allocator.length(r.request_id) + need)
 
   def _run(self, batch: Batch) -> RoundOutput:
     batch.steps = self.decode_steps(batch.reqs) if batch.round.multi_step else 1
-    need = batch.round.reserve(batch.block, batch.steps)
-    for r in batch.reqs:
-      self.allocator.reserve(r.request_id, self.allocator.length(r.request_id) + need)
+    self._reserve(batch)
     self._fill(batch)
     return batch.round.run(self.runner, batch)
 
-  def _fill(self, batch: Batch) -> None:
-    """The batch's padded arrays: page table, committed lengths, sampling rows and keys, seed tokens."""
+  def _dispatch(self, batch: Batch):
+    batch.steps = self.decode_steps(batch.reqs) if batch.round.multi_step else 1
+    self._reserve(batch)
+    self._fill(batch)
+    return batch.round.dispatch(self.runner, batch)
+
+  # ---- the pipeline: the next call dispatched before the previous one is read back -----------------------------
+  # While the device runs call k+1 the host reads call k back, emits its tokens and checks stop conditions. Call k+1
+  # starts from call k's last tokens on the device and at the lengths call k commits (an AR call commits every step
+  # it runs), so nothing of k has to reach the host first. A request that stops in call k wastes its row of k+1:
+  # that row is never applied (its pages are freed with the request; later users of the pages run after k+1 on the
+  # device, which takes every call's cache from the call before it). Only when the plan of k+1 cannot depend on
+  # k's outcome: a `plans_ahead` strategy, nothing waiting or prefilling, the batch the whole decoding set.
+  def _chain(self, batch: Batch, handle) -> tuple[Batch, object, float] | None:
+    """Dispatches the call after `batch`'s (dispatched as `handle`, not applied yet), if it may run ahead."""
+    most, fewest, keys = batch.round.ahead(batch)
+    if not (self.strategy.plans_ahead and not self.waiting and len(self.running) == batch.n
+            and self.runner.mesh is None  # a device array between calls keeps the single device's placement
+            and (batch.planned == batch.block).all() and not any(r.finished for r in batch.reqs)):
+      return None
+    left = max(r.params.max_tokens - len(r.output_ids) for r in batch.reqs) - fewest
+    if left < 1:
+      return None  # every request ends within `batch`'s call
+    n = self.rc.decode_steps if batch.round.multi_step else 1
+    nxt = Batch(batch.round, batch.block, batch.reqs, batch.planned, steps=n if 1 < n <= left else 1)
+    t0 = time.perf_counter()
+    ok, handle2 = self._isolated(batch.reqs, f"{batch.round.kind} round (ahead)", self._dispatch_ahead, nxt,
+                                 handle, most, keys)
+    return (nxt, handle2, t0) if ok else None
+
+  def _dispatch_ahead(self, batch: Batch, prev, most: int, keys: int):
+    self._reserve(batch, most)
+    self._fill(batch, most, keys)  # committed lengths: the round takes its own from `prev` where they vary
+    return batch.round.dispatch(self.runner, batch, seed=prev)
+
+  def _advance_pipeline(self) -> bool:
+    """At the start of a step with a call in flight: dispatches the one after it where it may run ahead, then reads
+    the pending one back and applies it. True: the step is done (the pipeline goes on); False: it drained, the step
+    goes on as usual."""
+    batch, handle, t0 = self._pending
+    self._pending = None
+    live = [r for r in batch.reqs if not r.finished]
+    if len(live) == batch.n and not any(self.prefilled(r) < len(r.prompt_ids) for r in self.running):
+      self._pending = self._chain(batch, handle)
+    self._finish_round(batch, lambda: batch.round.collect(self.runner, batch, handle), t0)
+    return self._pending is not None
+
+  def _fill(self, batch: Batch, ahead: int = 0, keys_ahead: int = 0) -> None:
+    """The batch's padded arrays: page table, committed lengths, sampling rows and keys, seed tokens (each a copy of
+    rows kept per request, not rebuilt element by element). `ahead` tokens and `keys_ahead` sampling-key rounds: what
+    a call in flight before this one will have committed and used."""
     reqs, n = batch.reqs, len(batch.reqs)
+    alloc = self.allocator
+    ids = [r.request_id for r in reqs]
     b = batch.b = self.runner.bucket_for(n)
     batch.bucket_for = self.runner.bucket_for
-    width = self.rc.pages_per_seq
-    batch.page_table = np.zeros((b, width), np.int32)
+    batch.page_table = np.zeros((b, self.rc.pages_per_seq), np.int32)
+    batch.page_table[:n] = [alloc.page_table_row(rid) for rid in ids]
     batch.prefix_len = np.zeros((b,), np.int32)
+    batch.prefix_len[:n] = [alloc.length(rid) + ahead for rid in ids]
     batch.seed = np.zeros((b,), np.int32)
+    batch.seed[:n] = [r.seed_token for r in reqs]
     batch.live = np.zeros((b,), bool)
     batch.live[:n] = True
-    for i, r in enumerate(reqs):
-      batch.page_table[i] = self.allocator.page_table_row(r.request_id, width)
-      batch.prefix_len[i] = self.allocator.length(r.request_id)
-      batch.seed[i] = r.seed_token if r.seed_token is not None else 0
-    batch.samp = self.sampling_arrays(reqs, b)
+    batch.samp = self.sampling_arrays(reqs, b, keys_ahead)
 
   def apply(self, batch: Batch, out: RoundOutput) -> None:
     """Commits a round's output: pages (each row's committed tokens, what the round wrote past them dropped), the
     forward ledger and counters, the requests' stats, the sampling keys, then emission and stop conditions."""
-    reqs = batch.reqs
+    reqs, rounds = batch.reqs, out.rounds
+    totals = self.totals
     for kind, blk, rows in out.forwards:
-      self.totals[f"forwards_{kind}"] += 1
+      totals[f"forwards_{kind}"] += 1
       if self.forward_log is not None:
         self.forward_log.append((str(kind), blk, rows))
+    # engine-wide counters over the batch at once (a pipelined call's rows of requests that stopped before it was
+    # applied are not part of its output)
+    live = np.array([not r.finished for r in reqs])
+    blocks, accepted, commit = out.block.tolist(), out.accepted.tolist(), out.commit.tolist()
+    for blk, count in collections.Counter(np.asarray(out.block)[live].tolist()).items():
+      self.block_size_choices[blk] += count * rounds
+    spec = (np.asarray(out.block) > 1) & live if out.speculative else np.zeros(len(blocks), bool)
+    if spec.any():
+      blk_arr, acc_arr = np.asarray(out.block)[spec], np.asarray(out.accepted)[spec]
+      totals["drafts"] += int(spec.sum())  # verified drafts (vLLM's spec_decode_num_drafts)
+      totals["draft_tokens"] += int((blk_arr - 1).sum())
+      totals["accepted_draft_tokens"] += int((acc_arr - 1).sum())
+      per_pos = np.bincount(acc_arr - 1)  # rows that accepted exactly k draft tokens
+      reach = np.cumsum(per_pos[::-1])[::-1]  # rows that accepted at least k
+      for pos in range(1, len(reach)):
+        self.accepted_per_position[pos] += int(reach[pos])
+    row_forwards = [(kind, counts.tolist()) for kind, counts in out.row_forwards.items()]
+    spec = spec.tolist()
+    alloc, key_rounds = self.allocator, out.key_rounds
+    # the pages of the call dispatched after this one (pipelined: it writes past what this one commits) stay
+    pending = self._pending[0] if self._pending is not None and self._pending[0].reqs is reqs else None
+    keep = pending.round.reserve(pending.block, pending.steps) if pending is not None else 0
     for i, r in enumerate(reqs):
+      if r.finished:  # stopped (or aborted) before this call was applied: its row is not part of the output
+        continue
       rid = r.request_id
-      self.allocator.commit(rid, self.allocator.length(rid) + int(out.commit[i]))
-      self.allocator.trim(rid)
-      r.round_counter += out.key_rounds
-      for kind, counts in out.row_forwards.items():
-        r.stats.forwards[kind] += int(counts[i])
-      blk, acc = int(out.block[i]), int(out.accepted[i])
+      alloc.commit(rid, alloc.length(rid) + commit[i])
+      if out.trim:
+        alloc.trim(rid, keep)
+      r.round_counter += key_rounds
       st = r.stats
-      st.rounds += out.rounds
-      st.accepted_lengths.extend([acc] * out.rounds)
-      st.block_sizes.extend([blk] * out.rounds)
-      self.block_size_choices[blk] += out.rounds
-      if out.speculative and blk > 1:
-        self.totals["drafts"] += 1  # one verified draft (vLLM's spec_decode_num_drafts)
+      for kind, counts in row_forwards:
+        st.forwards[kind] += counts[i]
+      blk, acc = blocks[i], accepted[i]
+      st.rounds += rounds
+      if rounds == 1:
+        st.accepted_lengths.append(acc)
+        st.block_sizes.append(blk)
+      else:
+        st.accepted_lengths.extend([acc] * rounds)
+        st.block_sizes.extend([blk] * rounds)
+      if spec[i]:
         st.draft_tokens += blk - 1
         st.accepted_draft_tokens += acc - 1
-        self.totals["draft_tokens"] += blk - 1
-        self.totals["accepted_draft_tokens"] += acc - 1
-        for pos in range(1, acc):
-          self.accepted_per_position[pos] += 1
+    self._emit_batch(reqs, out)
+
+  def _emit_batch(self, reqs: Sequence[Request], out: RoundOutput) -> None:
+    """Emits every row's tokens. The EOS check runs once over the batch's token array; a request with no logprobs,
+    stop token ids or stop strings then needs no per-token work (`output.append_plain`)."""
+    emit = out.emit.tolist()
+    tokens, logprobs = out.tokens, out.logprobs
+    # a few EOS ids: compared directly (np.isin sorts, ~10x slower on a step's small array)
+    eos = (tokens[:, :, None] == self._eos_array).any(axis=2)
+    eos &= np.arange(tokens.shape[1])[None, :] < out.emit[:, None]
+    first = np.where(eos.any(axis=1), eos.argmax(axis=1), tokens.shape[1]).tolist()
+    tok_rows, lp_rows = tokens.tolist(), logprobs.tolist()
     top_lp, top_ids = out.top_logprobs, out.top_ids
     for i, r in enumerate(reqs):
-      k = int(out.emit[i])
-      if k:
-        self.emit(r, out.tokens[i, :k].tolist(), out.logprobs[i, :k].tolist(),
-                  None if top_lp is None else top_lp[i, :k], None if top_ids is None else top_ids[i, :k])
+      k = emit[i]
+      if not k or r.finished:
+        continue
+      if output.plain(r, self.tokenizer):
+        self._emit_plain(r, tok_rows[i][:k], lp_rows[i][:k], k if r.params.ignore_eos else first[i])
+      else:
+        self.emit(r, tok_rows[i][:k], lp_rows[i][:k], None if top_lp is None else top_lp[i, :k],
+                  None if top_ids is None else top_ids[i, :k])
 
-  def sampling_arrays(self, reqs: Sequence[Request], b: int) -> SamplingArrays:
-    """The padded batch's sampling rows; each row's key is (seed, its round counter)."""
+  def _emit_plain(self, r: Request, toks: list[int], lps: list[float], first_stop: int) -> None:
+    try:
+      new, reason = output.append_plain(r, toks, lps, first_stop)
+      if new:
+        r.seed_token = new[-1]
+      self.totals["generated_tokens"] += len(new)
+      if r.on_update is not None and not self._notify(r, new):
+        self.finish(r, "error", "engine error: the request's update callback failed")
+        return
+      if reason is not None:
+        self.finish(r, reason)
+    except Exception as e:
+      self.fail_request(r, "emitting its tokens", e)
+
+  def sampling_arrays(self, reqs: Sequence[Request], b: int, ahead: int = 0) -> SamplingArrays:
+    """The padded batch's sampling rows; each row's key is (seed, its round counter + `ahead`)."""
     samp = SamplingArrays.greedy(b)
-    for i, r in enumerate(reqs):
-      row = r.sampling  # converted when the request was added (or by step, before it joined a batch)
-      samp.temperature[i] = row.temperature
-      samp.top_k[i] = row.top_k
-      samp.top_p[i] = row.top_p
-      samp.keys[i] = (row.seed, r.round_counter & 0xFFFFFFFF)
-      samp.top_logprobs[i] = r.params.logprobs or 0
+    n = len(reqs)
+    if n:
+      rows = [r.sampling for r in reqs]  # converted when the request was added (or before it joined a batch)
+      samp.temperature[:n] = [row.temperature for row in rows]
+      samp.top_k[:n] = [row.top_k for row in rows]
+      samp.top_p[:n] = [row.top_p for row in rows]
+      samp.keys[:n, 0] = [row.seed for row in rows]
+      samp.keys[:n, 1] = [(r.round_counter + ahead) & 0xFFFFFFFF for r in reqs]
+      samp.top_logprobs[:n] = [r.params.logprobs or 0 for r in reqs]
     return samp
 
   def prefilled(self, r: Request) -> int:
@@ -419,6 +555,7 @@ class Engine:
     if victims:
       log.error("failing all %d requests (%d running, %d waiting): %s", len(victims), len(self.running),
                 len(self.waiting), message)
+    self._pending = None
     for r in victims:
       self.finish(r, "error", message)
     self.waiting.clear()
