@@ -43,10 +43,10 @@ def build_model(directory: pathlib.Path) -> pathlib.Path:
 
   from flax import nnx
 
-  from recguide_jax import checkpoint as ckpt_lib
-  from recguide_jax.config import NLDConfig
   from recguide_jax.llm import BUNDLED_CHECKPOINT
-  from recguide_jax.model import NLDModel
+  from recguide_jax.model import checkpoint as ckpt_lib
+  from recguide_jax.model.config import NLDConfig
+  from recguide_jax.model.nld import NLDModel
   base = NLDConfig.from_json_file(BUNDLED_CHECKPOINT / "config.json")
   cfg = dataclasses.replace(base, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
                             num_key_value_heads=2, head_dim=16, lora_rank=8)
@@ -69,7 +69,7 @@ class Recorder:
 def timed_steps(llm, policy: str, c: int, max_tokens: int, prompt_len: int, profile: bool = False, replays: int = 0):
   """Runs C requests to the end; returns [(step seconds, [(key, args)] of its calls, their bare seconds)] of the
   steps where all C decoded, and the profile of those steps (or None)."""
-  from recguide_jax import SamplingParams
+  from recguide_jax.engine.requests import SamplingParams
   eng = llm.engine
   llm.set_policy(policy, block_size=16)
   params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
@@ -200,9 +200,9 @@ def main(argv):
 
   from bench_peer import code_version, quiet_logging
 
-  from recguide_jax import LLM
   from recguide_jax.benchmarks import cli
   from recguide_jax.benchmarks.report import write_report
+  from recguide_jax.llm import LLM
   f = flags.FLAGS
   quiet_logging()
   model = build_model(pathlib.Path(f.model_dir))

@@ -27,9 +27,9 @@ import numpy as np
 
 from recguide_jax.decoding.strategy import Batch, RoundOutcome, RoundOutput, RoundPlan, StepView, Strategy
 from recguide_jax.engine import output, prefill
+from recguide_jax.cache.kv_cache import PageAllocator
+from recguide_jax.engine.requests import Request, RequestError, SamplingParams, fold_seed, sampling_row
 from recguide_jax.engine.scheduler import Scheduler, check_queue, group_plans
-from recguide_jax.kv_cache import PageAllocator
-from recguide_jax.requests import Request, RequestError, SamplingParams, fold_seed, sampling_row
 from recguide_jax.runtime.runner import Runner
 from recguide_jax.runtime.steps import SamplingArrays
 
@@ -64,19 +64,18 @@ class Engine:
     self._pending: tuple[Batch, object, float] | None = None
     self.step_count = 0
 
-  # the decoding strategy under its earlier name (launch scripts and servers set `engine.policy`)
   @property
-  def policy(self) -> Strategy:
-    return self.strategy
+  def strategy(self) -> Strategy:
+    return self._strategy
 
-  @policy.setter
-  def policy(self, strategy: Strategy) -> None:
-    self.drain()
-    self.strategy = strategy
+  @strategy.setter
+  def strategy(self, strategy: Strategy) -> None:
+    self.drain()  # a call dispatched ahead was planned by the strategy before
+    self._strategy = strategy
 
   def drain(self) -> None:
     """Reads back and applies a call dispatched ahead (before the strategy changes, or to settle the books)."""
-    if self._pending is not None:
+    if getattr(self, "_pending", None) is not None:
       batch, handle, t0 = self._pending
       self._pending = None
       self._finish_round(batch, lambda: batch.round.collect(self.runner, batch, handle), t0)

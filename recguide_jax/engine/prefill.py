@@ -14,7 +14,7 @@ import time
 import numpy as np
 
 from recguide_jax.engine import output
-from recguide_jax.requests import Request
+from recguide_jax.engine.requests import Request
 from recguide_jax.runtime.step_key import StepKind
 
 

@@ -13,9 +13,9 @@ from typing import Callable, Sequence
 import numpy as np
 
 from recguide_jax.decoding.grouping import cheapest_runs
+from recguide_jax.cache.kv_cache import PageAllocator
 from recguide_jax.decoding.strategy import Round, RoundPlan
-from recguide_jax.kv_cache import PageAllocator
-from recguide_jax.requests import QueueFull, Request, RequestError, SamplingParams, describe
+from recguide_jax.engine.requests import QueueFull, Request, RequestError, SamplingParams, describe
 
 
 def check_queue(queued: int, max_queue: int) -> None:

@@ -10,8 +10,8 @@ import threading
 import time
 
 from recguide_jax.engine.protocol import ServingEngine
+from recguide_jax.engine.requests import Request, RequestError, SamplingParams
 from recguide_jax.engine.scheduler import check_queue
-from recguide_jax.requests import Request, RequestError, SamplingParams
 
 log = logging.getLogger("recguide_jax.engine")
 

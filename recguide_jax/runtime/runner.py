@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import concurrent.futures
 import dataclasses
-import math
 import os
 import threading
 import time
@@ -31,10 +30,12 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from recguide_jax import sampling, sharding
-from recguide_jax.kv_cache import KVCache, storage_dtype
-from recguide_jax.model import (KernelLayout, LayerLoop, NLDModel, resolve_kernel_layout, resolve_layer_loop,
-                                weights_platform, with_kernel_layout, with_layer_loop)
+from recguide_jax.runtime import sampling
+
+from recguide_jax.parallel import sharding
+from recguide_jax.cache.kv_cache import KVCache, pages_per_seq, storage_dtype
+from recguide_jax.model.nld import (KernelLayout, LayerLoop, NLDModel, resolve_kernel_layout, resolve_layer_loop,
+                                    weights_platform, with_kernel_layout, with_layer_loop)
 from recguide_jax.runtime.compilation import (BackgroundCompiler, CompileCounter, compile_with_options,
                                               enable_compile_cache, variant_compiler_options)
 from recguide_jax.runtime.step_key import (BLOCK_SIZES, StepKey, StepKind, batch_buckets, fused_kind,  # noqa: F401
@@ -89,8 +90,7 @@ class RunnerConfig:
 
   @property
   def pages_per_seq(self) -> int:
-    # A verify may write up to one block past the last emitted token, so leave room for it.
-    return math.ceil((self.max_model_len + self.max_block) / self.page_size)
+    return pages_per_seq(self.max_model_len, self.max_block, self.page_size)
 
 
 @dataclasses.dataclass
@@ -211,13 +211,6 @@ class Runner:
       self._background.shutdown()
 
   # ---- compilation -------------------------------------------------------------------------------------------------
-  @staticmethod
-  def _key(key: StepKey | str, blk: int | None = None, b: int | None = None) -> StepKey:
-    """A `StepKey`, or (kind label, block, batch) as earlier releases passed them."""
-    if isinstance(key, StepKey):
-      return key
-    return StepKey.parse(key, blk, b)
-
   def _jit(self, key: StepKey, host_args: tuple):
     fn = self.steps.build(key)
     donate = (1,) if key.kind.writes_cache else ()
@@ -235,16 +228,14 @@ class Runner:
       out_sh = (cache_sh,) + tuple(out_sh[1:])
     return jax.jit(fn, in_shardings=in_sh, out_shardings=out_sh, donate_argnums=donate)
 
-  def lower(self, key: StepKey | str, blk: int | None = None, b: int | None = None):
+  def lower(self, key: StepKey):
     """The lowered (not yet compiled) variant: its HLO and, once compiled, its memory analysis."""
-    key = self._key(key, blk, b)
     host = example_host_args(key, self.config.pages_per_seq, self.cfg.vocab_size)
     jitted = self._jit(key, host)
     with sharding.mesh_context(self.mesh):  # traced inside the mesh: activation constraints, per-shard kernels
       return jitted.lower(self._state_spec, self._cache_spec, *host)
 
-  def compiled(self, key: StepKey | str, blk: int | None = None, b: int | None = None):
-    key = self._key(key, blk, b)
+  def compiled(self, key: StepKey):
     fn = self._compiled.get(key)
     if fn is None:
       fn = self._compile(key)

@@ -92,7 +92,7 @@ class Collector:
                           [(p, per_position.get(p + 1, 0)) for p in range(positions)])
     # ---- the engine's and the strategy's own series -----------------------------------------------------------
     blocks = dict(snap["block_sizes"])
-    strategy = eng.policy
+    strategy = eng.strategy
     try:  # zeros for every block size the strategy may plan (and AR rounds, when it may plan them), so shares exist
       planned = tuple(strategy.block_sizes()) + ((1,) if getattr(strategy, "plans_ar", False) else ())
     except Exception:

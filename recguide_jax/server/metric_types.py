@@ -105,7 +105,7 @@ def _strategy_metrics(eng) -> list:
   """The strategy's own series (`Strategy.metrics`), read on the scraping thread: a failure costs its series only."""
   for _ in range(5):
     try:
-      return list(eng.policy.metrics())
+      return list(eng.strategy.metrics())
     except RuntimeError:  # a counter changed size while it was copied
       continue
     except Exception:

@@ -1,0 +1,337 @@
+"""Paged KV cache: fixed-size device page arrays (a registered dataclass pytree) and the host-side page allocator.
+
+Device side: K and V arrays with every layer stacked, [num_layers, num_pages, page_size, kv_heads * head_dim] (the
+KV heads folded into the last, lane, dimension: a TPU tiles the two minor dims, so a [.., kv_heads, head_dim] cache
+would need a physical relayout of every page before the kernel's [page_size, kv_heads * head_dim] tiles could read
+it; folded, the kernel DMAs pages as they lie, and on a CPU or GPU the bytes are the same either way), so the
+scanned layer stack carries the whole cache and each layer writes and reads its own pages in place at its layer
+index (a scatter at [layer, page, offset], a gather at [layer, page_table]): no step ever slices a layer out, which
+would copy it. Page 0 (of every layer) is never handed out: it is the trash page that padded batch slots and
+uncommitted tokens write into, so a step never needs a branch on "is this slot real". A request's page table maps
+its logical page i (token positions i*page_size ..) to a physical page. On the CPU a bf16/fp16 cache holds the
+floats' bits as unsigned integers (`storage_dtype`). Host side: `PageAllocator` owns which pages are free; commit,
+crop and free only change the host's tables and per-request lengths (a crop is a length change; pages past the new
+length are returned).
+
+Samples of one prompt (`n > 1`) share its prefill: `fork` gives a sibling the full pages of the prompt another
+request already wrote, reference-counted, so a page returns to the free list only when its last owner lets go of
+it. Only full pages are shared and every step writes at or past a request's committed length, so a shared page is
+never written again; the partial last page is the sibling's own (the engine recomputes its few tokens).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Iterable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+TRASH_PAGE = 0
+
+
+def pages_per_seq(max_model_len: int, max_block: int, page_size: int) -> int:
+  """Pages one sequence of `max_model_len` pledges: a verify may write up to one block past its last token."""
+  return -(-(max_model_len + max_block) // page_size)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class KVCache:
+  k: jax.Array  # [num_layers, num_pages, page_size, kv_heads * head_dim], the model's dtype (on the CPU: its bits)
+  v: jax.Array
+
+  @property
+  def num_layers(self) -> int:
+    return self.k.shape[0]
+
+  @property
+  def num_pages(self) -> int:
+    return self.k.shape[1]
+
+  @property
+  def page_size(self) -> int:
+    return self.k.shape[2]
+
+  @staticmethod
+  def shape(num_layers: int, num_pages: int, page_size: int, kv_heads: int, head_dim: int) -> tuple[int, ...]:
+    return (num_layers, num_pages, page_size, kv_heads * head_dim)
+
+  @classmethod
+  def create(cls, num_layers: int, num_pages: int, page_size: int, kv_heads: int, head_dim: int,
+             dtype=jnp.float32, sharding: jax.sharding.Sharding | None = None) -> "KVCache":
+    shape = cls.shape(num_layers, num_pages, page_size, kv_heads, head_dim)
+    # zeros made on the target device(s) directly, never on the host and then copied
+    make = jax.jit(lambda: jnp.zeros(shape, dtype), out_shardings=sharding)
+    return cls(k=make(), v=make())
+
+  @classmethod
+  def abstract(cls, num_layers: int, num_pages: int, page_size: int, kv_heads: int, head_dim: int,
+               dtype=jnp.float32, sharding: jax.sharding.Sharding | None = None) -> "KVCache":
+    """The cache's shapes only (`jax.ShapeDtypeStruct`s): for lowering and compiling without allocating it."""
+    sds = jax.ShapeDtypeStruct(cls.shape(num_layers, num_pages, page_size, kv_heads, head_dim), dtype,
+                               sharding=sharding)
+    return cls(k=sds, v=sds)
+
+
+def _slots(page_table: jax.Array, positions: jax.Array, write: jax.Array, page_size: int):
+  logical = jnp.clip(positions // page_size, 0, page_table.shape[1] - 1)
+  page = jnp.take_along_axis(page_table, logical, axis=1)
+  return jnp.where(write, page, TRASH_PAGE), positions % page_size
+
+
+def write_block(k_pages: jax.Array, v_pages: jax.Array, k_new: jax.Array, v_new: jax.Array,
+                page_table: jax.Array, positions: jax.Array, write: jax.Array,
+                layer: jax.Array | int | None = None) -> tuple[jax.Array, jax.Array]:
+  """Scatters per-token K/V into their pages: token (r, t) goes to slot `positions[r, t]` of request r.
+
+  k_new/v_new: [b, T, kv_heads, D]; page_table: [b, P]; positions, write: [b, T]. Tokens with write=False land on
+  the trash page, so the scatter has a static shape. Pages are one layer's [num_pages, page_size, H * D] when
+  `layer` is None, else every layer's [L, num_pages, page_size, H * D] and the tokens go to layer `layer` (an int
+  or an int32 scalar, e.g. a scan's layer index): one scatter into the stacked array, updated in place when it is
+  donated or loop-carried.
+  """
+  page_size = k_pages.shape[-2]
+  page, offset = _slots(page_table, positions, write, page_size)
+  k_new, v_new = fold_heads(k_new), fold_heads(v_new)
+  if layer is None:
+    idx = (page, offset)
+  else:
+    idx = (jnp.asarray(layer, jnp.int32), page, offset)
+  k_pages = k_pages.at[idx].set(to_storage(k_new, k_pages.dtype))
+  v_pages = v_pages.at[idx].set(to_storage(v_new, v_pages.dtype))
+  return k_pages, v_pages
+
+
+def fold_heads(x: jax.Array) -> jax.Array:
+  """[..., H, D] -> [..., H * D], the cache's layout of a token's K or V (head h on lanes [h * D, (h + 1) * D))."""
+  return x.reshape(*x.shape[:-2], x.shape[-2] * x.shape[-1])
+
+
+def gather_prefix(pages: jax.Array, page_table: jax.Array, layer: jax.Array | int | None = None,
+                  dtype=None, *, kv_heads: int) -> jax.Array:
+  """[num_pages, page_size, H * D] (or stacked [L, ...] read at `layer`) x [b, P] -> [b, P*page_size, H, D]: the
+  request's logical KV in order, `kv_heads` = H. With `layer` this is one gather of the table's pages from the
+  stacked array. Pages that hold raw bits (`storage_dtype`) come back as `dtype`, the float they hold."""
+  g = pages[page_table] if layer is None else pages[jnp.asarray(layer, jnp.int32), page_table]
+  b, p, s, hd = g.shape
+  return from_storage(g.reshape(b, p * s, kv_heads, hd // kv_heads), dtype)
+
+
+# XLA:CPU has no gather or scatter of 16- or 8-bit floats: it converts the operand to f32 and back, i.e. the whole
+# cache of every layer, twice per layer and step (a bf16 AR step of a 26M-parameter model took 136 ms, against
+# ~11 ms in f32, >90% of it in those converts; viewing the bytes as integers only inside the step still copied the
+# cache once per step). So on the CPU the cache stores such a float's bytes as the unsigned integer of its width,
+# which XLA moves natively: writes view the new K/V as bits, reads view the gathered pages back as the float.
+# Bit-exact. Accelerators gather their narrow floats natively and keep the float itself.
+_BITS = {1: np.dtype(np.uint8), 2: np.dtype(np.uint16)}
+
+
+def storage_dtype(dtype, platform: str | None) -> np.dtype:
+  """The dtype the cache's arrays hold for a model of `dtype` on `platform` (None: not known, the float)."""
+  dtype = np.dtype(dtype)
+  if platform == "cpu" and jnp.issubdtype(dtype, jnp.floating) and dtype.itemsize in _BITS:
+    return _BITS[dtype.itemsize]
+  return dtype
+
+
+def holds_bits(dtype) -> bool:
+  return jnp.issubdtype(dtype, jnp.unsignedinteger)
+
+
+def to_storage(x: jax.Array, storage) -> jax.Array:
+  """`x` (K or V in the model's dtype) as the cache's element type `storage`."""
+  if not holds_bits(storage):
+    return x.astype(storage)
+  if np.dtype(x.dtype).itemsize != np.dtype(storage).itemsize:
+    raise ValueError(f"a cache of {np.dtype(storage).name} bits takes K/V of that width, got {x.dtype}")
+  return jax.lax.bitcast_convert_type(x, storage)
+
+
+def from_storage(x: jax.Array, dtype) -> jax.Array:
+  """Pages read from the cache as the float `dtype` they hold (unchanged unless they hold bits)."""
+  if not holds_bits(x.dtype):
+    return x
+  if dtype is None or np.dtype(dtype).itemsize != x.dtype.itemsize:
+    raise ValueError(f"pages of {x.dtype} bits are read as a float of that width, got {dtype}")
+  return jax.lax.bitcast_convert_type(x, dtype)
+
+
+class OutOfPages(RuntimeError):
+  """No free KV page is left for an allocation."""
+
+
+class PageAllocator:
+  """Host-side owner of the physical pages and of each request's page list and committed length.
+
+  Invariant (checked by `check`): every page except the trash page is either free or owned by at least one
+  request, a page owned by k requests has reference count k (k > 1 only for the full prompt pages `fork` shares),
+  and each request's committed length fits the pages it owns.
+  """
+
+  def __init__(self, num_pages: int, page_size: int, max_pages_per_seq: int):
+    if num_pages < 2:
+      raise ValueError("num_pages must be >= 2 (page 0 is the reserved trash page)")
+    if page_size <= 0 or max_pages_per_seq <= 0:
+      raise ValueError("page_size and max_pages_per_seq must be positive")
+    self.num_pages = num_pages
+    self.page_size = page_size
+    self.max_pages_per_seq = max_pages_per_seq
+    # LIFO free list: recently freed pages are reused first (warm in cache).
+    self._free: list[int] = list(range(num_pages - 1, 0, -1))
+    self._pages: dict[object, list[int]] = {}
+    self._length: dict[object, int] = {}
+    self._refs: dict[int, int] = {}  # owners of each page held by more than one request (absent: one owner)
+    # each request's page-table row (max_pages_per_seq wide, TRASH_PAGE past its pages), kept as its pages change so
+    # a batch's table is a copy of rows, not rebuilt from page lists every step
+    self._rows: dict[object, np.ndarray] = {}
+
+  # -- queries --
+  @property
+  def num_free(self) -> int:
+    return len(self._free)
+
+  @property
+  def num_used(self) -> int:
+    return self.num_pages - 1 - len(self._free)
+
+  def pages_for(self, num_tokens: int) -> int:
+    return -(-num_tokens // self.page_size)
+
+  def can_hold(self, seq_id, num_tokens: int) -> bool:
+    have = len(self._pages.get(seq_id, ()))
+    need = self.pages_for(num_tokens)
+    return need <= self.max_pages_per_seq and need - have <= len(self._free)
+
+  def length(self, seq_id) -> int:
+    return self._length[seq_id]
+
+  def pages(self, seq_id) -> list[int]:
+    return list(self._pages[seq_id])
+
+  def owners(self) -> Iterable[object]:
+    return self._pages.keys()
+
+  @property
+  def num_shared(self) -> int:
+    """Pages owned by more than one request."""
+    return len(self._refs)
+
+  def shareable_tokens(self, num_tokens: int) -> int:
+    """Of a prompt of `num_tokens` tokens, how many a sibling can take from shared pages: whole pages, and never
+    the last token (its forward samples the sibling's own first token)."""
+    return (max(num_tokens - 1, 0) // self.page_size) * self.page_size
+
+  # -- mutations --
+  def add(self, seq_id) -> None:
+    if seq_id in self._pages:
+      raise KeyError(f"sequence {seq_id!r} already has pages")
+    self._pages[seq_id] = []
+    self._length[seq_id] = 0
+    self._rows[seq_id] = np.full((self.max_pages_per_seq,), TRASH_PAGE, np.int32)
+
+  def fork(self, src, dst, num_tokens: int) -> int:
+    """Gives `dst` (added, holding no pages) the pages of `src` that hold its first `num_tokens` committed tokens,
+    whole pages only (rounded down), shared by reference; returns the tokens shared (dst's committed length)."""
+    if self._pages[dst]:
+      raise ValueError(f"fork into {dst!r}, which already holds pages")
+    if num_tokens > self._length[src]:
+      raise ValueError(f"fork of {num_tokens} tokens > committed length {self._length[src]} of {src!r}")
+    shared = self._pages[src][:num_tokens // self.page_size]
+    for p in shared:
+      self._refs[p] = self._refs.get(p, 1) + 1
+    self._pages[dst] = list(shared)
+    self._rows[dst][:len(shared)] = shared
+    self._length[dst] = len(shared) * self.page_size
+    return self._length[dst]
+
+  def _release(self, page: int) -> None:
+    """Drops one owner of `page`; the last one returns it to the free list."""
+    refs = self._refs.get(page, 1)
+    if refs > 2:
+      self._refs[page] = refs - 1
+    elif refs == 2:
+      del self._refs[page]
+    else:
+      self._free.append(page)
+
+  def reserve(self, seq_id, num_tokens: int) -> None:
+    """Makes sure the sequence has pages for positions [0, num_tokens); raises OutOfPages and changes nothing
+    when that is impossible."""
+    pages = self._pages[seq_id]
+    need = self.pages_for(num_tokens)
+    if need > self.max_pages_per_seq:
+      raise OutOfPages(f"{num_tokens} tokens exceed the per-sequence limit of "
+                       f"{self.max_pages_per_seq * self.page_size}")
+    extra = need - len(pages)
+    if extra > len(self._free):
+      raise OutOfPages(f"need {extra} more KV pages, {len(self._free)} free")
+    if extra > 0:
+      row = self._rows[seq_id]
+      for _ in range(extra):
+        row[len(pages)] = self._free[-1]
+        pages.append(self._free.pop())
+
+  def commit(self, seq_id, length: int) -> None:
+    """Sets the committed length (after a verify/prefill wrote K/V); pages must already be reserved."""
+    if length > len(self._pages[seq_id]) * self.page_size:
+      raise ValueError(f"commit to {length} beyond reserved capacity of {seq_id!r}")
+    self._length[seq_id] = length
+
+  def crop(self, seq_id, length: int) -> None:
+    """Truncates to `length` committed tokens and returns pages past it to the free list."""
+    if length > self._length[seq_id]:
+      raise ValueError(f"crop to {length} > committed length {self._length[seq_id]}")
+    self._length[seq_id] = length
+    pages = self._pages[seq_id]
+    keep = self.pages_for(length)
+    if len(pages) > keep:
+      self._rows[seq_id][keep:len(pages)] = TRASH_PAGE
+    while len(pages) > keep:
+      self._release(pages.pop())
+
+  def trim(self, seq_id, keep: int = 0) -> None:
+    """Returns reserved-but-uncommitted pages (after a verify that accepted less than it reserved), but those of the
+    `keep` tokens past the committed length (a call already dispatched writes there)."""
+    pages, need = self._pages[seq_id], self.pages_for(self._length[seq_id] + keep)
+    if len(pages) > need:
+      self._rows[seq_id][need:len(pages)] = TRASH_PAGE
+    while len(pages) > need:
+      self._release(pages.pop())
+
+  def free(self, seq_id) -> None:
+    pages = self._pages.pop(seq_id, None)
+    self._length.pop(seq_id, None)
+    self._rows.pop(seq_id, None)
+    for p in reversed(pages or ()):
+      self._release(p)
+
+  def page_table_row(self, seq_id, width: int | None = None) -> np.ndarray:
+    """The request's page-table row (TRASH_PAGE past its pages); at the allocator's own width it is the kept row
+    itself: read it, do not write it."""
+    if width is None or width == self.max_pages_per_seq:
+      return self._rows[seq_id]
+    row = np.full((width,), TRASH_PAGE, np.int32)
+    pages = self._pages[seq_id]
+    row[:len(pages)] = pages
+    return row
+
+  def check(self) -> None:
+    """Raises AssertionError if any page is lost, double-owned or a length exceeds its capacity."""
+    seen = set(self._free)
+    assert len(seen) == len(self._free), "duplicate page in free list"
+    assert TRASH_PAGE not in seen, "trash page on the free list"
+    owners: dict[int, int] = {}
+    for seq_id, pages in self._pages.items():
+      assert len(set(pages)) == len(pages), f"a page twice in the table of {seq_id!r}"
+      for p in pages:
+        assert p != TRASH_PAGE and p not in seen, f"page {p} both free and owned ({seq_id!r})"
+        owners[p] = owners.get(p, 0) + 1
+      assert self._length[seq_id] <= len(pages) * self.page_size, f"length past capacity for {seq_id!r}"
+      row = self._rows[seq_id]
+      assert row[:len(pages)].tolist() == pages and (row[len(pages):] == TRASH_PAGE).all(), f"stale row {seq_id!r}"
+    for p, k in owners.items():
+      assert self._refs.get(p, 1) == k, f"page {p} has {k} owners but reference count {self._refs.get(p, 1)}"
+    assert set(self._refs) <= set(owners), "reference count of a page nobody owns"
+    assert seen | set(owners) == set(range(1, self.num_pages)), "pages lost"
