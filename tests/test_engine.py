@@ -137,8 +137,18 @@ def test_pipelined_decode_is_exact(tiny_llm, ar_outputs):
     strategy = ARStrategy()
     strategy.plans_ahead = ahead
     tiny_llm.set_policy(strategy)
-    ahead_calls, streams, outs = [], {}, []
-    tiny_llm.runner.before_execute = lambda key, args: ahead_calls.append(eng._pending is not None)
+    ahead_calls, streams, outs, counts = [], {}, [], {"dispatched": 0, "read": 0}
+
+    def on_execute(key, args):  # a decode dispatched while an earlier one is not read back yet: it ran ahead
+      if key.kind == "decode":
+        ahead_calls.append(counts["dispatched"] > counts["read"])
+        counts["dispatched"] += 1
+
+    def read_verify(outs, real=tiny_llm.runner.read_verify):
+      counts["read"] += 1
+      return real(outs)
+    tiny_llm.runner.before_execute = on_execute
+    tiny_llm.runner.read_verify = read_verify
     try:
       for params in cases:
         reqs = [eng.add_request(p, dataclasses.replace(params, max_tokens=params.max_tokens + 3 * i), f"r{i}",
@@ -153,6 +163,7 @@ def test_pipelined_decode_is_exact(tiny_llm, ar_outputs):
         eng.allocator.check()
     finally:
       tiny_llm.runner.before_execute = None
+      del tiny_llm.runner.read_verify
     assert any(ahead_calls) == ahead
     results[ahead] = (outs, streams)
   assert results[True] == results[False]
