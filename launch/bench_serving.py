@@ -1,33 +1,43 @@
 """Serving benchmark over HTTP, like `vllm bench serve`: a load generator against a running OpenAI-compatible server
-(ours or any other), streamed requests timed on the client, the load swept.
+(ours or any other), streamed requests timed on the client, optionally swept over load levels.
 
-  # against a running server
-  python launch/bench_serving.py --base_url http://127.0.0.1:8000 --sweep 1,2,4,8 --num_prompts 24
-  # start launch/serve.py itself (bundled model, a free loopback port), once per policy
+  # against a running server (vLLM's flags, dashed or underscored)
+  python launch/bench_serving.py --base-url http://127.0.0.1:8000 --dataset-name random --random-input-len 256 \
+      --random-output-len 128 --num-prompts 64 --max-concurrency 8 --goodput ttft:500,tpot:50
+  # a server on another machine: say so
+  python launch/bench_serving.py --base-url http://gpu-box:8000 --allow-remote --num-prompts 24
+  # start launch/serve.py itself (bundled model, a free loopback port), once per policy, sweep the load
   python launch/bench_serving.py --launch --policy linear,recguide --sweep 1,2,4,8 --num_prompts 24 \
       --max_tokens 128 --output_dir docs
 
-Load: closed-loop concurrency (`--sweep_over concurrency`, the default: C clients, each sends its next request when
-the previous one ends) or open-loop arrivals (`--sweep_over request_rate`: Poisson, or gamma with --burstiness, or
-fixed-interval with --arrival fixed; `inf` sends everything at once; --concurrency caps the requests in flight).
-Each load level sends --num_prompts requests (the first ones of the dataset, in order).
+Load: without --sweep, one level like vLLM's: --request_rate req/s (`inf`, the default, sends everything at once;
+Poisson arrivals, gamma with --burstiness, or fixed-interval with --arrival fixed) with at most --max_concurrency
+requests in flight (0: no cap). --sweep runs several levels: concurrencies (`--sweep_over concurrency`: C clients,
+each sends its next request when the previous one ends, at --request_rate) or request rates (`--sweep_over
+request_rate`, under the --max_concurrency cap). Each level sends the same --num_prompts requests, in order.
 
-Prompts: a jsonl file, GSM8K's `{"question": ...}` (the default, the GSM8K test split in the shared data folder:
-`--dataset_path`; it is read in place, never copied) or any jsonl with a `prompt` field. `--endpoint chat` sends
+Prompts (--dataset_name, vLLM's names): `gsm8k` (the default: GSM8K's `{"question": ...}` test split in the shared
+data folder, or --dataset_path; read in place, never copied), `custom` (any jsonl with a `prompt` field, at
+--dataset_path) or `random` (--random_input_len tokens drawn from the tokenizer's vocabulary, each request asking
+for --random_output_len tokens, both spread by --random_range_ratio; --random_prefix_len tokens shared by every
+prompt in front; the tokenizer is --tokenizer, default the launched or bundled model's). `--endpoint chat` sends
 each prompt as one user message to /v1/chat/completions (the model's chat template, how the bundled model was
 trained), `--endpoint completions` as raw text to /v1/completions.
 
-Per level it reports request and token throughput, per-request output speed, TTFT / TPOT / ITL / end-to-end latency
-(mean, p50, p90, p99; TTFT is the first non-empty text chunk, ITL the gaps between text chunks, a speculative round's
-tokens arriving in one chunk; TPOT is (e2e - TTFT) / (output tokens - 1) per request), and from the responses'
-`speculation` field (the final stream chunk carries it) the mean accepted length per round, its histogram, and the
-share of rounds by block size (1: plain AR rounds); and, when the server exports them, the same acceptance figures
-from its /metrics (`recguide:spec_decode_*`) over the level. Outputs: <name>.json, <name>.md and PNG plots
-(throughput vs per-request speed frontier across load, as the paper's Figure 5; accepted-length histogram;
-TTFT / TPOT vs load) in --output_dir (default runs/bench_serving; `--output_dir docs` to update the committed ones).
+Per level it reports request and token throughput, goodput (requests per second meeting every --goodput SLO, in
+ms: `ttft`, `tpot`, `e2el`), per-request output speed, and for --percentile_metrics (`ttft`, `tpot`, `itl`,
+`e2el`) the mean and --metric_percentiles (TTFT is the first non-empty text chunk, ITL the gaps between text chunks,
+a speculative round's tokens arriving in one chunk; TPOT is (e2e - TTFT) / (output tokens - 1) per request); from
+the responses' `speculation` field (the final stream chunk carries it) the mean accepted length per round, its
+histogram, and the share of rounds by block size (1: plain AR rounds); and, when the server exports them, the same
+acceptance figures from its /metrics (`recguide:spec_decode_*`) over the level. With --save_detailed (default on)
+the JSON has every request's lengths, latencies, ITLs, finish reason and error. Outputs: <name>.json, <name>.md and
+PNG plots (throughput vs per-request speed frontier across load, as the paper's Figure 5; accepted-length
+histogram; TTFT / TPOT vs load) in --output_dir (default runs/bench_serving; `--output_dir docs` to update the
+committed ones).
 
-Only loopback servers are benchmarked (127.0.0.0/8, localhost, ::1); every level is bounded by --num_prompts and
---max_level_s, every request by --request_timeout_s.
+Only loopback servers are benchmarked unless --allow_remote (127.0.0.0/8, localhost, ::1); every level is bounded
+by --num_prompts and --max_level_s, every request by --request_timeout_s.
 """
 
 from __future__ import annotations
@@ -59,12 +69,18 @@ FLAGS = flags.FLAGS
 GSM8K_TEST = os.path.join(os.environ.get("RECGUIDE_GSM8K_DIR") or os.path.normpath(
     os.path.join(ROOT, "..", "shared", "data", "gsm8k")), "test.jsonl")
 SERVE = os.path.join(ROOT, "launch", "serve.py")
+BUNDLED = os.path.join(ROOT, "checkpoints", "nld-tiny-gsm8k")  # recguide_jax.llm's default model (not imported: jax)
 SWEEP_KINDS = ("concurrency", "request_rate")
+DATASETS = ("gsm8k", "custom", "random")
 PERCENTILES = (50, 90, 99)
+# vLLM's --percentile-metrics names -> the report's keys
+METRICS = {"ttft": "ttft_ms", "tpot": "tpot_ms", "itl": "itl_ms", "e2el": "e2e_ms"}
+GOODPUT_METRICS = ("ttft", "tpot", "e2el")  # vLLM's SLO keys
 
 if __name__ == "__main__":
-  flags.DEFINE_string("base_url", None, "Server to benchmark, e.g. http://127.0.0.1:8000 (loopback only). "
-                      "Exactly one of --base_url and --launch.")
+  flags.DEFINE_string("base_url", None, "Server to benchmark, e.g. http://127.0.0.1:8000 (loopback unless "
+                      "--allow_remote). Exactly one of --base_url and --launch.")
+  flags.DEFINE_bool("allow_remote", False, "Allow a --base_url that is not a loopback address.")
   flags.DEFINE_bool("launch", False, "Start launch/serve.py on a free loopback port for each --policy, benchmark "
                     "it, stop it.")
   flags.DEFINE_list("policy", ["linear"], "With --launch: the policies to serve, one server each (ar, diffusion, "
@@ -81,22 +97,40 @@ if __name__ == "__main__":
                       "lists).")
   flags.DEFINE_enum("endpoint", "chat", ["chat", "completions"], "/v1/chat/completions (prompt as one user message) "
                     "or /v1/completions (raw prompt).")
-  flags.DEFINE_string("dataset_path", GSM8K_TEST, "jsonl of prompts: GSM8K's {\"question\": ...} or any "
-                      "{\"prompt\": ...} (default: $RECGUIDE_GSM8K_DIR/test.jsonl, else ../shared/data/gsm8k).")
+  flags.DEFINE_enum("dataset_name", "gsm8k", list(DATASETS), "gsm8k: GSM8K's questions; custom: a jsonl with a "
+                    "`prompt` field (--dataset_path); random: random tokens (--random_input_len, ...).")
+  flags.DEFINE_string("dataset_path", None, "jsonl of prompts: GSM8K's {\"question\": ...} or any {\"prompt\": ...} "
+                      "(gsm8k default: $RECGUIDE_GSM8K_DIR/test.jsonl, else ../shared/data/gsm8k).")
+  flags.DEFINE_integer("random_input_len", 128, "random: prompt tokens per request.")
+  flags.DEFINE_integer("random_output_len", 128, "random: max_tokens per request (with --ignore_eos, the output "
+                       "length).")
+  flags.DEFINE_float("random_range_ratio", 0.0, "random: input and output lengths uniform in [len * (1 - r), "
+                     "len * (1 + r)].")
+  flags.DEFINE_integer("random_prefix_len", 0, "random: tokens of one shared prefix in front of every prompt.")
+  flags.DEFINE_string("tokenizer", None, "random: checkpoint directory (or tokenizer.json) whose vocabulary the "
+                      "tokens are drawn from (default: --model, else $RECGUIDE_CHECKPOINT, else the bundled model).")
   flags.DEFINE_integer("num_prompts", 24, "Requests per load level (the dataset's first ones).")
-  flags.DEFINE_integer("max_tokens", 128, "max_tokens of every request.")
+  flags.DEFINE_integer("max_tokens", 128, "max_tokens of every request (random: --random_output_len).")
   flags.DEFINE_float("temperature", 0.0, "Sampling temperature of every request (0: greedy).")
   flags.DEFINE_bool("ignore_eos", False, "Ask for exactly max_tokens tokens (ignore_eos, a vLLM extension).")
   flags.DEFINE_enum("sweep_over", "concurrency", list(SWEEP_KINDS), "What --sweep sets per level.")
-  flags.DEFINE_list("sweep", ["1", "2", "4", "8"], "Load levels: concurrencies, or request rates in req/s "
-                    "(`inf`: all at once).")
-  flags.DEFINE_float("request_rate", math.inf, "With --sweep_over concurrency: arrival rate (req/s) under the "
-                     "concurrency cap (inf: closed loop).")
-  flags.DEFINE_integer("concurrency", 0, "With --sweep_over request_rate: most requests in flight (0: no cap).")
+  flags.DEFINE_list("sweep", [], "Load levels to sweep: concurrencies, or request rates in req/s (`inf`: all at "
+                    "once). Empty: one level at --request_rate under --max_concurrency.")
+  flags.DEFINE_float("request_rate", math.inf, "Arrival rate (req/s; inf: all at once), unless --sweep_over "
+                     "request_rate sweeps it.")
+  flags.DEFINE_integer("max_concurrency", 0, "Most requests in flight (0: no cap), unless --sweep_over concurrency "
+                       "sweeps it.")
   flags.DEFINE_enum("arrival", "poisson", ["poisson", "fixed"], "Inter-arrival times of open-loop levels.")
   flags.DEFINE_float("burstiness", 1.0, "Gamma shape of Poisson-process inter-arrivals (1: Poisson; < 1 burstier).")
+  flags.DEFINE_list("percentile_metrics", ["ttft", "tpot", "itl", "e2el"], "Metrics whose percentiles the report "
+                    "shows: ttft, tpot, itl, e2el.")
+  flags.DEFINE_list("metric_percentiles", ["50", "90", "99"], "Percentiles of --percentile_metrics (e.g. 25,50,99.9).")
+  flags.DEFINE_list("goodput", [], "SLOs, KEY:MS pairs (ttft, tpot, e2el), e.g. ttft:500,tpot:50: goodput counts "
+                    "the requests per second that meet every one.")
+  flags.DEFINE_bool("save_detailed", True, "Every request's figures in the JSON (lengths, TTFT, ITLs, E2E, finish "
+                    "reason, error).")
   flags.DEFINE_integer("num_warmups", 2, "Requests sent (and not counted) before the first level of each run.")
-  flags.DEFINE_integer("seed", 0, "Seed of the arrival times.")
+  flags.DEFINE_integer("seed", 0, "Seed of the arrival times and of the random dataset.")
   flags.DEFINE_float("request_timeout_s", 600.0, "Longest a request may take; later it counts as failed.")
   flags.DEFINE_float("max_level_s", 1800.0, "Longest a load level may run; requests still open then are cancelled "
                      "and count as failed.")
@@ -111,14 +145,23 @@ class BenchError(ValueError):
 
 
 # ---- inputs ----------------------------------------------------------------------------------------------------------
-def load_prompts(path: str, num: int) -> list[str]:
-  """The first `num` prompts of a jsonl file: each record's `prompt`, else its `question` (GSM8K)."""
+@dataclasses.dataclass(frozen=True)
+class Prompt:
+  """One request's prompt and, when the dataset sets it (random), its own max_tokens."""
+  text: str
+  max_tokens: int | None = None
+
+
+def load_prompts(path: str, num: int, field: str | None = None) -> list[str]:
+  """The first `num` prompts of a jsonl file: each record's `prompt`, else its `question` (GSM8K); `field`: only
+  that one."""
   if num < 1:
     raise BenchError(f"--num_prompts must be >= 1, got {num}")
-  if not os.path.isfile(path):
+  if not path or not os.path.isfile(path):
     hint = (" (GSM8K is not in the repository: set RECGUIDE_GSM8K_DIR or pass --dataset_path)"
             if path == GSM8K_TEST else "")
     raise BenchError(f"--dataset_path: {path} is not a file{hint}")
+  fields = (field,) if field else ("prompt", "question")
   prompts = []
   with open(path, encoding="utf-8") as f:
     for lineno, line in enumerate(f, 1):
@@ -128,9 +171,10 @@ def load_prompts(path: str, num: int) -> list[str]:
         rec = json.loads(line)
       except json.JSONDecodeError as e:
         raise BenchError(f"--dataset_path: {path}:{lineno} is not JSON: {e}") from None
-      text = rec.get("prompt", rec.get("question")) if isinstance(rec, dict) else None
+      text = next((rec[k] for k in fields if k in rec), None) if isinstance(rec, dict) else None
       if not isinstance(text, str) or not text.strip():
-        raise BenchError(f"--dataset_path: {path}:{lineno} has no non-empty string `prompt` or `question` field")
+        names = " or ".join(f"`{k}`" for k in fields)
+        raise BenchError(f"--dataset_path: {path}:{lineno} has no non-empty string {names} field")
       prompts.append(text.strip())
       if len(prompts) == num:
         break
@@ -139,20 +183,105 @@ def load_prompts(path: str, num: int) -> list[str]:
   return prompts
 
 
-def check_loopback(base_url: str) -> str:
-  """The URL without a trailing slash; raises unless its host is a loopback address."""
+def load_tokenizer(path: str):
+  """A `tokenizers.Tokenizer` from a checkpoint directory or a tokenizer.json (no jax needed)."""
+  from tokenizers import Tokenizer
+  file = os.path.join(path, "tokenizer.json") if os.path.isdir(path) else path
+  if not os.path.isfile(file):
+    raise BenchError(f"--tokenizer: no tokenizer.json at {path}")
+  return Tokenizer.from_file(file)
+
+
+def _lengths(mean: int, ratio: float, num: int, rng: random.Random, least: int) -> list[int]:
+  lo, hi = max(int(mean * (1 - ratio)), least), max(int(mean * (1 + ratio)), least)
+  return [rng.randint(lo, hi) for _ in range(num)]
+
+
+def random_prompts(tokenizer, num: int, input_len: int, output_len: int, range_ratio: float = 0.0,
+                   prefix_len: int = 0, seed: int = 0) -> list[Prompt]:
+  """vLLM's random dataset: prompts of tokens drawn uniformly from the vocabulary (special tokens left out), each
+  `input_len` tokens (uniform in [len * (1 - r), len * (1 + r)]) after a shared prefix of `prefix_len` tokens, each
+  asking for its own `output_len`. The ids are decoded to text and the text is re-encoded and cut until it is the
+  asked length, so the server sees about that many tokens (its own tokenizer, chat template and BOS may add some)."""
+  if num < 1:
+    raise BenchError(f"--num_prompts must be >= 1, got {num}")
+  if input_len < 1 or output_len < 1:
+    raise BenchError(f"--random_input_len and --random_output_len must be >= 1, got {input_len}, {output_len}")
+  if not 0 <= range_ratio < 1:
+    raise BenchError(f"--random_range_ratio must be in [0, 1), got {range_ratio}")
+  if prefix_len < 0:
+    raise BenchError(f"--random_prefix_len must be >= 0, got {prefix_len}")
+  special = set(tokenizer.get_added_tokens_decoder())
+  vocab = [i for i in range(tokenizer.get_vocab_size(with_added_tokens=True)) if i not in special]
+  if not vocab:
+    raise BenchError("--tokenizer: its vocabulary has no ordinary tokens")
+  rng = random.Random(seed)
+
+  def text_of(n: int) -> str:
+    ids = [rng.choice(vocab) for _ in range(n)]
+    for _ in range(4):  # decode/encode is not the identity: cut or top up until the text is n tokens
+      text = tokenizer.decode(ids)
+      ids = tokenizer.encode(text, add_special_tokens=False).ids
+      if len(ids) == n:
+        return text
+      ids = ids[:n] + [rng.choice(vocab) for _ in range(n - len(ids))]
+    return tokenizer.decode(ids)
+
+  prefix = text_of(prefix_len) if prefix_len else ""
+  ins = _lengths(input_len, range_ratio, num, rng, 1)
+  outs = _lengths(output_len, range_ratio, num, rng, 1)
+  return [Prompt(prefix + text_of(n), m) for n, m in zip(ins, outs)]
+
+
+def check_loopback(base_url: str, allow_remote: bool = False) -> str:
+  """The URL without a trailing slash (or /v1); raises unless its host is a loopback address or `allow_remote`."""
   parts = urllib.parse.urlsplit(base_url or "")
   if parts.scheme not in ("http", "https") or not parts.hostname:
     raise BenchError(f"--base_url must look like http://127.0.0.1:8000, got {base_url!r}")
   host = parts.hostname
-  if host != "localhost":
+  if host != "localhost" and not allow_remote:
     try:
       ok = ipaddress.ip_address(host).is_loopback
     except ValueError:
       ok = False
     if not ok:
-      raise BenchError(f"--base_url: only loopback servers are benchmarked (127.0.0.0/8, localhost, ::1), got {host}")
+      raise BenchError(f"--base_url: {host} is not a loopback address (127.0.0.0/8, localhost, ::1); pass "
+                       "--allow_remote to benchmark a server on another machine")
   return base_url.rstrip("/").removesuffix("/v1")
+
+
+def parse_percentiles(values) -> tuple[float, ...]:
+  try:
+    out = tuple(float(v) for v in values)
+  except ValueError:
+    raise BenchError(f"--metric_percentiles must be numbers, got {list(values)}") from None
+  if not out or not all(0 < p <= 100 for p in out):
+    raise BenchError(f"--metric_percentiles must be in (0, 100], got {list(values)}")
+  return out
+
+
+def parse_percentile_metrics(values) -> list[str]:
+  bad = [v for v in values if v not in METRICS]
+  if bad or not values:
+    raise BenchError(f"--percentile_metrics: {bad or values} not among {', '.join(METRICS)}")
+  return list(values)
+
+
+def parse_goodput(values) -> dict[str, float]:
+  """`ttft:500,tpot:50` (spaces also separate, as vLLM's `--goodput ttft:500 tpot:50`) -> {metric: ms}."""
+  out = {}
+  for item in " ".join(values).replace(",", " ").split():
+    key, sep, value = item.partition(":")
+    if not sep or key not in GOODPUT_METRICS:
+      raise BenchError(f"--goodput: {item!r} is not KEY:MS with KEY one of {', '.join(GOODPUT_METRICS)}")
+    try:
+      ms = float(value)
+    except ValueError:
+      raise BenchError(f"--goodput: {item!r}: {value!r} is not a number of milliseconds") from None
+    if not ms > 0:
+      raise BenchError(f"--goodput: {item!r}: the SLO must be > 0 ms")
+    out[key] = ms
+  return out
 
 
 def parse_levels(sweep_over: str, values) -> list[float]:
@@ -176,7 +305,8 @@ def parse_levels(sweep_over: str, values) -> list[float]:
 @dataclasses.dataclass(frozen=True)
 class Level:
   """One load level: at most `concurrency` requests in flight (0: no cap), arriving at `request_rate` req/s
-  (inf: all at once) spaced by `arrival` ("poisson" with gamma shape `burstiness`, or "fixed")."""
+  (inf: all at once) spaced by `arrival` ("poisson" with gamma shape `burstiness`, or "fixed"). `sweep_over`
+  "single": the one level of a run without --sweep."""
   sweep_over: str
   load: float
   concurrency: int
@@ -188,20 +318,24 @@ class Level:
   def name(self) -> str:
     if self.sweep_over == "concurrency":
       return f"C={int(self.load)}"
-    return "rate=inf" if self.load == math.inf else f"rate={self.load:g}"
+    rate = "rate=inf" if self.request_rate == math.inf else f"rate={self.request_rate:g}"
+    return rate + (f", C<={self.concurrency}" if self.sweep_over == "single" and self.concurrency else "")
 
 
-def make_levels(sweep_over: str, loads: list[float], *, request_rate: float = math.inf, concurrency: int = 0,
-                arrival: str = "poisson", burstiness: float = 1.0) -> list[Level]:
+def make_levels(sweep_over: str | None, loads: list[float], *, request_rate: float = math.inf,
+                max_concurrency: int = 0, arrival: str = "poisson", burstiness: float = 1.0) -> list[Level]:
+  """The levels of --sweep (`sweep_over` None or no loads: vLLM's one level at request_rate under max_concurrency)."""
   if not burstiness > 0:
     raise BenchError(f"--burstiness must be > 0, got {burstiness}")
-  if concurrency < 0:
-    raise BenchError(f"--concurrency must be >= 0, got {concurrency}")
+  if max_concurrency < 0:
+    raise BenchError(f"--max_concurrency must be >= 0, got {max_concurrency}")
   if not request_rate > 0:
     raise BenchError(f"--request_rate must be > 0 (or inf), got {request_rate}")
+  if sweep_over is None or not loads:
+    return [Level("single", request_rate, max_concurrency, request_rate, arrival, burstiness)]
   if sweep_over == "concurrency":
     return [Level(sweep_over, x, int(x), request_rate, arrival, burstiness) for x in loads]
-  return [Level(sweep_over, x, concurrency, x, arrival, burstiness) for x in loads]
+  return [Level(sweep_over, x, max_concurrency, x, arrival, burstiness) for x in loads]
 
 
 def arrival_offsets(level: Level, n: int, rng: random.Random) -> list[float]:
@@ -237,7 +371,7 @@ async def send(client, base: str, endpoint: str, model: str, prompt: str, max_to
                ignore_eos: bool, timeout_s: float, t0: float) -> Result:
   """One streamed request, timed from before it is sent."""
   import httpx
-  body = {"model": model, "max_tokens": max_tokens, "temperature": temperature, "stream": True,
+  body: dict = {"model": model, "max_tokens": max_tokens, "temperature": temperature, "stream": True,
           "stream_options": {"include_usage": True}}
   if ignore_eos:
     body["ignore_eos"] = True
@@ -294,7 +428,7 @@ async def send(client, base: str, endpoint: str, model: str, prompt: str, max_to
 
 
 # ---- one load level --------------------------------------------------------------------------------------------------
-async def run_level(base: str, model: str, prompts: list[str], level: Level, *, endpoint: str = "chat",
+async def run_level(base: str, model: str, prompts: list[str | Prompt], level: Level, *, endpoint: str = "chat",
                     max_tokens: int = 128, temperature: float = 0.0, ignore_eos: bool = False,
                     request_timeout_s: float = 600.0, max_level_s: float = 1800.0, seed: int = 0,
                     progress=None) -> tuple[list[Result], float]:
@@ -306,7 +440,8 @@ async def run_level(base: str, model: str, prompts: list[str], level: Level, *, 
   gate = asyncio.Semaphore(cap)
   limits = httpx.Limits(max_connections=cap + 4, max_keepalive_connections=cap + 4)
   results: list[Result | None] = [None] * len(prompts)
-  async with httpx.AsyncClient(timeout=httpx.Timeout(request_timeout_s), limits=limits) as client:
+  async with httpx.AsyncClient(timeout=httpx.Timeout(request_timeout_s), limits=limits,
+                               headers=auth_headers()) as client:
     t0 = time.perf_counter()
 
     async def one(i: int):
@@ -314,8 +449,9 @@ async def run_level(base: str, model: str, prompts: list[str], level: Level, *, 
       if delay > 0:
         await asyncio.sleep(delay)
       async with gate:  # closed loop: a client sends its next request when its previous one ended
-        results[i] = await send(client, base, endpoint, model, prompts[i], max_tokens, temperature, ignore_eos,
-                                request_timeout_s, t0)
+        p = prompts[i] if isinstance(prompts[i], Prompt) else Prompt(prompts[i])
+        results[i] = await send(client, base, endpoint, model, p.text, p.max_tokens or max_tokens, temperature,
+                                ignore_eos, request_timeout_s, t0)
       if progress is not None:
         progress.update(1)
 
@@ -332,20 +468,46 @@ async def run_level(base: str, model: str, prompts: list[str], level: Level, *, 
 
 
 # ---- figures ---------------------------------------------------------------------------------------------------------
-def percentiles(values, scale: float = 1.0) -> dict:
-  """mean and p50/p90/p99 (numpy's linear interpolation), scaled; None when there are no values."""
+def percentiles(values, scale: float = 1.0, points=PERCENTILES) -> dict:
+  """mean and the `points` percentiles (numpy's linear interpolation), scaled; None when there are no values."""
   import numpy as np
   if len(values) == 0:
-    return {"mean": None, **{f"p{p}": None for p in PERCENTILES}}
+    return {"mean": None, **{_pkey(p): None for p in points}}
   a = np.asarray(values, np.float64) * scale
-  return {"mean": float(a.mean()), **{f"p{p}": float(np.percentile(a, p)) for p in PERCENTILES}}
+  return {"mean": float(a.mean()), **{_pkey(p): float(np.percentile(a, p)) for p in points}}
 
 
-def summarize(results: list[Result], wall_s: float) -> dict:
+def _pkey(p: float) -> str:
+  return f"p{p:g}"
+
+
+def _tpot_s(r: Result) -> float | None:
+  if r.output_tokens > 1:
+    return (r.e2e_s - r.ttft_s) / (r.output_tokens - 1)
+  return None
+
+
+def meets(r: Result, slos_ms: dict[str, float]) -> bool:
+  """Whether a finished request meets every SLO (vLLM's goodput: TPOT of a one-token output is 0)."""
+  got = {"ttft": r.ttft_s, "tpot": _tpot_s(r) or 0.0, "e2el": r.e2e_s}
+  return all(got[k] * 1e3 <= ms for k, ms in slos_ms.items())
+
+
+def detail(r: Result) -> dict:
+  """One request's figures for the JSON (vLLM's --save-detailed)."""
+  ms = lambda x: None if x is None else x * 1e3  # noqa: E731
+  tpot = _tpot_s(r) if r.ok else None
+  return {"ok": r.ok, "start_s": r.start_s, "prompt_tokens": r.prompt_tokens, "output_tokens": r.output_tokens,
+          "ttft_ms": ms(r.ttft_s), "tpot_ms": ms(tpot), "e2e_ms": ms(r.e2e_s), "itl_ms": [x * 1e3 for x in r.itl_s],
+          "finish_reason": r.finish_reason, "error": r.error}
+
+
+def summarize(results: list[Result], wall_s: float, points=PERCENTILES, goodput: dict[str, float] | None = None,
+              save_detailed: bool = False) -> dict:
   ok = [r for r in results if r.ok]
   out_tokens = sum(r.output_tokens for r in ok)
   in_tokens = sum(r.prompt_tokens for r in ok)
-  tpot = [(r.e2e_s - r.ttft_s) / (r.output_tokens - 1) for r in ok if r.output_tokens > 1]
+  tpot = [t for t in map(_tpot_s, ok) if t is not None]
   speed = [r.output_tokens / r.e2e_s for r in ok if r.e2e_s]
   lengths, blocks, hits, misses, forwards = [], {}, 0, 0, 0
   for r in ok:
@@ -363,19 +525,20 @@ def summarize(results: list[Result], wall_s: float) -> dict:
   hist: dict[str, int] = {}
   for a in sorted(lengths):
     hist[str(a)] = hist.get(str(a), 0) + 1
-  return {
+  rate = (lambda x: x / wall_s if wall_s > 0 else 0.0)  # noqa: E731
+  out = {
       "completed": len(ok), "failed": len(results) - len(ok),
       "errors": sorted({r.error for r in results if not r.ok and r.error})[:5],
       "duration_s": wall_s,
       "prompt_tokens": in_tokens, "output_tokens": out_tokens,
-      "request_throughput": len(ok) / wall_s if wall_s > 0 else 0.0,
-      "output_throughput": out_tokens / wall_s if wall_s > 0 else 0.0,
-      "total_token_throughput": (in_tokens + out_tokens) / wall_s if wall_s > 0 else 0.0,
-      "per_request_output_tok_s": percentiles(speed),
-      "ttft_ms": percentiles([r.ttft_s for r in ok], 1e3),
-      "tpot_ms": percentiles(tpot, 1e3),
-      "itl_ms": percentiles([x for r in ok for x in r.itl_s], 1e3),
-      "e2e_ms": percentiles([r.e2e_s for r in ok], 1e3),
+      "request_throughput": rate(len(ok)),
+      "output_throughput": rate(out_tokens),
+      "total_token_throughput": rate(in_tokens + out_tokens),
+      "per_request_output_tok_s": percentiles(speed, points=points),
+      "ttft_ms": percentiles([r.ttft_s for r in ok], 1e3, points),
+      "tpot_ms": percentiles(tpot, 1e3, points),
+      "itl_ms": percentiles([x for r in ok for x in r.itl_s], 1e3, points),
+      "e2e_ms": percentiles([r.e2e_s for r in ok], 1e3, points),
       "rounds": rounds,
       "mean_accepted_length": sum(lengths) / rounds if rounds else None,
       "tokens_per_forward": sum(lengths) / forwards if forwards else None,
@@ -383,6 +546,12 @@ def summarize(results: list[Result], wall_s: float) -> dict:
       "block_size_shares": {str(b): n / rounds for b, n in sorted(blocks.items())} if rounds else {},
       "overlap": {"hits": hits, "misses": misses},
   }
+  if goodput:
+    good = sum(meets(r, goodput) for r in ok)
+    out["goodput"] = {"slo_ms": dict(goodput), "good_requests": good, "request_goodput": rate(good)}
+  if save_detailed:
+    out["requests"] = [detail(r) for r in results]
+  return out
 
 
 def scrape_metrics(client, base: str) -> dict | None:
@@ -422,22 +591,30 @@ def metrics_delta(before: dict | None, after: dict | None) -> dict | None:
 
 
 # ---- a run: every level against one server ---------------------------------------------------------------------------
+def auth_headers() -> dict[str, str]:
+  """`Authorization: Bearer $OPENAI_API_KEY` when it is set (a server started with --api-key), as vLLM's bench."""
+  key = os.environ.get("OPENAI_API_KEY")
+  return {"Authorization": f"Bearer {key}"} if key else {}
+
+
 def served_model(base: str) -> str:
   import httpx
   try:
-    r = httpx.get(base + "/v1/models", timeout=30)
+    r = httpx.get(base + "/v1/models", timeout=30, headers=auth_headers())
     return r.json()["data"][0]["id"]
   except Exception as e:
     raise BenchError(f"--base_url: cannot read {base}/v1/models: {type(e).__name__}: {e}") from None
 
 
-def run_benchmark(base: str, prompts: list[str], levels: list[Level], *, label: str, model: str | None = None,
-                  endpoint: str = "chat", max_tokens: int = 128, temperature: float = 0.0, ignore_eos: bool = False,
-                  num_warmups: int = 2, request_timeout_s: float = 600.0, max_level_s: float = 1800.0,
-                  seed: int = 0, progress: bool = False, extra: dict | None = None) -> dict:
+def run_benchmark(base: str, prompts: list[str | Prompt], levels: list[Level], *, label: str,
+                  model: str | None = None, endpoint: str = "chat", max_tokens: int = 128, temperature: float = 0.0,
+                  ignore_eos: bool = False, num_warmups: int = 2, request_timeout_s: float = 600.0,
+                  max_level_s: float = 1800.0, seed: int = 0, progress: bool = False, extra: dict | None = None,
+                  allow_remote: bool = False, percentiles_at=PERCENTILES, goodput: dict[str, float] | None = None,
+                  save_detailed: bool = True) -> dict:
   """Every level in turn against the server at `base`; the run's JSON record."""
   import httpx
-  base = check_loopback(base)
+  base = check_loopback(base, allow_remote)
   model = model or served_model(base)
   bar = None
   if progress:
@@ -450,14 +627,15 @@ def run_benchmark(base: str, prompts: list[str], levels: list[Level], *, label: 
     asyncio.run(run_level(base, model, (prompts * num_warmups)[:num_warmups], warm, **kw))
   out = []
   load_start = _load_avg()
-  with httpx.Client() as scraper:
+  with httpx.Client(headers=auth_headers()) as scraper:
     for i, level in enumerate(levels):
       before = scrape_metrics(scraper, base)
       results, wall = asyncio.run(run_level(base, model, prompts, level, seed=seed + i, progress=bar, **kw))
       after = scrape_metrics(scraper, base)
       row = {"name": level.name, "sweep_over": level.sweep_over, "load": _num(level.load),
              "concurrency": level.concurrency or None, "request_rate": _num(level.request_rate),
-             "arrival": level.arrival if level.request_rate != math.inf else None, **summarize(results, wall),
+             "arrival": level.arrival if level.request_rate != math.inf else None,
+             **summarize(results, wall, percentiles_at, goodput, save_detailed),
              "server_metrics": metrics_delta(before, after)}
       out.append(row)
       if bar is not None:
@@ -488,34 +666,53 @@ def _fmt(x, digits=1):
   return "-" if x is None else f"{x:.{digits}f}"
 
 
-def _ppp(d: dict, digits=1) -> str:
-  return " / ".join(_fmt(d.get(f"p{p}"), digits) for p in PERCENTILES)
+def _ppp(d: dict, digits=1, points=PERCENTILES) -> str:
+  return " / ".join(_fmt(d.get(_pkey(p)), digits) for p in points)
+
+
+_TITLES = {"ttft": ("TTFT", 1), "tpot": ("TPOT", 2), "itl": ("ITL", 2), "e2el": ("E2E", 0)}
 
 
 def markdown(report: dict, plots: dict[str, str] | None = None) -> str:
   cfg = report["config"]
+  points = tuple(cfg.get("metric_percentiles") or PERCENTILES)
+  shown = cfg.get("percentile_metrics") or list(METRICS)
+  goodput = cfg.get("goodput") or {}
+  load = (f"load swept over {cfg['sweep_over']} ({', '.join(str(x) for x in cfg['sweep'])})" if cfg.get("sweep")
+          else f"request rate {cfg.get('request_rate', 'inf')}, max concurrency {cfg.get('max_concurrency') or '-'}")
+  dataset = cfg["dataset"]
+  if cfg.get("dataset_name") == "random":
+    dataset = (f"random ({cfg['random_input_len']} input / {cfg['random_output_len']} output tokens, range ratio "
+               f"{cfg['random_range_ratio']:g}, shared prefix {cfg['random_prefix_len']})")
+  slos = ", ".join(f"{k} <= {v:g} ms" for k, v in goodput.items())
+  head = ["run", "load", "ok", "req/s", "out tok/s"] + (["goodput req/s"] if goodput else []) + ["per-req tok/s"]
+  head += [_TITLES[m][0] for m in shown] + ["tau", "server tau", "B shares"]
   lines = ["# Serving benchmark (launch/bench_serving.py)", "",
            f"`{cfg['command']}`", "",
-           f"{cfg['num_prompts']} prompts per level from `{cfg['dataset']}` via `/v1/"
-           f"{'chat/completions' if cfg['endpoint'] == 'chat' else 'completions'}`, max_tokens {cfg['max_tokens']}, "
-           f"temperature {cfg['temperature']:g}{', ignore_eos' if cfg['ignore_eos'] else ''}; load swept over "
-           f"{cfg['sweep_over']} ({', '.join(str(x) for x in cfg['sweep'])}); streamed, timed on the client. "
-           f"{report.get('machine', '')}", "",
-           "Latencies in ms as p50 / p90 / p99. per-req tok/s: mean over requests of output tokens / e2e. tau: mean "
-           "tokens per decode round from the responses' `speculation` (the bonus token included); server tau: "
-           "1 + accepted / drafts from /metrics over the level (draft rounds only). B shares: decode rounds by "
+           f"{cfg['num_prompts']} prompts per level from `{dataset}` via `/v1/"
+           f"{'chat/completions' if cfg['endpoint'] == 'chat' else 'completions'}`, max_tokens "
+           f"{cfg['max_tokens'] if cfg.get('dataset_name') != 'random' else cfg['random_output_len']}, "
+           f"temperature {cfg['temperature']:g}{', ignore_eos' if cfg['ignore_eos'] else ''}; {load}; streamed, "
+           f"timed on the client. {report.get('machine', '')}", "",
+           f"Latencies in ms as {' / '.join(_pkey(p) for p in points)}. per-req tok/s: mean over requests of output "
+           "tokens / e2e. "
+           + (f"goodput: requests per second meeting every SLO ({slos}). " if goodput else "")
+           + "tau: mean tokens per decode round from the responses' `speculation` (the bonus token included); server "
+           "tau: 1 + accepted / drafts from /metrics over the level (draft rounds only). B shares: decode rounds by "
            "block size (1: plain AR rounds).", "",
-           "| run | load | ok | req/s | out tok/s | per-req tok/s | TTFT | TPOT | ITL | E2E | tau | server tau "
-           "| B shares |", "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+           "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
   for run in report["runs"]:
     for lv in run["levels"]:
       shares = ", ".join(f"{b}: {100 * s:.0f}%" for b, s in lv["block_size_shares"].items()) or "-"
       sm = lv.get("server_metrics") or {}
-      lines.append(f"| {run['label']} | {lv['name']} | {lv['completed']}/{lv['completed'] + lv['failed']} | "
-                   f"{lv['request_throughput']:.2f} | {lv['output_throughput']:.1f} | "
-                   f"{_fmt(lv['per_request_output_tok_s']['mean'])} | {_ppp(lv['ttft_ms'])} | "
-                   f"{_ppp(lv['tpot_ms'], 2)} | {_ppp(lv['itl_ms'], 2)} | {_ppp(lv['e2e_ms'], 0)} | "
-                   f"{_fmt(lv['mean_accepted_length'], 2)} | {_fmt(sm.get('mean_acceptance_length'), 2)} | {shares} |")
+      cells = [run["label"], lv["name"], f"{lv['completed']}/{lv['completed'] + lv['failed']}",
+               f"{lv['request_throughput']:.2f}", f"{lv['output_throughput']:.1f}"]
+      if goodput:
+        cells.append(_fmt((lv.get("goodput") or {}).get("request_goodput"), 2))
+      cells.append(_fmt(lv["per_request_output_tok_s"]["mean"]))
+      cells += [_ppp(lv[METRICS[m]], _TITLES[m][1], points) for m in shown]
+      cells += [_fmt(lv["mean_accepted_length"], 2), _fmt(sm.get("mean_acceptance_length"), 2), shares]
+      lines.append("| " + " | ".join(cells) + " |")
   loads = [f"{run['label']} {run['host_load_avg_1m']['start']} -> {run['host_load_avg_1m']['end']}"
            for run in report["runs"] if run.get("host_load_avg_1m", {}).get("start") is not None]
   if loads:
@@ -582,15 +779,20 @@ def plot(report: dict, output_dir: str, name: str) -> dict[str, str]:
   fig.savefig(paths["accepted length histogram"], dpi=110)
   plt.close(fig)
 
-  # 3. TTFT and TPOT against load
+  # 3. TTFT and TPOT against load (a sweep only: one level has no curve)
+  if sweep_over == "single" or not report["config"].get("sweep"):
+    return paths
+  points = tuple(report["config"].get("metric_percentiles") or PERCENTILES)
+  lo, hi = _pkey(min(points)), _pkey(max(points))
   fig, axes = plt.subplots(1, 2, figsize=(10.0, 4.0))
   for ax, key, title in ((axes[0], "ttft_ms", "TTFT (ms)"), (axes[1], "tpot_ms", "TPOT (ms)")):
     for j, run in enumerate(runs):
       loads = [lv["load"] if lv["load"] != "inf" else float("nan") for lv in run["levels"]]
       color = f"C{j}"
-      ax.plot(loads, [lv[key]["p50"] for lv in run["levels"]], marker="o", color=color, label=f"{run['label']} p50")
-      ax.plot(loads, [lv[key]["p99"] for lv in run["levels"]], marker="^", ls="--", color=color,
-              label=f"{run['label']} p99")
+      ax.plot(loads, [lv[key][lo] for lv in run["levels"]], marker="o", color=color, label=f"{run['label']} {lo}")
+      if hi != lo:
+        ax.plot(loads, [lv[key][hi] for lv in run["levels"]], marker="^", ls="--", color=color,
+                label=f"{run['label']} {hi}")
     ax.set_xscale("log", base=2)
     ticks = sorted({lv["load"] for run in runs for lv in run["levels"] if lv["load"] != "inf"})
     ax.set_xticks(ticks, [f"{t:g}" for t in ticks])
@@ -697,32 +899,43 @@ def main(argv):
       raise BenchError(f"--num_warmups must be >= 0, got {f.num_warmups}")
     if not 0 <= f.temperature <= 100:
       raise BenchError(f"--temperature must be in [0, 100], got {f.temperature}")
-    prompts = load_prompts(f.dataset_path, f.num_prompts)
-    loads = parse_levels(f.sweep_over, f.sweep)
-    levels = make_levels(f.sweep_over, loads, request_rate=f.request_rate, concurrency=f.concurrency,
-                         arrival=f.arrival, burstiness=f.burstiness)
+    prompts = dataset_prompts(f)
+    loads = parse_levels(f.sweep_over, f.sweep) if f.sweep else []
+    levels = make_levels(f.sweep_over if loads else None, loads, request_rate=f.request_rate,
+                         max_concurrency=f.max_concurrency, arrival=f.arrival, burstiness=f.burstiness)
+    points = parse_percentiles(f.metric_percentiles)
+    shown = parse_percentile_metrics(f.percentile_metrics)
+    goodput = parse_goodput(f.goodput)
     if f.launch and not f.policy:
       raise BenchError("--policy: at least one policy to --launch")
     if f.base_url:
-      check_loopback(f.base_url)
+      check_loopback(f.base_url, f.allow_remote)
   except BenchError as e:
     sys.exit(f"error: {e}")
 
   kw = dict(model=f.served_model_name, endpoint=f.endpoint, max_tokens=f.max_tokens, temperature=f.temperature,
             ignore_eos=f.ignore_eos, num_warmups=f.num_warmups, request_timeout_s=f.request_timeout_s,
-            max_level_s=f.max_level_s, seed=f.seed, progress=f.progress)
+            max_level_s=f.max_level_s, seed=f.seed, progress=f.progress, percentiles_at=points, goodput=goodput,
+            save_detailed=f.save_detailed)
+  path = f.dataset_path or (GSM8K_TEST if f.dataset_name == "gsm8k" else None)
   # the default data lives beside the repository (shared/data/gsm8k), recorded relative to the repository root
-  dataset = os.path.relpath(f.dataset_path, ROOT) if f.dataset_path == GSM8K_TEST else f.dataset_path
+  dataset = "random" if f.dataset_name == "random" else (os.path.relpath(path, ROOT) if path == GSM8K_TEST
+                                                          else path)
   report = {
-      "benchmark": "bench_serving", "version": 1,
+      "benchmark": "bench_serving", "version": 2,
       "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
       "machine": machine(),
       "config": {"command": "python launch/bench_serving.py " + " ".join(argv_for_record()),
-                 "dataset": dataset, "endpoint": f.endpoint, "num_prompts": f.num_prompts,
-                 "max_tokens": f.max_tokens, "temperature": f.temperature, "ignore_eos": f.ignore_eos,
-                 "sweep_over": f.sweep_over, "sweep": [_num(x) for x in loads],
+                 "dataset_name": f.dataset_name, "dataset": dataset, "endpoint": f.endpoint,
+                 "num_prompts": f.num_prompts, "max_tokens": f.max_tokens, "temperature": f.temperature,
+                 "ignore_eos": f.ignore_eos, "random_input_len": f.random_input_len,
+                 "random_output_len": f.random_output_len, "random_range_ratio": f.random_range_ratio,
+                 "random_prefix_len": f.random_prefix_len,
+                 "sweep_over": f.sweep_over if loads else None, "sweep": [_num(x) for x in loads],
                  "arrival": f.arrival, "burstiness": f.burstiness, "request_rate": _num(f.request_rate),
-                 "concurrency_cap": f.concurrency, "seed": f.seed, "num_warmups": f.num_warmups},
+                 "max_concurrency": f.max_concurrency, "percentile_metrics": shown,
+                 "metric_percentiles": list(points), "goodput": goodput, "seed": f.seed,
+                 "num_warmups": f.num_warmups},
       "runs": [],
   }
   failed = []
@@ -741,7 +954,7 @@ def main(argv):
       write_outputs(report, f.output_dir, f.output_name)  # after every run: a later failure loses nothing
   else:
     try:
-      run = run_benchmark(f.base_url, prompts, levels, label=f.label or "", **kw)
+      run = run_benchmark(f.base_url, prompts, levels, label=f.label or "", allow_remote=f.allow_remote, **kw)
     except BenchError as e:
       sys.exit(f"error: {e}")
     run["label"] = run["label"] or run["model"]
@@ -754,6 +967,19 @@ def main(argv):
     print(f"wrote {kind}: {path}")
   if failed:
     sys.exit(f"error: --policy {','.join(failed)}: the server did not start (see the logs in {f.serve_log_dir})")
+
+
+def dataset_prompts(f) -> list[str | Prompt]:
+  """--num_prompts prompts of --dataset_name."""
+  if f.dataset_name == "random":
+    path = f.tokenizer or f.model or os.environ.get("RECGUIDE_CHECKPOINT") or BUNDLED
+    return random_prompts(load_tokenizer(path), f.num_prompts, f.random_input_len, f.random_output_len,
+                          f.random_range_ratio, f.random_prefix_len, f.seed)
+  if f.dataset_name == "custom":
+    if not f.dataset_path:
+      raise BenchError("--dataset_path: --dataset_name custom reads a jsonl with a `prompt` field; give its path")
+    return load_prompts(f.dataset_path, f.num_prompts, "prompt")
+  return load_prompts(f.dataset_path or GSM8K_TEST, f.num_prompts)
 
 
 def argv_for_record() -> list[str]:

@@ -107,7 +107,7 @@ def hostile_values(vocab_size: int, max_model_len: int) -> list:
 def edge_values(vocab_size: int) -> dict[str, list]:
   """Values at the edges of what each field accepts (all valid)."""
   return {"top_k": [vocab_size, 1, -1, 0], "seed": [-2**63, 2**63 - 1, 2**32, -1, 0],
-          "temperature": [1e-40, 100, 0, 2.0], "top_p": [1e-300, 1.0, 0.5], "logprobs": [0, 5],
+          "temperature": [1e-40, 100, 0, 2.0], "top_p": [1e-300, 1.0, 0.5], "logprobs": [0, 5, 20],
           "stop": [["s"] * 16, "x" * 256, "\U0001F600"], "stop_token_ids": [[vocab_size - 1], list(range(256))],
           "ignore_eos": [True, False]}
 
@@ -245,7 +245,8 @@ def generate(rng: random.Random, *, vocab_size: int, max_model_len: int, model: 
         "application/json; charset=utf-8", "application/vnd.api+json", "", "*/*", "application/jsonx",
         "text/json"])}
   elif kind == "prompt":
-    bad = rng.choice([[vocab_size], [-1], [5, True], [5, 1.5], [[5, 6], [7]], [[5, 6]], [[]], [], "",
+    bad = rng.choice([[vocab_size], [-1], [5, True], [5, 1.5], [[5, 6], [7]], [[5, 6]], [[]], [], "", ["a", ""],
+                      [[5, 6], [vocab_size]], ["Hello"] * 3, [[5]] * 40, ["x"] * 5000, [[5], ["a"]],
                       [5] * (max_model_len + rng.randint(0, 50)), [2**63], [5, None], [5, "6"], {"a": 1},
                       ["a", 5], [["a"]], [5] * 3000, "\x00" * 10, " " * 3000])
     if chat:
@@ -512,14 +513,15 @@ def markdown(runs: list[dict]) -> str:
            "while one valid greedy stream is restarted back to back. Every run of that stream must equal its "
            "reference taken alone before the fuzzing (text, token strings, count, finish reason); afterwards the "
            "server must be idle with no KV page in use.", "",
-           "What the server refuses (module docstrings of `recguide_jax/server/protocol.py`, `app.py` and "
-           "`SamplingParams.validate`): a declared non-JSON Content-Type or a charset other than UTF-8 -> 415 (no "
+           "What the server refuses (module docstrings of `recguide_jax/server/body.py`, `schema.py` (the "
+           "pydantic request models), `protocol.py`, `app.py` and `SamplingParams.validate`): a declared non-JSON Content-Type or a charset other than UTF-8 -> 415 (no "
            "Content-Type is read as JSON, as FastAPI does); a body over the size limit (4 MiB by default) -> 413; "
            "invalid UTF-8, a lone surrogate in any string or field name, nesting deeper than 64, a number literal "
            "longer than 64 characters, NaN / Infinity / an overflowing float, malformed JSON -> 400; every field "
            "checked against the range of its array type and the model (top_k in [-1, vocabulary size], seed in "
            "[-2^63, 2^63 - 1], max_tokens within max_model_len, temperature in [0, 100], at most 16 stop strings of "
-           "256 characters, at most 256 stop token ids in the vocabulary, booleans that are booleans) -> 400. "
+           "256 characters, at most 256 stop token ids in the vocabulary, booleans that are booleans, at most 1024 "
+           "prompts in a batch, each in the vocabulary and within max_model_len) -> 400. "
            "Error messages escape and cap the values they quote.", ""]
   lines += ["| policy | bodies | streaming | 2xx | 4xx | 5xx | no answer | stream error events | valid streams "
             "equal / run during fuzz | equal after | KV pages in use after | seconds | pass |",

@@ -78,6 +78,7 @@ class CompletionOutput:
   logprobs: list[dict] | None
   finish_reason: str | None
   cumulative_logprob: float | None = None  # the sum of its tokens' raw logprobs
+  stop_reason: int | str | None = None  # vLLM's: the stop string or stop token id that ended it (None: EOS, length)
 
 
 @dataclasses.dataclass
@@ -115,7 +116,8 @@ class RequestOutput:
     samples of highest cumulative logprob, best first (vLLM's order); the flat fields are outputs[0]'s, the id
     and the stats the first sample's."""
     outs = [CompletionOutput(i, r.text, list(r.output_ids), list(r.logprobs) if r.params.logprobs is not None
-                             else None, r.finish_reason, r.cumulative_logprob) for i, r in enumerate(reqs)]
+                             else None, r.finish_reason, r.cumulative_logprob, r.stop_reason)
+            for i, r in enumerate(reqs)]
     if n is not None and n < len(outs):
       outs = best_samples(outs, n)
       outs = [dataclasses.replace(o, index=i) for i, o in enumerate(outs)]

@@ -1,6 +1,7 @@
 """launch/bench_serving.py's core against a real HTTP server (the in-process app over a tiny random checkpoint): the
 report's schema, ordered percentiles, token counts that match the requests, acceptance figures that agree with the
-server's /metrics, the plots; and its input checks (loopback only, dataset fields, load levels, arrivals)."""
+server's /metrics, goodput and per-request detail, the plots; vLLM's random dataset (lengths, shared prefix) against
+the server; and its input checks (loopback unless --allow_remote, dataset fields, load levels, arrivals, SLOs)."""
 
 import importlib.util
 import json
@@ -37,6 +38,7 @@ def server(tmp_path_factory):
   llm = LLM(ckpt, "linear", 8, max_num_seqs=1, max_model_len=128, page_size=8, warmup=False, compile_cache_dir=None)
   app = create_app(EngineThread(llm.engine).start(), llm.tokenizer, "nld-bench", log_stats_interval_s=0)
   srv = sf.InProcessServer(app)
+  srv.checkpoint = ckpt
   yield srv
   srv.stop()
 
@@ -50,7 +52,8 @@ def test_report_against_a_live_server(bs, server, tmp_path):
   assert prompts == ["How many clips did Natalia sell?", "Hello world", "What is 2 + 2?", "The quick brown fox"]
   levels = bs.make_levels("concurrency", [1, 2])
   run = bs.run_benchmark(server.base, prompts, levels, label="linear", max_tokens=MAX_TOKENS, ignore_eos=True,
-                         num_warmups=1, request_timeout_s=120, max_level_s=300)
+                         num_warmups=1, request_timeout_s=120, max_level_s=300,
+                         goodput={"ttft": 1e9, "e2el": 1e-6})  # every request meets the first, none the second
   report = {"benchmark": "bench_serving", "version": 1, "date": "-", "machine": "-",
             "config": {"command": "test", "dataset": str(data), "endpoint": "chat", "num_prompts": 4,
                        "max_tokens": MAX_TOKENS, "temperature": 0.0, "ignore_eos": True, "sweep_over": "concurrency",
@@ -76,6 +79,13 @@ def test_report_against_a_live_server(bs, server, tmp_path):
       assert set(d) == {"mean", "p50", "p90", "p99"}, key
       assert 0 < d["p50"] <= d["p90"] <= d["p99"], (key, d)
     assert lv["ttft_ms"]["p99"] <= lv["e2e_ms"]["p99"]
+    assert lv["goodput"]["good_requests"] == 0 and lv["goodput"]["request_goodput"] == 0
+    # per-request detail (vLLM's --save-detailed): what the level's figures are made of
+    reqs = lv["requests"]
+    assert len(reqs) == 4 and all(r["ok"] and r["output_tokens"] == MAX_TOKENS for r in reqs)
+    assert sum(r["prompt_tokens"] for r in reqs) == lv["prompt_tokens"]
+    assert min(r["ttft_ms"] for r in reqs) <= lv["ttft_ms"]["p50"] <= max(r["ttft_ms"] for r in reqs)
+    assert all(len(r["itl_ms"]) >= 1 and r["ttft_ms"] <= r["e2e_ms"] for r in reqs)
     # acceptance from the responses' speculation field: every round a block of 8 (LinearSS)
     hist = {int(k): v for k, v in lv["accepted_length_hist"].items()}
     assert sum(hist.values()) == lv["rounds"] > 0 and all(1 <= k <= 8 for k in hist)
@@ -87,12 +97,46 @@ def test_report_against_a_live_server(bs, server, tmp_path):
     assert sm["spec_decode_num_draft_tokens"] == 7 * lv["rounds"]
     assert sm["mean_acceptance_length"] == pytest.approx(lv["mean_accepted_length"])
     assert sm["block_size_rounds"] == {"8": lv["rounds"]}
+  loose = bs.summarize([bs.Result(ok=True, ttft_s=0.1, e2e_s=0.5, output_tokens=5)], 1.0, (50,),
+                       {"ttft": 200, "tpot": 100, "e2el": 1000})
+  assert loose["goodput"]["good_requests"] == 1 and set(loose["ttft_ms"]) == {"mean", "p50"}
+
+
+def test_random_dataset_against_the_server(bs, server, tmp_path):
+  tok = bs.load_tokenizer(str(server.checkpoint))
+  prompts = bs.random_prompts(tok, 3, input_len=20, output_len=6, range_ratio=0.5, prefix_len=5, seed=3)
+  assert prompts == bs.random_prompts(tok, 3, input_len=20, output_len=6, range_ratio=0.5, prefix_len=5, seed=3)
+  assert len(os.path.commonprefix([p.text for p in prompts])) >= 4  # the shared prefix (5 tokens)
+  assert all(3 <= p.max_tokens <= 9 for p in prompts) and len({p.text for p in prompts}) == 3
+  for p in prompts:  # about the asked length: 5 + [10, 30] tokens (joining prefix and body may merge one or two)
+    assert 13 <= len(tok.encode(p.text, add_special_tokens=False).ids) <= 36, p
+  level = bs.make_levels(None, [], max_concurrency=2)
+  assert [lv.name for lv in level] == ["rate=inf, C<=2"]
+  run = bs.run_benchmark(server.base, prompts, level, label="random", endpoint="completions", ignore_eos=True,
+                         num_warmups=0, request_timeout_s=120, max_level_s=300)
+  reqs = run["levels"][0]["requests"]
+  assert [r["output_tokens"] for r in reqs] == [p.max_tokens for p in prompts]  # each prompt's own max_tokens
+  for p, r in zip(prompts, reqs):
+    assert abs(r["prompt_tokens"] - len(tok.encode(p.text).ids)) <= 1
 
 
 def test_refuses_what_it_must_not_do(bs, tmp_path):
   for url in ("http://10.0.0.1:8000", "http://example.com", "ftp://127.0.0.1", "127.0.0.1:8000"):
     with pytest.raises(bs.BenchError, match="base_url"):
       bs.check_loopback(url)
+  assert bs.check_loopback("http://10.0.0.1:8000/v1", allow_remote=True) == "http://10.0.0.1:8000"
+  with pytest.raises(bs.BenchError, match="base_url"):
+    bs.check_loopback("ftp://10.0.0.1", allow_remote=True)
+  for bad in (["ttft=5"], ["latency:5"], ["ttft:x"], ["tpot:0"]):
+    with pytest.raises(bs.BenchError, match="--goodput"):
+      bs.parse_goodput(bad)
+  assert bs.parse_goodput(["ttft:500 tpot:50", "e2el:2000"]) == {"ttft": 500.0, "tpot": 50.0, "e2el": 2000.0}
+  with pytest.raises(bs.BenchError, match="--metric_percentiles"):
+    bs.parse_percentiles(["0"])
+  with pytest.raises(bs.BenchError, match="--percentile_metrics"):
+    bs.parse_percentile_metrics(["ttft", "latency"])
+  with pytest.raises(bs.BenchError, match="--random_input_len"):
+    bs.random_prompts(None, 1, 0, 5)
   assert bs.check_loopback("http://127.0.0.2:9/v1/") == "http://127.0.0.2:9"
   assert bs.check_loopback("http://[::1]:80") == "http://[::1]:80"
   assert bs.check_loopback("http://localhost:8000") == "http://localhost:8000"
@@ -117,7 +161,7 @@ def test_arrivals(bs):
   assert bs.arrival_offsets(fixed, 3, random.Random(0)) == [0.0, 0.25, 0.5]
   burst = bs.make_levels("request_rate", [math.inf])[0]
   assert bs.arrival_offsets(burst, 3, random.Random(0)) == [0.0, 0.0, 0.0] and burst.name == "rate=inf"
-  poisson = bs.make_levels("request_rate", [10.0], concurrency=3)[0]
+  poisson = bs.make_levels("request_rate", [10.0], max_concurrency=3)[0]
   assert poisson.concurrency == 3
   t = bs.arrival_offsets(poisson, 4001, random.Random(1))
   gaps = [b - a for a, b in zip(t, t[1:])]

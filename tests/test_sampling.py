@@ -174,9 +174,13 @@ def test_raw_logprobs_skip_the_top_entries_only_when_no_row_asks():
   tokens = jnp.asarray(rng.integers(0, 16, size=(2, 3)), jnp.int32)
   always = sampling.raw_logprobs(logits, tokens, 7)
   asked = sampling.raw_logprobs(logits, tokens, 7, jnp.asarray([0, 2], jnp.int32))
+  most = sampling.raw_logprobs(logits, tokens, 7, jnp.asarray([20, 2], jnp.int32))
   unasked = sampling.raw_logprobs(logits, tokens, 7, jnp.zeros(2, jnp.int32))
-  for a, b in zip(always, asked):
-    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+  few = sampling.FEW_TOP_LOGPROBS  # asking <= 5 computes only those; the rest are zeros
+  for a, b, c in zip(always, asked, most):
+    np.testing.assert_array_equal(np.asarray(a)[..., :few], np.asarray(b)[..., :few])
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(c))
+  assert not np.any(np.asarray(asked[1])[..., few:]) and not np.any(np.asarray(asked[2])[..., few:])
   np.testing.assert_array_equal(np.asarray(unasked[0]), np.asarray(always[0]))  # the chosen tokens' logprobs stay
   assert not np.any(np.asarray(unasked[1])) and not np.any(np.asarray(unasked[2]))
   assert np.asarray(always[2]).shape == (2, 3, sampling.NUM_TOP_LOGPROBS) and np.all(np.asarray(always[2]) != 7)

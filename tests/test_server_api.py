@@ -417,3 +417,99 @@ def test_serve_positional_checkpoint_errors(tmp_path):
   assert r.returncode == 1 and "disagree" in r.stderr
   r = sf.run_cli("-h")
   assert r.returncode == 0 and "--api_key" in r.stdout and "--allowed_origins" in r.stdout
+
+
+# ---- issue #38: a batch of prompts, stop_reason, logprobs up to 20 ----------------------------------------------------
+def test_list_of_prompts_gives_one_choice_per_prompt_and_sample(server):
+  c = client(server)
+  prompts = ["Hello world", "The quick brown fox"]
+  kw = dict(model=MODEL, max_tokens=4, temperature=0, extra_body={"ignore_eos": True})
+  alone = [c.completions.create(prompt=p, **kw) for p in prompts]
+  out = c.completions.create(prompt=prompts, n=2, **kw)
+  # vLLM's order: choice i * n + j is sample j of prompt i
+  assert [ch.index for ch in out.choices] == [0, 1, 2, 3]
+  assert [ch.text for ch in out.choices] == [alone[0].choices[0].text] * 2 + [alone[1].choices[0].text] * 2
+  assert out.usage.prompt_tokens == sum(a.usage.prompt_tokens for a in alone)
+  assert out.usage.completion_tokens == 2 * sum(a.usage.completion_tokens for a in alone)
+  # token-id prompts: a list of lists, as lm-eval sends them
+  ids = [httpx.post(server.base + "/tokenize", json={"prompt": p}).json()["tokens"] for p in prompts]
+  by_ids = c.completions.create(prompt=ids, **kw)
+  assert [ch.text for ch in by_ids.choices] == [a.choices[0].text for a in alone]
+  # streamed: every chunk names its choice, and the choices are the non-streamed ones
+  streamed = [""] * 4
+  finished = set()
+  for chunk in c.completions.create(prompt=prompts, n=2, stream=True, **kw):
+    for choice in chunk.choices:
+      streamed[choice.index] += choice.text
+      if choice.finish_reason:
+        finished.add(choice.index)
+  assert streamed == [ch.text for ch in out.choices] and finished == {0, 1, 2, 3}
+  # echo puts each choice's own prompt first
+  echoed = c.completions.create(prompt=prompts, echo=True, **kw)
+  assert [ch.text for ch in echoed.choices] == [p + a.choices[0].text for p, a in zip(prompts, alone)]
+  # one bad prompt refuses the batch, naming it, and queues nothing
+  err = assert_error(post(server, "/v1/completions", {"prompt": [[5, 6], [10**6]], "max_tokens": 2}), 400, "prompt")
+  assert "prompt[1]" in err["message"]
+  assert_error(post(server, "/v1/completions", {"prompt": ["hi", ""], "max_tokens": 2}), 400, "prompt")
+  assert_error(post(server, "/v1/completions", {"prompt": ["hi", 5], "max_tokens": 2}), 400, "prompt")
+
+
+def test_stop_reason(server, offline):
+  ref = offline["generate"][0]  # "Hello world", 5 greedy tokens, ignore_eos
+  ids, text = ref.token_ids, ref.text
+  base = {"prompt": "Hello world", "max_tokens": 5, "temperature": 0, "ignore_eos": True}
+  c = client(server)
+  out = c.completions.create(model=MODEL, **{k: v for k, v in base.items() if k != "ignore_eos"},
+                             extra_body={"ignore_eos": True, "stop_token_ids": [ids[2]]})
+  assert out.choices[0].finish_reason == "stop" and out.choices[0].model_extra["stop_reason"] == ids[2]
+  stop = text[-3:]
+  assert stop.strip(), text  # a stop string the greedy text reaches
+  r = post(server, "/v1/completions", {**base, "stop": ["\x01never\x01", stop]}).json()["choices"][0]
+  assert r["finish_reason"] == "stop" and r["stop_reason"] == stop and stop not in r["text"]
+  r = post(server, "/v1/completions", base).json()["choices"][0]
+  assert r["finish_reason"] == "length" and r["stop_reason"] is None
+  chat = post(server, "/v1/chat/completions", {"messages": CHAT, "max_tokens": 2, "temperature": 0,
+                                               "ignore_eos": True}).json()["choices"][0]
+  assert "stop_reason" in chat and chat["stop_reason"] is None
+  last = None
+  for chunk in c.completions.create(model=MODEL, prompt="Hello world", max_tokens=5, temperature=0, stream=True,
+                                    extra_body={"ignore_eos": True, "stop_token_ids": [ids[2]]}):
+    last = chunk.choices[0] if chunk.choices and chunk.choices[0].finish_reason else last
+  assert last.finish_reason == "stop" and last.model_extra["stop_reason"] == ids[2]
+
+
+def test_logprobs_up_to_20(server):
+  c = client(server)
+  kw = dict(model=MODEL, prompt="Hello world", max_tokens=4, temperature=0, extra_body={"ignore_eos": True})
+  top20 = c.completions.create(logprobs=20, **kw).choices[0].logprobs
+  top5 = c.completions.create(logprobs=5, **kw).choices[0].logprobs
+  assert top20.tokens == top5.tokens and len(top20.top_logprobs) == 4
+  for t20, t5, chosen in zip(top20.top_logprobs, top5.top_logprobs, top20.token_logprobs):
+    values = list(t20.values())
+    assert len(t20) == 20 and values == sorted(values, reverse=True)
+    assert list(t20.items())[:5] == list(t5.items())  # the 5-pass and the 20-pass branches agree
+    assert chosen == pytest.approx(values[0])  # greedy: the chosen token is the top one
+  chat = c.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=3, temperature=0, logprobs=True,
+                                   top_logprobs=20)
+  assert all(len(item.top_logprobs) == 20 for item in chat.choices[0].logprobs.content)
+  assert_error(post(server, "/v1/completions", {"prompt": "hi", "logprobs": 21}), 400, "logprobs")
+  assert_error(post(server, "/v1/chat/completions", {"messages": CHAT, "logprobs": True, "top_logprobs": 21}), 400,
+               "top_logprobs")
+
+
+@pytest.mark.parametrize("body,param,words", [
+    ({"prompt": [5, True]}, "prompt", "prompt[1] must be an integer"),
+    ({"prompt": [[5], ["a"]]}, "prompt", "prompt[1][0] must be an integer"),
+    ({"prompt": {"a": 1}}, "prompt", "prompt must be a string, a list of strings, a list of token ids"),
+    ({"prompt": [5], "stop": [1]}, "stop", "stop[0] must be a string"),
+    ({"prompt": [5], "n": True}, "n", "n must be an integer, got true"),
+    ({"prompt": [5], "temperature": "hot"}, "temperature", "temperature must be a number"),
+    ({"prompt": [5], "logit_bias": {"x": 1}}, "logit_bias", "logit_bias keys must be token ids"),
+    ({"prompt": [5], "stream": True, "stream_options": {"nope": 1}}, "stream_options.nope", "unrecognized"),
+    ({"prompt": [[5]] * 1025}, "prompt", "at most 1024"),
+])
+def test_request_models_name_the_field(body, param, words):
+  """pydantic's errors become one OpenAI-shaped 400 naming the field and quoting the value (no model needed)."""
+  with pytest.raises(protocol.APIError) as e:
+    protocol.parse_completion(body, None, MODEL, 320)
+  assert e.value.status == 400 and e.value.param == param and words in e.value.message, e.value.message

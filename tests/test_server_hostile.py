@@ -347,11 +347,11 @@ FIELD_ERRORS = [
     ({"max_tokens": True}, "max_tokens"), ({"max_tokens": MAX_MODEL_LEN}, "max_tokens"),
     ({"top_k": 321}, "top_k"), ({"top_k": -2}, "top_k"), ({"top_k": 1.0}, "top_k"),
     ({"top_p": True}, "top_p"), ({"temperature": False}, "temperature"), ({"temperature": 101}, "temperature"),
-    ({"seed": True}, "seed"), ({"logprobs": True}, "logprobs"), ({"logprobs": 6}, "logprobs"),
+    ({"seed": True}, "seed"), ({"logprobs": True}, "logprobs"), ({"logprobs": 21}, "logprobs"),
     ({"stop": ["s"] * 17}, "stop"), ({"stop": ["s" * 257]}, "stop"), ({"stop": [1]}, "stop"),
     ({"stop_token_ids": [320]}, "stop_token_ids"), ({"stop_token_ids": [True]}, "stop_token_ids"),
     ({"stop_token_ids": [1] * 257}, "stop_token_ids"), ({"ignore_eos": 1}, "ignore_eos"),
-    ({"prompt": [5, True]}, "prompt"), ({"prompt": [[5, 6], [7]]}, "prompt"), ({"prompt": [-1]}, "prompt"),
+    ({"prompt": [5, True]}, "prompt"), ({"prompt": [[5, 6], [320]]}, "prompt"), ({"prompt": [[5, 6], []]}, "prompt"), ({"prompt": [-1]}, "prompt"),
     ({"stream": 1}, "stream"),
 ]
 
@@ -360,7 +360,7 @@ def test_field_bounds(server):
   base = server.base
   for extra, param in FIELD_ERRORS:
     assert_openai_error(post(base, COMPLETIONS, {"prompt": "hi", "max_tokens": 2, **extra}), 400, param)
-  for extra, param in [({"top_logprobs": 6, "logprobs": True}, "top_logprobs"), ({"logprobs": 1}, "logprobs"),
+  for extra, param in [({"top_logprobs": 21, "logprobs": True}, "top_logprobs"), ({"logprobs": 1}, "logprobs"),
                        ({"max_completion_tokens": True}, "max_completion_tokens"), ({"messages": []}, "messages"),
                        ({"messages": [{"role": "user", "content": "hi", "name": 5}]}, "messages[0].name")]:
     body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, **extra}

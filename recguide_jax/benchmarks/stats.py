@@ -1,9 +1,23 @@
 """Paired comparisons over interleaved repeats: accepted-length gains with a bootstrap over prompts, and wall-clock
-(or throughput) ratios with a bootstrap over repeats, per load level and pooled over levels."""
+(or throughput) ratios with a bootstrap over repeats, per load level and pooled over levels. The bootstraps are
+scipy's (`scipy.stats.bootstrap`, percentile intervals)."""
 
 from __future__ import annotations
 
+import warnings
+
 import numpy as np
+
+
+def _percentile_interval(data: tuple, statistic, paired: bool, resamples: int, seed: int) -> tuple[float, float]:
+  """scipy's 95% percentile bootstrap interval of `statistic` over `data` (vectorized along the last axis)."""
+  from scipy import stats
+  with warnings.catch_warnings():  # constant data: the interval is the point, which is what we want
+    warnings.simplefilter("ignore", stats.DegenerateDataWarning)
+    res = stats.bootstrap(data, statistic, n_resamples=resamples, paired=paired, vectorized=True, axis=-1,
+                          method="percentile", rng=np.random.default_rng(seed))
+  lo, hi = res.confidence_interval
+  return float(lo), float(hi)
 
 
 def paired_tau_gain(per_request: dict[int, list[tuple[int, int]]], small: int, large: int, resamples: int = 2000,
@@ -12,11 +26,16 @@ def paired_tau_gain(per_request: dict[int, list[tuple[int, int]]], small: int, l
   prompt are not independent, prompts are). per_request[B][i] = (accepted tokens, rounds) of prompt i."""
   a = np.asarray(per_request[small], float)
   b = np.asarray(per_request[large], float)
-  idx = np.random.default_rng(seed).integers(0, len(a), (resamples, len(a)))
-  diffs = b[idx, 0].sum(1) / b[idx, 1].sum(1) - a[idx, 0].sum(1) / a[idx, 1].sum(1)
-  lo, hi = np.percentile(diffs, [2.5, 97.5])
-  return {"diff": float(b[:, 0].sum() / b[:, 1].sum() - a[:, 0].sum() / a[:, 1].sum()), "ci95": [float(lo), float(hi)],
-          "prompts": len(a)}
+
+  def gain(a_acc, a_rounds, b_acc, b_rounds, axis=-1):
+    return b_acc.sum(axis) / b_rounds.sum(axis) - a_acc.sum(axis) / a_rounds.sum(axis)
+
+  diff = float(gain(a[:, 0], a[:, 1], b[:, 0], b[:, 1]))
+  if len(a) < 2:
+    lo = hi = diff
+  else:  # the four columns resampled together: prompt i's rounds stay paired across the two configs
+    lo, hi = _percentile_interval((a[:, 0], a[:, 1], b[:, 0], b[:, 1]), gain, True, resamples, seed)
+  return {"diff": diff, "ci95": [lo, hi], "prompts": len(a)}
 
 
 def paired_wall_ratios(target_walls: list[float], baseline_walls: dict[str, list[float]]) -> list[float]:
@@ -50,12 +69,19 @@ def pooled_ratio_interval(levels: list[tuple[list[float], list[float]]], resampl
     logs.append(np.log(b / t))
   if not logs:
     raise ValueError("need at least one level")
-  rng = np.random.default_rng(seed)
-  boot = np.mean([l[rng.integers(0, len(l), (resamples, len(l)))].mean(1) for l in logs], axis=0)
-  lo, hi = np.exp(np.percentile(boot, [2.5, 97.5]))
+  geomean = float(np.exp(np.mean([l.mean() for l in logs])))
+  if all(len(l) < 2 for l in logs):
+    lo = hi = geomean
+  else:  # each level is its own sample, resampled on its own (levels are strata, not draws)
+
+    def pooled(*samples, axis=-1):
+      return np.mean([x.mean(axis) for x in samples], axis=0)
+
+    usable = [l if len(l) > 1 else np.repeat(l, 2) for l in logs]  # a single repeat has no spread to resample
+    lo, hi = np.exp(_percentile_interval(tuple(usable), pooled, False, resamples, seed))
   verdict = "ahead" if lo > 1 else "behind" if hi < 1 else "tie"
-  return {"geomean": float(np.exp(np.mean([l.mean() for l in logs]))), "ci95": [float(lo), float(hi)],
-          "verdict": verdict, "repeats": sum(len(l) for l in logs)}
+  return {"geomean": geomean, "ci95": [float(lo), float(hi)], "verdict": verdict,
+          "repeats": sum(len(l) for l in logs)}
 
 
 def pooled_chisquare_pvalue(observed, expected, min_expected: float = 5.0) -> float:

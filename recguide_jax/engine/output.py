@@ -42,6 +42,7 @@ def append_tokens(r: Request, toks: list[int], lps, top_lp, top_ids, eos: frozen
       r.logprobs.append(entry)
     if t in eos or t in stop_ids:
       reason = "stop"
+      r.stop_reason = None if t in eos else t  # vLLM's: an EOS token is no stop reason
       break
     if len(r.output_ids) + len(new) >= r.params.max_tokens:
       reason = "length"
@@ -63,6 +64,7 @@ def append_tokens(r: Request, toks: list[int], lps, top_lp, top_ids, eos: frozen
         new = new[:max(len(new) - cut, 0)]
       r.text = st.detokenizer.text[:pos]
       reason = "stop"
+      r.stop_reason = next(s for s in st.checker.stops if st.detokenizer.text.startswith(s, pos))
   return new, reason
 
 

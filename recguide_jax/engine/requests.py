@@ -13,7 +13,7 @@ import numpy as np
 
 from recguide_jax.runtime.step_key import COUNTED_FORWARDS
 
-MAX_TOP_LOGPROBS = 5
+MAX_TOP_LOGPROBS = 20  # vLLM's cap on logprobs / top_logprobs / prompt_logprobs
 # Bounds of the request fields that are not bounded by the model (vocabulary, max_model_len). Each one keeps a value
 # inside the host array type it is written to, or a per-token cost (stop strings are searched in the decoded text of
 # every step) small.
@@ -260,6 +260,8 @@ class Request:
   # the raw logprob of each output token (always kept: best_of ranks samples by their sum)
   token_logprobs: list[float] = dataclasses.field(default_factory=list)
   finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
+  # vLLM's: what ended a "stop" finish: the stop string or stop token id (None for EOS, length, abort, error)
+  stop_reason: int | str | None = None
   error: str | None = None
   stats: RequestStats = dataclasses.field(default_factory=RequestStats)
   on_update: Callable[["Request", list[int]], None] | None = None

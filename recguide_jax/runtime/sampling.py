@@ -22,7 +22,8 @@ import jax.numpy as jnp
 
 NEG_INF = -jnp.inf
 RULES = ("leviathan", "reference")
-NUM_TOP_LOGPROBS = 5
+NUM_TOP_LOGPROBS = 20  # vLLM's cap on top logprobs per token
+FEW_TOP_LOGPROBS = 5  # what most requests ask for at most: 5 passes over the vocabulary, not 20
 
 
 def argmax(x: jax.Array) -> jax.Array:
@@ -166,9 +167,19 @@ def raw_logprobs(logits: jax.Array, tokens: jax.Array, mask_token_id: int, top_l
   if top_logprobs is None:
     top_lp, top_ids = top_n(lp, NUM_TOP_LOGPROBS)
   else:
-    none = lambda lp: (jnp.zeros(lp.shape[:-1] + (NUM_TOP_LOGPROBS,), lp.dtype),
-                       jnp.zeros(lp.shape[:-1] + (NUM_TOP_LOGPROBS,), jnp.int32))
-    top_lp, top_ids = jax.lax.cond(jnp.any(top_logprobs > 0), lambda lp: top_n(lp, NUM_TOP_LOGPROBS), none, lp)
+    def first(k):  # the top k entries, padded to NUM_TOP_LOGPROBS (rows read only the ones they asked for)
+      def fn(lp):
+        shape = lp.shape[:-1] + (NUM_TOP_LOGPROBS - k,)
+        if k == 0:
+          return jnp.zeros(shape, lp.dtype), jnp.zeros(shape, jnp.int32)
+        v, i = top_n(lp, k)
+        return (jnp.concatenate([v, jnp.zeros(shape, lp.dtype)], -1),
+                jnp.concatenate([i, jnp.zeros(shape, jnp.int32)], -1))
+      return fn
+    # the passes the batch needs: none, vLLM's usual <= 5, or all NUM_TOP_LOGPROBS (vLLM's cap, 20)
+    most = jnp.max(top_logprobs)
+    branch = jnp.where(most <= 0, 0, jnp.where(most <= FEW_TOP_LOGPROBS, 1, 2))
+    top_lp, top_ids = jax.lax.switch(branch, [first(0), first(FEW_TOP_LOGPROBS), first(NUM_TOP_LOGPROBS)], lp)
   return chosen, top_lp, top_ids
 
 

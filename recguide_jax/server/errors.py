@@ -66,8 +66,3 @@ def show(value) -> str:
   except (TypeError, ValueError):
     text = ascii(value)
   return _cap(text)
-
-
-def bad_type(name: str, expected: str, value) -> APIError:
-  return APIError(400, f"{name} must be {expected}, got {show(value)}", name, "invalid_type")
-

@@ -65,27 +65,51 @@ class Generation:
       raise err from None
     return tracker
 
-  def submit_samples(self, request: Request, gen: protocol.GenerationRequest, prefix: str) -> list[Tracker]:
-    """One engine request per sample (n, or best_of): sample i with its own seed (`SamplingParams.sample`), each
-    after the first sharing the first one's prefill (the prompt is computed once)."""
+  def submit_samples(self, request: Request, gen: protocol.GenerationRequest, prefix: str,
+                     first_index: int | None = None) -> list[Tracker]:
+    """One engine request per sample (n, or best_of) of the request's (single) prompt: sample i with its own seed
+    (`SamplingParams.sample`), each after the first sharing the first one's prefill (the prompt is computed
+    once). `first_index`: the id suffix of sample 0 (a batch of prompts numbers its samples on)."""
     count = gen.params.num_samples
-    if count == 1:
+    if count == 1 and first_index is None:
       return [self.submit(request, gen, prefix)]
-    try:  # n and best_of against the policy (each sample alone is one plain request)
-      self.engine_thread.engine.validate_request(gen.prompt_ids, gen.params)
-    except RequestError as e:
-      raise protocol.APIError.from_request_error(e) from None
     trackers: list[Tracker] = []
     try:
       for i in range(count):
         sample = dataclasses.replace(gen, params=gen.params.sample(i))
-        trackers.append(self.submit(request, sample, prefix, index=i,
+        trackers.append(self.submit(request, sample, prefix, index=(first_index or 0) + i,
                                     prefill_source=trackers[0].rid if trackers else None))
     except BaseException:
       for tracker in trackers:
         tracker.close()
       raise
     return trackers
+
+  def submit_prompts(self, request: Request, gen: protocol.GenerationRequest, prefix: str) -> list[list[Tracker]]:
+    """Every prompt's samples, one list per prompt. Every prompt is checked before any is submitted, so a bad one
+    in a batch queues nothing; a later failure (a full queue) aborts the ones already queued."""
+    many = len(gen.prompts) > 1
+    if many or gen.params.num_samples > 1:
+      for i, p in enumerate(gen.prompts):
+        try:  # n and best_of against the policy (each sample alone is one plain request), every prompt in range
+          self.engine_thread.engine.validate_request(p.ids, gen.params)
+        except RequestError as e:
+          err = protocol.APIError.from_request_error(e)
+          if many and err.param == "prompt":
+            err = protocol.APIError(err.status, f"prompt[{i}]: {err.message}", err.param, err.code)
+          raise err from None
+    count = gen.params.num_samples
+    groups: list[list[Tracker]] = []
+    try:
+      for i in range(len(gen.prompts)):
+        groups.append(self.submit_samples(request, gen.for_prompt(i), prefix,
+                                          first_index=i * count if many else None))
+    except BaseException:
+      for group in groups:
+        for tracker in group:
+          tracker.close()
+      raise
+    return groups
 
   # ---- answer pieces ---------------------------------------------------------------------------------------------
   def logprobs_payload(self, gen: protocol.GenerationRequest, entries, offset: int):
@@ -110,15 +134,17 @@ class Generation:
     if gen.ignored_fields:
       log.warning("%s-%s: the following fields were present in the request but ignored: %s", prefix,
                   request.state.request_id, ", ".join(gen.ignored_fields))
-    trackers = self.submit_samples(request, gen, prefix)
+    groups = self.submit_prompts(request, gen, prefix)
+    trackers = [t for group in groups for t in group]
     rid = trackers[0].rid if len(trackers) == 1 else f"{prefix}-{request.state.request_id}"
     if gen.stream:
       return EventStream(self.stream(gen, trackers, created, rid), trackers)
-    return await self.complete(request, gen, trackers, created, rid)
+    return await self.complete(request, gen, groups, created, rid)
 
-  async def complete(self, request: Request, gen: protocol.GenerationRequest, trackers: list[Tracker],
+  async def complete(self, request: Request, gen: protocol.GenerationRequest, groups: list[list[Tracker]],
                      created: int, rid: str):
-    """The non-streamed answer: one choice per tracker (n > 1: independent samples of the same prompt)."""
+    """The non-streamed answer: choice p * n + j is sample j of prompt p (n > 1: independent samples of it)."""
+    trackers = [t for group in groups for t in group]
     waiter = asyncio.ensure_future(asyncio.gather(*(t.wait_finished() for t in trackers)))
     gone = asyncio.ensure_future(disconnected(request))
     try:
@@ -136,40 +162,50 @@ class Generation:
       err = failure(final)
       if err is not None:
         raise err
-    if len(finals) > gen.n:  # best_of
-      finals = best_samples(finals, gen.n)
-    use = responses.usage(len(gen.prompt_ids), sum(len(f.output_ids) for f in finals))
+    chosen: list[tuple[int, Final]] = []  # (prompt, final) in choice order
+    at = 0
+    for p, group in enumerate(groups):
+      mine = finals[at:at + len(group)]
+      at += len(group)
+      if len(mine) > gen.n:  # best_of
+        mine = best_samples(mine, gen.n)
+      chosen += [(p, f) for f in mine]
+    use = responses.usage(sum(len(p.ids) for p in gen.prompts), sum(len(f.output_ids) for _, f in chosen))
     build = responses.chat if gen.chat else responses.completion
-    shared_prompt_lps = next((f.prompt_logprobs for f in finals if f.prompt_logprobs is not None), None)
-    bodies = []
-    for final in finals:
+    choices = []
+    for index, (p, final) in enumerate(chosen):
       text, prompt_payload, offset = final.text, None, 0
       if gen.echo:
-        prompt_text, prompt_payload, offset = self.echo_prefix(gen, final.prompt_logprobs or shared_prompt_lps)
+        shared = next((f.prompt_logprobs for q, f in chosen if q == p and f.prompt_logprobs is not None), None)
+        prompt_text, prompt_payload, offset = self.echo_prefix(gen.for_prompt(p), final.prompt_logprobs or shared)
         text = prompt_text + text
       lps, _ = self.logprobs_payload(gen, final.logprobs or [], offset)
       if gen.echo:
         lps = responses.join_logprobs(prompt_payload, lps)
-      bodies.append(build(rid, created, self.model_name, text, final.finish_reason, lps, use, final.stats))
-    body = bodies[0]
-    if len(bodies) > 1:  # each choice keeps its own speculation stats; the top level has the first's
-      body["choices"] = [{**b["choices"][0], "index": i, "speculation": f.stats}
-                         for i, (b, f) in enumerate(zip(bodies, finals))]
+      body = build(rid, created, self.model_name, text, final.finish_reason, lps, use, final.stats,
+                   stop_reason=final.stop_reason)
+      choices.append({**body["choices"][0], "index": index})
+    if len(choices) > 1:  # each choice keeps its own speculation stats; the top level has the first's
+      for choice, (_, final) in zip(choices, chosen):
+        choice["speculation"] = final.stats
+    body["choices"] = choices
+    body["speculation"] = chosen[0][1].stats
     return JSONResponse(body)
 
   async def stream(self, gen: protocol.GenerationRequest, trackers: list[Tracker], created: int, rid: str):
-    """The SSE answer: the choices' chunks interleaved as their tokens arrive, each with its `index`; then, with
-    include_usage, one usage chunk for all of them."""
+    """The SSE answer: the choices' chunks interleaved as their tokens arrive, each with its `index` (tracker i is
+    choice i: sample j of prompt p is p * n + j); then, with include_usage, one usage chunk for all of them."""
     chat, n = gen.chat, len(trackers)
     deltas = [TextDeltas(self.tokenizer, gen.params.stop_strings) for _ in trackers]
     lp_sent, offsets, started = [0] * n, [0] * n, [False] * n
     finals: list[Final | None] = [None] * n
+    prompt_tokens = sum(len(p.ids) for p in gen.prompts)
 
     def completion_tokens() -> int:
       return sum(len(f.output_ids) if f is not None else len(t.emitted) for t, f in zip(trackers, finals))
 
     def chunk(i, text, **kw):
-      so_far = responses.usage(len(gen.prompt_ids), completion_tokens()) if gen.continuous_usage else None
+      so_far = responses.usage(prompt_tokens, completion_tokens()) if gen.continuous_usage else None
       return responses.chunk(chat, rid, created, self.model_name, text, include_usage=gen.include_usage,
                              usage_so_far=so_far, index=i, **kw)
 
@@ -191,7 +227,7 @@ class Generation:
           if error is not None:
             break
           if gen.echo and not started[i]:
-            prompt_text, payload, offsets[i] = self.echo_prefix(gen, tracker.prompt_logprobs)
+            prompt_text, payload, offsets[i] = self.echo_prefix(tracker.gen, tracker.prompt_logprobs)
             yield responses.sse(chunk(i, prompt_text, logprobs=payload))
           started[i] = True
           if final is None:
@@ -205,14 +241,14 @@ class Generation:
           finals[i] = final
           text = deltas[i].finish(final.text)
           payload, offsets[i] = self.logprobs_payload(gen, (final.logprobs or [])[lp_sent[i]:], offsets[i])
-          last = chunk(i, text, finish_reason=final.finish_reason, logprobs=payload)
+          last = chunk(i, text, finish_reason=final.finish_reason, stop_reason=final.stop_reason, logprobs=payload)
           last["speculation"] = final.stats
           yield responses.sse(last)
       if error is not None:
         self.metrics.record_error(error.status)
         yield responses.sse(error.body())
       elif gen.include_usage:
-        use = responses.usage(len(gen.prompt_ids), completion_tokens())
+        use = responses.usage(prompt_tokens, completion_tokens())
         yield responses.sse(responses.usage_chunk(chat, rid, created, self.model_name, use, finals[0].stats))
       yield responses.SSE_DONE
     except Exception as e:  # a bug here must still end the stream in a way clients understand

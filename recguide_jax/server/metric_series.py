@@ -1,18 +1,19 @@
-"""The exported series, built at scrape time from `ServerMetrics`' accumulators and the engine's counters: vLLM's
-series (`recguide:<vLLM's name>` with a `model_name` label), the engine's own beside them (block-size rounds,
-forwards, shared prompt tokens), the decoding strategy's (`Strategy.metrics`) and the deprecated pre-vLLM
-`recguide_*` names."""
+"""The exported series, built at scrape time from `ServerMetrics`' prometheus_client histograms and counters and
+the engine's counters: vLLM's series (`recguide:<vLLM's name>` with a `model_name` label), the engine's own beside
+them (block-size rounds, forwards, shared prompt tokens), the decoding strategy's (`Strategy.metrics`) and the
+deprecated pre-vLLM `recguide_*` names. The engine's counters live in the engine, so they are read here as metric
+families (prometheus_client's way for values owned elsewhere)."""
 
 from __future__ import annotations
 
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
-from recguide_jax.server.metric_types import (FINISH_REASONS, FORWARD_KINDS, LEGACY_PREFIX, PREFIX, Histogram,
-                                              engine_snapshot)
+from recguide_jax.server.metric_types import (FINISH_REASONS, FORWARD_KINDS, LEGACY_PREFIX, PREFIX, engine_snapshot,
+                                              samples_by_label, without_created)
 
 
 class Collector:
-  """Builds every family at scrape time from ServerMetrics' accumulators and the engine's counters."""
+  """Builds every family at scrape time from ServerMetrics' metrics and the engine's counters."""
 
   def __init__(self, metrics):
     self.m = metrics
@@ -24,9 +25,9 @@ class Collector:
     snap = engine_snapshot(et)
     totals = snap["totals"]
     labels, values = ["model_name"], [m.model_name]
+    finished = samples_by_label(m.request_success, "finished_reason")
+    http_errors = samples_by_label(m.http_errors, "code")
     with m._lock:
-      finished = dict(m.finished)
-      http_errors = dict(m.http_errors)
       fin_prompt, fin_gen = m.finished_prompt_tokens, m.finished_generation_tokens
       rounds, round_tokens = m._rounds, m._round_tokens
 
@@ -46,12 +47,6 @@ class Collector:
         c.add_metric(values + [str(key)], value)
       return c
 
-    def histogram(name, doc, hist: Histogram, prefix=PREFIX, with_labels=True):
-      buckets, total = hist.snapshot()
-      h = HistogramMetricFamily(prefix + name, doc, labels=labels if with_labels else None)
-      h.add_metric(values if with_labels else [], buckets, total)
-      return h
-
     # ---- vLLM's series ------------------------------------------------------------------------------------------
     yield gauge("num_requests_running", "Number of requests in the running batch.", snap["running"])
     yield gauge("num_requests_waiting", "Number of requests waiting for a batch slot.", snap["waiting"])
@@ -59,25 +54,9 @@ class Collector:
                 snap["kv_usage"])
     yield counter("prompt_tokens", "Number of prefill tokens processed.", totals.get("prompt_tokens", 0))
     yield counter("generation_tokens", "Number of generation tokens processed.", totals.get("generated_tokens", 0))
-    yield labeled_counter("request_success", "Count of finished requests by finish reason.", "finished_reason",
-                          [(r, finished.get(r, 0)) for r in sorted(set(FINISH_REASONS) | set(finished))])
-    yield histogram("request_prompt_tokens", "Number of prefill tokens per finished request.", m.prompt_len)
-    yield histogram("request_generation_tokens", "Number of generation tokens per finished request.",
-                    m.generation_len)
-    yield histogram("time_to_first_token_seconds", "Histogram of time to first token in seconds.", m.ttft)
-    yield histogram("inter_token_latency_seconds", "Histogram of inter-token latency in seconds (one observation "
-                    "per engine update that emits tokens).", m.itl)
-    yield histogram("request_time_per_output_token_seconds", "Histogram of time per output token per request in "
-                    "seconds (decode time / (output tokens - 1)).", m.tpot)
-    yield histogram("e2e_request_latency_seconds", "Histogram of end to end request latency in seconds.", m.e2e)
-    yield histogram("request_queue_time_seconds", "Histogram of time spent waiting for a batch slot in seconds.",
-                    m.queue)
-    yield histogram("request_inference_time_seconds", "Histogram of time spent in the running batch in seconds.",
-                    m.inference)
-    yield histogram("request_prefill_time_seconds", "Histogram of time from admission to the first token in "
-                    "seconds.", m.prefill)
-    yield histogram("request_decode_time_seconds", "Histogram of time from the first token to the last in seconds.",
-                    m.decode)
+    yield from without_created(m.request_success)
+    for hist in m.histograms:
+      yield from without_created(hist)
     # speculative decoding: a draft is one verified block of B tokens (the seed and B - 1 draft tokens); accepted
     # tokens are the draft tokens the verifier kept, the bonus/correction token not included (vLLM's convention)
     yield counter("spec_decode_num_drafts", "Number of spec decoding drafts (verified blocks).",
@@ -119,8 +98,7 @@ class Collector:
     yield gauge("compilations_after_warmup", "Backend compilations since warm-up ended (0 unless a request needed a "
                 "variant warm-up did not build: the first one with prompt logprobs).",
                 eng.runner.compiles_after_warmup)
-    yield labeled_counter("http_errors", "Error answers (bodies and stream error events) by HTTP status.", "code",
-                          sorted(http_errors.items()))
+    yield from without_created(m.http_errors)
     info = GaugeMetricFamily(PREFIX + "cache_config_info", "Information of the KV cache and policy.",
                              labels=labels + ["page_size", "num_pages", "max_model_len", "max_num_seqs", "policy"])
     info.add_metric(values + [str(eng.rc.page_size), str(snap["pages_total"]), str(eng.rc.max_model_len),
@@ -146,11 +124,8 @@ class Collector:
     yield legacy("counter", "http_errors", "Error answers by HTTP status.", None, "code", sorted(http_errors.items()))
     yield legacy("counter", "prompt_tokens", "Prompt tokens of finished requests.", fin_prompt)
     yield legacy("counter", "generation_tokens", "Output tokens of finished requests.", fin_gen)
-    yield histogram("time_to_first_token_seconds", "Time to first token. Deprecated.", m.legacy_ttft, L, False)
-    yield histogram("time_per_output_token_seconds", "Mean time per output token after the first. Deprecated.",
-                    m.legacy_tpot, L, False)
-    yield histogram("e2e_request_latency_seconds", "End-to-end request latency in the engine. Deprecated.",
-                    m.legacy_e2e, L, False)
+    for hist in m.legacy_histograms:
+      yield from without_created(hist)
     if rounds:
       yield legacy("gauge", "mean_acceptance_length", "Tokens emitted per decode round, over all finished requests.",
                    round_tokens / rounds)

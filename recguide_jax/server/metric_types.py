@@ -1,12 +1,10 @@
-"""What the metrics modules share: series names and bucket boundaries, the `_created`-free histogram the app records
-into, and the one-copy snapshot of the engine's counters both a scrape and the stats line read."""
+"""What the metrics modules share: series names and bucket boundaries, how a prometheus_client metric is exported
+without its `_created` samples, and the one-copy snapshot of the engine's counters both a scrape and the stats line
+read."""
 
 from __future__ import annotations
 
-import bisect
 import logging
-import math
-import threading
 
 log = logging.getLogger("recguide_jax.server")
 
@@ -52,35 +50,17 @@ def _copy(counter) -> dict:
   return dict(counter)
 
 
-class Histogram:
-  """Cumulative-bucket histogram without a `_created` sample; observe() and snapshot() may run on different
-  threads."""
+def without_created(metric):
+  """The families of a prometheus_client metric without their `_created` samples."""
+  for family in metric.collect():
+    family.samples = [s for s in family.samples if not s.name.endswith("_created")]
+    yield family
 
-  def __init__(self, buckets):
-    self.bounds = tuple(float(b) for b in buckets)
-    self._counts = [0] * (len(self.bounds) + 1)  # the last one is +Inf
-    self._sum = 0.0
-    self._lock = threading.Lock()
 
-  def observe(self, value: float) -> None:
-    i = bisect.bisect_left(self.bounds, value)  # le semantics: value == bound falls in that bucket
-    with self._lock:
-      self._counts[i] += 1
-      self._sum += value
-
-  def snapshot(self) -> tuple[list[tuple[str, float]], float]:
-    with self._lock:
-      counts, total = list(self._counts), self._sum
-    cum, acc = [], 0
-    for bound, c in zip(self.bounds + (math.inf,), counts):
-      acc += c
-      cum.append(("+Inf" if bound == math.inf else repr(bound), acc))
-    return cum, total
-
-  @property
-  def count(self) -> int:
-    with self._lock:
-      return sum(self._counts)
+def samples_by_label(metric, label: str) -> dict[str, float]:
+  """A labelled counter's `_total` values by one label."""
+  return {s.labels[label]: s.value for family in metric.collect() for s in family.samples
+          if s.name.endswith("_total")}
 
 
 def engine_snapshot(engine_thread) -> dict:

@@ -2,10 +2,11 @@
 
 Series are `recguide:<vLLM's name>` with a `model_name` label (a dashboard built on `vllm:...` works after
 replacing the prefix), RecGuide's own series beside them under the same prefix, and the pre-vLLM `recguide_*` names
-kept as deprecated aliases (docs/metrics.md lists every series). No series has a `_created` twin: every family is
-built by the collector (`metric_series`) from its own accumulators, so nothing depends on prometheus_client's process-wide
-`_created` switch; the registry is the app's own (not the process-global one) so several apps can live in one
-process (tests).
+kept as deprecated aliases (docs/metrics.md lists every series). What the server records itself is held in
+prometheus_client's `Histogram` and `Counter` (as vLLM's are); what the engine counts is read at scrape time by the
+collector (`metric_series`), which exports both. No series has a `_created` twin: the collector drops those samples,
+so nothing depends on prometheus_client's process-wide `_created` switch; the metrics are not in the process-global
+registry but in the app's own, so several apps can live in one process (tests).
 
 Three sources:
 - per-request metrics (requests by finish reason, latency histograms, token-count histograms) are recorded when a
@@ -18,7 +19,7 @@ Three sources:
   between our reads, so each is copied once per scrape rather than read field by field.
 
 This module records; `metric_series` builds the exported series (vLLM's, RecGuide's own, the deprecated names),
-`metric_types` holds the names, buckets and histogram they share, `stats_log` the periodic log line.
+`metric_types` holds the names and buckets they share, `stats_log` the periodic log line.
 """
 
 from __future__ import annotations
@@ -26,17 +27,15 @@ from __future__ import annotations
 import threading
 import time
 
-from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 
 from recguide_jax.server.metric_series import Collector
 from recguide_jax.server.metric_types import (CONTENT_TYPE, DEFAULT_LOG_STATS_INTERVAL_S, FINISH_REASONS,  # noqa: F401
                                               FORWARD_KINDS, ITL_BUCKETS, LEGACY_E2E_BUCKETS, LEGACY_PREFIX,
                                               LEGACY_TPOT_BUCKETS, LEGACY_TTFT_BUCKETS, PREFIX,
-                                              REQUEST_LATENCY_BUCKETS, TTFT_BUCKETS, Histogram,
+                                              REQUEST_LATENCY_BUCKETS, TTFT_BUCKETS,
                                               engine_snapshot, token_buckets)
 from recguide_jax.server.stats_log import StatsLogger
-
-_Histogram = Histogram  # the earlier private name
 
 
 class ServerMetrics:
@@ -48,22 +47,50 @@ class ServerMetrics:
     self.legacy_names = legacy_names
     self._lock = threading.Lock()
     max_len = engine_thread.engine.rc.max_model_len
+    labels = ["model_name"]
+    self.histograms: list[Histogram] = []  # vLLM's, in export order
+    self.legacy_histograms: list[Histogram] = []
+
+    def hist(name, doc, buckets):
+      h = Histogram(PREFIX + name, doc, labels, buckets=buckets, registry=None)
+      self.histograms.append(h)
+      return h.labels(model_name)
+
+    def legacy(name, doc, buckets):
+      h = Histogram(LEGACY_PREFIX + name, doc + " Deprecated.", buckets=buckets, registry=None)
+      self.legacy_histograms.append(h)
+      return h
+
     # per-request histograms (recorded at finish)
-    self.ttft = _Histogram(TTFT_BUCKETS)
-    self.itl = _Histogram(ITL_BUCKETS)
-    self.tpot = _Histogram(ITL_BUCKETS)
-    self.e2e = _Histogram(REQUEST_LATENCY_BUCKETS)
-    self.queue = _Histogram(REQUEST_LATENCY_BUCKETS)
-    self.inference = _Histogram(REQUEST_LATENCY_BUCKETS)
-    self.prefill = _Histogram(REQUEST_LATENCY_BUCKETS)
-    self.decode = _Histogram(REQUEST_LATENCY_BUCKETS)
-    self.prompt_len = _Histogram(token_buckets(max_len))
-    self.generation_len = _Histogram(token_buckets(max_len))
-    self.legacy_ttft = _Histogram(LEGACY_TTFT_BUCKETS)
-    self.legacy_tpot = _Histogram(LEGACY_TPOT_BUCKETS)
-    self.legacy_e2e = _Histogram(LEGACY_E2E_BUCKETS)
-    self.finished = {r: 0 for r in FINISH_REASONS}  # exported from the start, so dashboards see every reason
-    self.http_errors: dict[str, int] = {}
+    self.prompt_len = hist("request_prompt_tokens", "Number of prefill tokens per finished request.",
+                           token_buckets(max_len))
+    self.generation_len = hist("request_generation_tokens", "Number of generation tokens per finished request.",
+                               token_buckets(max_len))
+    self.ttft = hist("time_to_first_token_seconds", "Histogram of time to first token in seconds.", TTFT_BUCKETS)
+    self.itl = hist("inter_token_latency_seconds", "Histogram of inter-token latency in seconds (one observation "
+                    "per engine update that emits tokens).", ITL_BUCKETS)
+    self.tpot = hist("request_time_per_output_token_seconds", "Histogram of time per output token per request in "
+                     "seconds (decode time / (output tokens - 1)).", ITL_BUCKETS)
+    self.e2e = hist("e2e_request_latency_seconds", "Histogram of end to end request latency in seconds.",
+                    REQUEST_LATENCY_BUCKETS)
+    self.queue = hist("request_queue_time_seconds", "Histogram of time spent waiting for a batch slot in seconds.",
+                      REQUEST_LATENCY_BUCKETS)
+    self.inference = hist("request_inference_time_seconds", "Histogram of time spent in the running batch in "
+                          "seconds.", REQUEST_LATENCY_BUCKETS)
+    self.prefill = hist("request_prefill_time_seconds", "Histogram of time from admission to the first token in "
+                        "seconds.", REQUEST_LATENCY_BUCKETS)
+    self.decode = hist("request_decode_time_seconds", "Histogram of time from the first token to the last in "
+                       "seconds.", REQUEST_LATENCY_BUCKETS)
+    self.legacy_ttft = legacy("time_to_first_token_seconds", "Time to first token.", LEGACY_TTFT_BUCKETS)
+    self.legacy_tpot = legacy("time_per_output_token_seconds", "Time per output token after the first.",
+                              LEGACY_TPOT_BUCKETS)
+    self.legacy_e2e = legacy("e2e_request_latency_seconds", "End to end request latency.", LEGACY_E2E_BUCKETS)
+    self.request_success = Counter(PREFIX + "request_success", "Count of finished requests by finish reason.",
+                                   labels + ["finished_reason"], registry=None)
+    for reason in FINISH_REASONS:  # exported from the start, so dashboards see every reason
+      self.request_success.labels(model_name, reason)
+    self.http_errors = Counter(PREFIX + "http_errors", "Error answers (bodies and stream error events) by HTTP "
+                               "status.", labels + ["code"], registry=None)
     self.finished_prompt_tokens = 0
     self.finished_generation_tokens = 0
     self._rounds = 0
@@ -87,8 +114,8 @@ class ServerMetrics:
 
   def record_finished(self, prompt_len: int, output_len: int, finish_reason: str, stats: dict) -> None:
     """Called once per finished request (on the engine thread), before its response can be sent."""
+    self.request_success.labels(self.model_name, finish_reason).inc()
     with self._lock:
-      self.finished[finish_reason] = self.finished.get(finish_reason, 0) + 1
       self.finished_prompt_tokens += prompt_len
       self.finished_generation_tokens += output_len
       lengths = stats.get("accepted_lengths") or []
@@ -117,9 +144,7 @@ class ServerMetrics:
       self.decode.observe(max(latency - ttft, 0.0))
 
   def record_error(self, status: int) -> None:
-    with self._lock:
-      key = str(status)
-      self.http_errors[key] = self.http_errors.get(key, 0) + 1
+    self.http_errors.labels(self.model_name, str(status)).inc()
 
   def render(self) -> bytes:
     return generate_latest(self.registry)

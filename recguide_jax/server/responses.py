@@ -99,23 +99,24 @@ def chat_logprobs(tokenizer: Tokenizer, entries: Sequence[dict]) -> dict:
 
 
 def completion(rid: str, created: int, model: str, text: str, finish_reason: str, logprobs, use: dict,
-               speculation: dict) -> dict:
+               speculation: dict, stop_reason: int | str | None = None) -> dict:
   return {"id": rid, "object": "text_completion", "created": created, "model": model,
-          "choices": [{"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}],
+          "choices": [{"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish_reason,
+                       "stop_reason": stop_reason}],
           "usage": use, "speculation": speculation}
 
 
 def chat(rid: str, created: int, model: str, text: str, finish_reason: str, logprobs, use: dict,
-         speculation: dict) -> dict:
+         speculation: dict, stop_reason: int | str | None = None) -> dict:
   return {"id": rid, "object": "chat.completion", "created": created, "model": model,
           "choices": [{"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": logprobs,
-                       "finish_reason": finish_reason}],
+                       "finish_reason": finish_reason, "stop_reason": stop_reason}],
           "usage": use, "speculation": speculation}
 
 
 def chunk(chat_kind: bool, rid: str, created: int, model: str, text: str | None, *, role: bool = False,
           finish_reason: str | None = None, logprobs=None, include_usage: bool = False,
-          usage_so_far: dict | None = None, index: int = 0) -> dict:
+          usage_so_far: dict | None = None, index: int = 0, stop_reason: int | str | None = None) -> dict:
   """One stream chunk of choice `index`. `role` marks the first chat chunk; with include_usage every chunk has `usage: null`,
   as OpenAI does, and a last chunk with empty choices carries the usage. `usage_so_far` (vLLM's
   stream_options.continuous_usage_stats) puts the usage up to this chunk in it instead."""
@@ -123,10 +124,12 @@ def chunk(chat_kind: bool, rid: str, created: int, model: str, text: str | None,
     delta = {"role": "assistant"} if role else {}
     if text is not None:
       delta["content"] = text
-    choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
+    choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason,
+              "stop_reason": stop_reason}
     obj = "chat.completion.chunk"
   else:
-    choice = {"index": index, "text": text or "", "logprobs": logprobs, "finish_reason": finish_reason}
+    choice = {"index": index, "text": text or "", "logprobs": logprobs, "finish_reason": finish_reason,
+              "stop_reason": stop_reason}
     obj = "text_completion"
   out = {"id": rid, "object": obj, "created": created, "model": model, "choices": [choice]}
   if usage_so_far is not None:

@@ -34,6 +34,7 @@ class Final:
   error_code: int | None = None  # HTTP status of an error the engine attributed to the request (e.g. 429)
   prompt_logprobs: list[dict | None] | None = None  # params.prompt_logprobs: the scored prompt (echo)
   cumulative_logprob: float = 0.0  # the sum of the output tokens' raw logprobs (best_of ranks by it)
+  stop_reason: int | str | None = None  # vLLM's: the stop string or stop token id that ended it (None: EOS, length)
 
 
 class Tracker:
@@ -80,7 +81,7 @@ class Tracker:
                      list(req.logprobs) if req.params.logprobs is not None else None, req.stats.as_dict(),
                      req.text or "", req.error_code,
                      list(req.prompt_logprobs) if req.prompt_logprobs is not None else None,
-                     req.cumulative_logprob)
+                     req.cumulative_logprob, req.stop_reason)
       try:
         # recorded before the response can be sent, so /metrics never lags the answers a client has seen
         self.metrics.record_finished(len(req.prompt_ids), len(final.output_ids), final.finish_reason, final.stats)
