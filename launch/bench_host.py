@@ -237,6 +237,8 @@ def main(argv):
   concurrency = cli.int_list("concurrency")
   llm = LLM(str(model), policy="recguide", max_num_seqs=max(concurrency), max_model_len=256, page_size=16,
             prefill_chunk=32, warmup=False, decode_steps=f.decode_steps)
+  if hasattr(llm.engine, "pipeline"):
+    llm.engine.pipeline = f.pipeline
   load_start = os.getloadavg()[0]
   points = []
   for policy in f.policies:
@@ -266,6 +268,7 @@ def _define_flags():
   flags.DEFINE_integer("prompt_len", 16, "Prompt tokens per request.")
   flags.DEFINE_integer("repeats", 2, "Timed generations per point (after one that compiles).")
   flags.DEFINE_integer("decode_steps", 4, "AR decode steps per device call.")
+  flags.DEFINE_bool("pipeline", True, "Run AR and LinearSS calls ahead (Engine.pipeline).")
   flags.DEFINE_list("profile_policies", ["ar", "linear"], "Policies profiled at the largest C.")
   flags.DEFINE_string("model_dir", os.path.join(ROOT, "runs", "bench_host", "model"),
                       "Where the random model is written (once).")

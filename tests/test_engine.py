@@ -149,6 +149,7 @@ def test_pipelined_decode_is_exact(tiny_llm, ar_outputs):
       return real(outs)
     tiny_llm.runner.before_execute = on_execute
     tiny_llm.runner.read_verify = read_verify
+    eng.pipeline = True
     try:
       for params in cases:
         reqs = [eng.add_request(p, dataclasses.replace(params, max_tokens=params.max_tokens + 3 * i), f"r{i}",
@@ -164,6 +165,7 @@ def test_pipelined_decode_is_exact(tiny_llm, ar_outputs):
     finally:
       tiny_llm.runner.before_execute = None
       del tiny_llm.runner.read_verify
+      eng.pipeline = False
     assert any(ahead_calls) == ahead
     results[ahead] = (outs, streams)
   assert results[True] == results[False]

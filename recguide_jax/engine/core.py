@@ -62,6 +62,9 @@ class Engine:
     self.round_log: list[RoundOutcome] | None = None  # set to [] to record every round's outcome (analysis)
     # a pipelined round dispatched ahead and not yet applied: (batch, device handle, dispatch time)
     self._pending: tuple[Batch, object, float] | None = None
+    # True: pipelined rounds run ahead (`_chain`). Off by default for now: the next call's seeds are computed by small
+    # jitted ops that compile on first use, after warm-up (16 compiles in bench_recguide's run); they belong in it
+    self.pipeline = False
     self.step_count = 0
 
   @property
@@ -276,7 +279,7 @@ class Engine:
   def _chain(self, batch: Batch, handle) -> tuple[Batch, object, float] | None:
     """Dispatches the call after `batch`'s (dispatched as `handle`, not applied yet), if it may run ahead."""
     most, fewest, keys = batch.round.ahead(batch)
-    if not (self.strategy.plans_ahead and not self.waiting and len(self.running) == batch.n
+    if not (self.pipeline and self.strategy.plans_ahead and not self.waiting and len(self.running) == batch.n
             and self.runner.mesh is None  # a device array between calls keeps the single device's placement
             and (batch.planned == batch.block).all() and not any(r.finished for r in batch.reqs)):
       return None
