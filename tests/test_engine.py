@@ -265,17 +265,15 @@ def test_abort_and_errors_leak_no_pages(tiny_llm):
   assert eng.abort(reqs[0].request_id) and eng.abort(reqs[5].request_id)
   assert not eng.abort("no-such-request")
   # a device step that raises: the engine fails the in-flight requests and frees their pages
-  real = eng.runner.verify
-
   def boom(*a, **k):  # a runtime error from XLA: a device failure, raised to the caller (EngineThread: fail_all)
     raise jax.errors.JaxRuntimeError("INTERNAL: injected device failure")
 
-  eng.runner.verify = boom
+  eng.runner.dispatch_verify = boom  # the verify forward of a LinearSS round
   try:
     with pytest.raises(jax.errors.JaxRuntimeError):
       eng.step()
   finally:
-    eng.runner.verify = real
+    del eng.runner.dispatch_verify
   eng.fail_all("injected")
   assert all(r.finished for r in reqs)
   assert reqs[0].finish_reason == "abort" and reqs[1].finish_reason == "error"
