@@ -556,8 +556,7 @@ def test_engine_failure_is_500_and_error_event(offline_llm):
   app = create_app(thread, offline_llm.tokenizer, "inproc")
   other = create_app(thread, offline_llm.tokenizer, "other", shutdown_engine=False)  # own registry: no clash
   assert b"recguide_requests_total" in other.state.metrics.render()
-  runner = offline_llm.runner
-  real = runner.verify
+  runner = offline_llm.runner  # every AR or LinearSS round reads its verification back through read_verify
 
   def boom(*args, **kwargs):
     raise RuntimeError("injected device failure")
@@ -565,7 +564,7 @@ def test_engine_failure_is_500_and_error_event(offline_llm):
   with TestClient(app) as tc:
     body = {"prompt": "Hello", **greedy(8)}
     assert tc.post("/v1/completions", json=body).status_code == 200
-    runner.verify = boom
+    runner.read_verify = boom
     try:
       r = tc.post("/v1/completions", json=body)
       err = _assert_error(r, 500, None)
@@ -576,7 +575,7 @@ def test_engine_failure_is_500_and_error_event(offline_llm):
       assert events[0]["choices"][0]["delta"]["role"] == "assistant"
       assert events[-1]["error"]["type"] == "server_error" and "injected" in events[-1]["error"]["message"]
     finally:
-      runner.verify = real
+      del runner.read_verify
     assert tc.post("/v1/completions", json=body).status_code == 200  # keeps serving
     assert tc.get("/health").status_code == 200
     snap = {(s.name, frozenset(s.labels.items())): s.value

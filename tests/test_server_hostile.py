@@ -476,14 +476,14 @@ def test_engine_failing_callback_or_plan_fails_alone(engine, alone, monkeypatch)
   reqs = [engine.add_request(p, GREEDY) for p in PROMPTS]
   cb = engine.add_request([20, 21], GREEDY, on_update=broken_callback)
   planned = engine.add_request([22, 23, 24], GREEDY)
-  real_plan = engine.strategy.plan
+  real_plan = engine.strategy.plan_step
 
-  def plan(req, eng):
-    if req is planned:
+  def plan_step(view):  # a strategy bug that shows with one request of the step
+    if planned in view.requests:
       raise ValueError("policy bug for this request")
-    return real_plan(req, eng)
+    return real_plan(view)
 
-  monkeypatch.setattr(engine.strategy, "plan", plan)
+  monkeypatch.setattr(engine.strategy, "plan_step", plan_step)
   _run(engine, reqs)
   assert cb.finish_reason == "error" and "callback" in cb.error
   assert planned.finish_reason == "error" and "policy bug" in planned.error
@@ -492,7 +492,7 @@ def test_engine_failing_callback_or_plan_fails_alone(engine, alone, monkeypatch)
 
 def test_engine_failing_round_fails_its_batch_only(engine, alone, monkeypatch):
   """A host-side error inside a batched round fails that batch's requests; the engine keeps serving."""
-  real = engine.runner.verify
+  real = engine.runner.read_verify  # every LinearSS round reads its verification back through it
   calls = {"n": 0}
 
   def flaky_verify(*args, **kwargs):
@@ -501,7 +501,7 @@ def test_engine_failing_round_fails_its_batch_only(engine, alone, monkeypatch):
       raise RuntimeError("injected failure in one round")
     return real(*args, **kwargs)
 
-  monkeypatch.setattr(engine.runner, "verify", flaky_verify)
+  monkeypatch.setattr(engine.runner, "read_verify", flaky_verify)
   victims = [engine.add_request(p, GREEDY) for p in PROMPTS]
   _run(engine, victims)
   assert all(r.finish_reason == "error" and "injected failure" in r.error for r in victims)

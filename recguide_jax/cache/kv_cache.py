@@ -384,8 +384,8 @@ class PageAllocator:
     for p in reversed(pages or ()):
       self._release(p)
 
-  def page_table_row(self, seq_id, width: int) -> np.ndarray:
-    row = np.full((width,), TRASH_PAGE, np.int32)
+  def page_table_row(self, seq_id, width: int | None = None) -> np.ndarray:
+    row = np.full((width or self.max_pages_per_seq,), TRASH_PAGE, np.int32)
     pages = self._pages[seq_id]
     row[:len(pages)] = pages
     return row

@@ -384,15 +384,32 @@ class Runner:
     tokens [b, 1] for `steps` steps (results [b, steps]; the steps' sampling keys count up from samp.keys)."""
     b, blk = tokens.shape
     if q is None:  # AR decode: nothing to accept; its variant takes no draft distribution at all
-      if blk != 1:
-        raise ValueError("verify without draft distributions is only AR decode (block of 1)")
-      outs = self.execute(StepKey(StepKind.DECODE, 1, b, steps=steps, controls=samp.controls_len),
-                          (tokens, write, prefix_len, page_table) + samp.args())
+      outs = self.dispatch_decode(tokens, write, prefix_len, page_table, samp, steps)
     elif steps != 1:
       raise ValueError("only an AR decode (q None) runs several steps per call")
     else:
-      outs = self.execute(StepKey(StepKind.VERIFY, blk, b, controls=samp.controls_len),
-                          (tokens, q, write, prefix_len, page_table) + samp.args())
+      outs = self.dispatch_verify(tokens, q, write, prefix_len, page_table, samp)
+    return self.read_verify(outs)
+
+  def dispatch_verify(self, tokens, q, write, prefix_len, page_table, samp: SamplingArrays) -> tuple:
+    """A verify of `tokens` [b, B] against the draft distributions `q`, dispatched without waiting: the device arrays
+    of a `VerifyResult`. `prefix_len` may be a device array (a pipelined round's, from the verify before it)."""
+    b, blk = tokens.shape
+    return self.execute(StepKey(StepKind.VERIFY, blk, b, controls=samp.controls_len),
+                        (tokens, q, write, prefix_len, page_table) + samp.args())
+
+  def dispatch_decode(self, tokens, write, prefix_len, page_table, samp: SamplingArrays, steps: int = 1) -> tuple:
+    """An AR decode of the seed tokens [b, 1] (numpy, or the device tokens of the call before it) for `steps` steps,
+    dispatched without waiting: the device arrays of a `VerifyResult` (its tokens at index 1, [b, steps])."""
+    b, blk = tokens.shape
+    if blk != 1:
+      raise ValueError("verify without draft distributions is only AR decode (block of 1)")
+    return self.execute(StepKey(StepKind.DECODE, 1, b, steps=steps, controls=samp.controls_len),
+                        (tokens, write, prefix_len, page_table) + samp.args())
+
+  @staticmethod
+  def read_verify(outs) -> VerifyResult:
+    """A dispatched decode or verify's result on the host (waits for it: one device->host transfer)."""
     return VerifyResult(*jax.device_get(outs))
 
   def fused(self, tokens, positions, mask, lora, write, prefix_len, page_table, samp: SamplingArrays, blk: int):

@@ -21,6 +21,9 @@ class StepKind(str, enum.Enum):
   # a PREFILL that also scores the prompt: the logprob (and top entries) of each next prompt token at every
   # position (prompt logprobs, `echo`); compiled on first use, so a server whose clients never ask pays nothing
   SCORE = "score"
+  # the causal forward that commits a denoised block's K/V: it runs the PREFILL variant (never a StepKey of its own)
+  # and is counted apart in the forward ledger and the request stats
+  COMMIT = "commit"
 
   @property
   def writes_cache(self) -> bool:
@@ -46,6 +49,8 @@ class StepKey:
 
   def __post_init__(self):
     object.__setattr__(self, "kind", StepKind(self.kind))
+    if self.kind == StepKind.COMMIT:
+      raise ValueError("a commit forward runs the prefill variant: no step key of its own")
     if self.block < 1 or self.batch < 1:
       raise ValueError(f"a step's block and batch must be positive: {self}")
     if self.kind == StepKind.DECODE and self.block != 1:
@@ -78,6 +83,11 @@ class StepKey:
     """A key from a kind label ("fused2" = FUSED with 2 slots)."""
     kind_enum, slots = parse_kind_label(kind)
     return cls(kind_enum, block, batch, slots)
+
+
+# the forwards a request's stats count (`RequestStats.forwards`), in their JSON order
+COUNTED_FORWARDS = (StepKind.PREFILL, StepKind.DRAFT, StepKind.VERIFY, StepKind.DECODE, StepKind.DENOISE,
+                    StepKind.COMMIT)
 
 
 def kind_label(kind: StepKind, slots: int = 0) -> str:
