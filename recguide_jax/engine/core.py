@@ -66,8 +66,8 @@ class Engine:
     self.round_log: list[RoundOutcome] | None = None  # set to [] to record every round's outcome (analysis)
     # a pipelined round dispatched ahead and not yet applied: (batch, device handle, dispatch time)
     self._pending: tuple[Batch, object, float] | None = None
-    # True: pipelined rounds run ahead (`_chain`). Off by default for now: the next call's seeds are computed by small
-    # jitted ops that compile on first use, after warm-up (16 compiles in bench_recguide's run); they belong in it
+    # True: pipelined rounds run ahead (`_chain`). Off by default until the small jitted ops that compute the next
+    # call's seeds compile in the runner's warm-up (they compile on first use today, after warm-up)
     self.pipeline = False
     self.step_count = 0
 
