@@ -233,6 +233,10 @@ class Forward(enum.StrEnum):
   DECODE = "decode"  # one AR token
   DENOISE = "denoise"  # one step of a diffusion block's denoise loop
   COMMIT = "commit"  # the causal forward that commits a denoised block's K/V
+  # the engine ledger's ragged forwards (block = packed query tokens, rows = rows that have tokens in it); a
+  # request's own stats count its part of them as DRAFT / VERIFY / DECODE
+  RAGGED_DRAFT = "ragged_draft"
+  RAGGED_VERIFY = "ragged_verify"
 
 
 @dataclasses.dataclass

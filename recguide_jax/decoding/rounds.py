@@ -61,6 +61,54 @@ class LinearRound(Round):
       ctx.verified(r, cap, min(int(res.accepted[i]), cap), res, i)
 
 
+class RaggedRound(Round):
+  """LinearSS rows, each at its own planned block, and AR rows (planned block 1) in two forwards whatever the mix:
+  one ragged draft of the LinearSS rows, one ragged verify of every row (an AR row's verify decodes its seed).
+  Nothing is padded to another row's block and no block size gets a batch of its own: the forwards compute
+  sum(B_i) and sum(B_i) + #AR query tokens (in the runner's packed-token buckets). Each row's tokens, sampling key
+  and acceptance are those of a LinearSS round at its own block (or an AR step), so the output is the same."""
+  kind = RoundKind.RAGGED
+
+  def run(self, ctx: RoundContext, group: Group) -> str:
+    reqs, blocks = group.reqs, [int(b) for b in group.planned]
+    for r, blk in zip(reqs, blocks):
+      ctx.reserve([r], blk)
+    rows = ctx.rc.max_batch  # a ragged step's rows: one shape for every mix (its cost follows the tokens)
+    _, page_table, prefix_len, samp = pad_rows(ctx.batch_arrays(reqs), rows)
+    seed, write = ctx.seeds(reqs, rows)
+    row_len = np.zeros((rows,), np.int32)
+    row_len[:len(reqs)] = blocks
+    draft_len = np.where(row_len > 1, row_len, 0).astype(np.int32)
+    n_draft = int(np.count_nonzero(draft_len))
+    drafted, q, signals = ctx.runner.ragged_draft(seed, draft_len, prefix_len, page_table, samp)
+    res = ctx.runner.ragged_verify(drafted, q, seed, row_len, write, prefix_len, page_table, samp)
+    ctx.count_forward(Forward.RAGGED_DRAFT, int(draft_len.sum()), n_draft)
+    ctx.count_forward(Forward.RAGGED_VERIFY, int(row_len.sum()), len(reqs))
+    if ctx.signal_log is not None:
+      res.draft_tokens = np.asarray(drafted)
+      res.draft_signals = np.asarray(signals)
+    for i, (r, blk) in enumerate(zip(reqs, blocks)):
+      if blk == 1:
+        r.stats.forwards[Forward.DECODE] += 1
+        ctx.decoded(r, 1, res, i)
+      else:
+        r.stats.forwards[Forward.DRAFT] += 1
+        r.stats.forwards[Forward.VERIFY] += 1
+        ctx.verified(r, blk, int(res.accepted[i]), res, i)
+    return self.kind
+
+
+def pad_rows(arrays: tuple, rows: int) -> tuple:
+  """`RoundContext.batch_arrays`' (b, page_table, prefix_len, samp) padded with empty rows to `rows` (a ragged
+  step's fixed row count): padding rows read and write nothing (page 0 is the trash page, prefix 0)."""
+  b, page_table, prefix_len, samp = arrays
+  if b >= rows:
+    return arrays
+  grow = lambda x: np.concatenate([x, np.zeros((rows - b,) + x.shape[1:], x.dtype)])
+  samp = type(samp)(*(grow(x) for x in samp.args()))
+  return rows, grow(page_table), grow(prefix_len), samp
+
+
 class DiffusionRound(Round):
   """NLD's block diffusion: denoise a block by confidence threshold, then one causal forward commits its K/V and
   gives the next seed (not needed when the block ends the generation with an EOS)."""
@@ -110,4 +158,6 @@ class DiffusionRound(Round):
 
 AR = ARRound()
 LINEAR = LinearRound()
+RAGGED = RaggedRound()
+ARRound.ragged_round = LinearRound.ragged_round = RAGGED
 DIFFUSION = DiffusionRound()

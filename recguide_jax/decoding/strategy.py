@@ -29,6 +29,7 @@ class RoundKind(enum.StrEnum):
   OVERLAP = "overlap"  # RecGuide's fused verify + branches, every draft prefetched
   OVERLAP_DRAFT = "overlap_draft"  # the same round when it also ran a draft forward
   SHADOW = "shadow"
+  RAGGED = "ragged"  # LinearSS rows at their own blocks and AR rows in one ragged draft + one ragged verify forward
 
 
 @dataclasses.dataclass(frozen=True)
@@ -71,6 +72,9 @@ class Round:
   kind: RoundKind | str = "round"
   # True: requests planned at different blocks may share one batch padded to the largest (LinearSS rounds)
   pads_to_largest: bool = False
+  # the round that runs this round's requests as rows of a ragged step, each at its own planned block (LinearSS and
+  # AR rounds: `rounds.RAGGED`); None: it never does
+  ragged_round: "Round | None" = None
 
   def run(self, ctx: "RoundContext", group: Group) -> str | tuple[str, int] | None:
     """Runs one round for `group`; returns the label to record its wall time under (None: `kind`), or (label,

@@ -25,10 +25,19 @@ class StepKind(str, enum.Enum):
   # a PREFILL that also scores the prompt: the logprob (and top entries) of each next prompt token at every
   # position (prompt logprobs, `echo`); compiled on first use, so a server whose clients never ask pays nothing
   SCORE = "score"
+  # Ragged steps: every request's own query tokens packed into one token dimension (`StepKey.tokens`, a few
+  # buckets), each row at its own block (LinearSS rows at their planned B, AR rows at 1): one forward per engine
+  # step for any mix, compiled per token bucket, not per (kind, block, batch)
+  RAGGED_DRAFT = "ragged_draft"  # each row's bidirectional draft block [seed, MASK...] of its own length
+  RAGGED_VERIFY = "ragged_verify"  # each row's causal block (a LinearSS verify or one AR token): writes its K/V
 
   @property
   def writes_cache(self) -> bool:
-    return self not in (StepKind.DRAFT, StepKind.DENOISE)
+    return self not in (StepKind.DRAFT, StepKind.DENOISE, StepKind.RAGGED_DRAFT)
+
+  @property
+  def ragged(self) -> bool:
+    return self in (StepKind.RAGGED_DRAFT, StepKind.RAGGED_VERIFY)
 
   def __str__(self) -> str:
     return self.value
@@ -38,12 +47,14 @@ class StepKind(str, enum.Enum):
 class StepKey:
   """One compiled variant: `kind` at query block `block` (the prefill chunk for PREFILL and SCORE, 1 for DECODE), batch
   bucket `batch`, for FUSED its number of branch slots, and for DECODE the AR steps one call runs (each step feeds
-  the token it sampled to the next on the device: one dispatch and one read-back for `steps` tokens)."""
+  the token it sampled to the next on the device: one dispatch and one read-back for `steps` tokens). A ragged
+  kind packs `tokens` query tokens of up to `batch` rows, each row at most `block` of them (the largest block)."""
   kind: StepKind
   block: int
   batch: int
   slots: int = 0
   steps: int = 1
+  tokens: int = 0
 
   def __post_init__(self):
     object.__setattr__(self, "kind", StepKind(self.kind))
@@ -55,6 +66,14 @@ class StepKey:
       raise ValueError(f"only a fused step has branch slots (and it has at least one): {self}")
     if self.steps < 1 or (self.steps > 1 and self.kind != StepKind.DECODE):
       raise ValueError(f"only a decode step runs several steps per call (and at least one): {self}")
+    if self.kind.ragged != (self.tokens > 0):
+      raise ValueError(f"only a ragged step has a packed token count (and it is positive): {self}")
+
+  @property
+  def rows(self) -> int:
+    """Query tokens the dense layers of one call compute: the batch's padded rows, or a ragged step's packed
+    tokens."""
+    return self.tokens if self.kind.ragged else self.batch * self.query_tokens
 
   @property
   def query_tokens(self) -> int:
@@ -69,6 +88,8 @@ class StepKey:
   @property
   def name(self) -> str:
     """"kind/block/batch", as reports and tables name a variant ("fused2/16/8"; "decode/1/8x4": 4 steps a call)."""
+    if self.kind.ragged:
+      return f"{self.label}/t{self.tokens}"
     return f"{self.label}/{self.block}/{self.batch}" + (f"x{self.steps}" if self.steps > 1 else "")
 
   @classmethod
@@ -107,6 +128,22 @@ def batch_buckets(max_batch: int) -> tuple[int, ...]:
     out.append(b)
     b *= 2
   out.append(max_batch)
+  return tuple(out)
+
+
+# the smallest token bucket of a ragged step: below it a step's dense layers cost about the same at any size
+MIN_RAGGED_TOKENS = 16
+
+
+def ragged_token_buckets(max_batch: int, max_block: int) -> tuple[int, ...]:
+  """Packed-token buckets of ragged steps: powers of two from MIN_RAGGED_TOKENS, then max_batch * max_block (every
+  row at the largest block). They follow the batch and the largest block only, never the set of block sizes."""
+  top = max_batch * max_block
+  out, t = [], MIN_RAGGED_TOKENS
+  while t < top:
+    out.append(t)
+    t *= 2
+  out.append(top)
   return tuple(out)
 
 

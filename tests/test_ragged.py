@@ -1,0 +1,107 @@
+"""Ragged steps (issue 36): LinearSS rows at their own blocks and AR rows in one draft and one verify forward,
+compiled per packed-token bucket. Lossless: the same tokens as bucketed and padded grouping, and as AR."""
+
+import numpy as np
+import pytest
+
+from recguide_jax import SamplingParams, policies
+from recguide_jax.decoding import rounds
+from recguide_jax.decoding.strategy import RoundPlan, Strategy
+
+PARAMS = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+MIXES = {  # per-request block choices a step draws from (1: an AR row)
+  "linear": (8, 16, 32),
+  "linear_ar": (1, 8, 16, 32),
+  "ar_heavy": (1, 1, 1, 8),
+}
+
+
+class MixedBlocks(Strategy):
+  """Plans each request at a block drawn per (request, step) from `choices`: every step mixes block sizes."""
+  name = "mixed"
+
+  def __init__(self, choices):
+    self.choices = choices
+
+  def plan(self, req, view):
+    blk = self.choices[(hash(req.request_id) + 7 * view.step) % len(self.choices)]
+    return RoundPlan(rounds.AR if blk == 1 else rounds.LINEAR, blk)
+
+  def block_sizes(self):
+    return tuple(b for b in self.choices if b > 1)
+
+  def step_kinds(self):
+    return ("prefill", "draft", "verify", "ragged")
+
+
+def prompts(n, seed):
+  rng = np.random.default_rng(seed)
+  return [[int(t) for t in np.tile(rng.integers(4, 128, int(rng.integers(1, 4))), 20)[:int(rng.integers(2, 30))]]
+          for _ in range(n)]
+
+
+@pytest.fixture(scope="module")
+def ar_reference(tiny_llm):
+  ps = prompts(8, 5)
+  tiny_llm.set_policy(policies.ARPolicy())
+  return ps, [o.token_ids for o in tiny_llm.generate(ps, PARAMS)]
+
+
+def run(llm, ps, strategy, bucketing, concurrency, params=PARAMS):
+  from recguide_jax import benchmarks as bench
+  llm.set_policy(strategy)
+  llm.engine.bucketing = bucketing
+  llm.engine.forward_log = []
+  try:
+    reqs, _ = bench.run_concurrent(llm.engine, ps, params, concurrency)
+    log = llm.engine.forward_log
+  finally:
+    llm.engine.bucketing = "auto"
+    llm.engine.forward_log = None
+  assert llm.engine.allocator.num_used == 0
+  return [r.output_ids for r in reqs], log
+
+
+def test_ragged_layout_packs_rows_back_to_back():
+  import jax.numpy as jnp
+  from recguide_jax.runtime.steps import ragged_layout
+  row_len = jnp.asarray([3, 0, 1, 2], jnp.int32)
+  layout, j = ragged_layout(row_len, 4, 8)
+  slot, token = np.asarray(layout.slot), np.asarray(layout.token)
+  # packed tokens 0..5 belong to rows 0,0,0,2,3,3 at in-row indices 0,1,2,0,0,1
+  assert slot[:6].tolist() == [0, 1, 2, 8, 12, 13] and np.asarray(j)[:6].tolist() == [0, 1, 2, 0, 0, 1]
+  for r, n in enumerate(row_len.tolist()):
+    for k in range(n):  # row slot (r, k) reads back the packed token that maps onto it
+      assert slot[token[r, k]] == r * 4 + k
+  assert slot.max() < 16 and token.max() < 8
+
+
+@pytest.mark.parametrize("mix", sorted(MIXES))
+def test_ragged_equals_ar(tiny_llm, ar_reference, mix):
+  ps, ar = ar_reference
+  out, log = run(tiny_llm, ps, MixedBlocks(MIXES[mix]), "ragged", 8)
+  assert out == ar
+  kinds = {k for k, _, _ in log} - {"prefill"}  # one draft and one verify forward per decode step, whatever the mix
+  assert "ragged_verify" in kinds and kinds <= {"ragged_draft", "ragged_verify", "decode"}, kinds
+
+
+def test_ragged_equals_bucketed_and_padded(tiny_llm, ar_reference):
+  """The same requests and plans grouped per block size, padded to the largest, and ragged: the same tokens."""
+  ps, _ = ar_reference
+  ps = ps[:4]
+  outs = {b: run(tiny_llm, ps, MixedBlocks(MIXES["linear_ar"]), b, 4)[0] for b in (True, False, "ragged")}
+  assert outs["ragged"] == outs[True] == outs[False]
+
+
+def test_ragged_rows_join_and_leave(tiny_llm, ar_reference):
+  """Concurrency below the batch: rows come and go between steps, partial ragged batches."""
+  ps, ar = ar_reference
+  out, _ = run(tiny_llm, ps, MixedBlocks(MIXES["linear_ar"]), "ragged", 3)
+  assert out == ar
+
+
+def test_ragged_variants_do_not_grow_with_block_sizes(tiny_llm):
+  runner = tiny_llm.engine.runner
+  few = [v for v in runner.variants(["ragged"], (8, 32)) if v.kind.ragged]
+  assert few == [v for v in runner.variants(["ragged"], (8, 12, 16, 24, 32)) if v.kind.ragged]
+  assert len(few) == 2 * len(runner.config.ragged_buckets)
