@@ -1,6 +1,8 @@
 """Ragged steps (issue 36): LinearSS rows at their own blocks and AR rows in one draft and one verify forward,
 compiled per packed-token bucket. Lossless: the same tokens as bucketed and padded grouping, and as AR."""
 
+import zlib
+
 import numpy as np
 import pytest
 
@@ -24,7 +26,7 @@ class MixedBlocks(Strategy):
     self.choices = choices
 
   def plan(self, req, view):
-    blk = self.choices[(hash(req.request_id) + 7 * view.step) % len(self.choices)]
+    blk = self.choices[(zlib.crc32(req.request_id.encode()) + 7 * view.step) % len(self.choices)]
     return RoundPlan(rounds.AR if blk == 1 else rounds.LINEAR, blk)
 
   def block_sizes(self):
@@ -105,3 +107,50 @@ def test_ragged_variants_do_not_grow_with_block_sizes(tiny_llm):
   few = [v for v in runner.variants(["ragged"], (8, 32)) if v.kind.ragged]
   assert few == [v for v in runner.variants(["ragged"], (8, 12, 16, 24, 32)) if v.kind.ragged]
   assert len(few) == 2 * len(runner.config.ragged_buckets)
+
+
+def test_ragged_sampling_keeps_the_ar_distribution():
+  """Sampled ragged steps over several rounds whose rows switch between AR and LinearSS at blocks 2 and 3 from step
+  to step: the continuations follow the exact AR distribution (chi-square over every continuation)."""
+  from flax import nnx
+  from recguide_jax import LLM
+  from recguide_jax.model import NLDModel
+  from tests.conftest import tiny_config
+  from tests.test_sampling import MASK, PROMPT, VOCAB, chi_square_pvalue
+  n_tokens, n_samples = 5, 2000
+  cfg = tiny_config(vocab_size=VOCAB, mask_token_id=MASK, eos_token_ids=(0,), bos_token_id=1)
+  model = NLDModel(cfg, rngs=nnx.Rngs(3))
+  llm = LLM(model=model, policy=MixedBlocks((1, 2, 3)), max_num_seqs=32, max_model_len=32, page_size=4,
+            prefill_chunk=4, block_sizes=(2, 3), warmup=False, compile_cache_dir=None, bucketing="ragged")
+  params = SamplingParams(max_tokens=n_tokens, temperature=0.9, ignore_eos=True)
+  llm.engine.forward_log = []
+  outs = llm.generate([PROMPT] * n_samples, [params.__class__(**{**params.__dict__, "seed": 7000 + i})
+                                              for i in range(n_samples)])
+  kinds = {k for k, _, _ in llm.engine.forward_log}
+  assert {"ragged_draft", "ragged_verify"} <= kinds
+  rounds = [len(o.stats["block_sizes"]) for o in outs]
+  assert np.mean(rounds) >= 3 and min(rounds) >= 2, np.mean(rounds)
+  assert all(len(set(o.stats["block_sizes"])) > 1 for o in outs[:50])  # each request's rows switch blocks
+  exact = _exact(model, params, n_tokens)
+  pvalue = chi_square_pvalue([o.token_ids for o in outs], exact)
+  assert pvalue > 0.01, f"ragged sampled continuations deviate from AR (p={pvalue:.2e})"
+
+
+def _exact(model, params, n_tokens):
+  """P(continuation) of every continuation of `n_tokens` tokens after test_sampling's PROMPT (one causal forward)."""
+  import itertools
+  import jax.numpy as jnp
+  from recguide_jax import sampling
+  from recguide_jax.model import ForwardInputs
+  from tests.test_sampling import MASK, PROMPT, VOCAB
+  conts = list(itertools.product([t for t in range(VOCAB) if t != MASK], repeat=n_tokens))
+  seqs = jnp.asarray([PROMPT + list(c) for c in conts])
+  b, n = seqs.shape
+  logits, _ = model(ForwardInputs(tokens=seqs, positions=jnp.broadcast_to(jnp.arange(n), (b, n)),
+                                  block_mask=jnp.tril(jnp.ones((n, n), bool))))
+  p = np.asarray(sampling.processed_probs(logits, jnp.full((b,), params.temperature), jnp.full((b,), params.top_k),
+                                          jnp.full((b,), params.top_p), MASK))
+  rows = np.arange(b)[:, None]
+  cols = len(PROMPT) - 1 + np.arange(n_tokens)[None, :]
+  probs = np.prod(p[rows, cols, np.asarray(conts)], axis=1)
+  return dict(zip(conts, probs.tolist()))
