@@ -118,7 +118,7 @@ def main(argv):
   import jax
   from recguide_jax.aot.compile import plan_and_compile
   from recguide_jax.decoding.registry import strategy_names
-  from recguide_jax.memory_plan import MemoryPlanError
+  from recguide_jax.cache.memory_plan import MemoryPlanError
   unknown = [p for p in _POLICIES.value if p not in strategy_names()]
   if unknown:
     raise app.UsageError(f"--policies: unknown {unknown}; expected some of {strategy_names()}")

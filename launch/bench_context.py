@@ -86,8 +86,8 @@ class ContextConfig:
 
 def _timed_policy(name: str, block_size: int):
   """A fixed policy that also keeps the per-round wall times the engine reports to it."""
-  from recguide_jax import policies
-  base = policies.ARPolicy if name == "ar" else policies.LinearPolicy
+  from recguide_jax.decoding.builtin import ARStrategy, LinearStrategy
+  base = ARStrategy if name == "ar" else LinearStrategy
 
   class Timed(base):
 

@@ -135,7 +135,7 @@ class PeerConfig:
     if self.checkpoint is None:
       self.model.validate()
     elif "recguide" in self.policies:
-      from recguide_jax.orchestrator import adaptive
+      from recguide_jax.recguide import adaptive
       if adaptive.tables_path(self.checkpoint) is None:
         raise ValueError(f"--policies recguide needs {self.checkpoint}/{adaptive.TABLES_FILENAME} (fitted tables)")
     if self.checkpoint is None and "recguide" in self.policies:
@@ -200,7 +200,7 @@ def random_twin(spec: RandomModelSpec, workdir: pathlib.Path):
   import safetensors.torch
   torch = peer_module("torch")
 
-  from recguide_jax.convert import convert_hf_checkpoint
+  from recguide_jax.convert.hf import convert_hf_checkpoint
   nld = nld_config_dict(spec)
   torch.manual_seed(spec.seed)
   model = ministral3_model(nld)
@@ -275,7 +275,7 @@ def checkpoint_twin(checkpoint_dir: str | os.PathLike):
   torch = peer_module("torch")
   from flax import nnx
 
-  from recguide_jax import checkpoint as ckpt_lib
+  from recguide_jax.model import checkpoint as ckpt_lib
   model = ckpt_lib.load_model(checkpoint_dir, dtype="float32")
   flat = ckpt_lib.flatten_params(nnx.state(model, nnx.Param).to_pure_dict())
   nld = model.cfg.to_hf_dict()
@@ -416,13 +416,14 @@ def compare_rows(a: list[list[int]], b: list[list[int]]) -> list[dict]:
 # ---- the benchmark ---------------------------------------------------------------------------------------------
 
 def _policy(name: str, cfg: PeerConfig, checkpoint_dir):
-  from recguide_jax import policies
+  from recguide_jax.decoding.builtin import ARStrategy, LinearStrategy
+  from recguide_jax.decoding.registry import make_strategy
   if name == "ar":
-    return policies.ARPolicy()
+    return ARStrategy()
   if name == "linear":
-    return policies.LinearPolicy(cfg.block_size)
+    return LinearStrategy(cfg.block_size)
   from recguide_jax.llm import recguide_defaults
-  return policies.make_policy("recguide", cfg.block_size, **recguide_defaults(checkpoint_dir))
+  return make_strategy("recguide", cfg.block_size, **recguide_defaults(checkpoint_dir))
 
 
 def _label(name: str, cfg: PeerConfig) -> str:
@@ -436,7 +437,9 @@ def run_peer(cfg: PeerConfig, log=print) -> dict:
   torch.set_num_threads(cfg.threads)
   import jax
 
-  from recguide_jax import LLM, host_cpu
+  from recguide_jax import LLM
+
+  from recguide_jax.runtime import host_cpu
   load_start = os.getloadavg()
   with tempfile.TemporaryDirectory(prefix="bench_peer_") as tmp:
     if cfg.checkpoint is None:

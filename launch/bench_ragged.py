@@ -54,10 +54,11 @@ def main(argv):
   del argv
   cli.quiet_logging()
   import numpy as np
-  from recguide_jax import LLM, SamplingParams, benchmarks as bench, policies
-  from recguide_jax.orchestrator import adaptive
-  from recguide_jax.orchestrator import profile as prof_lib
-  from recguide_jax.orchestrator.controller import RecGuideStrategy
+  from recguide_jax import LLM, SamplingParams, benchmarks as bench
+  from recguide_jax.decoding.builtin import ARStrategy, LinearStrategy
+  from recguide_jax.recguide import adaptive
+  from recguide_jax.recguide import profile as prof_lib
+  from recguide_jax.recguide.controller import RecGuideStrategy
   levels = cli.int_list("concurrency")
   price = prof_lib.load_profile(FLAGS.price_profile)
   llm = LLM(FLAGS.model, policy="ar", block_sizes=(8, 16, 32), max_num_seqs=max(levels),
@@ -87,10 +88,10 @@ def main(argv):
 
   results = []
   for c in levels:
-    ar_out, _ = run(policies.ARPolicy(), "auto", c)
+    ar_out, _ = run(ARStrategy(), "auto", c)
     rows = {}
     for b in (8, 16, 32):
-      out, rows[f"linear B={b}"] = run(policies.LinearPolicy(b), "auto", c)
+      out, rows[f"linear B={b}"] = run(LinearStrategy(b), "auto", c)
       rows[f"linear B={b}"]["lossless"] = out == ar_out
     for name, bucketing in GROUPINGS.items():
       pol = RecGuideStrategy(16, profile=price, tables=tables, fixed_regime="adaptive", overlap=False,

@@ -45,7 +45,7 @@ sys.path.insert(0, ROOT)
 from absl import flags  # noqa: E402
 
 from recguide_jax.benchmarks import cli  # noqa: E402
-from recguide_jax import distributed  # noqa: E402
+from recguide_jax.parallel import multihost as distributed  # noqa: E402
 
 distributed.define_mesh_flags()  # --tp/--dp/--mesh (one host; on simulated CPU devices set XLA_FLAGS first)
 
@@ -87,9 +87,12 @@ def main(argv):
   del argv
   cli.quiet_logging()
   import numpy as np
-  from recguide_jax import LLM, SamplingParams, benchmarks as bench, policies
-  from recguide_jax.orchestrator import profile as prof_lib
-  from recguide_jax.orchestrator.controller import RecGuideStrategy
+  from recguide_jax import LLM
+  from recguide_jax import SamplingParams
+  from recguide_jax import benchmarks as bench
+  from recguide_jax.decoding.builtin import ARStrategy, LinearStrategy
+  from recguide_jax.recguide import profile as prof_lib
+  from recguide_jax.recguide.controller import RecGuideStrategy
   levels = cli.int_list("concurrency")
   if FLAGS.repeats < 1 or FLAGS.num_prompts < 1 or FLAGS.max_tokens < 1 or FLAGS.steady_requests_per_slot < 1:
     sys.exit("error: --repeats, --num_prompts, --max_tokens and --steady_requests_per_slot must be >= 1")
@@ -99,7 +102,7 @@ def main(argv):
   llm = LLM(FLAGS.model, policy="ar", block_sizes=(8, 16, 32), max_num_seqs=max(levels),
             max_model_len=FLAGS.max_model_len, warmup=False, attention=FLAGS.attention, dtype=FLAGS.dtype,
             mesh=distributed.mesh_from_flags())
-  from recguide_jax.orchestrator import adaptive
+  from recguide_jax.recguide import adaptive
   tables = None
   tables_path = FLAGS.recguide_tables
   if tables_path is None:  # the tables shipped beside the checkpoint (the bundled one by default)
@@ -117,7 +120,7 @@ def main(argv):
 
   default = recguide()  # the delta, planner and tree width the checkpoint's tables resolve to
   # the checkpoint's kinds plus the paper's 3-slot tree (the Table 5 rows)
-  table5 = ("fused",) if FLAGS.ablations and FLAGS.mode == "set" else ()  # the Table 5 rows' 3-slot tree
+  table5 = ("fused3",) if FLAGS.ablations and FLAGS.mode == "set" else ()  # the Table 5 rows' 3-slot tree
   if FLAGS.mode != "priced":  # priced runs are judged by their ledgers, not timed: variants compile as first used
     llm.runner.warmup(default.step_kinds() + table5, (8, 16, 32))
   if FLAGS.mode == "steady":
@@ -129,7 +132,7 @@ def main(argv):
   results = []
   ar_outputs = {}
   for c in levels:
-    configs = [("ar", policies.ARPolicy())] + [(f"linear B={b}", policies.LinearPolicy(b)) for b in (8, 16, 32)]
+    configs = [("ar", ARStrategy())] + [(f"linear B={b}", LinearStrategy(b)) for b in (8, 16, 32)]
     # the controller decides with this machine's profile (wall clock) and, separately, with the pricing profile
     # (what it would do on that hardware; the run is then priced with the same profile)
     configs.append(("recguide", recguide()))
@@ -258,7 +261,7 @@ def _host_meta(llm) -> dict:
 
   import jax
 
-  from recguide_jax import host_cpu
+  from recguide_jax.runtime import host_cpu
   return {"cpu_model": host_cpu.cpu_model(), "cpu_count": os.cpu_count(), "jax": jax.__version__,
           "jax_backend": jax.default_backend(), "decode_steps": llm.runner.config.decode_steps,
           "time_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
@@ -266,14 +269,15 @@ def _host_meta(llm) -> dict:
 
 def held_load(llm, recguide, default, levels, params, data, tables_path):
   """--mode=steady: RecGuide vs AR and fixed-B LinearSS under a held load of C requests per level."""
-  from recguide_jax import benchmarks as bench, policies
+  from recguide_jax import benchmarks as bench
+  from recguide_jax.decoding.builtin import ARStrategy, LinearStrategy
   from recguide_jax.benchmarks import steady
   need = max(max(FLAGS.num_prompts, FLAGS.steady_requests_per_slot * c) for c in levels)
   questions = bench.gsm8k_prompts(data, need, llm.tokenizer)
   prompts = [questions[i % len(questions)] for i in range(need)]  # the same prompts in the same order everywhere
 
   def configs(c):  # fresh policies per level: RecGuide's online calibration starts over at each load
-    rows = ([("ar", policies.ARPolicy())] + [(f"linear B={b}", policies.LinearPolicy(b)) for b in (8, 16, 32)]
+    rows = ([("ar", ARStrategy())] + [(f"linear B={b}", LinearStrategy(b)) for b in (8, 16, 32)]
             + [("recguide", recguide())])
     if FLAGS.ablations:
       trusting = recguide()
@@ -314,8 +318,9 @@ def held_load(llm, recguide, default, levels, params, data, tables_path):
 def priced(llm, recguide, levels, params, data, tables_path):
   """--mode=priced: RecGuide deciding with each pricing profile against AR and every fixed-B LinearSS, all priced by
   that profile from their forward ledgers."""
-  from recguide_jax import benchmarks as bench, policies
-  from recguide_jax.orchestrator import profile as prof_lib
+  from recguide_jax import benchmarks as bench
+  from recguide_jax.decoding.builtin import ARStrategy, LinearStrategy
+  from recguide_jax.recguide import profile as prof_lib
   profiles = {}
   for spec in FLAGS.price_profiles:
     path = spec if os.path.exists(spec) else os.path.join(ROOT, spec)
@@ -326,7 +331,7 @@ def priced(llm, recguide, levels, params, data, tables_path):
   rows = []
   ledgers_at_1 = None  # GSM8K test's C = 1 runs, for the unseen prompt sets' table
   for c in levels:
-    configs = ([("ar", policies.ARPolicy())] + [(f"linear B={b}", policies.LinearPolicy(b)) for b in (8, 16, 32)]
+    configs = ([("ar", ARStrategy())] + [(f"linear B={b}", LinearStrategy(b)) for b in (8, 16, 32)]
                + [(f"recguide@{name}", recguide(profile=prof)) for name, prof in profiles.items()])
     ledgers, ar_out = {}, None
     for name, policy in configs:
@@ -435,8 +440,9 @@ def priced(llm, recguide, levels, params, data, tables_path):
 def c1_ledgers(llm, recguide, profiles, prompts, params) -> dict:
   """C = 1 runs of LinearSS B = 8 and 16 and RecGuide deciding with each profile over `prompts`, as `priced` keeps
   them: {name: (forward ledger, tokens, same outputs as LinearSS B = 16, regime counts, block sizes)}."""
-  from recguide_jax import benchmarks as bench, policies
-  configs = ([(f"linear B={b}", policies.LinearPolicy(b)) for b in (16, 8)]
+  from recguide_jax import benchmarks as bench
+  from recguide_jax.decoding.builtin import LinearStrategy
+  configs = ([(f"linear B={b}", LinearStrategy(b)) for b in (16, 8)]
              + [(f"recguide@{name}", recguide(profile=prof)) for name, prof in profiles.items()])
   ledgers, reference = {}, None
   for name, policy in configs:

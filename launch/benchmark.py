@@ -15,7 +15,7 @@ sys.path.insert(0, ROOT)
 from absl import flags  # noqa: E402
 
 from recguide_jax.benchmarks import cli  # noqa: E402
-from recguide_jax import distributed  # noqa: E402
+from recguide_jax.parallel import multihost as distributed  # noqa: E402
 
 distributed.define_mesh_flags()  # --tp/--dp/--mesh (one host; on simulated CPU devices set XLA_FLAGS first)
 
@@ -37,14 +37,17 @@ def main(argv):
   if FLAGS.repeats <= 0 or FLAGS.num_prompts <= 0 or FLAGS.max_tokens <= 0:
     sys.exit("error: --repeats, --num_prompts and --max_tokens must be positive")
   data = cli.data_path()
-  from recguide_jax import LLM, SamplingParams, benchmarks as bench, policies
+  from recguide_jax import LLM
+  from recguide_jax import SamplingParams
+  from recguide_jax import benchmarks as bench
+  from recguide_jax.decoding.builtin import ARStrategy, LinearStrategy
   llm = LLM(FLAGS.model, policy="ar", block_sizes=tuple(blocks), max_num_seqs=max(batch_sizes),
             max_model_len=FLAGS.max_model_len, warmup=False, attention=FLAGS.attention, dtype=FLAGS.dtype,
             mesh=distributed.mesh_from_flags())
   llm.runner.warmup(("prefill", "draft", "verify"), tuple(blocks))
   prompts = bench.gsm8k_prompts(data, FLAGS.num_prompts, llm.tokenizer)
   params = SamplingParams(max_tokens=FLAGS.max_tokens, temperature=0.0)
-  configs = [("ar", policies.ARPolicy())] + [(f"linear B={b}", policies.LinearPolicy(b)) for b in blocks]
+  configs = [("ar", ARStrategy())] + [(f"linear B={b}", LinearStrategy(b)) for b in blocks]
   results, outputs = [], {}
   for conc in batch_sizes:
     for name, policy in configs:

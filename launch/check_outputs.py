@@ -76,8 +76,9 @@ def main(argv):
     sys.exit(f"error: --modes holds {bad}; expected some of {','.join(MODES)}")
   if FLAGS.num_prompts <= 0 or FLAGS.max_tokens <= 0:
     sys.exit("error: --num_prompts and --max_tokens must be positive")
-  from recguide_jax import LLM, SamplingParams
-  from recguide_jax.config import BLOCK_SIZES
+  from recguide_jax import LLM
+  from recguide_jax import SamplingParams
+  from recguide_jax.model.config import BLOCK_SIZES
   llm = LLM(FLAGS.model, policy="ar", block_sizes=BLOCK_SIZES, max_num_seqs=FLAGS.max_num_seqs,
             max_model_len=1024, warmup=False)
   if llm.tokenizer is None:

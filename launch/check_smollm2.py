@@ -47,9 +47,13 @@ def main(argv):
   AutoTokenizer, LlamaConfig, LlamaForCausalLM = (transformers.AutoTokenizer, transformers.LlamaConfig,
                                                   transformers.LlamaForCausalLM)
 
-  from recguide_jax import LLM, SamplingParams, checkpoint
-  from recguide_jax.attention import causal_mask
-  from recguide_jax.model import ForwardInputs
+  from recguide_jax import LLM
+
+  from recguide_jax import SamplingParams
+
+  from recguide_jax.model import checkpoint
+  from recguide_jax.attention.reference import causal_mask
+  from recguide_jax.model.nld import ForwardInputs
 
   ckpt = pathlib.Path(_MODEL.value)
   gguf_path = get_smollm2.fetch_gguf(pathlib.Path(get_smollm2._CACHE_DIR.value))

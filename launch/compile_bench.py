@@ -27,7 +27,7 @@ sys.path.insert(0, ROOT)
 
 from absl import app, flags  # noqa: E402
 
-_PRESET = flags.DEFINE_string("preset", "nld-8b", "Model shapes: a preset of recguide_jax/config.py (nld-3b, nld-8b, "
+_PRESET = flags.DEFINE_string("preset", "nld-8b", "Model shapes: a preset of recguide_jax/model/config.py (nld-3b, nld-8b, "
                               "nld-14b) or a checkpoint directory's config.json.")
 _LORA_RANK = flags.DEFINE_integer("lora_rank", 128, "Draft LoRA rank (NLD's linear_spec_lora: 128; 0: none).")
 _DTYPE = flags.DEFINE_enum("dtype", "bfloat16", ["bfloat16", "float32"], "Weight and KV cache dtype.")
@@ -76,7 +76,7 @@ def policy_runner_config(name: str):
 
 
 def bench_policy(name: str, cfg, dtype) -> dict:
-  from recguide_jax.runner import MAX_COMPILE_WORKERS, Runner
+  from recguide_jax.runtime.runner import MAX_COMPILE_WORKERS, Runner
   policy, rc = policy_runner_config(name)
   runner = Runner.abstract(cfg, rc, dtype)
   variants = runner.variants(policy.step_kinds(), policy.block_sizes())
@@ -203,10 +203,10 @@ def main(argv):
   jax.config.update("jax_platforms", _PLATFORM.value)
   jax.config.update("jax_enable_compilation_cache", False)  # every variant really compiles
   import jax.numpy as jnp
-  from recguide_jax import policies
-  unknown = [p for p in _POLICIES.value if p not in policies.POLICY_NAMES]
+  from recguide_jax.decoding.registry import strategy_names
+  unknown = [p for p in _POLICIES.value if p not in strategy_names()]
   if unknown:
-    raise app.UsageError(f"--policies: unknown {unknown}; expected some of {policies.POLICY_NAMES}")
+    raise app.UsageError(f"--policies: unknown {unknown}; expected some of {strategy_names()}")
   cfg = model_config()
   dtype = {"bfloat16": jnp.bfloat16, "float32": jnp.float32}[_DTYPE.value]
   report = {"preset": _PRESET.value, "dtype": _DTYPE.value, "platform": jax.default_backend(),

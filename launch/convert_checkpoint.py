@@ -53,8 +53,8 @@ def main(argv):
   if lora_dir is not None and not os.path.isdir(lora_dir):
     _fail(f"--lora_dir: {lora_dir} is not a directory")
   # Imported only now so that bad flags are reported at once, before jax loads.
-  from recguide_jax.checkpoint import CheckpointError
-  from recguide_jax.config import ConfigError
+  from recguide_jax.model.checkpoint import CheckpointError
+  from recguide_jax.model.config import ConfigError
   from recguide_jax.convert import hf
 
   default_lora = os.path.join(hf_dir, hf.DEFAULT_LORA_SUBDIR)
@@ -75,8 +75,8 @@ def _convert_gguf(gguf_path: str) -> None:
     _fail("--lora_dir applies to --hf_dir only")
   if not os.path.isfile(gguf_path):
     _fail(f"--gguf: {gguf_path} is not a file")
-  from recguide_jax.checkpoint import CheckpointError
-  from recguide_jax.config import ConfigError
+  from recguide_jax.model.checkpoint import CheckpointError
+  from recguide_jax.model.config import ConfigError
   from recguide_jax.convert import gguf
 
   try:

@@ -37,7 +37,7 @@ _SEED = flags.DEFINE_integer("seed", 0, "Seed of the weights and prompts.")
 
 
 def _tiny_config():
-  from recguide_jax.config import NLDConfig
+  from recguide_jax.model.config import NLDConfig
   return NLDConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
                    num_key_value_heads=2, head_dim=16, mask_token_id=3, bos_token_id=1, eos_token_ids=(2,),
                    original_max_position_embeddings=256, rope_factor=4.0, block_size=16)
@@ -47,9 +47,9 @@ def _model(on_accel: bool):
   import jax.numpy as jnp
   from flax import nnx
 
-  from recguide_jax import checkpoint as ckpt_lib
-  from recguide_jax.config import PRESETS
-  from recguide_jax.model import NLDModel
+  from recguide_jax.model import checkpoint as ckpt_lib
+  from recguide_jax.model.config import PRESETS
+  from recguide_jax.model.nld import NLDModel
   dtype = _DTYPE.value
   if _CHECKPOINT.value:
     model = ckpt_lib.load_model(_CHECKPOINT.value, dtype=None if dtype == "auto" else dtype)
@@ -67,7 +67,7 @@ def check_kernels(on_accel: bool) -> dict:
   import jax.numpy as jnp
   import numpy as np
 
-  from recguide_jax import attention_dispatch
+  from recguide_jax.attention import dispatch as attention_dispatch
   path, variant, interpret = attention_dispatch.resolve("pallas")
   if variant == "tpu":
     from pallas_kernels import block_attention_tpu as kernel
@@ -127,7 +127,13 @@ def main(argv):
   import numpy as np
   from flax import nnx
 
-  from recguide_jax import LLM, SamplingParams, benchmarks as bench, distributed
+  from recguide_jax import LLM
+
+  from recguide_jax import SamplingParams
+
+  from recguide_jax import benchmarks as bench
+
+  from recguide_jax.parallel import multihost as distributed
   platform = jax.default_backend()
   on_accel = platform in ("gpu", "cuda", "rocm", "tpu")
   report: dict = {"platform": platform, "devices": [str(d) for d in jax.devices()],
@@ -178,7 +184,7 @@ def main(argv):
   # 4: AR decode throughput and the roofline
   bw = copy_bandwidth(on_accel)
   report["copy_bandwidth_gb_s"] = bw / 1e9
-  from recguide_jax.runner import CompileCounter
+  from recguide_jax.runtime.compilation import CompileCounter
   llm = llms["ar"]
   rows, timed_compiles = [], 0
   for c in conc:
@@ -221,7 +227,7 @@ def main(argv):
 if __name__ == "__main__":
   import os
   sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repository
-  from recguide_jax import distributed
+  from recguide_jax.parallel import multihost as distributed
   from recguide_jax.benchmarks import cli
   distributed.define_mesh_flags()  # --tp/--dp/--mesh: the end-to-end checks run on that mesh
   cli.run(lambda argv: sys.exit(main(argv)))  # absl's app.run; --help / -h exit 0

@@ -57,7 +57,9 @@ def main(argv):
     sys.exit("error: --lora_rank and --lora_alpha must be positive")
   if FLAGS.warmup_steps >= FLAGS.total_steps:
     sys.exit("error: need --warmup_steps < --total_steps")
-  from recguide_jax import LLM, benchmarks as bench, llm as llm_lib
+  from recguide_jax import LLM
+  from recguide_jax import benchmarks as bench
+  from recguide_jax import llm as llm_lib
   from recguide_jax.train import distill
   base = FLAGS.model or str(llm_lib.default_checkpoint())
   os.makedirs(FLAGS.output_dir, exist_ok=True)

@@ -29,7 +29,7 @@ def heldout_ar_loss(model, tokenizer, rows, batch=16, seq_len=512):
   import jax
   import jax.numpy as jnp
   import numpy as np
-  from recguide_jax.model import ForwardInputs
+  from recguide_jax.model.nld import ForwardInputs
   from recguide_jax.train import data as data_lib
   docs = [tokenizer.encode(data_lib.render(data_lib.gsm8k_messages(r)))[:seq_len] for r in rows]
 
@@ -82,7 +82,10 @@ def main(argv):
   cli.quiet_logging()
   import numpy as np
   data = cli.data_path()
-  from recguide_jax import LLM, SamplingParams, benchmarks as bench, policies
+  from recguide_jax import LLM
+  from recguide_jax import SamplingParams
+  from recguide_jax import benchmarks as bench
+  from recguide_jax.decoding.builtin import ARStrategy, LinearStrategy
   from recguide_jax.train import data as data_lib
   llm = LLM(FLAGS.model, policy="ar", block_sizes=(8, 16, 32), max_num_seqs=FLAGS.concurrency, warmup=False,
             attention=FLAGS.attention, dtype=FLAGS.dtype, max_model_len=FLAGS.max_model_len)
@@ -94,14 +97,14 @@ def main(argv):
   print(f"held-out AR CE on GSM8K test ({len(rows)} problems): {result['heldout_ar_ce']:.4f} nats/token")
   prompts = bench.gsm8k_prompts(data, FLAGS.num_prompts, llm.tokenizer)
   params = SamplingParams(max_tokens=FLAGS.max_tokens, temperature=0.0)
-  llm.set_policy(policies.ARPolicy())
+  llm.set_policy(ARStrategy())
   ar_reqs, _ = bench.run_concurrent(llm.engine, prompts, params, FLAGS.concurrency)
   ar_out = [r.output_ids for r in ar_reqs]
   result["loop_share_ar"] = bench.loop_share(ar_out)
   result["linear"] = {}
   per_request = {}
   for blk in (8, 16, 32):
-    llm.set_policy(policies.LinearPolicy(blk))
+    llm.set_policy(LinearStrategy(blk))
     llm.engine.signal_log = []
     reqs, wall = bench.run_concurrent(llm.engine, prompts, params, FLAGS.concurrency)
     s = bench.summarize(reqs, wall)

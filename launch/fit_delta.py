@@ -40,7 +40,7 @@ flags.DEFINE_list("prefix_exponents", [f"{g / 20:.2f}" for g in range(2, 21)],
 flags.DEFINE_string("price_profile", "b200_nld8b", "Profile (shipped name or JSON path) the runs are priced with.")
 flags.DEFINE_integer("block_size", 16, "Overlap block size B.")
 flags.DEFINE_string("recguide_tables", None, "RecGuide's tables JSON to update (default: the checkpoint's "
-                    "recguide_tables.json, or its earlier name recguide_policy.json).")
+                    "recguide_tables.json).")
 cli.define_output_flags("fit_delta")  # the sweep; the fit goes into --recguide_tables
 
 
@@ -56,10 +56,15 @@ def main(argv):
   if FLAGS.block_size not in (8, 16, 32):
     sys.exit("error: --block_size must be 8, 16 or 32")
   data = cli.data_path()
-  from recguide_jax import LLM, SamplingParams, benchmarks as bench, llm as llm_lib, policies
-  from recguide_jax.orchestrator import adaptive, overlap as ov, overlap_fit, profile as prof_lib
-  from recguide_jax.orchestrator.controller import RecGuideStrategy
-  from recguide_jax.runner import fused_kind
+  from recguide_jax import LLM
+  from recguide_jax import SamplingParams
+  from recguide_jax import benchmarks as bench
+  from recguide_jax import llm as llm_lib
+  from recguide_jax.decoding.builtin import ARStrategy, LinearStrategy
+  from recguide_jax.recguide import adaptive, overlap as ov, profile as prof_lib
+  from recguide_jax.recguide.fit import overlap_fit
+  from recguide_jax.recguide.controller import RecGuideStrategy
+  from recguide_jax.runtime.runner import fused_kind
   if not FLAGS.planners or any(p not in ov.PLANNERS for p in FLAGS.planners):
     sys.exit(f"error: --planners must name some of {list(ov.PLANNERS)}, got {FLAGS.planners}")
   try:
@@ -89,11 +94,11 @@ def main(argv):
     sys.exit(f"error: --recguide_tables: {e}")
   llm = LLM(checkpoint, policy="ar", block_sizes=(FLAGS.block_size,), max_num_seqs=1, warmup=False,
             attention=FLAGS.attention, dtype=FLAGS.dtype, max_model_len=FLAGS.max_model_len)
-  llm.runner.warmup(("prefill", "draft", "verify", "fused", "gverify") + tuple(fused_kind(n) for n in slot_grid),
+  llm.runner.warmup(("prefill", "draft", "verify", "fused3", "gverify") + tuple(fused_kind(n) for n in slot_grid),
                     (FLAGS.block_size,))
   prompts = bench.gsm8k_prompts(data, FLAGS.num_prompts, llm.tokenizer, offset=FLAGS.offset)
   params = SamplingParams(max_tokens=FLAGS.max_tokens, temperature=0.0)
-  llm.set_policy(policies.ARPolicy())
+  llm.set_policy(ARStrategy())
   ar = [r.output_ids for r in bench.run_concurrent(llm.engine, prompts, params, 1)[0]]
 
   def priced_run(policy):
@@ -107,7 +112,7 @@ def main(argv):
     s = bench.summarize(reqs, 0.0)
     return reqs, s, s["generated_tokens"] / ms, rounds
 
-  _, linear, linear_rate, _ = priced_run(policies.LinearPolicy(FLAGS.block_size))
+  _, linear, linear_rate, _ = priced_run(LinearStrategy(FLAGS.block_size))
   rows = []
 
   def sweep_row(planner, d, slots, gamma=1.0):

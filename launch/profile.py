@@ -64,14 +64,14 @@ def _define_flags():
   flags.DEFINE_string("compile_cache_dir", None, "Persistent XLA compilation cache (speeds up repeated runs).")
   flags.DEFINE_bool("fused", True, "Time the fused verify+branches step when the runner has one.")
   flags.DEFINE_integer("seed", 0, "Seed of the random tokens (and of the tiny model).")
-  from recguide_jax import distributed
+  from recguide_jax.parallel import multihost as distributed
   distributed.define_mesh_flags()  # --tp/--mesh: times one group's steps on its tp devices
 
 
 def _tiny_model(seed: int, dtype: str = "float32"):
   from flax import nnx
-  from recguide_jax.config import NLDConfig
-  from recguide_jax.model import NLDModel
+  from recguide_jax.model.config import NLDConfig
+  from recguide_jax.model.nld import NLDModel
   cfg = NLDConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
                   num_key_value_heads=2, head_dim=16, mask_token_id=3, bos_token_id=1, eos_token_ids=(2,),
                   original_max_position_embeddings=64, rope_factor=4.0, block_size=8)
@@ -91,7 +91,7 @@ def _fused_inputs(runner, drafted, prefix_len, blk: int):
   """A full RecGuide tree for every row (verifier block + corrections at B/4 and B/2 + continuation = 4B query
   tokens), the largest fused forward the overlap regime runs; laid out by the engine's own `tree_layout`."""
   import numpy as np
-  from recguide_jax.orchestrator import overlap as ov
+  from recguide_jax.recguide import overlap as ov
   branches = [ov.Branch(ov.CORRECTION, blk // 4, 4), ov.Branch(ov.CORRECTION, blk // 2, 5),
               ov.Branch(ov.CONTINUATION, blk)][:ov.MAX_BRANCHES]
   rows = [ov.tree_layout(blk, d, branches, int(p), runner.cfg.mask_token_id) for d, p in zip(drafted, prefix_len)]
@@ -103,8 +103,10 @@ def main(argv):
   import jax
   import numpy as np
   from recguide_jax import llm as llm_lib
-  from recguide_jax.orchestrator.profile import HardwareProfile
-  from recguide_jax.runner import RunnerConfig, SamplingArrays, batch_buckets
+  from recguide_jax.recguide.profile import HardwareProfile
+  from recguide_jax.runtime.runner import RunnerConfig
+  from recguide_jax.runtime.steps import SamplingArrays
+  from recguide_jax.runtime.step_key import batch_buckets
 
   try:
     blocks = sorted({int(b) for b in FLAGS.block_sizes})
@@ -122,7 +124,7 @@ def main(argv):
     dtype = "float32" if FLAGS.dtype == "auto" else FLAGS.dtype
     model, model_name = _tiny_model(FLAGS.seed, dtype), f"random tiny NLD (2 layers, hidden 64, vocab 128, {dtype})"
   else:
-    from recguide_jax import checkpoint as ckpt_lib
+    from recguide_jax.model import checkpoint as ckpt_lib
     path = FLAGS.model or llm_lib.default_checkpoint()
     if not os.path.isdir(path):
       sys.exit(f"error: --model {path} is not a directory (pass --model or --random_tiny)")
@@ -133,7 +135,8 @@ def main(argv):
   # every bucket row owns its pages (+ the trash page); pages_per_seq comes from the config itself
   rc = dataclasses.replace(rc, num_pages=FLAGS.max_num_seqs * rc.pages_per_seq + 1,
                            compile_cache_dir=FLAGS.compile_cache_dir)
-  from recguide_jax import data_parallel, distributed
+  from recguide_jax.parallel import data_parallel
+  from recguide_jax.parallel import multihost as distributed
   runner = data_parallel.build_runners(model, rc, distributed.mesh_from_flags())[0]  # no mesh: Runner(model, rc)
   cfg = runner.cfg
   rng = np.random.default_rng(FLAGS.seed)

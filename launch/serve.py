@@ -5,7 +5,7 @@
   python launch/serve.py /ckpt/nld-8b --api_key=secret     # the model may be given positionally (vllm serve)
   python launch/serve.py --max-num-seqs 4 --gpu-memory-utilization 0.8   # vLLM's dashed spellings work too
 
-Before it loads anything it makes the memory plan (recguide_jax/memory_plan.py) and logs it: weights, measured
+Before it loads anything it makes the memory plan (recguide_jax/cache/memory_plan.py) and logs it: weights, measured
 activation peak and KV cache (GB, pages, tokens, sequences of --max_model_len); on a GPU or TPU the cache gets
 what --gpu_memory_utilization (0.9) of the device's memory leaves, and a plan that does not fit is refused with
 one `error:` line naming the figures and the flag to change. Flags are vLLM's names (--model, --max_num_seqs,
@@ -58,7 +58,7 @@ _MAX_QUEUE = flags.DEFINE_integer("max_queue", 256, "Most requests waiting for a
 _PROFILE = flags.DEFINE_string("profile", None, "Hardware profile for the RecGuide policy: a JSON path from "
                                "launch/profile.py or a shipped profile name such as b200_nld8b (optional).")
 _TABLES = flags.DEFINE_string("recguide_tables", None, "RecGuide's fitted adaptive-B tables JSON (default: "
-                              "<checkpoint>/recguide_tables.json, or its earlier name recguide_policy.json, when it "
+                              "<checkpoint>/recguide_tables.json, when it "
                               "exists; likewise the profile defaults to <checkpoint>/profile.json).")
 _ATTENTION = flags.DEFINE_enum("attention", "auto", ["auto", "reference", "pallas"],
                                "Attention implementation: Pallas kernels on GPU/TPU, the jnp reference on CPU.")
@@ -98,7 +98,7 @@ _ALLOWED_ORIGINS = flags.DEFINE_list("allowed_origins", [], "CORS: comma-separat
                                      "from a browser ('*' for any). Default: none (no CORS headers).")
 _STRICT_REQUEST_FIELDS = flags.DEFINE_boolean("strict_request_fields", False, "Answer unknown request fields with "
                                               "400 (default: ignore them with a logged warning, as vLLM does).")
-from recguide_jax import distributed  # noqa: E402
+from recguide_jax.parallel import multihost as distributed  # noqa: E402
 
 distributed.define_mesh_flags()  # --tp/--dp/--mesh and the multi-host flags (docs: README "Scale-out")
 _VERBOSE = flags.DEFINE_boolean("verbose", False, "Log the libraries' INFO lines too (jax, orbax, absl: checkpoint "
@@ -149,7 +149,7 @@ def _check_flags() -> None:
   _check(not cache or not os.path.exists(cache) or os.path.isdir(cache), "compile_cache_dir",
          f"{cache} exists and is not a directory")
   if _PROFILE.value is not None:
-    from recguide_jax.orchestrator import profile as prof_lib
+    from recguide_jax.recguide import profile as prof_lib
     try:
       prof_lib.load_profile(_PROFILE.value)  # a path, or the name of a shipped profile
     except (OSError, ValueError) as e:
@@ -187,16 +187,17 @@ def _check_port(host: str, port: int) -> None:
       _fail(f"--port: cannot listen on {host}:{port}: {e.strerror}")
 
 
-def _make_policy(policies, checkpoint: str):
+def _make_policy(checkpoint: str):
   """Builds the policy. RecGuide takes the hardware profile (--profile, a path or a shipped profile name) and the
   adaptive-B tables shipped beside the checkpoint (recguide_tables.json) when present."""
+  from recguide_jax.decoding.registry import make_strategy, strategy_names
   name = _POLICY.value
-  _check(name in policies.POLICY_NAMES, "policy", f"unknown policy {name!r}; expected one of "
-         f"{', '.join(policies.POLICY_NAMES)}")
+  _check(name in strategy_names(), "policy", f"unknown policy {name!r}; expected one of "
+         f"{', '.join(strategy_names())}")
   kwargs = {}
   if name == "recguide":
     from recguide_jax import llm as llm_lib
-    from recguide_jax.orchestrator import adaptive, profile as prof_lib
+    from recguide_jax.recguide import adaptive, profile as prof_lib
     try:
       kwargs = llm_lib.recguide_defaults(checkpoint)  # tables and profile shipped beside the checkpoint
     except (OSError, ValueError) as e:
@@ -214,7 +215,7 @@ def _make_policy(policies, checkpoint: str):
   elif _PROFILE.value is not None:
     logging.info("--profile %s is stored; the %s policy does not use a hardware profile", _PROFILE.value, name)
   try:
-    policy = policies.make_policy(name, _BLOCK_SIZE.value, _THRESHOLD.value, **kwargs)
+    policy = make_strategy(name, _BLOCK_SIZE.value, _THRESHOLD.value, **kwargs)
   except ValueError as e:
     _fail(f"--policy={name}: {e}")
   return policy
@@ -275,12 +276,11 @@ def main(argv):
   import uvicorn
 
   from recguide_jax import llm as llm_lib
-  from recguide_jax import policies
-  from recguide_jax.checkpoint import CheckpointError
-  from recguide_jax.config import ConfigError
-  from recguide_jax.engine import EngineThread
-  from recguide_jax.server import create_app
-  from recguide_jax.tokenizer import TokenizerError
+  from recguide_jax.model.checkpoint import CheckpointError
+  from recguide_jax.model.config import ConfigError
+  from recguide_jax.engine.thread import EngineThread
+  from recguide_jax.server.app import create_app
+  from recguide_jax.text.tokenizer import TokenizerError
 
   try:  # before anything touches a device: a multi-host run joins its processes first
     distributed.initialize_from_flags()
@@ -289,7 +289,7 @@ def main(argv):
     _fail(e)
   checkpoint = _MODEL.value or str(llm_lib.default_checkpoint())
   _check_checkpoint(checkpoint)
-  policy = _make_policy(policies, checkpoint)
+  policy = _make_policy(checkpoint)
   cache = _COMPILE_CACHE_DIR.value
   cache = llm_lib.DEFAULT_COMPILE_CACHE if cache is None else (cache or None)
   name = _SERVED_MODEL_NAME.value or os.path.basename(os.path.normpath(os.path.abspath(checkpoint)))

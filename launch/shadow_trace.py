@@ -30,9 +30,11 @@ def main(argv):
   if not FLAGS.output_dir:
     sys.exit("error: --output_dir is required")
   data = cli.data_path()
-  from recguide_jax import LLM, SamplingParams, benchmarks as bench
-  from recguide_jax.orchestrator.shadow import ShadowTracePolicy
-  policy = ShadowTracePolicy(FLAGS.dataset, FLAGS.seed)
+  from recguide_jax import LLM
+  from recguide_jax import SamplingParams
+  from recguide_jax import benchmarks as bench
+  from recguide_jax.recguide.fit.shadow import ShadowTraceStrategy
+  policy = ShadowTraceStrategy(FLAGS.dataset, FLAGS.seed)
   llm = LLM(FLAGS.model, policy=policy, max_num_seqs=FLAGS.concurrency, max_model_len=FLAGS.max_model_len,
             attention=FLAGS.attention, dtype=FLAGS.dtype)
   prompts = bench.gsm8k_prompts(data, FLAGS.num_prompts, llm.tokenizer, offset=FLAGS.offset)

@@ -8,8 +8,8 @@
 
 Every kernel takes `interpret=` (True runs it on CPU) and reads either one layer's pages [N, ps, Hkv * D] or all
 layers' stacked [L, N, ps, Hkv * D] at `layer=` (in place): the page layout is a parameter. The kernels only read
-the cache; writing a block's K/V is the application's scatter (`recguide_jax.kv_cache.write_block`). This package
-depends on jax only, not on the application (`recguide_jax.attention_dispatch` picks between kernels and reference
+the cache; writing a block's K/V is the application's scatter (`recguide_jax.cache.kv_cache.write_block`). This package
+depends on jax only, not on the application (`recguide_jax.attention.dispatch` picks between kernels and reference
 for the model).
 """
 

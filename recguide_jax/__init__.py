@@ -1,7 +1,7 @@
 """recguide-jax: a JAX/XLA serving engine for Nemotron-Labs-Diffusion models with RecGuide orchestration."""
 
-from recguide_jax.config import ConfigError, NLDConfig
-from recguide_jax.requests import RequestError, SamplingParams
+from recguide_jax.model.config import ConfigError, NLDConfig
+from recguide_jax.engine.requests import RequestError, SamplingParams
 
 __version__ = "0.1.0"
 __all__ = ["CompletionOutput", "ConfigError", "LLM", "NLDConfig", "RequestError", "RequestOutput", "SamplingParams"]

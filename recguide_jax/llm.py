@@ -9,12 +9,14 @@ import os
 import pathlib
 from typing import Sequence
 
-from recguide_jax import policies as policies_lib
-from recguide_jax.engine import EngineConfig, build_engine
-from recguide_jax.model import (NLDModel, resolve_kernel_layout, resolve_layer_loop, with_kernel_layout,
-                                with_layer_loop)
-from recguide_jax.requests import Request, RequestError, SamplingParams, best_samples
-from recguide_jax.tokenizer import Tokenizer
+from recguide_jax.decoding.registry import make_strategy
+from recguide_jax.decoding.strategy import Strategy
+from recguide_jax.engine.config import EngineConfig
+from recguide_jax.engine.build import build_engine
+from recguide_jax.model.nld import (NLDModel, resolve_kernel_layout, resolve_layer_loop, with_kernel_layout,
+                                    with_layer_loop)
+from recguide_jax.engine.requests import Request, RequestError, SamplingParams, best_samples
+from recguide_jax.text.tokenizer import Tokenizer
 
 REPO_ROOT = pathlib.Path(__file__).resolve().parent.parent
 BUNDLED_CHECKPOINT = REPO_ROOT / "checkpoints" / "nld-tiny-gsm8k"
@@ -34,10 +36,9 @@ def default_checkpoint() -> pathlib.Path:
 
 
 def recguide_defaults(checkpoint_dir: str | os.PathLike) -> dict:
-  """RecGuide's data shipped beside a checkpoint: the fitted adaptive-B tables (`recguide_tables.json`, or its
-  earlier name `recguide_policy.json`; they also carry the overlap planner and margin threshold fitted for the
-  model) and a hardware profile of the machine class it was measured on (`profile.json`), when present."""
-  from recguide_jax.orchestrator import adaptive, profile as prof_lib
+  """RecGuide's data shipped beside a checkpoint: the fitted adaptive-B tables (`recguide_tables.json`; they also
+  carry the overlap planner and margin threshold fitted for the model) and a hardware profile of the machine class it was measured on (`profile.json`), when present."""
+  from recguide_jax.recguide import adaptive, profile as prof_lib
   path = pathlib.Path(checkpoint_dir)
   out = {}
   tables = adaptive.tables_path(path)
@@ -55,7 +56,7 @@ def checkpoint_dtype(checkpoint_dir: str | os.PathLike) -> str:
   import numpy as np
   import orbax.checkpoint as ocp
 
-  from recguide_jax.checkpoint import PARAMS_DIR, CheckpointError
+  from recguide_jax.model.checkpoint import PARAMS_DIR, CheckpointError
   params = pathlib.Path(checkpoint_dir).absolute() / PARAMS_DIR
   if not params.exists():
     raise CheckpointError(f"{checkpoint_dir} has no {PARAMS_DIR}/ (run launch/convert_checkpoint.py first)")
@@ -129,7 +130,7 @@ class LLM:
   """Loads a checkpoint, compiles the step variants its policy needs, and generates."""
 
   def __init__(self, model: str | os.PathLike | NLDModel | None = None,
-               policy: str | policies_lib.Policy = DEFAULT_POLICY,
+               policy: str | Strategy = DEFAULT_POLICY,
                block_size: int = 16, *, threshold: float = 0.9, max_num_seqs: int = 8, max_model_len: int = 1024,
                num_pages: int | None = None, page_size: int = 16, prefill_chunk: int = 64,
                block_sizes: Sequence[int] | None = None, dtype: str | None = None, rule: str = "leviathan",
@@ -170,9 +171,11 @@ class LLM:
     on all but one of the steps; a request stops at its own stop condition inside the call. 1 turns it off."""
     from absl import logging
 
-    from recguide_jax import attention_dispatch, memory_plan
-    from recguide_jax import checkpoint as ckpt_lib
-    from recguide_jax.config import NLDConfig
+    from recguide_jax.attention import dispatch as attention_dispatch
+
+    from recguide_jax.cache import memory_plan
+    from recguide_jax.model import checkpoint as ckpt_lib
+    from recguide_jax.model.config import NLDConfig
     fraction = gpu_memory_utilization
     if dtype is not None and dtype not in memory_plan.DTYPE_NAMES:
       raise ValueError(f"dtype must be one of {', '.join(memory_plan.DTYPE_NAMES)}, got {dtype!r}")
@@ -199,14 +202,14 @@ class LLM:
                        f"({cfg.max_position_embeddings}); use at most that")
     if policy == "recguide" and checkpoint_dir is not None:
       policy_kwargs = {**recguide_defaults(checkpoint_dir), **(policy_kwargs or {})}
-    self.policy = policy if isinstance(policy, policies_lib.Policy) else policies_lib.make_policy(
+    self.strategy = policy if isinstance(policy, Strategy) else make_strategy(
         policy, block_size, threshold, **(policy_kwargs or {}))
-    sizes = tuple(sorted(set(block_sizes or ()) | set(self.policy.block_sizes()))) or (block_size,)
+    sizes = tuple(sorted(set(block_sizes or ()) | set(self.strategy.block_sizes()))) or (block_size,)
     # what warmup compiles (and what the memory probe measures the largest of)
     if block_sizes:  # several policies will share this LLM: every kind for the requested sizes
       self._kinds, self._kind_sizes = ("prefill", "draft", "verify", "denoise"), tuple(block_sizes)
     else:
-      self._kinds, self._kind_sizes = self.policy.step_kinds(), self.policy.block_sizes()
+      self._kinds, self._kind_sizes = self.strategy.step_kinds(), self.strategy.block_sizes()
     if warmup_prompt_logprobs:
       self._kinds = tuple(self._kinds) + ("score",)
     if bucketing == "ragged" and isinstance(bucketing, str):  # the ragged draft + verify of every token bucket
@@ -221,13 +224,13 @@ class LLM:
                         **(runner_options or {})})
     config = self.engine_config.runner_config(sizes, num_pages=2)  # the memory plan sizes the cache
     if compile_cache_dir:  # the memory probe's compiles are cached too
-      from recguide_jax.runner import enable_compile_cache
+      from recguide_jax.runtime.compilation import enable_compile_cache
       enable_compile_cache(config.compile_cache_dir)
     self.memory_plan = memory_plan.plan_for_device(
         cfg, dtype=dtype, runner_config=config, kinds=self._kinds, block_sizes=self._kind_sizes, fraction=fraction,
         device_memory_gb=device_memory_gb, num_pages=num_pages or None, attention=attention, mesh=mesh)
     logging.info("%s", self.memory_plan.summary())
-    from recguide_jax import data_parallel  # mesh: 'dp=2,tp=4', a MeshShape or a jax Mesh (sharding.py)
+    from recguide_jax.parallel import data_parallel  # mesh: 'dp=2,tp=4', a MeshShape or a jax Mesh (sharding.py)
     self.mesh = data_parallel.resolve_mesh(mesh)
     if checkpoint_dir is not None:  # only now, with a plan that fits; on a mesh, straight into the first group's shards
       model = ckpt_lib.load_model(checkpoint_dir, dtype=dtype, mesh=data_parallel.first_group(self.mesh))
@@ -242,17 +245,17 @@ class LLM:
     self.tokenizer = tokenizer
     self.runner_config = dataclasses.replace(config, num_pages=self.memory_plan.num_pages, layer_loop=loop,
                                              kernel_layout=layout)
-    self.engine = build_engine(model, self.runner_config, self.policy, mesh=self.mesh,
+    self.engine = build_engine(model, self.runner_config, self.strategy, mesh=self.mesh,
                               tokenizer=tokenizer, max_queue=max_queue, bucketing=self.engine_config.bucketing)
     self.runner = self.engine.runner
     if warmup:
       self.runner.warmup(self._kinds, self._kind_sizes)
 
-  def set_policy(self, policy: str | policies_lib.Policy, block_size: int = 16, threshold: float = 0.9) -> None:
+  def set_policy(self, policy: str | Strategy, block_size: int = 16, threshold: float = 0.9) -> None:
     """Switches the decoding policy for later requests (compiled variants are kept)."""
-    self.policy = policy if isinstance(policy, policies_lib.Policy) else policies_lib.make_policy(
+    self.strategy = policy if isinstance(policy, Strategy) else make_strategy(
         policy, block_size, threshold)
-    self.engine.policy = self.policy
+    self.engine.strategy = self.strategy
 
   def get_tokenizer(self) -> Tokenizer:
     """The checkpoint's tokenizer (vLLM's `LLM.get_tokenizer()`)."""

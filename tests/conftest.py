@@ -45,8 +45,8 @@ COMPILE_FLAGS = (FAST_COMPILE_FLAGS if _cpu_only_jax() and os.environ.get("RECGU
 
 from flax import nnx  # noqa: E402
 
-from recguide_jax.config import NLDConfig  # noqa: E402
-from recguide_jax.model import NLDModel  # noqa: E402
+from recguide_jax.model.config import NLDConfig  # noqa: E402
+from recguide_jax.model.nld import NLDModel  # noqa: E402
 
 
 def tiny_config(**overrides) -> NLDConfig:

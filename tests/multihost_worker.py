@@ -19,9 +19,13 @@ def main(pid: int, port: int, out: str) -> int:
   jax.config.update("jax_platforms", "cpu")
   from flax import nnx
 
-  from recguide_jax import LLM, SamplingParams, distributed
-  from recguide_jax.config import NLDConfig
-  from recguide_jax.model import NLDModel
+  from recguide_jax import LLM
+
+  from recguide_jax import SamplingParams
+
+  from recguide_jax.parallel import multihost as distributed
+  from recguide_jax.model.config import NLDConfig
+  from recguide_jax.model.nld import NLDModel
   distributed.initialize(f"localhost:{port}", 2, pid)
   assert (jax.process_count(), len(jax.devices()), len(jax.local_devices())) == (2, 8, 4)
   cfg = NLDConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=8,

@@ -56,8 +56,8 @@ def build_checkpoint(directory: pathlib.Path, seed: int = 0) -> pathlib.Path:
   from flax import nnx
 
   from conftest import tiny_config
-  from recguide_jax import checkpoint
-  from recguide_jax.model import NLDModel
+  from recguide_jax.model import checkpoint
+  from recguide_jax.model.nld import NLDModel
   tok = build_tokenizer(directory)
   ids = {t: tok.token_to_id(t) for t in SPECIAL_TOKENS}
   cfg = tiny_config(vocab_size=tok.get_vocab_size(), bos_token_id=ids["<s>"], eos_token_ids=(ids["</s>"],),

@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 
 from recguide_jax import benchmarks as bench
-from recguide_jax.orchestrator.profile import HardwareProfile
+from recguide_jax.recguide.profile import HardwareProfile
 
 
 def test_priced_ms_charges_each_forward_by_kind_and_batch():
@@ -13,7 +13,7 @@ def test_priced_ms_charges_each_forward_by_kind_and_batch():
                          verify_ms={1: {8: 6.0, 16: 7.0}, 4: {8: 12.0, 16: 14.0}}, ar_step_ms={1: 2.0, 4: 3.0},
                          fused_ms={1: {8: 9.0, 16: 13.0}, 4: {8: 18.0, 16: 26.0}})
   log = [("prefill", 64, 1), ("draft", 8, 1), ("verify", 8, 4), ("gverify", 16, 1), ("decode", 1, 4),
-         ("fused", 16, 1), ("fused5", 16, 1)]
+         ("fused3", 16, 1), ("fused5", 16, 1)]
   want = 4.0 + 12.0 + 7.0 + 3.0 + 13.0 + (7.0 + (13.0 - 7.0) * 5 / 3)  # prefill is not decode time
   assert bench.priced_ms(log, prof) == pytest.approx(want)
   assert bench.priced_ms([("draft", 8, 2)], prof) == pytest.approx(4.0 + 4.0 / 3)  # interpolated in C

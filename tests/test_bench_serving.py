@@ -30,8 +30,8 @@ def bs():
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
   from recguide_jax import LLM
-  from recguide_jax.engine import EngineThread
-  from recguide_jax.server import create_app
+  from recguide_jax.engine.thread import EngineThread
+  from recguide_jax.server.app import create_app
   ckpt = sf.build_checkpoint(tmp_path_factory.mktemp("bench_serving") / "nld-bench")
   # max_batch 1: one batch bucket to compile (C = 2 then queues one request, as a full server would)
   llm = LLM(ckpt, "linear", 8, max_num_seqs=1, max_model_len=128, page_size=8, warmup=False, compile_cache_dir=None)

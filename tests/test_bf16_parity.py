@@ -24,12 +24,14 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # hf_reference l
 
 import hf_reference as ref  # noqa: E402
 
-from recguide_jax import SamplingParams, checkpoint  # noqa: E402
-from recguide_jax.attention import causal_mask  # noqa: E402
-from recguide_jax.convert import convert_hf_checkpoint  # noqa: E402
-from recguide_jax.kv_cache import storage_dtype  # noqa: E402
+from recguide_jax import SamplingParams
+
+from recguide_jax.model import checkpoint  # noqa: E402
+from recguide_jax.attention.reference import causal_mask  # noqa: E402
+from recguide_jax.convert.hf import convert_hf_checkpoint  # noqa: E402
+from recguide_jax.cache.kv_cache import storage_dtype  # noqa: E402
 from recguide_jax.llm import LLM  # noqa: E402
-from recguide_jax.model import ForwardInputs  # noqa: E402
+from recguide_jax.model.nld import ForwardInputs  # noqa: E402
 
 TOL_REL = 0.03  # max |bf16 - fp32| logit error, relative to the fp32 logits' max |value| (seen: ~1 %)
 MARGIN_REL = 2 * TOL_REL  # fp32 top-1/top-2 margins above this (same scale) are decisive: bf16 must agree there

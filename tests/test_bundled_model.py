@@ -5,9 +5,13 @@ import pathlib
 
 import pytest
 
-from recguide_jax import LLM, SamplingParams, policies
+from recguide_jax import LLM
+
+from recguide_jax import SamplingParams
+
+from recguide_jax.decoding.builtin import ARStrategy, LinearStrategy
 from recguide_jax.llm import BUNDLED_CHECKPOINT
-from recguide_jax.orchestrator.controller import RecGuideStrategy
+from recguide_jax.recguide.controller import RecGuideStrategy
 
 QUESTIONS = [
     "Tom has 3 boxes with 12 apples in each box. He gives away 9 apples. How many apples does he have left?",
@@ -40,17 +44,17 @@ def test_bundled_checkpoint_ships_its_draft_lora(bundled):
 def test_bundled_greedy_speculation_equals_ar(bundled):
   params = SamplingParams(max_tokens=64, temperature=0.0)
   convs = [[{"role": "user", "content": q}] for q in QUESTIONS]
-  bundled.set_policy(policies.ARPolicy())
+  bundled.set_policy(ARStrategy())
   ar = bundled.chat(convs, params)
   assert all(o.text for o in ar)
-  for policy in (policies.LinearPolicy(16), policies.LinearPolicy(32), RecGuideStrategy(16, fixed_regime="overlap"),
+  for policy in (LinearStrategy(16), LinearStrategy(32), RecGuideStrategy(16, fixed_regime="overlap"),
                  RecGuideStrategy(16)):
     bundled.set_policy(policy)
     outs = bundled.chat(convs, params)
     assert [o.token_ids for o in outs] == [o.token_ids for o in ar], policy.name
     assert [o.text for o in outs] == [o.text for o in ar]
   # the trained drafter is worth speculating with: several tokens per LinearSS round on average
-  bundled.set_policy(policies.LinearPolicy(16))
+  bundled.set_policy(LinearStrategy(16))
   outs = bundled.chat(convs, params)
   accepted = [a for o in outs for a in o.stats["accepted_lengths"]]
   assert sum(accepted) / len(accepted) > 1.5

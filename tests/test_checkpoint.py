@@ -14,8 +14,8 @@ import pytest
 from flax import nnx
 
 from conftest import COMPILE_FLAGS, tiny_config
-from recguide_jax import checkpoint as ckpt_lib
-from recguide_jax.model import NLDModel, with_kernel_layout, with_layer_loop
+from recguide_jax.model import checkpoint as ckpt_lib
+from recguide_jax.model.nld import NLDModel, with_kernel_layout, with_layer_loop
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 BUNDLED = ROOT / "checkpoints" / "nld-tiny-gsm8k"
@@ -122,8 +122,8 @@ _PORTABLE = textwrap.dedent("""
     from flax import nnx
     sys.path.insert(0, sys.argv[1]); sys.path.insert(0, sys.argv[1] + "/tests")
     from conftest import tiny_config
-    from recguide_jax import checkpoint as ckpt_lib
-    from recguide_jax.model import NLDModel, with_kernel_layout, with_layer_loop
+    from recguide_jax.model import checkpoint as ckpt_lib
+    from recguide_jax.model.nld import NLDModel, with_kernel_layout, with_layer_loop
     tmp = pathlib.Path(sys.argv[2])
     d0, d1 = jax.devices()[:2]
     cfg = tiny_config(lora_rank=4, lora_alpha=8.0)

@@ -9,8 +9,8 @@ import math
 
 import pytest
 
-from recguide_jax.checkpoint import param_shapes
-from recguide_jax.config import PRESETS, ConfigError, NLDConfig
+from recguide_jax.model.checkpoint import param_shapes
+from recguide_jax.model.config import PRESETS, ConfigError, NLDConfig
 
 # The released NLD-8B instruct config.json as described in docs/spec/nld.md §1.2 (extra fields included on purpose).
 _ROPE_8B = {"rope_type": "yarn", "type": "yarn", "rope_theta": 1.0e6, "factor": 16.0,

@@ -22,11 +22,16 @@ import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from recguide_jax import LLM, SamplingParams, checkpoint
-from recguide_jax.attention import causal_mask
-from recguide_jax.convert import ConversionError, convert_gguf_checkpoint
-from recguide_jax.model import ForwardInputs
-from recguide_jax.tokenizer import Tokenizer as OurTokenizer
+from recguide_jax import LLM
+
+from recguide_jax import SamplingParams
+
+from recguide_jax.model import checkpoint
+from recguide_jax.attention.reference import causal_mask
+from recguide_jax.convert.hf import ConversionError
+from recguide_jax.convert.gguf import convert_gguf_checkpoint
+from recguide_jax.model.nld import ForwardInputs
+from recguide_jax.text.tokenizer import Tokenizer as OurTokenizer
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 ATOL = 1e-4

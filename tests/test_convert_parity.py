@@ -29,12 +29,12 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # hf_reference l
 import hf_reference as ref  # noqa: E402
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS  # noqa: E402
 
-from recguide_jax import checkpoint  # noqa: E402
-from recguide_jax.attention import causal_mask, full_mask  # noqa: E402
-from recguide_jax.config import PRESETS, ConfigError, NLDConfig  # noqa: E402
-from recguide_jax.convert import ConversionError, convert_hf_checkpoint  # noqa: E402
-from recguide_jax.kv_cache import TRASH_PAGE, PageAllocator  # noqa: E402
-from recguide_jax.model import ForwardInputs  # noqa: E402
+from recguide_jax.model import checkpoint  # noqa: E402
+from recguide_jax.attention.reference import causal_mask, full_mask  # noqa: E402
+from recguide_jax.model.config import PRESETS, ConfigError, NLDConfig  # noqa: E402
+from recguide_jax.convert.hf import ConversionError, convert_hf_checkpoint  # noqa: E402
+from recguide_jax.cache.kv_cache import TRASH_PAGE, PageAllocator  # noqa: E402
+from recguide_jax.model.nld import ForwardInputs  # noqa: E402
 from recguide_jax.model import rope  # noqa: E402
 
 REPO = pathlib.Path(__file__).resolve().parents[1]

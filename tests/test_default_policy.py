@@ -6,9 +6,15 @@ other processes put on this CPU; the calibrated default is checked lossless on t
 
 import pytest
 
-from recguide_jax import LLM, SamplingParams, benchmarks as bench, policies
+from recguide_jax import LLM
+
+from recguide_jax import SamplingParams
+
+from recguide_jax import benchmarks as bench
+
+from recguide_jax.decoding.registry import make_strategy
 from recguide_jax.llm import BUNDLED_CHECKPOINT, DEFAULT_POLICY, recguide_defaults
-from recguide_jax.orchestrator import load_profile
+from recguide_jax.recguide.profile import load_profile
 
 PROMPTS = ["Natalia sold clips to 48 of her friends in April, and then she sold half as many clips in May. How many "
            "clips did Natalia sell altogether in April and May?",
@@ -37,21 +43,21 @@ def _run(llm, policy, prompts):
 
 
 def test_the_default_is_recguide_with_the_shipped_tables(llm):
-  assert DEFAULT_POLICY == "recguide" and llm.policy.name == "recguide"
+  assert DEFAULT_POLICY == "recguide" and llm.strategy.name == "recguide"
   shipped = recguide_defaults(BUNDLED_CHECKPOINT)["tables"]
-  assert llm.policy.tables is not None and llm.policy.tables.to_json() == shipped.to_json()
+  assert llm.strategy.tables is not None and llm.strategy.tables.to_json() == shipped.to_json()
 
 
 def test_the_default_is_not_behind_ar_by_its_price_on_held_load(llm):
   prompts = [llm.get_tokenizer().encode(p) for p in PROMPTS]
   profile = load_profile(BUNDLED_CHECKPOINT / "profile.json")
-  ar_out, ar_log = _run(llm, policies.make_policy("ar", 16), prompts)
-  priced = policies.make_policy("recguide", 16, **recguide_defaults(BUNDLED_CHECKPOINT), calibrate=False)
+  ar_out, ar_log = _run(llm, make_strategy("ar", 16), prompts)
+  priced = make_strategy("recguide", 16, **recguide_defaults(BUNDLED_CHECKPOINT), calibrate=False)
   rg_out, rg_log = _run(llm, priced, prompts)
   assert rg_out == ar_out  # lossless: greedy RecGuide is greedy AR token for token
   tokens = sum(len(o) for o in ar_out)
   ar_rate, rg_rate = tokens / bench.priced_ms(ar_log, profile), tokens / bench.priced_ms(rg_log, profile)
   assert rg_rate >= (1 - NOISE) * ar_rate, (rg_rate, ar_rate)
-  calibrated_out, _ = _run(llm, policies.make_policy("recguide", 16, **recguide_defaults(BUNDLED_CHECKPOINT)),
+  calibrated_out, _ = _run(llm, make_strategy("recguide", 16, **recguide_defaults(BUNDLED_CHECKPOINT)),
                            prompts)
   assert calibrated_out == ar_out

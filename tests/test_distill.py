@@ -11,8 +11,8 @@ import pytest
 from flax import nnx
 
 from conftest import tiny_config
-from recguide_jax import checkpoint as ckpt_lib
-from recguide_jax.model import ForwardInputs, NLDModel
+from recguide_jax.model import checkpoint as ckpt_lib
+from recguide_jax.model.nld import ForwardInputs, NLDModel
 from recguide_jax.train import distill
 
 MASK = 3
@@ -142,7 +142,9 @@ def test_generate_targets_resumes_and_rejects_other_prompts(tmp_path, tiny_llm):
 
 
 def test_exported_adapter_checkpoint_serves_lossless(tmp_path, base_dir):
-  from recguide_jax import LLM, SamplingParams, policies
+  from recguide_jax import LLM
+  from recguide_jax import SamplingParams
+  from recguide_jax.decoding.builtin import ARStrategy, LinearStrategy
   tr = _trainer(tmp_path, base_dir)
   tr.run()
   out = tmp_path / "exported"
@@ -156,14 +158,14 @@ def test_exported_adapter_checkpoint_serves_lossless(tmp_path, base_dir):
   prompts = [r["prompt"] for r in _rows(4, seed=5)]
   params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
   spec = [o.token_ids for o in llm.generate(prompts, params)]
-  llm.set_policy(policies.ARPolicy())
+  llm.set_policy(ARStrategy())
   ar = [o.token_ids for o in llm.generate(prompts, params)]
   assert spec == ar
 
   # the adapter is trained on the doubled training sequence and served over the paged KV cache: the engine's draft
   # of a block must be the training layout's draft of the same block (a seeded block after a clean prefix)
   prompt = (prompts[0] * 8)[:16]  # a whole number of blocks, so the first drafted block is block-aligned
-  llm.set_policy(policies.LinearPolicy(8))
+  llm.set_policy(LinearStrategy(8))
   llm.engine.signal_log = []
   served = llm.generate([prompt], params)[0].token_ids
   served_conf = np.asarray(llm.engine.signal_log[0]["conf"])

@@ -6,9 +6,9 @@ import numpy as np
 import pytest
 
 from recguide_jax import SamplingParams
-from recguide_jax import policies
-from recguide_jax.engine import RequestError
-from recguide_jax.model import ForwardInputs
+from recguide_jax.decoding.builtin import ARStrategy, DiffusionStrategy, LinearStrategy
+from recguide_jax.engine.requests import RequestError
+from recguide_jax.model.nld import ForwardInputs
 
 GREEDY = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
 
@@ -47,7 +47,7 @@ def run(llm, policy, prompts, params=GREEDY, join_every=None):
 @pytest.fixture(scope="module")
 def ar_outputs(tiny_llm):
   prompts = varied_prompts()
-  reqs = run(tiny_llm, policies.ARPolicy(), prompts)
+  reqs = run(tiny_llm, ARStrategy(), prompts)
   return prompts, [r.output_ids for r in reqs]
 
 
@@ -55,7 +55,7 @@ def ar_outputs(tiny_llm):
 def test_linear_greedy_equals_ar_batch1(tiny_llm, ar_outputs, block):
   prompts, expected = ar_outputs
   for p, exp in zip(prompts, expected):
-    (req,) = run(tiny_llm, policies.LinearPolicy(block), [p])
+    (req,) = run(tiny_llm, LinearStrategy(block), [p])
     assert req.output_ids == exp
     assert sum(req.stats.accepted_lengths) >= len(exp) - 1
     assert req.stats.forwards["draft"] == req.stats.forwards["verify"] == req.stats.rounds
@@ -64,7 +64,7 @@ def test_linear_greedy_equals_ar_batch1(tiny_llm, ar_outputs, block):
 @pytest.mark.parametrize("block", [8, 16, 32])
 def test_linear_greedy_equals_ar_batch8_joining(tiny_llm, ar_outputs, block):
   prompts, expected = ar_outputs
-  reqs = run(tiny_llm, policies.LinearPolicy(block), prompts, join_every=3)
+  reqs = run(tiny_llm, LinearStrategy(block), prompts, join_every=3)
   assert [r.output_ids for r in reqs] == expected
   assert max(len(tiny_llm.engine.running), 0) == 0
 
@@ -72,13 +72,13 @@ def test_linear_greedy_equals_ar_batch8_joining(tiny_llm, ar_outputs, block):
 def test_ar_batch_invariance(tiny_llm, ar_outputs):
   prompts, expected = ar_outputs
   # same requests in other company: together, reversed, and interleaved with sampled requests
-  reqs = run(tiny_llm, policies.ARPolicy(), prompts[::-1], join_every=2)
+  reqs = run(tiny_llm, ARStrategy(), prompts[::-1], join_every=2)
   assert [r.output_ids for r in reqs][::-1] == expected
   mixed = []
   for p in prompts[:6]:
     mixed.append((p, GREEDY))
     mixed.append((p[::-1], SamplingParams(max_tokens=25, temperature=1.0, seed=3)))
-  tiny_llm.set_policy(policies.LinearPolicy(16))
+  tiny_llm.set_policy(LinearStrategy(16))
   eng = tiny_llm.engine
   rs = [eng.add_request(p, sp) for p, sp in mixed]
   eng.run_until_done()
@@ -90,7 +90,7 @@ def test_multi_step_decode_equals_one_step_calls(tiny_llm, tiny_model, ar_output
   (step s draws with the request's round counter + s), and through a stop token or max_tokens inside a call, whose
   later steps' pages are freed with the request."""
   from recguide_jax import LLM
-  from recguide_jax.runtime import StepKind
+  from recguide_jax.runtime.step_key import StepKind
   single = LLM(model=tiny_model, policy="ar", max_num_seqs=8, max_model_len=256, page_size=8, prefill_chunk=16,
                warmup=False, compile_cache_dir=None, decode_steps=1)
   assert tiny_llm.runner.config.decode_steps == 4 and single.runner.config.decode_steps == 1
@@ -105,7 +105,7 @@ def test_multi_step_decode_equals_one_step_calls(tiny_llm, tiny_model, ar_output
     for params in cases:
       outs = []
       for llm in (single, tiny_llm):
-        llm.set_policy(policies.ARPolicy())
+        llm.set_policy(ARStrategy())
         outs.append(llm.generate(prompts[:6], params, use_tqdm=False))
         assert llm.engine.allocator.num_used == 0
         llm.engine.allocator.check()
@@ -124,7 +124,7 @@ def test_multi_step_decode_equals_one_step_calls(tiny_llm, tiny_model, ar_output
 def test_multi_step_decode_waits_for_nothing_queued(tiny_llm):
   """A multi-step call runs only while no request waits to be admitted or prefilled, and only when some request
   of the batch has that many tokens left; its wall time counts as that many AR rounds."""
-  tiny_llm.set_policy(policies.ARPolicy())
+  tiny_llm.set_policy(ARStrategy())
   eng = tiny_llm.engine
   calls = []
 
@@ -156,7 +156,7 @@ def test_diffusion_commit_seeds_are_ar_predictions(tiny_llm, tiny_model):
   """Block diffusion is not AR-equivalent, but every committed block's seed is the AR argmax after it."""
   import jax.numpy as jnp
   prompts = varied_prompts(4, seed=5)
-  reqs = run(tiny_llm, policies.DiffusionPolicy(8, threshold=0.5), prompts,
+  reqs = run(tiny_llm, DiffusionStrategy(8, threshold=0.5), prompts,
              SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True))
   for p, r in zip(prompts, reqs):
     assert len(r.output_ids) == 24
@@ -174,7 +174,7 @@ def test_diffusion_commit_seeds_are_ar_predictions(tiny_llm, tiny_model):
 
 def test_stop_conditions(tiny_llm, ar_outputs):
   prompts, expected = ar_outputs
-  tiny_llm.set_policy(policies.LinearPolicy(8))
+  tiny_llm.set_policy(LinearStrategy(8))
   eng = tiny_llm.engine
   target = expected[1]
   stop_tok = target[10]
@@ -189,7 +189,7 @@ def test_stop_conditions(tiny_llm, ar_outputs):
 
 def test_eos_stops_unless_ignored(tiny_llm, ar_outputs):
   prompts, expected = ar_outputs
-  tiny_llm.set_policy(policies.LinearPolicy(16))
+  tiny_llm.set_policy(LinearStrategy(16))
   eng = tiny_llm.engine
   # pretend the 5th generated token is EOS by making it a stop id; ignore_eos keeps going past real EOS
   r = eng.add_request(prompts[2], SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=False))
@@ -201,7 +201,7 @@ def test_eos_stops_unless_ignored(tiny_llm, ar_outputs):
 
 
 def test_abort_and_errors_leak_no_pages(tiny_llm):
-  tiny_llm.set_policy(policies.LinearPolicy(16))
+  tiny_llm.set_policy(LinearStrategy(16))
   eng = tiny_llm.engine
   prompts = varied_prompts(8, seed=9)
   # EOS ignored: two rounds of 16 leave every request running, whatever its seeded draws
@@ -248,7 +248,7 @@ def test_bad_requests_rejected(tiny_llm):
 
 def test_logprobs_and_stats(tiny_llm, ar_outputs):
   prompts, expected = ar_outputs
-  tiny_llm.set_policy(policies.LinearPolicy(8))
+  tiny_llm.set_policy(LinearStrategy(8))
   (out,) = tiny_llm.generate([prompts[3]], SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True,
                                                           logprobs=3))
   assert out.token_ids == expected[3][:12]

@@ -5,7 +5,7 @@ import dataclasses
 
 import pytest
 
-from recguide_jax.engine import EngineConfig
+from recguide_jax.engine.config import EngineConfig
 
 
 @pytest.mark.parametrize("field,value", [("max_num_seqs", 0), ("max_model_len", -1), ("page_size", True),

@@ -12,9 +12,13 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from recguide_jax import SamplingParams, policies
-from recguide_jax.model import ForwardInputs
-from recguide_jax.requests import RequestError, seed_of_sample
+from recguide_jax import SamplingParams
+
+from recguide_jax.decoding.builtin import ARStrategy, LinearStrategy
+
+from recguide_jax.decoding.registry import make_strategy
+from recguide_jax.model.nld import ForwardInputs
+from recguide_jax.engine.requests import RequestError, seed_of_sample
 
 # 37 tokens: three prefill chunks of 16 (tiny_llm) and five pages of 8, the last one partial
 PROMPT = [int(t) for t in np.random.default_rng(3).integers(4, 128, 37)]
@@ -37,7 +41,7 @@ def generate(llm, policy, prompt, params):
   return out
 
 
-@pytest.mark.parametrize("policy", [policies.ARPolicy(), policies.LinearPolicy(8)], ids=["ar", "linear"])
+@pytest.mark.parametrize("policy", [ARStrategy(), LinearStrategy(8)], ids=["ar", "linear"])
 def test_prompt_logprobs_equal_the_reference_forward(tiny_llm, tiny_model, policy):
   ref = reference_logprobs(tiny_model, PROMPT)
   plain = generate(tiny_llm, policy, PROMPT, SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True))
@@ -60,7 +64,7 @@ def test_prompt_logprobs_equal_the_reference_forward(tiny_llm, tiny_model, polic
 def test_prompt_logprobs_with_recguide_and_max_tokens_zero(tiny_llm, tiny_model):
   ref = reference_logprobs(tiny_model, PROMPT)
   shared = tiny_llm.engine.totals["prompt_tokens_shared"]
-  out = generate(tiny_llm, policies.make_policy("recguide", 8), PROMPT,
+  out = generate(tiny_llm, make_strategy("recguide", 8), PROMPT,
                  SamplingParams(max_tokens=0, prompt_logprobs=0, n=2))
   assert [o.token_ids for o in out.outputs] == [[], []] and out.finish_reason == "length"
   # the second sample took the scored prompt's pages before the first finished right after its prefill
@@ -75,9 +79,9 @@ def test_prompt_logprobs_with_recguide_and_max_tokens_zero(tiny_llm, tiny_model)
 def test_n_greedy_samples_share_one_prefill(tiny_llm):
   eng = tiny_llm.engine
   params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
-  one = generate(tiny_llm, policies.ARPolicy(), PROMPT, params)
+  one = generate(tiny_llm, ARStrategy(), PROMPT, params)
   before = dict(eng.totals)
-  out = generate(tiny_llm, policies.ARPolicy(), PROMPT, SamplingParams(**{**vars(params), "n": 3}))
+  out = generate(tiny_llm, ARStrategy(), PROMPT, SamplingParams(**{**vars(params), "n": 3}))
   delta = {k: eng.totals[k] - before.get(k, 0) for k in ("prompt_tokens", "prompt_tokens_shared",
                                                          "forwards_prefill")}
   assert [o.index for o in out.outputs] == [0, 1, 2]
@@ -89,9 +93,9 @@ def test_n_greedy_samples_share_one_prefill(tiny_llm):
 
 def test_n_sampled_samples_use_the_per_index_seeds(tiny_llm):
   params = SamplingParams(max_tokens=10, temperature=1.0, seed=11, ignore_eos=True, n=3, prompt_logprobs=1)
-  out = generate(tiny_llm, policies.LinearPolicy(8), PROMPT, params)
+  out = generate(tiny_llm, LinearStrategy(8), PROMPT, params)
   for i, sample in enumerate(out.outputs):
-    alone = generate(tiny_llm, policies.LinearPolicy(8), PROMPT,
+    alone = generate(tiny_llm, LinearStrategy(8), PROMPT,
                      SamplingParams(max_tokens=10, temperature=1.0, seed=seed_of_sample(11, i), ignore_eos=True))
     assert sample.token_ids == alone.token_ids, i
   assert len({tuple(o.token_ids) for o in out.outputs}) > 1
@@ -100,7 +104,7 @@ def test_n_sampled_samples_use_the_per_index_seeds(tiny_llm):
 
 def test_aborted_samples_free_only_their_own_pages(tiny_llm):
   eng = tiny_llm.engine
-  tiny_llm.set_policy(policies.ARPolicy())
+  tiny_llm.set_policy(ARStrategy())
   params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
   first = eng.add_request(PROMPT, params)
   second = eng.add_request(PROMPT, params, prefill_source=first.request_id)
@@ -117,7 +121,7 @@ def test_aborted_samples_free_only_their_own_pages(tiny_llm):
   eng.run_until_done()
   assert eng.allocator.num_used == 0
   eng.allocator.check()
-  alone = generate(tiny_llm, policies.ARPolicy(), PROMPT, params)
+  alone = generate(tiny_llm, ARStrategy(), PROMPT, params)
   assert third.output_ids == alone.token_ids
   # a source aborted before its prompt is cached: the sibling prefills on its own
   first = eng.add_request(PROMPT, params)

@@ -1,6 +1,6 @@
 """host_cpu: what benchmarks record of the CPU and what engine choices read from it."""
 
-from recguide_jax import host_cpu
+from recguide_jax.runtime import host_cpu
 
 
 def test_last_level_cache_is_a_size_or_unknown():

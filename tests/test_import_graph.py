@@ -110,7 +110,7 @@ def test_engine_and_runtime_depend_on_no_strategy():
   protocol = ("recguide_jax.decoding", "recguide_jax.decoding.strategy", "recguide_jax.decoding.grouping")
   for name, path in MODULES.items():
     if name.startswith(("recguide_jax.engine", "recguide_jax.runtime")):
-      assert not any(d.startswith(("recguide_jax.orchestrator", "recguide_jax.decoding")) for d in GRAPH[name]
+      assert not any(d.startswith(("recguide_jax.recguide", "recguide_jax.decoding")) for d in GRAPH[name]
                      if not (name.startswith("recguide_jax.engine") and d in protocol)), name
     if name.startswith("recguide_jax.engine"):
       text = path.read_text().lower().replace("recguide_jax", "").replace("recguide-engine", "")

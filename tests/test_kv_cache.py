@@ -4,8 +4,8 @@ import numpy as np
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from recguide_jax.kv_cache import (TRASH_PAGE, OutOfPages, PageAllocator, gather_prefix, storage_dtype,
-                                   write_block)
+from recguide_jax.cache.kv_cache import (TRASH_PAGE, OutOfPages, PageAllocator, gather_prefix, storage_dtype,
+                                         write_block)
 
 
 @settings(max_examples=200, deadline=None)

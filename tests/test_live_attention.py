@@ -7,7 +7,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from recguide_jax import attention, live_attention
+from recguide_jax.attention import reference as attention
+
+from recguide_jax.attention import paged as live_attention
 
 
 def _case(seed, b=3, nq=4, hq=4, hkv=2, d=8, num_pages=32, page_size=4, width=9, layers=None):

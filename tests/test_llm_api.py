@@ -6,9 +6,11 @@ import re
 
 import pytest
 
-from recguide_jax import LLM, SamplingParams
+from recguide_jax import LLM
+
+from recguide_jax import SamplingParams
 from recguide_jax.llm import BUNDLED_CHECKPOINT
-from recguide_jax.requests import UNIMPLEMENTED_FIELDS, RequestError
+from recguide_jax.engine.requests import UNIMPLEMENTED_FIELDS, RequestError
 
 
 @pytest.fixture(scope="module")

@@ -1,4 +1,4 @@
-"""The memory planner (recguide_jax/memory_plan.py): arithmetic and refusals with stated device sizes (no device
+"""The memory planner (recguide_jax/cache/memory_plan.py): arithmetic and refusals with stated device sizes (no device
 needed), the activation probe on a micro model, the plan inside `LLM`, the server's refusal, and the shipped
 docs/memory_plans.json against the planner."""
 
@@ -12,9 +12,9 @@ import sys
 
 import pytest
 
-from recguide_jax import memory_plan as mp
-from recguide_jax.config import PRESETS, NLDConfig
-from recguide_jax.runner import RunnerConfig
+from recguide_jax.cache import memory_plan as mp
+from recguide_jax.model.config import PRESETS, NLDConfig
+from recguide_jax.runtime.runner import RunnerConfig
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 GB = mp.GB
@@ -36,7 +36,7 @@ def test_param_count_is_the_models():
   import jax
   from flax import nnx
 
-  from recguide_jax.model import NLDModel
+  from recguide_jax.model.nld import NLDModel
   for cfg in (MICRO, MICRO.replace(lora_rank=4, lora_alpha=8.0)):
     abstract = nnx.eval_shape(lambda: NLDModel(cfg, rngs=nnx.Rngs(0)))
     assert mp.param_count(cfg) == sum(math.prod(x.shape) for x in jax.tree.leaves(nnx.state(abstract, nnx.Param)))
@@ -136,7 +136,8 @@ def test_probe_measures_the_largest_variants_from_abstract_shapes():
 
 
 def test_llm_plans_before_loading(monkeypatch):
-  from recguide_jax import checkpoint, llm as llm_lib
+  from recguide_jax.model import checkpoint
+  from recguide_jax import llm as llm_lib
 
   def no_load(*a, **k):
     raise AssertionError("the weights were loaded before the plan was checked")
@@ -156,7 +157,7 @@ def test_llm_sizes_its_cache_from_the_plan():
 
   from recguide_jax import SamplingParams
   from recguide_jax.llm import LLM
-  from recguide_jax.model import NLDModel
+  from recguide_jax.model.nld import NLDModel
   model = NLDModel(MICRO, rngs=nnx.Rngs(0))
   llm = LLM(model=model, policy="ar", max_num_seqs=2, max_model_len=32, page_size=8, prefill_chunk=8,
             device_memory_gb=0.02, warmup=False, compile_cache_dir=None)

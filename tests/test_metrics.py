@@ -44,8 +44,8 @@ VLLM_SERIES = {  # family name -> type
 @pytest.fixture(scope="module")
 def served():
   from recguide_jax import LLM
-  from recguide_jax.engine import EngineThread
-  from recguide_jax.server import create_app
+  from recguide_jax.engine.thread import EngineThread
+  from recguide_jax.server.app import create_app
   # max_batch 1: one batch bucket to compile; concurrent requests wait their turn (queue time is observed)
   llm = LLM(policy="linear", block_size=BLOCK, max_num_seqs=1, max_model_len=256, page_size=16, warmup=False,
             compile_cache_dir=None)

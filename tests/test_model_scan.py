@@ -14,11 +14,13 @@ import pytest
 
 from conftest import tiny_config
 from flax import nnx
-from recguide_jax.model import (ForwardInputs, KernelLayout, LayerLoop, NLDModel, kernel_layout_of, layer_loop_of,
-                                resolve_kernel_layout, resolve_layer_loop, shard_model, with_kernel_layout,
-                                with_layer_loop)
+from recguide_jax.model.nld import (ForwardInputs, KernelLayout, LayerLoop, NLDModel, kernel_layout_of,
+                                    layer_loop_of, resolve_kernel_layout, resolve_layer_loop, shard_model,
+                                    with_kernel_layout, with_layer_loop)
 from recguide_jax.model.nld import SWAPPED_MATMUL_MAX_ROWS, Dense
-from recguide_jax.runtime import Runner, RunnerConfig, SamplingArrays, StepKey, StepKind
+from recguide_jax.runtime.runner import Runner, RunnerConfig
+from recguide_jax.runtime.steps import SamplingArrays
+from recguide_jax.runtime.step_key import StepKey, StepKind
 
 CFG = tiny_config(lora_rank=4, lora_alpha=8.0)
 

@@ -25,9 +25,9 @@ from flax import nnx
 from jax.experimental.pallas import tpu as pltpu
 
 from pallas_kernels import block_attention_gpu, block_attention_tpu, common
-from recguide_jax import attention_dispatch
-from recguide_jax.kv_cache import write_block
-from recguide_jax.model import ForwardInputs, NLDModel
+from recguide_jax.attention import dispatch as attention_dispatch
+from recguide_jax.cache.kv_cache import write_block
+from recguide_jax.model.nld import ForwardInputs, NLDModel
 from tests.conftest import tiny_config
 
 VARIANTS = {"gpu": block_attention_gpu, "tpu": block_attention_tpu}

@@ -6,7 +6,8 @@ import zlib
 import numpy as np
 import pytest
 
-from recguide_jax import SamplingParams, policies
+from recguide_jax import SamplingParams
+from recguide_jax.decoding.builtin import ARStrategy
 from recguide_jax.decoding import rounds
 from recguide_jax.decoding.strategy import RoundPlan, Strategy
 
@@ -45,7 +46,7 @@ def prompts(n, seed):
 @pytest.fixture(scope="module")
 def ar_reference(tiny_llm):
   ps = prompts(8, 5)
-  tiny_llm.set_policy(policies.ARPolicy())
+  tiny_llm.set_policy(ARStrategy())
   return ps, [o.token_ids for o in tiny_llm.generate(ps, PARAMS)]
 
 
@@ -114,7 +115,7 @@ def test_ragged_sampling_keeps_the_ar_distribution():
   to step: the continuations follow the exact AR distribution (chi-square over every continuation)."""
   from flax import nnx
   from recguide_jax import LLM
-  from recguide_jax.model import NLDModel
+  from recguide_jax.model.nld import NLDModel
   from tests.conftest import tiny_config
   from tests.test_sampling import MASK, PROMPT, VOCAB, chi_square_pvalue
   n_tokens, n_samples = 5, 2000
@@ -140,8 +141,8 @@ def _exact(model, params, n_tokens):
   """P(continuation) of every continuation of `n_tokens` tokens after test_sampling's PROMPT (one causal forward)."""
   import itertools
   import jax.numpy as jnp
-  from recguide_jax import sampling
-  from recguide_jax.model import ForwardInputs
+  from recguide_jax.model.nld import ForwardInputs
+  from recguide_jax.runtime import sampling
   from tests.test_sampling import MASK, PROMPT, VOCAB
   conts = list(itertools.product([t for t in range(VOCAB) if t != MASK], repeat=n_tokens))
   seqs = jnp.asarray([PROMPT + list(c) for c in conts])

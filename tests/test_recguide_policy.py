@@ -4,9 +4,11 @@ the loop, and the load/hardware-aware switch choosing AR where speculation would
 import numpy as np
 import pytest
 
-from recguide_jax import SamplingParams, policies
-from recguide_jax.orchestrator.controller import RecGuideStrategy
-from recguide_jax.orchestrator.profile import HardwareProfile
+from recguide_jax import SamplingParams
+
+from recguide_jax.decoding.builtin import ARStrategy
+from recguide_jax.recguide.controller import RecGuideStrategy
+from recguide_jax.recguide.profile import HardwareProfile
 
 PARAMS = SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=True)
 
@@ -41,7 +43,7 @@ def measure(pol, kind, blk, ms, rows=1, n=3):
 @pytest.fixture(scope="module")
 def ar_reference(tiny_llm):
   ps = prompts(8, 11)
-  tiny_llm.set_policy(policies.ARPolicy())
+  tiny_llm.set_policy(ARStrategy())
   return ps, [o.token_ids for o in tiny_llm.generate(ps, PARAMS)]
 
 
@@ -93,7 +95,8 @@ def test_switch_prefers_ar_when_speculation_loses():
 
 
 def test_fitted_tables_drive_the_block_choice(tiny_llm, ar_reference, tmp_path):
-  from recguide_jax.orchestrator import adaptive, rho_search, value_fit, value_model as vm
+  from recguide_jax.recguide import adaptive, value_model as vm
+  from recguide_jax.recguide.fit import rho_search, value_fit
   rng = np.random.default_rng(0)
   rows = []
   for req in range(40):  # synthetic traces: confident history (high s) means long acceptance
@@ -141,7 +144,7 @@ class _AlternatingRegimes(RecGuideStrategy):
 def test_prefetched_branches_do_not_survive_a_regime_switch(tiny_llm):
   ps = prompts(16, 5)
   params = SamplingParams(max_tokens=64, temperature=0.0, ignore_eos=True)
-  tiny_llm.set_policy(policies.ARPolicy())
+  tiny_llm.set_policy(ARStrategy())
   ar = [o.token_ids for o in tiny_llm.generate(ps, params)]
   pol = _AlternatingRegimes(8, delta=1.0, planner="expected_hit")
   pol.stale = 0
@@ -154,7 +157,7 @@ def test_prefetched_branches_do_not_survive_a_regime_switch(tiny_llm):
 
 
 def test_round_clock_keeps_a_robust_recent_median():
-  from recguide_jax.orchestrator.calibration import RoundClock
+  from recguide_jax.recguide.calibration import RoundClock
   clock = RoundClock(window=4, min_samples=3)
   clock.observe("ar", 1, 2, 0.001)
   clock.observe("ar", 1, 2, 0.001)
@@ -170,7 +173,7 @@ def test_round_clock_keeps_a_robust_recent_median():
 
 
 def test_round_clock_starts_a_stale_key_afresh():
-  from recguide_jax.orchestrator.calibration import RoundClock
+  from recguide_jax.recguide.calibration import RoundClock
   t = [0.0]
   clock = RoundClock(window=8, min_samples=3, stale_after_s=2.0, now=lambda: t[0])
   assert clock.age("linear", 8, 1) == float("inf") and not clock.is_fresh("linear", 8, 1)
@@ -295,7 +298,7 @@ def test_switch_judges_a_stale_runner_up_by_fresh_rounds_of_its_kind():
 
 
 def test_calibrated_costs_measure_then_scale_the_profile():
-  from recguide_jax.orchestrator.calibration import CalibratedCosts
+  from recguide_jax.recguide.calibration import CalibratedCosts
   costs = CalibratedCosts(lambda kind, blk, rows: {"ar": 1.0, "linear": 4.0}[kind] * rows, refresh_every=1)
   assert costs.cost("linear", 8, 2) == 8.0  # nothing measured: the profile
   for _ in range(3):
@@ -342,9 +345,10 @@ def test_engine_reports_every_round_to_the_policy(tiny_llm, ar_reference):
 
 
 def test_tables_priced_for_other_hardware_keep_their_values_but_not_their_prices():
-  from recguide_jax.orchestrator import adaptive, value_fit, value_model as vm
-  from recguide_jax.orchestrator.controller import RecGuideState
-  from recguide_jax.orchestrator.signals import RoundRecord
+  from recguide_jax.recguide import adaptive, value_model as vm
+  from recguide_jax.recguide.fit import value_fit
+  from recguide_jax.recguide.controller import RecGuideState
+  from recguide_jax.recguide.signals import RoundRecord
   rows = [{"dataset": "syn", "request_id": r, "round": t, "s": -0.5 if t else None, "z": "b16_partial" if t else None,
            "A": {"8": 6, "16": 10, "32": 14}} for r in range(30) for t in range(4)]
   model = value_fit.fit_value_model(rows, bins=2)
@@ -366,7 +370,7 @@ def test_tables_priced_for_other_hardware_keep_their_values_but_not_their_prices
 
 
 def test_value_calibration_scales_predictions_by_what_verification_returned():
-  from recguide_jax.orchestrator.estimates import ValueCalibration
+  from recguide_jax.recguide.estimates import ValueCalibration
   cal = ValueCalibration(min_rounds=4)
   for _ in range(3):
     cal.observe(8, 4.0, 2)
@@ -388,8 +392,9 @@ def test_recguide_corrects_fitted_values_that_over_promise_on_this_workload():
   fitted values by what its verifications returned; one pricing for a foreign device keeps the tables' values."""
   import types
 
-  from recguide_jax.orchestrator import adaptive, value_fit
-  from recguide_jax.orchestrator.controller import RecGuideState
+  from recguide_jax.recguide import adaptive
+  from recguide_jax.recguide.fit import value_fit
+  from recguide_jax.recguide.controller import RecGuideState
   rows = [{"dataset": "syn", "request_id": r, "round": t, "s": None, "z": None, "A": {"8": 6, "16": 8, "32": 9}}
           for r in range(30) for t in range(4)]
   model = value_fit.fit_value_model(rows, bins=2)

@@ -10,15 +10,17 @@ import numpy as np
 import pytest
 
 from recguide_jax import SamplingParams
-from recguide_jax.benchmarks import priced_ms
+from recguide_jax.benchmarks.driver import priced_ms
 from recguide_jax.decoding import rounds
 from recguide_jax.decoding.strategy import RoundPlan, StepView
 from recguide_jax.engine.scheduler import group_plans
-from recguide_jax.orchestrator import adaptive, load_profile, overlap as ov, value_fit
-from recguide_jax.orchestrator.controller import RecGuideState, RecGuideStrategy
-from recguide_jax.orchestrator.profile import HardwareProfile
-from recguide_jax.orchestrator.signals import RoundRecord
-from recguide_jax.requests import Forward
+from recguide_jax.recguide import adaptive, overlap as ov
+from recguide_jax.recguide.fit import value_fit
+from recguide_jax.recguide.profile import load_profile
+from recguide_jax.recguide.controller import RecGuideState, RecGuideStrategy
+from recguide_jax.recguide.profile import HardwareProfile
+from recguide_jax.recguide.signals import RoundRecord
+from recguide_jax.engine.requests import Forward
 
 BLOCKS = (8, 16, 32)
 # what a round accepts per block: a confident request gains a little from longer blocks, an unsure one nothing

@@ -8,15 +8,17 @@ import pickle
 import numpy as np
 import pytest
 
-from recguide_jax.runtime import (Runner, RunnerConfig, SamplingArrays, StepKey, StepKind,
-                                  fused_kind, fused_slots)
+from recguide_jax.runtime.runner import Runner, RunnerConfig, fused_kind, fused_slots
+from recguide_jax.runtime.steps import SamplingArrays
+from recguide_jax.runtime.step_key import StepKey, StepKind
 from recguide_jax.runtime.step_key import parse_kind_label
 
 
 def test_step_key_labels_round_trip():
   assert StepKey.parse("fused2", 16, 4) == StepKey(StepKind.FUSED, 16, 4, 2)
-  assert StepKey.parse("fused", 8, 1).slots == 3  # the label of earlier releases: the full tree
-  assert StepKey(StepKind.FUSED, 8, 1, 3).label == "fused" and fused_kind(2) == "fused2"
+  assert StepKey(StepKind.FUSED, 8, 1, 3).label == "fused3" and fused_kind(2) == "fused2"
+  with pytest.raises(ValueError, match="fused<N>"):
+    StepKey.parse("fused", 8, 1)  # a fused label names its slot count
   assert fused_slots(fused_kind(5)) == 5
   assert StepKey(StepKind.VERIFY, 16, 8).name == "verify/16/8"
   assert StepKey(StepKind.FUSED, 8, 2, 2).query_tokens == 24
@@ -133,8 +135,8 @@ def test_a_bf16_runner_on_the_cpu_keeps_its_cache_as_bits_and_never_converts_it(
   from flax import nnx
 
   from conftest import tiny_config
-  from recguide_jax.attention import causal_mask
-  from recguide_jax.model import ForwardInputs, NLDModel
+  from recguide_jax.attention.reference import causal_mask
+  from recguide_jax.model.nld import ForwardInputs, NLDModel
   model = NLDModel(tiny_config(), dtype=jnp.bfloat16, param_dtype=jnp.bfloat16, rngs=nnx.Rngs(7))
   runner = Runner(model, RunnerConfig(num_pages=8, page_size=8, max_model_len=32, max_batch=1, block_sizes=(8,),
                                       prefill_chunk=16, compile_cache_dir=None))

@@ -12,10 +12,13 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from recguide_jax import LLM, SamplingParams
-from recguide_jax import policies, sampling
+from recguide_jax import LLM
+
+from recguide_jax import SamplingParams
+from recguide_jax.decoding.builtin import ARStrategy, LinearStrategy
+from recguide_jax.runtime import sampling
 from recguide_jax.benchmarks.stats import pooled_chisquare_pvalue
-from recguide_jax.model import ForwardInputs, NLDModel
+from recguide_jax.model.nld import ForwardInputs, NLDModel
 from tests.conftest import tiny_config
 
 VOCAB = 6
@@ -63,9 +66,9 @@ def chi_square_pvalue(samples, exact):
 @pytest.fixture(scope="module")
 def samplers(small_vocab_model):
   out = {}
-  for name, rule, policy in [("ar", "leviathan", policies.ARPolicy()),
-                             ("leviathan", "leviathan", policies.LinearPolicy(8)),
-                             ("reference", "reference", policies.LinearPolicy(8))]:
+  for name, rule, policy in [("ar", "leviathan", ARStrategy()),
+                             ("leviathan", "leviathan", LinearStrategy(8)),
+                             ("reference", "reference", LinearStrategy(8))]:
     out[name] = LLM(model=small_vocab_model, policy=policy, max_num_seqs=32, max_model_len=32, page_size=4,
                     prefill_chunk=4, rule=rule, warmup=False, compile_cache_dir=None)
   return out
@@ -291,7 +294,8 @@ def test_greedy_rows_ignore_their_filters():
 def test_no_step_sorts_the_vocabulary():
   """The compiled verify, decode and draft steps of a tiny model hold no sort (nor top-k), and neither does the
   sampling program lowered for GPU and TPU."""
-  from recguide_jax.runtime import Runner, RunnerConfig, StepKey, StepKind
+  from recguide_jax.runtime.runner import Runner, RunnerConfig
+  from recguide_jax.runtime.step_key import StepKey, StepKind
   model = NLDModel(tiny_config(), rngs=nnx.Rngs(1))
   runner = Runner(model, RunnerConfig(num_pages=8, page_size=8, max_model_len=32, max_batch=2, block_sizes=(8,),
                                       prefill_chunk=8, compile_cache_dir=None))

@@ -26,9 +26,11 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # server_fixture
 
 import server_fixtures as sf  # noqa: E402
 
-from recguide_jax import LLM, SamplingParams  # noqa: E402
+from recguide_jax import LLM
+
+from recguide_jax import SamplingParams  # noqa: E402
 from recguide_jax.server.streaming import TextDeltas, final_text, stop_position  # noqa: E402
-from recguide_jax.tokenizer import Tokenizer  # noqa: E402
+from recguide_jax.text.tokenizer import Tokenizer  # noqa: E402
 
 MODEL = "nld-test"  # the checkpoint directory's name: the default served model name
 MAX_MODEL_LEN = 256
@@ -544,8 +546,8 @@ def test_metrics_agree_with_responses(server):
 def test_engine_failure_is_500_and_error_event(offline_llm):
   from fastapi.testclient import TestClient
 
-  from recguide_jax.engine import EngineThread
-  from recguide_jax.server import create_app
+  from recguide_jax.engine.thread import EngineThread
+  from recguide_jax.server.app import create_app
 
   thread = EngineThread(offline_llm.engine).start()
   app = create_app(thread, offline_llm.tokenizer, "inproc")

@@ -26,10 +26,15 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # server_fixture
 
 import server_fixtures as sf  # noqa: E402
 
-from recguide_jax import LLM, CompletionOutput, SamplingParams  # noqa: E402
-from recguide_jax.engine import EngineThread  # noqa: E402
-from recguide_jax.server import create_app, protocol  # noqa: E402
-from recguide_jax.tokenizer import Tokenizer  # noqa: E402
+from recguide_jax import LLM
+
+from recguide_jax import CompletionOutput
+
+from recguide_jax import SamplingParams  # noqa: E402
+from recguide_jax.engine.thread import EngineThread  # noqa: E402
+from recguide_jax.server.app import create_app
+from recguide_jax.server import protocol  # noqa: E402
+from recguide_jax.text.tokenizer import Tokenizer  # noqa: E402
 
 MODEL = "nld-api"
 MAX_MODEL_LEN = 128

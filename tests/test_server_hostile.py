@@ -25,9 +25,15 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # server_fixture
 
 import server_fixtures as sf  # noqa: E402
 
-from recguide_jax import LLM, SamplingParams, policies  # noqa: E402
-from recguide_jax.engine import EngineThread, RequestError, SEED_RANGE  # noqa: E402
-from recguide_jax.server import create_app, protocol  # noqa: E402
+from recguide_jax import LLM
+
+from recguide_jax import SamplingParams
+
+from recguide_jax.decoding.builtin import LinearStrategy  # noqa: E402
+from recguide_jax.engine.thread import EngineThread
+from recguide_jax.engine.requests import RequestError, SEED_RANGE  # noqa: E402
+from recguide_jax.server.app import create_app
+from recguide_jax.server import protocol  # noqa: E402
 
 MODEL = "nld-hostile"
 MAX_MODEL_LEN = 128
@@ -421,7 +427,7 @@ PROMPTS = [[5, 9, 14, 30], [7, 7, 7, 8, 9, 10], [40, 41, 42]]
 
 @pytest.fixture
 def engine(tiny_llm):
-  tiny_llm.set_policy(policies.LinearPolicy(8))
+  tiny_llm.set_policy(LinearStrategy(8))
   eng = tiny_llm.engine
   assert not eng.has_work()
   yield eng
@@ -470,14 +476,14 @@ def test_engine_failing_callback_or_plan_fails_alone(engine, alone, monkeypatch)
   reqs = [engine.add_request(p, GREEDY) for p in PROMPTS]
   cb = engine.add_request([20, 21], GREEDY, on_update=broken_callback)
   planned = engine.add_request([22, 23, 24], GREEDY)
-  real_plan = engine.policy.plan
+  real_plan = engine.strategy.plan
 
   def plan(req, eng):
     if req is planned:
       raise ValueError("policy bug for this request")
     return real_plan(req, eng)
 
-  monkeypatch.setattr(engine.policy, "plan", plan)
+  monkeypatch.setattr(engine.strategy, "plan", plan)
   _run(engine, reqs)
   assert cb.finish_reason == "error" and "callback" in cb.error
   assert planned.finish_reason == "error" and "policy bug" in planned.error
@@ -506,7 +512,7 @@ def test_engine_failing_round_fails_its_batch_only(engine, alone, monkeypatch):
 
 def test_engine_device_failure_fails_all_logged(tiny_llm, caplog, monkeypatch):
   """A runtime error from XLA is a device failure: the engine thread fails every request, with a log record."""
-  tiny_llm.set_policy(policies.LinearPolicy(8))
+  tiny_llm.set_policy(LinearStrategy(8))
   eng = tiny_llm.engine
 
   def device_error(*args, **kwargs):
@@ -536,7 +542,7 @@ def test_engine_device_failure_fails_all_logged(tiny_llm, caplog, monkeypatch):
 
 
 def test_seed_folding_keeps_small_seeds_and_uses_every_bit():
-  from recguide_jax.engine import fold_seed
+  from recguide_jax.engine.requests import fold_seed
   assert [fold_seed(s) for s in (0, 5, 2**32 - 1)] == [0, 5, 2**32 - 1]
   assert len({fold_seed(s) for s in (1, 2**32 + 1, -1, -2**63, 2**63 - 1)}) == 5
   assert all(0 <= fold_seed(s) < 2**32 for s in (-2**63, 2**63 - 1, -1))
@@ -546,7 +552,7 @@ def test_seed_folding_keeps_small_seeds_and_uses_every_bit():
 def test_completion_top_logprobs_keep_every_entry(tmp_path):
   """Two top tokens that decode to the same text (byte tokens of a split UTF-8 character) stay two entries."""
   from recguide_jax.server import responses
-  from recguide_jax.tokenizer import Tokenizer
+  from recguide_jax.text.tokenizer import Tokenizer
   sf.build_tokenizer(tmp_path)
   tok = Tokenizer.from_dir(tmp_path)
   euro = tok.encode("\u20ac")  # three byte tokens, each of which decodes alone to U+FFFD

@@ -15,7 +15,9 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # server_fixture
 import server_fixtures as sf  # noqa: E402
 from conftest import COMPILE_FLAGS  # noqa: E402
 
-from recguide_jax import LLM, SamplingParams  # noqa: E402
+from recguide_jax import LLM
+
+from recguide_jax import SamplingParams  # noqa: E402
 
 MAX_MODEL_LEN = 128
 # the same policy, block size, pages and layer programs as the offline reference below; one sequence per group
@@ -82,8 +84,9 @@ def test_both_engines_implement_the_serving_protocol():
   server calls `add_request` with positional arguments that a narrower signature once refused)."""
   import inspect
 
-  from recguide_jax.data_parallel import DataParallelEngine
-  from recguide_jax.engine import Engine, ServingEngine
+  from recguide_jax.parallel.data_parallel import DataParallelEngine
+  from recguide_jax.engine.core import Engine
+  from recguide_jax.engine.protocol import ServingEngine
   methods = [n for n, v in vars(ServingEngine).items() if inspect.isfunction(v) and not n.startswith("_")]
   assert {"add_request", "abort", "finish", "fail_all", "step", "kv_pages"} <= set(methods)
   for cls in (Engine, DataParallelEngine):

@@ -18,10 +18,16 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 from conftest import COMPILE_FLAGS
-from recguide_jax import attention, attention_dispatch, checkpoint, data_parallel, memory_plan, sharding
-from recguide_jax.config import PRESETS
-from recguide_jax.model import abstract_model
-from recguide_jax.runtime import Runner, RunnerConfig, StepKey, StepKind
+from recguide_jax.attention import reference as attention
+from recguide_jax.attention import dispatch as attention_dispatch
+from recguide_jax.model import checkpoint
+from recguide_jax.parallel import data_parallel
+from recguide_jax.cache import memory_plan
+from recguide_jax.parallel import sharding
+from recguide_jax.model.config import PRESETS
+from recguide_jax.model.nld import abstract_model
+from recguide_jax.runtime.runner import Runner, RunnerConfig
+from recguide_jax.runtime.step_key import StepKey, StepKind
 from recguide_jax.runtime.steps import example_host_args
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -45,7 +51,7 @@ def test_mesh_specs_and_their_errors():
 def test_mesh_flags(monkeypatch):
   from absl import flags
 
-  from recguide_jax import distributed
+  from recguide_jax.parallel import multihost as distributed
   fv = flags.FlagValues()
   monkeypatch.setattr(distributed, "_FLAG_VALUES", None)
   distributed.define_mesh_flags(fv)

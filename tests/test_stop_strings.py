@@ -5,10 +5,10 @@ import numpy as np
 import pytest
 
 from recguide_jax.engine import output
-from recguide_jax.requests import Request, SamplingParams
+from recguide_jax.engine.requests import Request, SamplingParams
 from recguide_jax.server.streaming import TextDeltas
-from recguide_jax.stop_strings import StopChecker
-from recguide_jax.tokenizer import IncrementalDetokenizer, Tokenizer
+from recguide_jax.text.stop_strings import StopChecker
+from recguide_jax.text.tokenizer import IncrementalDetokenizer, Tokenizer
 
 
 @pytest.fixture(scope="module")

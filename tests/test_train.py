@@ -6,7 +6,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from recguide_jax.attention import block_attention_ref, sbd_training_attention
+from recguide_jax.attention.reference import block_attention_ref, sbd_training_attention
 from recguide_jax.train import data as data_lib
 from recguide_jax.train import objective
 from recguide_jax.train.trainer import TrainConfig, Trainer
@@ -102,7 +102,8 @@ def test_resume_reproduces_uninterrupted_run(tmp_path):
     np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
   assert (tmp_path / "full" / "loss_curves.png").exists()
   full.export(tmp_path / "export")
-  from recguide_jax import LLM, SamplingParams
+  from recguide_jax import LLM
+  from recguide_jax import SamplingParams
   llm = LLM(tmp_path / "export", policy="linear", block_size=8, max_num_seqs=1, max_model_len=64, page_size=8,
             prefill_chunk=16, warmup=False, compile_cache_dir=None)
   out = llm.generate("The farmer has", SamplingParams(max_tokens=5, temperature=0))

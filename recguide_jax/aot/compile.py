@@ -17,7 +17,7 @@ from typing import Callable, Sequence
 
 import jax.numpy as jnp
 
-from recguide_jax import memory_plan as memory_plan_lib
+from recguide_jax.cache import memory_plan as memory_plan_lib
 from recguide_jax.aot import inspect as hlo
 from recguide_jax.aot.targets import Target
 
@@ -72,7 +72,7 @@ class TargetReport:
 
 def target_mesh(target: Target, tp: int):
   """One dp group's tp mesh over the target's first `tp` compile-only devices (every group compiles alike)."""
-  from recguide_jax import sharding
+  from recguide_jax.parallel import sharding
   devices = target.devices()
   if tp > len(devices):
     raise ValueError(f"--tensor_parallel_size {tp} exceeds the {len(devices)} devices of --target {target.name}")
@@ -95,10 +95,10 @@ def policy_runner_config(policy_name: str, *, block_size: int, max_num_seqs: int
 
 
 def shapes_config(preset: str, lora_rank: int):
-  """The model a compile runs: a preset of recguide_jax/config.py or a checkpoint directory's config.json, with
+  """The model a compile runs: a preset of recguide_jax/model/config.py or a checkpoint directory's config.json, with
   NLD's draft LoRA of `lora_rank` added when the config has none. A ValueError names the flag."""
   import os
-  from recguide_jax.config import PRESETS, NLDConfig
+  from recguide_jax.model.config import PRESETS, NLDConfig
   if preset in PRESETS:
     cfg = PRESETS[preset]
   elif os.path.exists(os.path.join(preset, "config.json")):
@@ -119,8 +119,8 @@ def plan_and_compile(cfg, target: Target, *, policy: str, tp: int, dtype: str = 
                      progress: Callable[[str], None] = print) -> TargetReport:
   """The memory plan of `target` for `policy`, then every variant compiled at its cache size and checked.
   Raises memory_plan.MemoryPlanError when the plan does not fit the chip."""
-  from recguide_jax import attention_dispatch
-  from recguide_jax.memory_plan import _abstract_runner, _nbytes, _transient_bytes
+  from recguide_jax.attention import dispatch as attention_dispatch
+  from recguide_jax.cache.memory_plan import _abstract_runner, _nbytes, _transient_bytes
   _, rc, kinds, blocks = policy_runner_config(policy, block_size=block_size, max_num_seqs=max_num_seqs,
                                               max_model_len=max_model_len, page_size=page_size,
                                               prefill_chunk=prefill_chunk)

@@ -27,8 +27,8 @@ import numpy as np
 from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, processors
 from tqdm import tqdm
 
-from recguide_jax.checkpoint import CONFIG_FILE, param_shapes, save_params
-from recguide_jax.config import NLDConfig
+from recguide_jax.model.checkpoint import CONFIG_FILE, param_shapes, save_params
+from recguide_jax.model.config import NLDConfig
 from recguide_jax.convert.hf import OUT_DTYPES, ConversionError
 
 TOKENIZER_FILE = "tokenizer.json"

@@ -24,8 +24,8 @@ import ml_dtypes
 import numpy as np
 from tqdm import tqdm
 
-from recguide_jax.checkpoint import CONFIG_FILE, TOKENIZER_FILES, CheckpointError, param_shapes, save_params
-from recguide_jax.config import NLDConfig
+from recguide_jax.model.checkpoint import CONFIG_FILE, TOKENIZER_FILES, CheckpointError, param_shapes, save_params
+from recguide_jax.model.config import NLDConfig
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"

@@ -1,2 +1,2 @@
 """Decoding strategies: the protocol (`strategy`), the generic rounds (`rounds`), the fixed strategies (`builtin`)
-and the name registry (`registry`). RecGuide's strategy lives in `recguide_jax.orchestrator.controller`."""
+and the name registry (`registry`). RecGuide's strategy lives in `recguide_jax.recguide.controller`."""

@@ -14,7 +14,7 @@ Factory = Callable[..., Strategy]
 
 def _recguide(block_size: int, threshold: float, **kwargs) -> Strategy:
   del threshold
-  from recguide_jax.orchestrator.controller import RecGuideStrategy  # numpy-only, but loaded only when asked for
+  from recguide_jax.recguide.controller import RecGuideStrategy  # numpy-only, but loaded only when asked for
   return RecGuideStrategy(block_size, **kwargs)
 
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 import numpy as np
 
 from recguide_jax.decoding.strategy import Group, Round, RoundContext, RoundKind
-from recguide_jax.requests import Forward
+from recguide_jax.engine.requests import Forward
 
 
 def draft_verify(ctx: RoundContext, blk: int, seed, write, prefix_len, page_table, samp):

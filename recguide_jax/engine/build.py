@@ -6,14 +6,14 @@ from __future__ import annotations
 from recguide_jax.engine.protocol import ServingEngine
 
 
-def build_engine(model, runner_config, policy, *, mesh=None, engine_factory=None, **engine_kwargs) -> ServingEngine:
+def build_engine(model, runner_config, strategy, *, mesh=None, engine_factory=None, **engine_kwargs) -> ServingEngine:
   """`mesh`: None (one device) or a jax Mesh whose dp groups each get a runner over their tp sub-mesh.
-  `engine_factory(runner, policy, **engine_kwargs)` builds one group's engine (default: `Engine`)."""
-  from recguide_jax import data_parallel
+  `engine_factory(runner, strategy, **engine_kwargs)` builds one group's engine (default: `Engine`)."""
+  from recguide_jax.parallel import data_parallel
   if engine_factory is None:
     from recguide_jax.engine.core import Engine as engine_factory
-  # each group gets its own policy object: a policy's calibration and controller state is per group, and the
+  # each group gets its own strategy object: a strategy's calibration and controller state is per group, and the
   # groups step concurrently
-  engines = [engine_factory(r, policy if i == 0 else data_parallel.policy_copy(policy), **engine_kwargs)
+  engines = [engine_factory(r, strategy if i == 0 else data_parallel.strategy_copy(strategy), **engine_kwargs)
              for i, r in enumerate(data_parallel.build_runners(model, runner_config, mesh))]
   return engines[0] if len(engines) == 1 else data_parallel.DataParallelEngine(engines)

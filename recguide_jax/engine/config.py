@@ -8,7 +8,7 @@ import dataclasses
 import os
 from typing import Any, Mapping
 
-from recguide_jax.config import BLOCK_SIZES
+from recguide_jax.model.config import BLOCK_SIZES
 
 BUCKETING_CHOICES = (True, False, "auto", "ragged")
 
@@ -49,7 +49,7 @@ class EngineConfig:
       bad = [b for b in self.block_sizes if b < 2]
       if bad:
         raise ValueError(f"block_sizes must be >= 2 (the library's are {BLOCK_SIZES}), got {bad}")
-    from recguide_jax.attention_dispatch import IMPLS
+    from recguide_jax.attention.dispatch import IMPLS
     if self.attention not in IMPLS:
       raise ValueError(f"attention must be one of {IMPLS}, got {self.attention!r}")
     if not any(self.bucketing is c or self.bucketing == c and isinstance(c, str) for c in BUCKETING_CHOICES):
@@ -64,7 +64,7 @@ class EngineConfig:
 
   def runner_config(self, block_sizes: tuple[int, ...], num_pages: int):
     """The runner's configuration for a strategy that plans `block_sizes`, with `num_pages` KV pages."""
-    from recguide_jax.runner import RunnerConfig
+    from recguide_jax.runtime.runner import RunnerConfig
     known = {f.name for f in dataclasses.fields(RunnerConfig)}
     unknown = sorted(set(self.runner_options) - known)
     if unknown:

@@ -28,9 +28,10 @@ import numpy as np
 from recguide_jax.decoding.strategy import Group, RoundPlan, StepView, Strategy
 from recguide_jax.engine import output, prefill
 from recguide_jax.engine.scheduler import Scheduler, group_plans
-from recguide_jax.kv_cache import PageAllocator
-from recguide_jax.requests import QueueFull, Request, RequestError, SamplingParams, fold_seed, sampling_row
-from recguide_jax.runner import Runner, SamplingArrays
+from recguide_jax.cache.kv_cache import PageAllocator
+from recguide_jax.engine.requests import QueueFull, Request, RequestError, SamplingParams, fold_seed, sampling_row
+from recguide_jax.runtime.runner import Runner
+from recguide_jax.runtime.steps import SamplingArrays
 
 log = logging.getLogger("recguide_jax.engine")
 
@@ -61,15 +62,6 @@ class Engine:
     self.forward_log: list[tuple[str, int, int]] | None = None  # set to [] to record every forward
     self.signal_log: list[dict] | None = None  # set to [] to record per-round draft signals (analysis)
     self.step_count = 0
-
-  # the decoding strategy under its earlier name (launch scripts and servers set `engine.policy`)
-  @property
-  def policy(self) -> Strategy:
-    return self.strategy
-
-  @policy.setter
-  def policy(self, strategy: Strategy) -> None:
-    self.strategy = strategy
 
   @property
   def waiting(self):

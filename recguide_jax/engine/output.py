@@ -11,9 +11,9 @@ from __future__ import annotations
 
 import dataclasses
 
-from recguide_jax.requests import Request
-from recguide_jax.stop_strings import StopChecker
-from recguide_jax.tokenizer import IncrementalDetokenizer
+from recguide_jax.engine.requests import Request
+from recguide_jax.text.stop_strings import StopChecker
+from recguide_jax.text.tokenizer import IncrementalDetokenizer
 
 
 @dataclasses.dataclass

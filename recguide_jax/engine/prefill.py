@@ -14,7 +14,7 @@ import time
 import numpy as np
 
 from recguide_jax.engine import output
-from recguide_jax.requests import Forward, Request
+from recguide_jax.engine.requests import Forward, Request
 
 
 def run_prefill(eng, reqs: list[Request], score: bool = False) -> None:

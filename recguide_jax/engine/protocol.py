@@ -8,7 +8,7 @@ from __future__ import annotations
 import collections
 from typing import Callable, Protocol, Sequence, runtime_checkable
 
-from recguide_jax.requests import Request, SamplingParams
+from recguide_jax.engine.requests import Request, SamplingParams
 
 
 @runtime_checkable
@@ -20,7 +20,7 @@ class ServingEngine(Protocol):
   runner: object  # warmup / compiles_after_warmup / mark_warm; a `ReplicaRunners` for several groups
   tokenizer: object | None
   max_queue: int  # most requests waiting for a batch slot (over all groups)
-  policy: object  # the decoding strategy; setting it gives every group its own copy
+  strategy: object  # the decoding strategy; setting it gives every group its own copy
 
   @property
   def waiting(self) -> Sequence[Request]: ...

@@ -13,8 +13,8 @@ import numpy as np
 
 from recguide_jax.decoding.grouping import cheapest_runs
 from recguide_jax.decoding.strategy import Group, RoundPlan
-from recguide_jax.kv_cache import PageAllocator
-from recguide_jax.requests import Request, RequestError, SamplingParams, describe
+from recguide_jax.cache.kv_cache import PageAllocator
+from recguide_jax.engine.requests import Request, RequestError, SamplingParams, describe
 
 
 class Scheduler:

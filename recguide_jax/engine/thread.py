@@ -10,7 +10,7 @@ import threading
 import time
 
 from recguide_jax.engine.protocol import ServingEngine
-from recguide_jax.requests import QueueFull, Request, RequestError, SamplingParams
+from recguide_jax.engine.requests import QueueFull, Request, RequestError, SamplingParams
 
 log = logging.getLogger("recguide_jax.engine")
 

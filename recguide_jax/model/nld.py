@@ -28,12 +28,12 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from recguide_jax import attention as attn_lib
-from recguide_jax import attention_dispatch
-from recguide_jax import host_cpu
-from recguide_jax import sharding
-from recguide_jax.config import NLDConfig
-from recguide_jax.kv_cache import KVCache, write_block
+from recguide_jax.attention import reference as attn_lib
+from recguide_jax.attention import dispatch as attention_dispatch
+from recguide_jax.runtime import host_cpu
+from recguide_jax.parallel import sharding
+from recguide_jax.model.config import NLDConfig
+from recguide_jax.cache.kv_cache import KVCache, write_block
 from recguide_jax.model import rope
 
 

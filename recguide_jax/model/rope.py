@@ -9,7 +9,7 @@ import math
 import jax.numpy as jnp
 import numpy as np
 
-from recguide_jax.config import NLDConfig
+from recguide_jax.model.config import NLDConfig
 
 
 def _yarn_mscale(scale: float, mscale: float = 1.0) -> float:

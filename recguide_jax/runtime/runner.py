@@ -31,10 +31,12 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from recguide_jax import sampling, sharding
-from recguide_jax.kv_cache import KVCache, storage_dtype
-from recguide_jax.model import (KernelLayout, LayerLoop, NLDModel, resolve_kernel_layout, resolve_layer_loop,
-                                weights_platform, with_kernel_layout, with_layer_loop)
+from recguide_jax.runtime import sampling
+
+from recguide_jax.parallel import sharding
+from recguide_jax.cache.kv_cache import KVCache, storage_dtype
+from recguide_jax.model.nld import (KernelLayout, LayerLoop, NLDModel, resolve_kernel_layout, resolve_layer_loop,
+                                    weights_platform, with_kernel_layout, with_layer_loop)
 from recguide_jax.runtime.compilation import (BackgroundCompiler, CompileCounter, compile_with_options,
                                               enable_compile_cache, variant_compiler_options)
 from recguide_jax.runtime.step_key import (BLOCK_SIZES, StepKey, StepKind, batch_buckets, fused_kind,  # noqa: F401

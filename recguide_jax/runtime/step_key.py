@@ -6,15 +6,11 @@ from __future__ import annotations
 import dataclasses
 import enum
 
-from recguide_jax.config import BLOCK_SIZES  # noqa: F401  (re-exported: the block sizes variants are built for)
-
-# The step-kind string "fused" (no slot count) of earlier releases meant the paper's full tree of three branch
-# slots (P1, P2 and the continuation); `StepKey.parse` keeps reading it that way.
-LEGACY_FUSED_SLOTS = 3
+from recguide_jax.model.config import BLOCK_SIZES  # noqa: F401  (re-exported: the block sizes variants are built for)
 
 
 class StepKind(str, enum.Enum):
-  """A compiled step's kind. A str enum, so `StepKind.VERIFY == "verify"` and old string kinds keep working."""
+  """A compiled step's kind (a str enum: its value is the label in logs, traces and cost tables)."""
   PREFILL = "prefill"  # causal chunk: writes K/V of its valid tokens, samples the next token at each row's last one
   DRAFT = "draft"  # bidirectional block [seed, MASK...] over the cached prefix, draft LoRA on; cache untouched
   VERIFY = "verify"  # causal block: writes its K/V, speculative acceptance against the draft distributions
@@ -82,7 +78,7 @@ class StepKey:
 
   @property
   def label(self) -> str:
-    """The step-kind label of logs, traces and cost tables ("verify", "fused", "fused2")."""
+    """The step-kind label of logs, traces and cost tables ("verify", "fused2")."""
     return kind_label(self.kind, self.slots)
 
   @property
@@ -94,22 +90,24 @@ class StepKey:
 
   @classmethod
   def parse(cls, kind: str | StepKind, block: int, batch: int) -> "StepKey":
-    """A key from a kind label ("fused2" = FUSED with 2 slots; "fused" = the full tree)."""
+    """A key from a kind label ("fused2" = FUSED with 2 slots)."""
     kind_enum, slots = parse_kind_label(kind)
     return cls(kind_enum, block, batch, slots)
 
 
 def kind_label(kind: StepKind, slots: int = 0) -> str:
   if kind == StepKind.FUSED:
-    return "fused" if slots == LEGACY_FUSED_SLOTS else f"fused{slots}"
+    return f"fused{slots}"
   return StepKind(kind).value
 
 
 def parse_kind_label(kind: str | StepKind) -> tuple[StepKind, int]:
-  """("fused2") -> (FUSED, 2); ("fused") -> (FUSED, 3); ("verify") -> (VERIFY, 0)."""
+  """("fused2") -> (FUSED, 2); ("verify") -> (VERIFY, 0). A fused label names its slot count."""
+  if kind == StepKind.FUSED:
+    raise ValueError("a fused step kind names its branch slots: fused<N>")
   if isinstance(kind, StepKind):
-    return kind, (LEGACY_FUSED_SLOTS if kind == StepKind.FUSED else 0)
-  if kind.startswith("fused") and kind != "fused":
+    return kind, 0
+  if kind.startswith("fused"):
     digits = kind[len("fused"):]
     if not digits.isdigit() or int(digits) < 1:
       raise ValueError(f"unknown step kind {kind!r}")
@@ -118,7 +116,7 @@ def parse_kind_label(kind: str | StepKind) -> tuple[StepKind, int]:
     kind_enum = StepKind(kind)
   except ValueError:
     raise ValueError(f"unknown step kind {kind!r}; expected one of {[k.value for k in StepKind]} or fused<N>")
-  return kind_enum, (LEGACY_FUSED_SLOTS if kind_enum == StepKind.FUSED else 0)
+  return kind_enum, 0
 
 
 def batch_buckets(max_batch: int) -> tuple[int, ...]:

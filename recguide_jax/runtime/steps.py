@@ -17,9 +17,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from recguide_jax import sampling
-from recguide_jax.model import ForwardInputs, NLDModel
-from recguide_jax.model.nld import RaggedLayout
+from recguide_jax.runtime import sampling
+from recguide_jax.model.nld import ForwardInputs, NLDModel, RaggedLayout
 from recguide_jax.runtime.step_key import StepKey, StepKind
 from recguide_jax.runtime.uncertainty import draft_signals, verifier_entropy
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from recguide_jax import sampling
+from recguide_jax.runtime import sampling
 
 
 def draft_signals(logits: jax.Array, drafted: jax.Array, cfg) -> jax.Array:

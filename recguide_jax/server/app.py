@@ -30,12 +30,12 @@ from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 import recguide_jax
-from recguide_jax.engine import EngineThread
+from recguide_jax.engine.thread import EngineThread
 from recguide_jax.server import protocol
 from recguide_jax.server.generation import Generation
 from recguide_jax.server.metrics import CONTENT_TYPE, DEFAULT_LOG_STATS_INTERVAL_S, ServerMetrics
 from recguide_jax.server.middleware import REQUEST_ID_HEADER, APIKeyMiddleware, RequestIdMiddleware
-from recguide_jax.tokenizer import Tokenizer
+from recguide_jax.text.tokenizer import Tokenizer
 
 log = logging.getLogger("recguide_jax.server")
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 import math
 
-from recguide_jax.requests import RequestError
+from recguide_jax.engine.requests import RequestError
 
 _MAX_ECHO = 60  # characters of a client value quoted in an error message
 

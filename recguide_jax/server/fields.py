@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import json
 
-from recguide_jax.requests import MAX_SAMPLES, RequestError, SamplingParams
+from recguide_jax.engine.requests import MAX_SAMPLES, RequestError, SamplingParams
 from recguide_jax.server.errors import APIError, _cap, bad_type as _bad_type, show as _show
 
 # Fields accepted only at their neutral value: clients often send them explicitly.

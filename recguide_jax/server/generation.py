@@ -16,13 +16,13 @@ import uuid
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
-from recguide_jax.engine import EngineThread
-from recguide_jax.requests import RequestError, best_samples
+from recguide_jax.engine.thread import EngineThread
+from recguide_jax.engine.requests import RequestError, best_samples
 from recguide_jax.server import protocol, responses
 from recguide_jax.server.metrics import ServerMetrics
 from recguide_jax.server.streaming import TextDeltas
 from recguide_jax.server.tracker import EventStream, Final, Tracker, disconnected
-from recguide_jax.tokenizer import Tokenizer
+from recguide_jax.text.tokenizer import Tokenizer
 
 log = logging.getLogger("recguide_jax.server")
 

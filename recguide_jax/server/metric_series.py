@@ -92,7 +92,7 @@ class Collector:
     # ---- RecGuide's own series ----------------------------------------------------------------------------------
     blocks = dict(snap["block_sizes"])
     try:  # zeros for every block size the policy may plan (and AR rounds for RecGuide), so shares exist from start
-      planned = tuple(eng.policy.block_sizes()) + ((1,) if hasattr(eng.policy, "regime_counts") else ())
+      planned = tuple(eng.strategy.block_sizes()) + ((1,) if hasattr(eng.strategy, "regime_counts") else ())
     except Exception:
       planned = ()
     for b in planned:
@@ -112,7 +112,7 @@ class Collector:
     yield counter("overlap_saved_drafts", "Draft forwards skipped because a reused branch was the draft.", saved)
     yield counter("prompt_tokens_shared", "Prompt tokens of n > 1 samples taken from another sample's KV pages "
                   "instead of prefilled again.", totals.get("prompt_tokens_shared", 0))
-    policy = eng.policy
+    policy = eng.strategy
     regime_counts = getattr(policy, "regime_counts", None)
     if regime_counts is not None:  # the RecGuide policy
       counts = _copy(regime_counts)

@@ -28,7 +28,7 @@ LEGACY_TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 
 LEGACY_TPOT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
 LEGACY_E2E_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0)
 
-# RecGuide overlap outcomes (orchestrator/overlap.py OUTCOMES) split into hits and misses
+# RecGuide overlap outcomes (recguide/overlap.py OUTCOMES) split into hits and misses
 OVERLAP_HITS = ("correction_hit", "continuation_hit")
 OVERLAP_MISSES = ("correction_miss", "continuation_miss", "continuation_absent", "no_hit")
 

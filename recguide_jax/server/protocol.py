@@ -17,17 +17,15 @@ from __future__ import annotations
 
 import dataclasses
 
-from recguide_jax.requests import MAX_SAMPLES, MAX_TOP_LOGPROBS, SamplingParams, seed_of_sample
+from recguide_jax.engine.requests import MAX_SAMPLES, MAX_TOP_LOGPROBS, SamplingParams, seed_of_sample
 from recguide_jax.server.body import (DEFAULT_MAX_BODY_BYTES, MAX_JSON_DEPTH, MAX_NUMBER_CHARS,  # noqa: F401
                                       check_content_type, parse_json, sane_request_id)
 from recguide_jax.server.errors import APIError, encodable, error_body, error_type  # noqa: F401
 from recguide_jax.server.errors import bad_type as _bad_type, show as _show  # noqa: F401
 from recguide_jax.server.fields import (CHAT_FIELDS, COMPLETION_FIELDS, _bool, _check_fields, _int,  # noqa: F401
                                         _n, _object, _sampling, _stream_options, _validate, check_model)
-from recguide_jax.tokenizer import Tokenizer, TokenizerError
+from recguide_jax.text.tokenizer import Tokenizer, TokenizerError
 
-MAX_CHOICES = MAX_SAMPLES  # most samples (`n`) per request (the earlier name)
-seed_of_choice = seed_of_sample  # choice i's seed (the earlier name)
 # names a chat_template_kwargs entry may not override: the template's own inputs
 _TEMPLATE_RESERVED = frozenset({"messages", "add_generation_prompt", "bos_token", "eos_token"})
 COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions

@@ -10,7 +10,7 @@ import json
 import math
 from typing import Sequence
 
-from recguide_jax.tokenizer import Tokenizer
+from recguide_jax.text.tokenizer import Tokenizer
 
 # JSON has no -inf; vLLM clamps the same way
 _MIN_LOGPROB = -9999.0

@@ -12,8 +12,8 @@ from __future__ import annotations
 
 from typing import Sequence
 
-from recguide_jax.stop_strings import StopChecker
-from recguide_jax.tokenizer import IncrementalDetokenizer, Tokenizer
+from recguide_jax.text.stop_strings import StopChecker
+from recguide_jax.text.tokenizer import IncrementalDetokenizer, Tokenizer
 
 
 def stop_position(text: str, stop_strings: Sequence[str]) -> int | None:

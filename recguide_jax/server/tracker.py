@@ -16,7 +16,7 @@ import logging
 from fastapi import Request
 from fastapi.responses import StreamingResponse
 
-from recguide_jax.engine import EngineThread
+from recguide_jax.engine.thread import EngineThread
 from recguide_jax.server import protocol
 from recguide_jax.server.metrics import ServerMetrics
 

@@ -61,7 +61,7 @@ def save_tokenizer(tok: Tokenizer, directory: str | pathlib.Path) -> None:
 
 
 def render(messages: list[dict], add_generation_prompt: bool = False) -> str:
-  """Renders with the same template the engine applies (recguide_jax.tokenizer)."""
+  """Renders with the same template the engine applies (recguide_jax.text.tokenizer)."""
   import jinja2.sandbox
   env = jinja2.sandbox.ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
   return env.from_string(CHAT_TEMPLATE).render(messages=messages, add_generation_prompt=add_generation_prompt,

@@ -29,8 +29,8 @@ import numpy as np
 import optax
 from flax import nnx
 
-from recguide_jax import checkpoint as ckpt_lib
-from recguide_jax.model import ForwardInputs, NLDModel
+from recguide_jax.model import checkpoint as ckpt_lib
+from recguide_jax.model.nld import ForwardInputs, NLDModel
 from recguide_jax.train import data as data_lib
 from recguide_jax.train.trainer import Trainer
 
@@ -42,12 +42,14 @@ def generate_targets(llm, prompts: list[list[int]], out_path: str | pathlib.Path
                      chunk: int = 256, concurrency: int = 64, progress: bool = True) -> list[dict]:
   """Greedy AR continuations of `prompts` by `llm` (its policy is set to AR), appended to a JSONL file chunk by
   chunk so an interrupted run continues where it stopped. Returns every {"prompt": ids, "output": ids} row."""
-  from recguide_jax import SamplingParams, benchmarks as bench, policies
+  from recguide_jax import SamplingParams
+  from recguide_jax import benchmarks as bench
+  from recguide_jax.decoding.builtin import ARStrategy
   out_path = pathlib.Path(out_path)
   done = [json.loads(l) for l in out_path.read_text().splitlines() if l.strip()] if out_path.exists() else []
   if len(done) > len(prompts) or any(d["prompt"] != list(p) for d, p in zip(done, prompts)):
     raise ValueError(f"{out_path} holds targets for other prompts; delete it or pick another --out_dir")
-  llm.set_policy(policies.ARPolicy())
+  llm.set_policy(ARStrategy())
   params = SamplingParams(max_tokens=max_tokens, temperature=0.0)
   bar = None
   if progress:

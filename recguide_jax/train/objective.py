@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from recguide_jax.model import ForwardInputs
+from recguide_jax.model.nld import ForwardInputs
 
 EPS = 1e-3
 W_DLM = 0.3

@@ -16,9 +16,9 @@ import optax
 import orbax.checkpoint as ocp
 from flax import nnx
 
-from recguide_jax import checkpoint as ckpt_lib
-from recguide_jax.config import NLDConfig
-from recguide_jax.model import NLDModel
+from recguide_jax.model import checkpoint as ckpt_lib
+from recguide_jax.model.config import NLDConfig
+from recguide_jax.model.nld import NLDModel
 from recguide_jax.train import data as data_lib
 from recguide_jax.train import objective
 

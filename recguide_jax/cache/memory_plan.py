@@ -1,0 +1,391 @@
+"""Device memory plan: how many KV cache pages fit beside the weights and the step activations.
+
+vLLM's `--gpu-memory-utilization`, here `gpu_memory_utilization`: of one device's memory, that fraction is the
+budget; the weights and the measured activation peak come off it first and the rest becomes KV pages:
+
+    KV bytes = device memory * fraction - weights - activation peak
+    pages    = KV bytes / (2 * layers * page_size * kv_heads * head_dim * dtype bytes)
+
+The activation peak is measured, not guessed: the largest step variant of every kind the policy runs is compiled
+from abstract shapes (`jax.ShapeDtypeStruct`: no weight and no KV page is allocated), and XLA's memory analysis
+of each executable gives its temporaries plus the non-persistent inputs and outputs that live across it (a draft's
+`[b, B, V]` distributions, which the next verify reads). A backend may copy the cache in a donated update (XLA's
+CPU backend does), so the variants that write the cache are compiled at two cache sizes and the growth per page is
+charged to every page of the plan.
+
+The planning itself is a pure function of shapes and stated sizes, so a plan for an 8B model on an H200 can be
+computed (and tested) without one: `python -m recguide_jax.cache.memory_report --presets nld-8b --devices h200` (the
+probe then runs on this machine's CPU; see `memory_report.offline_plans` for how its figures are read). The server
+plans before it loads anything and refuses a plan that does not fit, naming the numbers and the flag to change.
+
+Per device: with tensor parallelism `tp` the weights and the KV heads split over `tp` devices (KV heads are
+replicated when tp exceeds their number, as vLLM does); the plan and its refusal are per device (`plan_for_device(...,
+mesh=...)`, `launch/serve.py --mesh`; `docs/memory_plans_mesh.md` for 4x / 8x TPU v5e and 2x 24 GB GPUs).
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import dataclasses
+import functools
+import math
+import os
+import sys
+import time
+from typing import Any, Mapping, Sequence
+
+GB = 1e9  # decimal gigabytes, as device memory is quoted (an "H200 141 GB", an "L4 24 GB")
+DEFAULT_FRACTION = 0.9  # vLLM's default --gpu-memory-utilization
+DTYPE_NAMES = ("auto", "float32", "bfloat16", "float16")
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+
+# Stated device sizes for offline plans (docs/memory_plans.md): one device each, nominal memory.
+DEVICES = {"h200": ("1x NVIDIA H200", 141.0), "l4": ("1x NVIDIA L4", 24.0), "v5e": ("1x TPU v5e chip", 16.0)}
+
+
+class MemoryPlanError(ValueError):
+  """The requested serving shape does not fit the device; the message names the figures and the flag to change."""
+
+
+def _gb(n: float) -> str:
+  return f"{n / GB:.2f} GB" if abs(n) >= 0.1 * GB else f"{n / 1e6:.1f} MB"
+
+
+# ---- sizes ---------------------------------------------------------------------------------------------------------
+
+def kv_heads_per_device(num_kv_heads: int, tp: int) -> int:
+  """KV heads each of `tp` devices holds: an even split, or one (replicated) head each when tp >= the heads."""
+  if tp < 1:
+    raise MemoryPlanError(f"--tensor_parallel_size must be >= 1, got {tp}")
+  if num_kv_heads % tp and tp % num_kv_heads:
+    raise MemoryPlanError(f"--tensor_parallel_size {tp} must divide the model's {num_kv_heads} KV heads (or be a "
+                          "multiple of them)")
+  return max(1, num_kv_heads // tp)
+
+
+def kv_page_bytes(cfg, page_size: int, dtype: str, tp: int = 1) -> int:
+  """Bytes of one KV page on one device: K and V, every layer, `page_size` tokens."""
+  return (2 * cfg.num_hidden_layers * page_size * kv_heads_per_device(cfg.num_key_value_heads, tp) * cfg.head_dim *
+          DTYPE_BYTES[dtype])
+
+
+def param_count(cfg) -> int:
+  """Parameters of an NLD model of `cfg`: the backbone (NLDConfig.num_params) plus the draft LoRA on o_proj.
+  Closed form, so a plan for a 14B model needs no model built (tests check it against the abstract model)."""
+  lora = cfg.num_hidden_layers * cfg.lora_rank * (cfg.num_attention_heads * cfg.head_dim + cfg.hidden_size)
+  return cfg.num_params() + lora
+
+
+def weights_bytes(cfg, dtype: str, tp: int = 1) -> int:
+  """Bytes of the model's parameters on one device. Under tensor parallelism, each tensor's shard by sharding.py's
+  rules: the split dimensions / tp, the norms and the LoRA's B replicated, the KV projections replicated in groups
+  when tp exceeds the KV heads; so a little more than 1/tp of the whole."""
+  if tp == 1:
+    return param_count(cfg) * DTYPE_BYTES[dtype]
+  return _sharded_param_elements(cfg, tp) * DTYPE_BYTES[dtype]
+
+
+@functools.lru_cache(maxsize=None)
+def _sharded_param_elements(cfg, tp: int) -> int:
+  from recguide_jax.parallel import sharding
+  from recguide_jax.model.checkpoint import param_shapes
+  try:
+    run_cfg = sharding.mesh_config(cfg, tp)
+  except sharding.MeshError as e:
+    raise MemoryPlanError(str(e)) from None
+  mesh = sharding.abstract_mesh(sharding.MeshShape(tp=tp))
+  total = 0
+  for name, sds in param_shapes(run_cfg).items():
+    split = sum(1 for axis in sharding.param_spec(name, sds.shape, mesh) if axis is not None)
+    total += math.prod(sds.shape) // tp ** split
+  return total
+
+
+def pages_per_seq(max_model_len: int, max_block: int, page_size: int) -> int:
+  """Pages one sequence of `max_model_len` pledges (a verify may write one block past it; RunnerConfig's rule)."""
+  return -(-(max_model_len + max_block) // page_size)
+
+
+# ---- the activation probe ------------------------------------------------------------------------------------------
+
+@dataclasses.dataclass(frozen=True)
+class ActivationProfile:
+  """Transient device bytes of the step variants at `num_pages` KV pages: base_bytes + per_page_bytes * pages."""
+  base_bytes: int
+  per_page_bytes: float
+  variants: Mapping[str, int]  # "kind/B/bucket" -> transient bytes at the probe's first cache size
+  probe_pages: int
+  compile_seconds: float
+  backend: str
+
+  def at(self, num_pages: int) -> int:
+    return int(self.base_bytes + self.per_page_bytes * num_pages)
+
+
+def probe_variants(variants: Sequence[Any]) -> list[Any]:
+  """Of a policy's variants (`StepKey`s), the largest of each kind: its biggest bucket, then block (the transient
+  memory of a step grows with both)."""
+  best: dict[str, Any] = {}
+  for v in variants:
+    size = lambda k: (k.batch, k.block, k.tokens)  # a ragged kind's largest: its most packed tokens
+    if v.label not in best or size(v) > size(best[v.label]):
+      best[v.label] = v
+  return list(best.values())
+
+
+def _abstract_runner(cfg, dtype: str, runner_config, attention: str, mesh=None) -> Any:
+  """A `Runner` over abstract weights (`nnx.eval_shape`), hence an abstract KV cache: it lowers and compiles step
+  variants at real shapes but allocates neither and cannot run them. With `mesh` (one dp group's tp mesh) the
+  weights and the cache carry their shardings and XLA's memory analysis is per device."""
+  import jax.numpy as jnp
+  from flax import nnx
+
+  from recguide_jax.attention import dispatch as attention_dispatch
+  from recguide_jax.parallel import sharding
+  from recguide_jax.model.nld import NLDModel, abstract_model
+  from recguide_jax.runtime.runner import Runner
+  dt = jnp.dtype(dtype)
+  if mesh is not None:
+    model = abstract_model(cfg, mesh, dtype=dt, attention_impl=attention)
+    return Runner(model, runner_config, mesh=mesh,
+                  cache_sharding=sharding.cache_sharding(mesh, model.cfg.num_key_value_heads))
+  model = nnx.eval_shape(lambda: NLDModel(cfg, dtype=dt, param_dtype=dt, rngs=nnx.Rngs(0)))
+  attention_dispatch.set_attention_impl(model, attention)  # the kernel choice is part of the compiled graph
+  return Runner(model, runner_config)
+
+
+def _nbytes(tree) -> int:
+  """Bytes on one device (a sharded leaf counts its shard, as XLA's per-device memory analysis does)."""
+  import jax
+
+  def shard(x):
+    sh = getattr(x, "sharding", None)
+    return sh.shard_shape(x.shape) if isinstance(sh, jax.sharding.NamedSharding) else x.shape
+
+  return sum(math.prod(shard(x)) * x.dtype.itemsize for x in jax.tree.leaves(tree))
+
+
+def _transient_bytes(compiled, persistent: int) -> int:
+  """Temporaries + inputs and outputs that are neither weights nor cache (donated outputs alias the cache)."""
+  m = compiled.memory_analysis()
+  return int(m.temp_size_in_bytes + m.argument_size_in_bytes - persistent + m.output_size_in_bytes -
+             m.alias_size_in_bytes)
+
+
+def measure_activation(cfg, dtype: str, runner_config, kinds: Sequence[str], block_sizes: Sequence[int], *,
+                       attention: str = "auto", progress: bool = False, mesh=None) -> ActivationProfile:
+  """Compiles the largest variant of each step kind from abstract shapes and reads XLA's memory analysis.
+
+  Cache writers (variants that donate the cache) are compiled again at twice the pages: their growth per page (a
+  backend copying the cache in the update) goes into `per_page_bytes`; readers cannot grow with it."""
+  import jax
+  n1 = pages_per_seq(runner_config.max_model_len, runner_config.max_block, runner_config.page_size) + 1
+  t0 = time.perf_counter()
+  runners = {}
+  for n in (n1, 2 * n1):
+    runners[n] = _abstract_runner(cfg, dtype, dataclasses.replace(runner_config, num_pages=n), attention, mesh)
+  todo = probe_variants(runners[n1].variants(tuple(kinds), tuple(block_sizes)))
+
+  def transient(n: int, variant) -> tuple[int, bool]:
+    runner = runners[n]
+    if progress:
+      print(f"memory plan: compiling {variant} at {n} KV pages to measure its activations", file=sys.stderr,
+            flush=True)
+    compiled = runner.compiled(variant)
+    writes = bool(compiled.memory_analysis().alias_size_in_bytes)  # donates the cache: it updates it
+    return _transient_bytes(compiled, _nbytes(runner.state) + _nbytes(runner.cache)), writes
+
+  # XLA compiles outside the GIL: the variants compile concurrently, as in Runner.warmup
+  with concurrent.futures.ThreadPoolExecutor(max_workers=os.cpu_count() or 1) as pool:
+    first = dict(zip(todo, pool.map(lambda v: transient(n1, v), todo)))
+    writers = [v for v in todo if first[v][1]]  # readers cannot grow with the pages
+    second = dict(zip(writers, pool.map(lambda v: transient(2 * n1, v)[0], writers)))
+  measured: dict[str, int] = {}
+  slopes, base = [0.0], 0
+  for v in todo:
+    at1 = first[v][0]
+    measured[v.name] = at1
+    slope = max(0.0, (second[v] - at1) / n1) if v in second else 0.0
+    slopes.append(slope)
+    base = max(base, at1 - int(slope * n1))
+  return ActivationProfile(base_bytes=base, per_page_bytes=max(slopes), variants=measured, probe_pages=n1,
+                           compile_seconds=time.perf_counter() - t0, backend=jax.default_backend())
+
+
+# ---- the plan ------------------------------------------------------------------------------------------------------
+
+@dataclasses.dataclass(frozen=True)
+class MemoryPlan:
+  """One device's memory: weights + activations + KV pages, against `fraction` of its memory (if known)."""
+  device: str  # what the memory figure is of: "cuda:0 (NVIDIA H200)", "stated 1x NVIDIA L4", "cpu:0"
+  device_bytes: int | None  # None: unknown (CPU), the KV cache is sized from flags and nothing is checked
+  fraction: float | None
+  dtype: str
+  tp: int
+  weights_bytes: int
+  activation_bytes: int | None  # measured transient peak at `num_pages` (None: not measured)
+  kv_page_bytes: int
+  num_pages: int  # including the trash page
+  page_size: int
+  max_model_len: int
+  pages_per_seq: int
+  max_num_seqs: int
+  sized_by: str  # "memory" (the fraction) or "flags" (--num_pages, or the CPU default)
+
+  @property
+  def kv_bytes(self) -> int:
+    return self.num_pages * self.kv_page_bytes
+
+  @property
+  def kv_tokens(self) -> int:
+    return (self.num_pages - 1) * self.page_size  # the trash page holds nothing
+
+  @property
+  def max_seqs_at_max_len(self) -> int:
+    """How many sequences of max_model_len fit at once (admission pledges each one's worst case)."""
+    return (self.num_pages - 1) // self.pages_per_seq
+
+  @property
+  def budget_bytes(self) -> int | None:
+    return None if self.device_bytes is None or self.fraction is None else int(self.device_bytes * self.fraction)
+
+  @property
+  def total_bytes(self) -> int:
+    return self.weights_bytes + (self.activation_bytes or 0) + self.kv_bytes
+
+  def summary(self) -> str:
+    act = "not measured" if self.activation_bytes is None else _gb(self.activation_bytes)
+    head = (f"memory plan ({self.device}, {self.dtype}" + (f", tp={self.tp}" if self.tp > 1 else "") + "): ")
+    if self.budget_bytes is not None:
+      head += (f"{self.fraction:.2f} of {_gb(self.device_bytes)} = {_gb(self.budget_bytes)}; ")
+    return (head + f"weights {_gb(self.weights_bytes)}, activations {act}, KV cache {_gb(self.kv_bytes)} = "
+            f"{self.num_pages} pages of {self.page_size} tokens ({self.kv_tokens} tokens, sized by {self.sized_by}), "
+            f"{self.max_seqs_at_max_len} sequence{'' if self.max_seqs_at_max_len == 1 else 's'} of max_model_len "
+            f"{self.max_model_len} "
+            f"(max_num_seqs {self.max_num_seqs})")
+
+  def as_dict(self) -> dict:
+    out = dataclasses.asdict(self)
+    out.update(kv_bytes=self.kv_bytes, kv_tokens=self.kv_tokens, max_seqs_at_max_len=self.max_seqs_at_max_len,
+               budget_bytes=self.budget_bytes, total_bytes=self.total_bytes)
+    return out
+
+
+def plan_memory(cfg, *, dtype: str, page_size: int, max_model_len: int, max_num_seqs: int, max_block: int,
+                device: str, device_bytes: int | None, fraction: float | None = None, num_pages: int | None = None,
+                weights: int | None = None, activation: ActivationProfile | None = None, tp: int = 1) -> MemoryPlan:
+  """The plan for one device. With `device_bytes` and `fraction`, KV pages = what is left of the budget after the
+  weights and the activations (unless `num_pages` fixes them, which is then checked against the budget); without,
+  the cache holds `num_pages` or `max_num_seqs` full-length sequences (+ the trash page), unchecked.
+  Raises MemoryPlanError (naming the figures and the flag to change) when the plan does not fit."""
+  if dtype not in DTYPE_BYTES:
+    raise MemoryPlanError(f"--dtype must be one of {', '.join(DTYPE_BYTES)} here, got {dtype!r}")
+  if fraction is not None and not 0 < fraction <= 1:
+    raise MemoryPlanError(f"--gpu_memory_utilization must be in (0, 1], got {fraction}")
+  if device_bytes is not None and device_bytes <= 0:
+    raise MemoryPlanError(f"--device_memory_gb must be > 0, got {device_bytes / GB}")
+  weights = weights_bytes(cfg, dtype, tp) if weights is None else weights
+  page = kv_page_bytes(cfg, page_size, dtype, tp)
+  per_seq = pages_per_seq(max_model_len, max_block, page_size)
+  where = f"{device}" + (f" (per device, tp={tp})" if tp > 1 else "")
+  if device_bytes is not None and fraction is None:
+    fraction = DEFAULT_FRACTION
+  budget = None if device_bytes is None else int(device_bytes * fraction)
+  act = activation
+  if budget is not None and num_pages is None:  # the fraction sizes the cache
+    base = act.base_bytes if act else 0
+    per_page = page + (act.per_page_bytes if act else 0.0)
+    left = budget - weights - base
+    if left <= 0:
+      what = f"weights {_gb(weights)}" + (f" + activations {_gb(base)}" if act else "")
+      fixes = [] if weights >= budget else ["raise --gpu_memory_utilization",
+                                            "lower --max_num_seqs (activations grow with the batch)"]
+      fixes += ["use --dtype bfloat16"] * (DTYPE_BYTES[dtype] > 2) + ["use a device with more memory"]
+      raise MemoryPlanError(
+          f"memory plan does not fit on {where}: {what} exceed --gpu_memory_utilization {fraction:.2f} of "
+          f"{_gb(device_bytes)} = {_gb(budget)}, leaving nothing for the KV cache; {', '.join(fixes)}")
+    pages = int(left // per_page)
+    if pages - 1 < per_seq:
+      raise MemoryPlanError(
+          f"memory plan does not fit on {where}: {_gb(budget)} (--gpu_memory_utilization {fraction:.2f} of "
+          f"{_gb(device_bytes)}) - weights {_gb(weights)} - activations {_gb(base)} leaves {_gb(left)} = "
+          f"{max(pages - 1, 0)} KV pages of {page_size} tokens, fewer than the {per_seq} pages one sequence of "
+          f"--max_model_len {max_model_len} needs; lower --max_model_len or raise --gpu_memory_utilization")
+    sized_by = "memory"
+  else:
+    pages = num_pages if num_pages is not None else max_num_seqs * per_seq + 1
+    if pages - 1 < per_seq:
+      raise MemoryPlanError(f"--num_pages {pages} holds {pages - 1} usable pages, fewer than the {per_seq} pages "
+                            f"one sequence of --max_model_len {max_model_len} needs; raise --num_pages or lower "
+                            f"--max_model_len")
+    sized_by = "flags"
+  plan = MemoryPlan(device=device, device_bytes=device_bytes, fraction=fraction if budget is not None else None,
+                    dtype=dtype, tp=tp, weights_bytes=weights, activation_bytes=act.at(pages) if act else None,
+                    kv_page_bytes=page, num_pages=pages, page_size=page_size, max_model_len=max_model_len,
+                    pages_per_seq=per_seq, max_num_seqs=max_num_seqs, sized_by=sized_by)
+  if budget is not None and plan.total_bytes > budget:  # only a fixed --num_pages can get here
+    room = int((budget - weights - (act.base_bytes if act else 0)) //
+               (page + (act.per_page_bytes if act else 0.0)))
+    raise MemoryPlanError(
+        f"memory plan does not fit on {where}: weights {_gb(weights)} + activations "
+        f"{_gb(plan.activation_bytes or 0)} + KV cache {_gb(plan.kv_bytes)} (--num_pages {pages}) = "
+        f"{_gb(plan.total_bytes)} > {_gb(budget)} (--gpu_memory_utilization {fraction:.2f} of "
+        f"{_gb(device_bytes)}); lower --num_pages (at most {max(room, 0)} fit) or raise --gpu_memory_utilization")
+  return plan
+
+
+# ---- the running device --------------------------------------------------------------------------------------------
+
+def device_memory_bytes(device) -> int | None:
+  """What the device's allocator may hand out (`bytes_limit`), or None where the backend reports none (CPU). On a
+  GPU this is XLA_PYTHON_CLIENT_MEM_FRACTION (default 0.75) of the card; launch/serve.py raises it to 0.95."""
+  try:
+    stats = device.memory_stats()
+  except Exception:  # some backends raise instead of returning None
+    return None
+  return int(stats["bytes_limit"]) if stats and stats.get("bytes_limit") else None
+
+
+def device_description(device) -> str:
+  kind = getattr(device, "device_kind", "") or ""
+  return f"{device.platform}:{device.id}" + (f" ({kind})" if kind and kind.lower() != device.platform else "")
+
+
+def plan_for_device(cfg, *, dtype: str, runner_config, kinds: Sequence[str], block_sizes: Sequence[int],
+                    fraction: float | None = None, device_memory_gb: float | None = None,
+                    num_pages: int | None = None, attention: str = "auto", device=None,
+                    measure: bool = True, mesh=None) -> MemoryPlan:
+  """The plan of a server about to start on `device` (default: the first jax device), before anything is loaded.
+
+  `mesh` ('dp=2,tp=4', a MeshShape or a jax Mesh): the plan is per device of a dp group's tp mesh (each group holds
+  the weights whole, split over its tp devices, and its own KV pages), its activations measured on that mesh.
+
+  Device memory: `device_memory_gb` if stated, else the allocator's limit (GPU/TPU). Known memory means the plan
+  comes from it (fraction default 0.9) with a measured activation peak; unknown memory (CPU) means the cache is
+  sized from the flags as before, and `fraction` alone is an error naming --device_memory_gb."""
+  import jax
+  tp, group = 1, None
+  if mesh is not None:
+    from recguide_jax.parallel import data_parallel
+    from recguide_jax.parallel import sharding
+    group = data_parallel.first_group(data_parallel.resolve_mesh(mesh))
+    tp = sharding.mesh_size(group, sharding.TP)
+    device = device or group.devices.flat[0]
+  device = device or jax.devices()[0]
+  if device_memory_gb is not None:
+    device_bytes, name = int(device_memory_gb * GB), f"stated {device_memory_gb:g} GB ({device_description(device)})"
+  else:
+    device_bytes, name = device_memory_bytes(device), device_description(device)
+  if fraction is not None and device_bytes is None:
+    raise MemoryPlanError(f"--gpu_memory_utilization needs the device's memory, and {name} reports none; pass "
+                          f"--device_memory_gb")
+  plan = functools.partial(
+      plan_memory, cfg, dtype=dtype, page_size=runner_config.page_size, max_model_len=runner_config.max_model_len,
+      max_num_seqs=runner_config.max_batch, max_block=runner_config.max_block, device=name,
+      device_bytes=device_bytes, fraction=fraction, num_pages=num_pages, weights=weights_bytes(cfg, dtype, tp),
+      tp=tp)
+  if device_bytes is None or not measure:
+    return plan()
+  plan()  # refuses at once (before the probe's compiles) what cannot fit even without activations
+  return plan(activation=measure_activation(cfg, dtype, runner_config, kinds, block_sizes, attention=attention,
+                                            mesh=group if tp > 1 else None))
