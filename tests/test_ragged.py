@@ -155,3 +155,49 @@ def _exact(model, params, n_tokens):
   cols = len(PROMPT) - 1 + np.arange(n_tokens)[None, :]
   probs = np.prod(p[rows, cols, np.asarray(conts)], axis=1)
   return dict(zip(conts, probs.tolist()))
+
+
+# ---- pricing (recguide/pricing.py) ------------------------------------------------------------------------------
+def test_draft_skip_is_priced_by_the_chance_that_some_row_misses():
+  from recguide_jax.recguide import pricing
+  hits = [0.9, 0.5, 0.99, 0.7]
+  dist = pricing.drafting_rows_distribution([1 - h for h in hits])
+  assert abs(dist.sum() - 1) < 1e-12 and abs(dist[0] - np.prod(hits)) < 1e-12
+  # a forward that costs the same for any number of rows runs unless every row holds a branch
+  assert abs(pricing.expected_draft_cost([1 - h for h in hits], lambda k: 1.0) - (1 - np.prod(hits))) < 1e-12
+  # eight rows each missing 10% of the time: the forward runs 57% of the steps, not 10%
+  assert abs(pricing.expected_draft_cost([0.1] * 8, lambda k: 1.0) - (1 - 0.9 ** 8)) < 1e-12
+  # a cost linear in the drafting rows is charged by the mean share (E[K] = sum of shares)
+  assert abs(pricing.expected_draft_cost([0.2, 0.4], lambda k: float(k)) - 0.6) < 1e-12
+
+
+def test_fitted_rule_keeps_its_form_on_another_profile():
+  from recguide_jax.recguide import adaptive, pricing
+  from recguide_jax.recguide.value_model import ValueModel  # noqa: F401  (the tables' model type)
+  fitted = {8: 17.1, 16: 18.7, 32: 21.5}
+  values = {8: 4.0, 16: 5.1, 32: 5.9}
+  rho = 0.3
+  assert pricing.rescaled_rho(rho, fitted, fitted) == rho
+  # the same device in another time unit (or 2x slower throughout): the same block as the fitted rule
+  slower = {b: 2 * c for b, c in fitted.items()}
+  want = max(sorted(fitted), key=lambda b: (values[b] - rho * fitted[b], -b))
+  assert pricing.decide_rescaled(values, rho, fitted, slower) == want
+  # not the ratio rule: argmax V/T picks another block here
+  assert max(fitted, key=lambda b: values[b] / slower[b]) != want
+  assert hasattr(adaptive, "decide")
+
+
+def test_ragged_step_prices_below_bucketing_and_padding_on_the_b200_table():
+  from recguide_jax.decoding.grouping import cheapest_runs  # noqa: F401
+  from recguide_jax.recguide import pricing
+  from recguide_jax.recguide.profile import load_profile
+  prof = load_profile("b200_nld8b")
+  blocks = [8] * 10 + [16] * 12 + [32] * 10
+  c = len(blocks)
+  ragged = pricing.ragged_step_cost(blocks, prof)
+  bucketed = sum(prof.cost(blocks.count(b), b) for b in (8, 16, 32))
+  padded = prof.cost(c, 32)
+  assert ragged < bucketed and ragged < padded
+  # a uniform plan prices as the table's own round (mean block = B)
+  assert abs(pricing.ragged_step_cost([16] * 8, prof) - prof.cost(8, 16)) < 1e-9
+  assert pricing.ragged_step_cost([1, 1], prof) == prof.ar_cost(2)
