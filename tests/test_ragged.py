@@ -201,3 +201,66 @@ def test_ragged_step_prices_below_bucketing_and_padding_on_the_b200_table():
   # a uniform plan prices as the table's own round (mean block = B)
   assert abs(pricing.ragged_step_cost([16] * 8, prof) - prof.cost(8, 16)) < 1e-9
   assert pricing.ragged_step_cost([1, 1], prof) == prof.ar_cost(2)
+
+
+def _recguide_fixtures():
+  from tests import test_recguide_priced as tp
+  return tp
+
+
+def test_recguide_prices_a_mixed_step_as_one_ragged_forward():
+  """On ragged steps a step's mixed blocks cost one ragged draft + verify: the per-request rule's mix (B = 32 for
+  requests that keep accepting, 8 for the others) wins, where split into a batch per block it loses to one block."""
+  from recguide_jax.recguide.controller import RecGuideStrategy
+  from recguide_jax.recguide.profile import load_profile
+  tp = _recguide_fixtures()
+  prof = load_profile("b200_nld8b")
+  accepts = {"confident": {8: 8, 16: 15, 32: 28}, "unsure": {8: 3, 16: 3, 32: 3}}
+  tables = tp._tables(prof, 0.1, accepts)
+  reqs = [tp._Req(k, accepts) for k in ["confident", "unsure"] * 16]
+  chosen = {}
+  for ragged in (False, True):
+    pol = RecGuideStrategy(16, profile=prof, tables=tables, overlap=False, calibrate=False)
+    pol.ragged_steps = ragged
+    chosen[ragged] = pol.plan_step(reqs, len(reqs))
+  name, blocks = chosen[True]
+  assert name == "rule" and blocks == [32, 8] * 16
+  assert chosen[False][0] != "rule" and len(set(chosen[False][1])) == 1
+
+
+def test_recguide_off_its_tables_profile_keeps_the_fitted_rule():
+  """Tables fitted on one profile, the policy priced on another in a different time unit (3x every cost): the same
+  blocks as the tables' own rule V - rho T (rho rescaled), not the ratio V / T."""
+  from recguide_jax.recguide.controller import RecGuideStrategy
+  from recguide_jax.recguide.profile import HardwareProfile, load_profile
+  tp = _recguide_fixtures()
+  prof = load_profile("b200_nld8b")
+  slow = HardwareProfile(draft_verify_ms={c: {b: 3 * ms for b, ms in row.items()}
+                                          for c, row in prof.draft_verify_ms.items()}, name="b200_times_3")
+  accepts = {"confident": {8: 8, 16: 12, 32: 14}, "unsure": {8: 3, 16: 3, 32: 3}}
+  tables = tp._tables(prof, 0.12, accepts)
+  pol = RecGuideStrategy(16, profile=slow, tables=tables, overlap=False, calibrate=False, batch_priced=False)
+  assert not pol._tables_priced_here
+  ratio_rule_differs = False
+  for c in (1, 8, 32):
+    for kind in ("confident", "unsure"):
+      req = tp._Req(kind, accepts)
+      want = tables.next_block(c, req.strategy_state.history)
+      assert pol._adaptive_block(req, c) == want, (c, kind)
+      values, costs = pol._values(req), pol._linear_costs(c)
+      ratio_rule_differs |= max((8, 16, 32), key=lambda b: (values[b] / costs[b], -b)) != want
+  assert ratio_rule_differs  # the case is one where the two rules part
+
+
+def test_overlap_draft_forward_priced_by_each_rows_miss_probability():
+  from recguide_jax.recguide import pricing
+  from recguide_jax.recguide.controller import RecGuideStrategy
+  from recguide_jax.recguide.profile import load_profile
+  prof = load_profile("b200_nld8b")
+  pol = RecGuideStrategy(16, profile=prof, calibrate=False)
+  shares = (0.05, 0.05, 0.05, 0.9)
+  draft = lambda k: prof.forward_costs(k, 16)[0]  # noqa: E731
+  got = pol._draft_forward_share(16, 4, sum(shares) / 4, shares)
+  assert abs(got - pricing.expected_draft_cost(shares, draft) / draft(4)) < 1e-12
+  # one row that nearly always misses keeps the forward running nearly always: more than the mean share's price
+  assert got > pol._draft_forward_share(16, 4, sum(shares) / 4) and got > 0.9 * draft(1) / draft(4)

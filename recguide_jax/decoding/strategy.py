@@ -47,6 +47,9 @@ class StepView:
   # requests admitted and not finished, decoding or still prefilling: the load a choice that lasts beyond this step
   # is made under (a request that prefills this step decodes in the next); 0: unknown, use `decoding`
   running: int = 0
+  # the engine runs LinearSS and AR rows as ragged steps (bucketing "ragged"): a step's mixed blocks cost one
+  # ragged draft + verify forward, not a batch per block size
+  ragged_steps: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -135,6 +138,7 @@ class RoundContext(Protocol):
 class Strategy:
   """Base decoding strategy; subclasses implement `plan` and may override the hooks."""
   name = "base"
+  ragged_steps = False  # the last step's `StepView.ragged_steps`, for strategies that price a step's plan
   threshold = 0.9  # confidence threshold of the diffusion denoise loop
   supports_logprobs = True
 

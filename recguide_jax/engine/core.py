@@ -157,7 +157,8 @@ class Engine:
           self._isolated(reqs, "prefill", prefill.run_prefill, self, reqs, score)
     decoding = [r for r in self.running if r.seed_token is not None and not r.finished and self._sampling_ready(r)]
     view = StepView(self.step_count, len(decoding), self.rc.max_batch, self.rc.max_model_len, self.rc.max_block,
-                    self._eos, tuple(decoding), len(self.running))
+                    self._eos, tuple(decoding), len(self.running),
+                    ragged_steps=self.bucketing == "ragged" and isinstance(self.bucketing, str))
     planned: list[tuple[Request, RoundPlan]] = []
     for req in decoding:
       try:

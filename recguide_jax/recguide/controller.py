@@ -25,14 +25,14 @@ import collections
 import dataclasses
 import enum
 import math
-from typing import Callable
+from typing import Callable, Sequence
 
 import numpy as np
 
 from recguide_jax.model.config import BLOCK_SIZES
 from recguide_jax.decoding import grouping, rounds
 from recguide_jax.decoding.strategy import RoundKind, RoundPlan, StepView, Strategy
-from recguide_jax.recguide import calibration, overlap as ov, signals
+from recguide_jax.recguide import calibration, overlap as ov, pricing, signals
 from recguide_jax.recguide.estimates import OnlineStats, ValueCalibration  # noqa: F401  (OnlineStats: re-exported)
 from recguide_jax.recguide.overlap_round import OverlapRound
 
@@ -63,6 +63,9 @@ class StepEstimates:
   accepted: dict[int, float]
   draft_share: float
   rows_left_out: int = 0
+  # the overlapping rows' own draft probabilities (1 - h_i), when the step's requests are known: the draft forward
+  # is then priced by the chance that some row needs it (`pricing.expected_draft_cost`), not by their mean
+  draft_shares: tuple[float, ...] = ()
 
 
 @dataclasses.dataclass
@@ -203,11 +206,15 @@ class RecGuideStrategy(Strategy):
   def round_cost(self, batch: int, block_size: int) -> float:
     return self._round_cost(RoundKind.LINEAR, block_size, batch)
 
-  def _draft_forward_share(self, blk: int, c: int, share: float) -> float:
+  def _draft_forward_share(self, blk: int, c: int, share: float, shares: Sequence[float] | None = None) -> float:
     """E[cost of an overlap round's draft forward] / its cost at all `c` rows, when each row drafts with probability
     `share`: the forward runs only when some row drafts, for those K ~ Binomial(c, share) rows. `share` times the
     full forward is exact at one row only: on a weight-bound device a forward for few rows costs nearly the full
     one, so it under-priced overlap's drafts at C >= 2 (docs/recguide.md, "Priced as a batch" (2))."""
+    if shares:  # the step's own rows, each at its own miss probability: the forward is skipped when none misses
+      prof = self.profile
+      draft = (lambda k: prof.forward_costs(k, blk)[0]) if prof is not None else (lambda k: 1.0)
+      return pricing.expected_draft_cost(shares, draft) / draft(c)
     if c <= 1 or share <= 0.0 or share >= 1.0:
       return min(max(share, 0.0), 1.0)
     weights = self._draft_weights.get((blk, c))
@@ -252,16 +259,21 @@ class RecGuideStrategy(Strategy):
     would not overlap (sampled, or finishing this round) cost overlap a LinearSS round of their own beside the
     fused one; left out, drain steps of a closed loop took overlap for the few requests not near their end."""
     blk = self.block_size
-    share = self.overlap_draft_share(batch) if batch and self.overlap else None
-    share = 1.0 - self.stats.overlap_hit if share is None else share
+    shares = tuple(self.overlap_draft_shares(batch)) if batch and self.overlap else ()
+    share = sum(shares) / len(shares) if shares else 1.0 - self.stats.overlap_hit
     left_out = sum(not self._overlaps(r) for r in batch) if batch and self.overlap else 0
     if values is None:
-      return StepEstimates(self.stats.accepted, share, left_out)
-    return StepEstimates({b: sum(v[b] for v in values) / len(values) for b in BLOCK_SIZES}, share, left_out)
+      return StepEstimates(self.stats.accepted, share, left_out, shares)
+    return StepEstimates({b: sum(v[b] for v in values) / len(values) for b in BLOCK_SIZES}, share, left_out, shares)
 
   def overlap_draft_share(self, batch) -> float | None:
-    """The share of overlap rounds that pay a draft forward, from this step to the end of `batch`'s requests that
-    would run them (None: none would).
+    """The mean of `overlap_draft_shares` (None: no request of `batch` would overlap)."""
+    shares = self.overlap_draft_shares(batch)
+    return sum(shares) / len(shares) if shares else None
+
+  def overlap_draft_shares(self, batch) -> list[float]:
+    """Per request of `batch` that would run overlap rounds, the share of them that pay a draft forward, from this
+    step to its end.
 
     In its steady state an overlap round drafts only on a miss (1 - hit rate: a hit's branch is the next round's
     draft). A request that holds no prefetched branch (entering overlap, or after a miss) drafts in this round for
@@ -278,7 +290,7 @@ class RecGuideStrategy(Strategy):
       left = max(1.0, self._remaining(req) / accepted)
       first = 0.0 if self.state(req).prefetched is not None else 1.0
       shares.append((first + (left - 1.0) * (1.0 - hit)) / left)
-    return sum(shares) / len(shares) if shares else None
+    return shares
 
   def _rate(self, rate_key: str, c: int, cost: Callable[[str, int, int], float], estimates: StepEstimates) -> float:
     """One regime's expected tokens per unit time per request, with round costs from `cost(kind, B, rows)`."""
@@ -290,7 +302,7 @@ class RecGuideStrategy(Strategy):
     blk = self.block_size
     fused = cost(RoundKind.OVERLAP, blk, c)
     draft = max(cost(RoundKind.OVERLAP_DRAFT, blk, c) - fused, 0.0)
-    round_ms = fused + draft * self._draft_forward_share(blk, c, estimates.draft_share)
+    round_ms = fused + draft * self._draft_forward_share(blk, c, estimates.draft_share, estimates.draft_shares)
     if estimates.rows_left_out:  # their LinearSS round, at its cheapest block
       round_ms += cost(RoundKind.LINEAR, BLOCK_SIZES[0], estimates.rows_left_out)
     return estimates.accepted[blk] / round_ms
@@ -450,11 +462,16 @@ class RecGuideStrategy(Strategy):
     if self.tables is not None and self._tables_priced_here:
       # the paper's rule: rho is a price against the costs it was solved with, so the tables' own costs
       return self.tables.next_block(c, self.state(req).history)
-    # tables priced for other hardware (the bundled ones: the B200 table): their rho and costs would pick blocks for
-    # that device; keep their per-request value model and price with this policy's own (calibrated) costs
     values = self._values(req)
     if costs is None:
       costs = self._linear_costs(c)
+    if self.tables is not None:
+      # tables priced for other hardware (the bundled ones: the B200 table) keep the rule's fitted form V - rho T on
+      # this policy's own (calibrated) costs, rho carried into their time unit (`pricing.rescaled_rho`): the ratio
+      # V / T, a different rule, is what the paper's own search rejected
+      if not self.state(req).history:
+        return self.tables.level(c).cold_start_block
+      return pricing.decide_rescaled(values, self.tables.rho_for(c), self.tables.costs_for(c), costs)
     scores = {b: values[b] / costs[b] for b in BLOCK_SIZES}
     return max(BLOCK_SIZES, key=lambda b: (scores[b], -b))
 
@@ -483,11 +500,19 @@ class RecGuideStrategy(Strategy):
     if self.switch and not self.fixed_regime:  # AR is the switch's candidate (a pinned regime stays LinearSS)
       best_name, best_blocks, best_rate = Regime.AR.value, [1] * n, n / self._round_cost(RoundKind.AR, 1, n)
     for name, blocks in [*((f"linear{b}", [b] * n) for b in BLOCK_SIZES), ("rule", rule)]:
-      cost = grouping.plan_cost(blocks, self.round_cost)
+      cost = self.plan_cost(blocks)
       rate = sum(v[b] for v, b in zip(values, blocks)) / cost
       if rate > best_rate * (1 + max(self.tie_margin, 1e-9)):
         best_name, best_blocks, best_rate = name, blocks, rate
     return best_name, best_blocks
+
+  def plan_cost(self, blocks: Sequence[int]) -> float:
+    """The cost of one step whose rows are planned at `blocks` as the engine will run it: on ragged steps
+    (`ragged_steps`, set by the engine) one ragged draft + verify forward whatever the mix, priced by the profile
+    (`pricing.ragged_step_cost`); else the cheapest split into padded batches (`grouping.plan_cost`)."""
+    if self.ragged_steps and self.profile is not None and not self.calibrate:
+      return pricing.ragged_step_cost(blocks, self.profile)
+    return grouping.plan_cost(blocks, self.round_cost)
 
   @property
   def _switch_on_values(self) -> bool:
@@ -531,6 +556,7 @@ class RecGuideStrategy(Strategy):
       self._step_values = None if values is None else dict(zip(map(id, view.batch), values))
       self._regime_memo = (key, self.regime(load, view.batch, values))
       self._eos = view.eos_token_ids
+      self.ragged_steps = view.ragged_steps
       self._step_costs = None
       self._step_plan = None
     regime = self._regime_memo[1]
