@@ -264,3 +264,49 @@ def test_overlap_draft_forward_priced_by_each_rows_miss_probability():
   assert abs(got - pricing.expected_draft_cost(shares, draft) / draft(4)) < 1e-12
   # one row that nearly always misses keeps the forward running nearly always: more than the mean share's price
   assert got > pol._draft_forward_share(16, 4, sum(shares) / 4) and got > 0.9 * draft(1) / draft(4)
+
+
+@pytest.mark.parametrize("impl", ["reference", "pallas_gpu", "pallas_tpu"])
+def test_ragged_forward_matches_each_rows_own_forward(impl):
+  """The model's ragged forward (packed tokens, rows of 3, 0, 8 and 1 tokens over prefixes in the paged cache)
+  gives each row's logits and K/V writes of that row's own forward at its own block; the attention of the row
+  layout runs on the XLA path or, interpreted, on either Pallas kernel (what the dispatcher picks on an
+  accelerator)."""
+  import jax
+  import jax.numpy as jnp
+  from flax import nnx
+  from recguide_jax.attention.dispatch import set_attention_impl
+  from recguide_jax.model.nld import ForwardInputs, NLDModel
+  from recguide_jax.runtime.steps import ragged_inputs, ragged_layout
+  from tests.conftest import tiny_config
+  cfg = tiny_config()
+  model = NLDModel(cfg, rngs=nnx.Rngs(1))
+  set_attention_impl(model, impl)
+  page_size, width, pages = 8, 8, 4
+  row_len = np.array([3, 0, 8, 1], np.int32)
+  prefix = np.array([5, 0, 12, 20], np.int32)
+  rows = len(row_len)
+  table = 1 + np.arange(rows * pages, dtype=np.int32).reshape(rows, pages)
+  rng = np.random.default_rng(0)
+  cache = model.new_cache(1 + rows * pages, page_size)
+  cache = type(cache)(*(jnp.asarray(rng.normal(size=x.shape), x.dtype) for x in (cache.k, cache.v)))
+  tokens = rng.integers(4, cfg.vocab_size, (rows, width)).astype(np.int32)
+  causal = jnp.tril(jnp.ones((width, width), bool))[None] & (jnp.arange(width)[None, None] < row_len[:, None, None])
+  write = np.arange(width)[None] < row_len[:, None]
+  layout, j = ragged_layout(jnp.asarray(row_len), width, 16)
+  inp = ragged_inputs(layout, j, jnp.asarray(tokens), jnp.asarray(prefix), jnp.asarray(table), causal,
+                      jnp.asarray(write), None)
+  logits, new_cache = jax.jit(lambda c: model(inp, c))(cache)
+  logits = np.asarray(logits[0])[np.asarray(layout.token)]  # [rows, width, V]
+  for r in range(rows):
+    n = int(row_len[r])
+    if not n:
+      continue
+    own = ForwardInputs(tokens=jnp.asarray(tokens[r:r + 1, :n]), positions=jnp.asarray(prefix[r] + np.arange(n))[None],
+                        block_mask=jnp.tril(jnp.ones((n, n), bool)), prefix_len=jnp.asarray(prefix[r:r + 1]),
+                        page_table=jnp.asarray(table[r:r + 1]), kv_write=jnp.ones((1, n), bool))
+    want, want_cache = model(own, cache)
+    np.testing.assert_allclose(logits[r, :n], np.asarray(want[0]), rtol=2e-4, atol=2e-4)
+    for got_pages, want_pages in ((new_cache.k, want_cache.k), (new_cache.v, want_cache.v)):
+      np.testing.assert_allclose(np.asarray(got_pages)[:, table[r]], np.asarray(want_pages)[:, table[r]],
+                                 rtol=1e-5, atol=1e-5)
