@@ -259,7 +259,6 @@ class StepFunctions:
 
     return fn
 
-
   # ---- ragged steps: rows of their own block lengths packed into one token dimension ----------------------------
   def _ragged_draft(self, width: int, total: int):
     """LinearSS drafts of every row at its own block `row_len[r]` (0: no draft for that row) in one forward over
