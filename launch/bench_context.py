@@ -4,7 +4,7 @@ the engine was sized for?
 For every `--max_model_lens` value an engine is built (`LLM(..., max_model_len=M)`, same checkpoint, same KV page
 size), `C` requests with prompts of exactly `--context` tokens run greedy, and the engine's own per-round wall times
 are recorded: the engine hands every decode round's wall time (batch assembly, the forward(s), acceptance,
-emission) to its policy (`Policy.observe_round`), and a thin subclass of the fixed policies keeps them. A round is
+emission) to its policy (`Strategy.observe`), and a thin subclass of the fixed policies keeps them. A round is
 one AR step (a call of `--decode_steps` AR steps, reported per step) or one LinearSS round (one draft + one verify
 of a block of B). Each point
 first runs one untimed generation (compiles), then `--repeats` timed ones; the median over the first `--rounds`
@@ -95,9 +95,10 @@ def _timed_policy(name: str, block_size: int):
       super().__init__(*(() if name == "ar" else (block_size,)))
       self.rounds: list[tuple[str, int, float]] = []
 
-    def observe_round(self, kind, blk, rows, seconds):
-      super().observe_round(kind, blk, rows, seconds)
-      self.rounds.append((kind, rows, seconds))
+    def observe(self, outcome):
+      super().observe(outcome)
+      out = outcome.output
+      self.rounds.append((out.label, outcome.batch.n, outcome.seconds / out.rounds))
 
   return Timed()
 
@@ -172,7 +173,7 @@ def run_context(cfg: ContextConfig, log=print) -> dict:
           "context": cfg.context, "block_size": cfg.block_size, "rounds": cfg.rounds, "repeats": cfg.repeats,
           "page_size": cfg.page_size, "decode_steps": cfg.decode_steps,
           "prompt_source": "gsm8k" if use_gsm8k else "random",
-          "timing": "engine round wall time as reported to Policy.observe_round (host + device), median over the "
+          "timing": "engine round wall time as reported to Strategy.observe (host + device), median over the "
                     "first `rounds` decode rounds of each timed generation",
           "jax": jax.__version__, "jax_backend": jax.default_backend(), "cpu_count": os.cpu_count(),
           "load_average_start": list(load_start), "load_average_end": list(os.getloadavg()),

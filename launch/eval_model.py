@@ -86,6 +86,7 @@ def main(argv):
   from recguide_jax import SamplingParams
   from recguide_jax import benchmarks as bench
   from recguide_jax.decoding.builtin import ARStrategy, LinearStrategy
+  from recguide_jax.decoding.rounds import draft_signal_rows
   from recguide_jax.train import data as data_lib
   llm = LLM(FLAGS.model, policy="ar", block_sizes=(8, 16, 32), max_num_seqs=FLAGS.concurrency, warmup=False,
             attention=FLAGS.attention, dtype=FLAGS.dtype, max_model_len=FLAGS.max_model_len)
@@ -105,7 +106,7 @@ def main(argv):
   per_request = {}
   for blk in (8, 16, 32):
     llm.set_policy(LinearStrategy(blk))
-    llm.engine.signal_log = []
+    llm.engine.round_log = []
     reqs, wall = bench.run_concurrent(llm.engine, prompts, params, FLAGS.concurrency)
     s = bench.summarize(reqs, wall)
     acc = [a for r in reqs for a in r.stats.accepted_lengths]
@@ -113,8 +114,8 @@ def main(argv):
                         if r.stats.accepted_lengths]
     s["lossless"] = [r.output_ids for r in reqs] == ar_out
     s["accepted_length_histogram"] = np.bincount(acc, minlength=blk + 1)[1:].tolist()
-    s["signals"] = signal_stats(llm.engine.signal_log)
-    llm.engine.signal_log = None
+    s["signals"] = signal_stats(draft_signal_rows(llm.engine.round_log))
+    llm.engine.round_log = None
     result["linear"][blk] = s
     print(f"B={blk}: tau {s['mean_accepted_length']:.2f}  TPF {s['tpf']:.2f}  lossless {s['lossless']}  "
           f"signals {s['signals']}", flush=True)

@@ -11,6 +11,7 @@ import pytest
 from flax import nnx
 
 from conftest import tiny_config
+from recguide_jax.decoding.rounds import draft_signal_rows
 from recguide_jax.model import checkpoint as ckpt_lib
 from recguide_jax.model.nld import ForwardInputs, NLDModel
 from recguide_jax.train import distill
@@ -166,10 +167,10 @@ def test_exported_adapter_checkpoint_serves_lossless(tmp_path, base_dir):
   # of a block must be the training layout's draft of the same block (a seeded block after a clean prefix)
   prompt = (prompts[0] * 8)[:16]  # a whole number of blocks, so the first drafted block is block-aligned
   llm.set_policy(LinearStrategy(8))
-  llm.engine.signal_log = []
+  llm.engine.round_log = []
   served = llm.generate([prompt], params)[0].token_ids
-  served_conf = np.asarray(llm.engine.signal_log[0]["conf"])
-  llm.engine.signal_log = None
+  served_conf = np.asarray(draft_signal_rows(llm.engine.round_log)[0]["conf"])
+  llm.engine.round_log = None
   model = ckpt_lib.load_model(out)
   x0 = jnp.asarray([prompt + served[:8]], jnp.int32)
   xt = jnp.where((jnp.arange(24) % 8 == 0)[None], x0, model.cfg.mask_token_id)

@@ -1,6 +1,8 @@
 """Engine: losslessness of every decoding path against greedy AR, batch invariance, continuous batching, stop
 conditions, no KV page leaks, and no compilation after warm-up."""
 
+import dataclasses
+
 import jax
 import numpy as np
 import pytest
@@ -121,6 +123,42 @@ def test_multi_step_decode_equals_one_step_calls(tiny_llm, tiny_model, ar_output
   assert outs[1][1].token_ids == expected[1][:expected[1].index(stop_tok) + 1]
 
 
+def test_pipelined_decode_is_exact(tiny_llm, ar_outputs):
+  """AR calls dispatched ahead (the next call starts from the previous one's device tokens before the host reads
+  them) give the synchronous engine's streams exactly: greedy, sampled and logprobs, through stop tokens and
+  max_tokens (a request that stops wastes its row of the call in flight), and requests joining mid-run."""
+  prompts, expected = ar_outputs
+  eng = tiny_llm.engine
+  stop = expected[1][9]
+  cases = [SamplingParams(max_tokens=37, temperature=0.0, ignore_eos=True, stop_token_ids=[stop], logprobs=1),
+           SamplingParams(max_tokens=29, temperature=0.8, seed=3)]
+  results = {}
+  for ahead in (False, True):
+    strategy = ARStrategy()
+    strategy.plans_ahead = ahead
+    tiny_llm.set_policy(strategy)
+    ahead_calls, streams, outs = [], {}, []
+    tiny_llm.runner.before_execute = lambda key, args: ahead_calls.append(eng._pending is not None)
+    try:
+      for params in cases:
+        reqs = [eng.add_request(p, dataclasses.replace(params, max_tokens=params.max_tokens + 3 * i), f"r{i}",
+                                on_update=lambda r, new: streams.setdefault(r.request_id, []).append(list(new)))
+                for i, p in enumerate(prompts[:5])]
+        for _ in range(6):
+          eng.step()
+        reqs.append(eng.add_request(prompts[5], params, "late"))  # joins while calls run ahead
+        eng.run_until_done()
+        outs.append([(r.output_ids, r.finish_reason, r.token_logprobs, r.logprobs) for r in reqs])
+        assert eng.allocator.num_used == 0
+        eng.allocator.check()
+    finally:
+      tiny_llm.runner.before_execute = None
+    assert any(ahead_calls) == ahead
+    results[ahead] = (outs, streams)
+  assert results[True] == results[False]
+  assert results[True][0][0][1][0] == expected[1][:expected[1].index(stop) + 1]  # greedy through its stop token
+
+
 def test_multi_step_decode_waits_for_nothing_queued(tiny_llm):
   """A multi-step call runs only while no request waits to be admitted or prefilled, and only when some request
   of the batch has that many tokens left; its wall time counts as that many AR rounds."""
@@ -130,12 +168,13 @@ def test_multi_step_decode_waits_for_nothing_queued(tiny_llm):
 
   def record(key, args):
     if key.kind == "decode":
-      prefilling = any(r.prefilled < len(r.prompt_ids) for r in eng.running if not r.finished)
+      prefilling = any(eng.prefilled(r) < len(r.prompt_ids) for r in eng.running if not r.finished)
       calls.append((key.steps, len(eng.waiting), prefilling))
 
   rounds = []
-  observe = eng.strategy.observe_round
-  eng.strategy.observe_round = lambda kind, blk, rows, seconds: rounds.append((kind, blk))
+  observe = eng.strategy.observe
+  eng.strategy.observe = lambda outcome: rounds.extend([(outcome.output.label, outcome.batch.block)]
+                                                       * outcome.output.rounds)
   tiny_llm.runner.before_execute = record
   try:
     # 9 requests for 8 slots: one waits until the shortest (11 tokens) finishes, then prefills (a 40-token prompt)
@@ -144,7 +183,7 @@ def test_multi_step_decode_waits_for_nothing_queued(tiny_llm):
     eng.run_until_done()
   finally:
     tiny_llm.runner.before_execute = None
-    eng.strategy.observe_round = observe
+    eng.strategy.observe = observe
   assert [len(r.output_ids) for r in reqs] == [11 + 3 * i for i in range(9)]
   assert all(steps == 1 for steps, waiting, prefilling in calls if waiting or prefilling)
   assert any(steps == 4 for steps, _, _ in calls) and any(w for _, w, _ in calls) and any(p for _, _, p in calls)
@@ -279,7 +318,7 @@ def test_no_compiles_after_warmup(tiny_model):
 
 def _groups(sizes):
   from recguide_jax.decoding import rounds
-  from recguide_jax.decoding.strategy import Group
+  from recguide_jax.engine.scheduler import Group
   out = [Group(rounds.LINEAR, b, [object() for _ in range(n)], [b] * n) for b, n in sizes.items()]
   return out + [Group(rounds.AR, 1, [object()], [1])]
 

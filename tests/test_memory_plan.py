@@ -12,7 +12,7 @@ import sys
 
 import pytest
 
-from recguide_jax.cache import memory_plan as mp
+from recguide_jax.cache import kv_cache, memory_plan as mp
 from recguide_jax.model.config import PRESETS, NLDConfig
 from recguide_jax.runtime.runner import RunnerConfig
 
@@ -51,7 +51,7 @@ def test_sizes_of_presets(preset):
   assert mp.kv_page_bytes(cfg, 16, "bfloat16") == 2 * cfg.num_hidden_layers * 16 * 8 * 128 * 2
   # the runner's own pledge per sequence
   rc = RunnerConfig(max_model_len=8192, page_size=16, block_sizes=(8, 16, 32), prefill_chunk=64)
-  assert mp.pages_per_seq(8192, rc.max_block, 16) == rc.pages_per_seq
+  assert kv_cache.pages_per_seq(8192, rc.max_block, 16) == rc.pages_per_seq
 
 
 def test_plan_fills_the_budget_exactly():

@@ -41,7 +41,7 @@ def test_steps_never_copy_the_cache(variant, loop):
   temps = []
   for pages in (40, 120):
     runner = Runner.abstract(CFG, _runner_config(pages, layer_loop=loop), jnp.float32)
-    compiled = runner.lower(*variant).compile()
+    compiled = runner.lower(StepKey.parse(*variant)).compile()
     stats = compiled.memory_analysis()
     temps.append(stats.temp_size_in_bytes)
     cache_bytes = 2 * CFG.num_hidden_layers * pages * 8 * CFG.num_key_value_heads * CFG.head_dim * 4
@@ -65,7 +65,7 @@ def test_layer_weights_are_stacked_once():
   assert q.shape == (CFG.num_hidden_layers, CFG.hidden_size, CFG.num_attention_heads * CFG.head_dim)
   assert runner.cache.k.shape == (CFG.num_hidden_layers, 40, 8, CFG.num_key_value_heads * CFG.head_dim)
   # one layer body in the program: a while loop over the layers, not num_hidden_layers copies of it
-  hlo = runner.lower("verify", 8, 1).as_text()
+  hlo = runner.lower(StepKey.parse("verify", 8, 1)).as_text()
   assert len(re.findall(r"dot_general", hlo)) < 20
 
 
@@ -76,7 +76,7 @@ def runner(tiny_model):
 
 def test_decode_takes_no_draft_distribution_and_equals_verify(runner):
   cfg = runner.cfg
-  lowered = runner.lower("decode", 1, 2)
+  lowered = runner.lower(StepKey.parse("decode", 1, 2))
   per_call = lowered.args_info[0][2:]  # after (weights, cache): what is uploaded per step
   shapes = [tuple(x.shape) for x in jax.tree.leaves(per_call)]
   assert len(shapes) == 9 and max(int(np.prod(s)) for s in shapes) <= 2 * runner.config.pages_per_seq, shapes
@@ -107,7 +107,7 @@ def test_parallel_warmup_compiles_every_variant_once(tiny_model):
   assert sorted(seconds) == sorted(want) == [StepKey(StepKind.DECODE, 1, 1), StepKey(StepKind.VERIFY, 8, 1)]
   assert all(v in runner._compiled for v in want)
   assert runner.warmup(("verify",), (8,), progress=False) == {}  # nothing left to compile
-  runner.compiled("decode", 1, 1)
+  runner.compiled(StepKey.parse("decode", 1, 1))
   assert runner.compiles_after_warmup == 0
 
 
@@ -162,7 +162,7 @@ def test_unrolled_layers_compute_the_scanned_function(tiny_model):
     got[loop] = (np.stack(steps), np.stack(got[loop]))
   np.testing.assert_array_equal(got[LayerLoop.SCAN][0], got[LayerLoop.UNROLLED][0])
   np.testing.assert_allclose(got[LayerLoop.SCAN][1], got[LayerLoop.UNROLLED][1], atol=2e-5)
-  hlo = runners[LayerLoop.UNROLLED].compiled("decode", 1, 2).as_text()
+  hlo = runners[LayerLoop.UNROLLED].compiled(StepKey.parse("decode", 1, 2)).as_text()
   for weight in (f"f32[{CFG.hidden_size},{CFG.intermediate_size}]", f"f32[{CFG.intermediate_size},{CFG.hidden_size}]"):
     w = re.escape(weight)  # either kernel layout
     sliced = r"%[\w.-]*slice[\w.-]* = " + w + r"|= " + w + r"\{[^}]*\} (?:dynamic-)?slice\("
@@ -245,11 +245,11 @@ def test_out_in_runner_puts_the_weight_left_of_few_rows_and_right_of_many(tiny_m
   def dense_dots(hlo):  # result shapes of the 2-D (unbatched) dots: the dense layers'
     return [(int(m), int(n)) for m, n in re.findall(r"= f32\[(\d+),(\d+)\]\{1,0\} dot\(", hlo)]
 
-  decode = dense_dots(runner.compiled("decode", 1, 2).as_text())
+  decode = dense_dots(runner.compiled(StepKey.parse("decode", 1, 2)).as_text())
   assert len(decode) == 7 * CFG.num_hidden_layers + 1 and all(n == 2 for _, n in decode), decode
   rows = 48 * 2
   assert rows > SWAPPED_MATMUL_MAX_ROWS
-  prefill = dense_dots(runner.compiled("prefill", 48, 2).as_text())
+  prefill = dense_dots(runner.compiled(StepKey.parse("prefill", 48, 2)).as_text())
   assert sum(m == rows for m, _ in prefill) == 7 * CFG.num_hidden_layers, prefill  # the head reads 2 rows
   assert not any(n == rows for _, n in prefill), prefill
 

@@ -9,7 +9,7 @@ import pytest
 from recguide_jax import SamplingParams
 from recguide_jax.decoding.builtin import ARStrategy
 from recguide_jax.decoding import rounds
-from recguide_jax.decoding.strategy import RoundPlan, Strategy
+from recguide_jax.decoding.strategy import RoundPlan, StepPlan, Strategy
 
 PARAMS = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
 MIXES = {  # per-request block choices a step draws from (1: an AR row)
@@ -26,9 +26,12 @@ class MixedBlocks(Strategy):
   def __init__(self, choices):
     self.choices = choices
 
-  def plan(self, req, view):
-    blk = self.choices[(zlib.crc32(req.request_id.encode()) + 7 * view.step) % len(self.choices)]
-    return RoundPlan(rounds.AR if blk == 1 else rounds.LINEAR, blk)
+  def plan_step(self, view):
+    plans = []
+    for req in view.requests:
+      blk = self.choices[(zlib.crc32(req.request_id.encode()) + 7 * view.step) % len(self.choices)]
+      plans.append(RoundPlan(rounds.AR if blk == 1 else rounds.LINEAR, blk))
+    return StepPlan(tuple(plans))
 
   def block_sizes(self):
     return tuple(b for b in self.choices if b > 1)
@@ -222,7 +225,7 @@ def test_recguide_prices_a_mixed_step_as_one_ragged_forward():
   for ragged in (False, True):
     pol = RecGuideStrategy(16, profile=prof, tables=tables, overlap=False, calibrate=False)
     pol.ragged_steps = ragged
-    chosen[ragged] = pol.plan_step(reqs, len(reqs))
+    chosen[ragged] = pol.price_step(reqs, len(reqs))
   name, blocks = chosen[True]
   assert name == "rule" and blocks == [32, 8] * 16
   assert chosen[False][0] != "rule" and len(set(chosen[False][1])) == 1

@@ -20,7 +20,7 @@ from recguide_jax.recguide.profile import load_profile
 from recguide_jax.recguide.controller import RecGuideState, RecGuideStrategy
 from recguide_jax.recguide.profile import HardwareProfile
 from recguide_jax.recguide.signals import RoundRecord
-from recguide_jax.engine.requests import Forward
+from recguide_jax.runtime.step_key import StepKind
 
 BLOCKS = (8, 16, 32)
 # what a round accepts per block: a confident request gains a little from longer blocks, an unsure one nothing
@@ -60,18 +60,18 @@ def _priced(steps, profile, plan_step, accepts):
     planned, round_cost = plan_step(k, reqs)
     for g in group_plans(planned, "auto", round_cost):
       if g.round is rounds.AR:
-        ledger.append((Forward.DECODE, 1, len(g.reqs)))
+        ledger.append((StepKind.DECODE, 1, len(g.reqs)))
         tokens += len(g.reqs)
       else:  # a padded request keeps at most its own planned block
-        ledger += [(Forward.DRAFT, g.block, len(g.reqs)), (Forward.VERIFY, g.block, len(g.reqs))]
+        ledger += [(StepKind.DRAFT, g.block, len(g.reqs)), (StepKind.VERIFY, g.block, len(g.reqs))]
         tokens += sum(r.accepts[b] for r, b in zip(g.reqs, g.planned))
   return tokens / priced_ms(ledger, profile)
 
 
 def _recguide(steps, profile, strategy, accepts=ACCEPTS):
   def plan_step(k, reqs):
-    view = StepView(k + 1, len(reqs), 64, 4096, 32, frozenset(), tuple(reqs))
-    return [(r, strategy.plan(r, view)) for r in reqs], strategy.round_cost
+    view = StepView(k + 1, tuple(reqs), 64, 4096, 32, frozenset())
+    return list(zip(reqs, strategy.plan_step(view).plans)), strategy.round_cost
   return _priced(steps, profile, plan_step, accepts)
 
 
@@ -136,15 +136,15 @@ def test_ar_rounds_return_a_request_to_its_prior():
   reqs = [_Req("unsure", accepts) for _ in range(8)]
 
   def plan(step):
-    view = StepView(step, len(reqs), 64, 4096, 32, frozenset(), tuple(reqs))
-    return {strategy.plan(r, view).block_size for r in reqs}
+    view = StepView(step, tuple(reqs), 64, 4096, 32, frozenset())
+    return {p.block_size for p in strategy.plan_step(view).plans}
   assert plan(1) == {1}  # unsure requests: AR for the whole batch
   result = types.SimpleNamespace(entropy=np.full((len(reqs), 1), ENTROPY["unsure"]))
   for i, r in enumerate(reqs):  # one AR round: the last verification still speaks
-    strategy.observe(r, 1, 1, result, i)
+    strategy.observe_verification(r, 1, 1, result, i)
   assert plan(2) == {1}
   for i, r in enumerate(reqs):  # two: no signal left, the prior (half the trace's rounds were confident)
-    strategy.observe(r, 1, 1, result, i)
+    strategy.observe_verification(r, 1, 1, result, i)
   assert plan(3) == {16}
 
 
@@ -167,8 +167,8 @@ def test_values_stop_at_the_budget():
   assert strategy._values(req) == pytest.approx({8: 8, 16: 10, 32: 11})
   req.output_ids = [0] * (req.params.max_tokens - 3)
   assert strategy._values(req) == pytest.approx({8: 3, 16: 3, 32: 3})
-  view = StepView(1, 1, 64, 4096, 32, frozenset(), (req,))
-  assert strategy.plan(req, view).block_size == 8  # the same tokens for the cheapest round
+  view = StepView(1, (req,), 64, 4096, 32, frozenset())
+  assert strategy.plan_step(view).plans[0].block_size == 8  # the same tokens for the cheapest round
 
 
 def test_overlap_is_priced_with_its_entry():
@@ -190,8 +190,8 @@ def test_overlap_is_priced_with_its_entry():
     req.output_ids = [0] * (req.params.max_tokens - left)
     if prefetched:
       req.strategy_state.prefetched = ov.Prefetched(np.zeros(16, np.int32), np.zeros((3, 16)), "p1")
-    view = StepView(next(steps), 1, 64, 4096, 32, frozenset(), (req,), 1)  # a new step: the regime is re-decided
-    return strategy.plan(req, view)
+    view = StepView(next(steps), (req,), 64, 4096, 32, frozenset(), 1)  # a new step: the regime is re-decided
+    return strategy.plan_step(view).plans[0]
   assert plan(100).round is strategy.overlap_round  # many rounds left: entering pays for itself
   assert plan(7).round is not strategy.overlap_round  # ~1.5 rounds left: the entry's draft is not recovered
   assert plan(7, prefetched=True).round is strategy.overlap_round  # it holds a branch: this round drafts nothing
@@ -249,7 +249,7 @@ def test_overlap_runs_at_load_1_exactly_where_its_saved_drafts_pay(above):
   strategy.stats.overlap_hit = breakeven + (0.05 if above else -0.05)
   req = _Req("confident", ACCEPTS)
   assert strategy._values(req) == pytest.approx(values)
-  plan = strategy.plan(req, StepView(1, 1, 64, 4096, 32, frozenset(), (req,), 1))
+  plan = strategy.plan_step(StepView(1, (req,), 64, 4096, 32, frozenset(), 1)).plans[0]
   assert (plan.round is strategy.overlap_round) == above, (breakeven, strategy.expected_rates(1, [req]))
 
 

@@ -29,7 +29,7 @@ import server_fixtures as sf  # noqa: E402
 from recguide_jax import LLM
 
 from recguide_jax import SamplingParams  # noqa: E402
-from recguide_jax.server.streaming import TextDeltas, final_text, stop_position  # noqa: E402
+from recguide_jax.server.streaming import TextDeltas, stop_position  # noqa: E402
 from recguide_jax.text.tokenizer import Tokenizer  # noqa: E402
 
 MODEL = "nld-test"  # the checkpoint directory's name: the default served model name
@@ -170,7 +170,9 @@ def test_text_deltas_concatenate_to_final_text(tokenizer, data):
     out += deltas.update(emitted)  # the engine reports the tokens of the step that hit a stop string too
     if stop_position(tokenizer.decode(emitted), stops) is not None:
       break
-  final = final_text(tokenizer, emitted, stops)
+  text = tokenizer.decode(emitted)  # the engine's rule over the whole output: cut before the earliest stop string
+  pos = stop_position(text, stops)
+  final = text if pos is None else text[:pos]
   out += deltas.finish(final)
   assert out == final
 

@@ -476,14 +476,14 @@ def test_engine_failing_callback_or_plan_fails_alone(engine, alone, monkeypatch)
   reqs = [engine.add_request(p, GREEDY) for p in PROMPTS]
   cb = engine.add_request([20, 21], GREEDY, on_update=broken_callback)
   planned = engine.add_request([22, 23, 24], GREEDY)
-  real_plan = engine.strategy.plan
+  real_plan = engine.strategy.plan_step
 
-  def plan(req, eng):
-    if req is planned:
+  def plan_step(view):  # a strategy bug that shows with one request of the step
+    if planned in view.requests:
       raise ValueError("policy bug for this request")
-    return real_plan(req, eng)
+    return real_plan(view)
 
-  monkeypatch.setattr(engine.strategy, "plan", plan)
+  monkeypatch.setattr(engine.strategy, "plan_step", plan_step)
   _run(engine, reqs)
   assert cb.finish_reason == "error" and "callback" in cb.error
   assert planned.finish_reason == "error" and "policy bug" in planned.error

@@ -1,7 +1,7 @@
 """Block attention over the paged prefix whose cost follows the live context, not `max_model_len`: the XLA path
 the model takes when no Pallas kernel does (the CPU, and accelerators whose shapes the kernels refuse).
 
-`attention.block_attention_ref` gathers every page of the page table, i.e. `max_model_len` tokens for every row of
+`block_attention_ref` (pallas_kernels.common) gathers every page of the page table, i.e. `max_model_len` tokens for every row of
 every step, whatever the rows' real lengths. Here the prefix is read in chunks with an online (flash-style)
 softmax, and the loops run only as many chunks as the longest live prefix of the batch needs (`while_loop`s with
 data-dependent trip counts): one compiled variant serves every context length, so start-up compiles nothing extra.
@@ -15,9 +15,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from pallas_kernels.common import NEG_INF  # finite: a fully masked chunk contributes exp(NEG_INF - m) = 0, never NaN
 from recguide_jax.cache.kv_cache import TRASH_PAGE, gather_prefix
-
-NEG_INF = -1e30  # finite, as in attention.py: a fully masked chunk contributes exp(-1e30 - m) = 0, never NaN
 CHUNK_TOKENS = 256  # prefix tokens per iteration of the whole-chunk loop (rounded to whole pages)
 TAIL_CHUNK_TOKENS = 32  # prefix tokens per iteration of the tail loop (whole pages dividing a whole chunk)
 

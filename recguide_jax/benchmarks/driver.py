@@ -136,7 +136,7 @@ def overlap_counts(reqs) -> dict[str, int]:
   """The overlap branch outcome counters (Table 3) summed over requests."""
   out: dict[str, int] = {}
   for r in reqs:
-    for k, v in r.stats.overlap.items():
+    for k, v in getattr(r.strategy_state, "overlap", {}).items():
       out[k] = out.get(k, 0) + v
   return out
 

@@ -31,6 +31,11 @@ import numpy as np
 TRASH_PAGE = 0
 
 
+def pages_per_seq(max_model_len: int, max_block: int, page_size: int) -> int:
+  """Pages one sequence of `max_model_len` pledges: a verify may write up to one block past its last token."""
+  return -(-(max_model_len + max_block) // page_size)
+
+
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass
 class KVCache:
@@ -178,6 +183,9 @@ class PageAllocator:
     self._pages: dict[object, list[int]] = {}
     self._length: dict[object, int] = {}
     self._refs: dict[int, int] = {}  # owners of each page held by more than one request (absent: one owner)
+    # each request's page-table row (max_pages_per_seq wide, TRASH_PAGE past its pages), kept as its pages change so
+    # a batch's table is a copy of rows, not rebuilt from page lists every step
+    self._rows: dict[object, np.ndarray] = {}
 
   # -- queries --
   @property
@@ -221,6 +229,7 @@ class PageAllocator:
       raise KeyError(f"sequence {seq_id!r} already has pages")
     self._pages[seq_id] = []
     self._length[seq_id] = 0
+    self._rows[seq_id] = np.full((self.max_pages_per_seq,), TRASH_PAGE, np.int32)
 
   def fork(self, src, dst, num_tokens: int) -> int:
     """Gives `dst` (added, holding no pages) the pages of `src` that hold its first `num_tokens` committed tokens,
@@ -233,6 +242,7 @@ class PageAllocator:
     for p in shared:
       self._refs[p] = self._refs.get(p, 1) + 1
     self._pages[dst] = list(shared)
+    self._rows[dst][:len(shared)] = shared
     self._length[dst] = len(shared) * self.page_size
     return self._length[dst]
 
@@ -257,8 +267,11 @@ class PageAllocator:
     extra = need - len(pages)
     if extra > len(self._free):
       raise OutOfPages(f"need {extra} more KV pages, {len(self._free)} free")
-    for _ in range(max(extra, 0)):
-      pages.append(self._free.pop())
+    if extra > 0:
+      row = self._rows[seq_id]
+      for _ in range(extra):
+        row[len(pages)] = self._free[-1]
+        pages.append(self._free.pop())
 
   def commit(self, seq_id, length: int) -> None:
     """Sets the committed length (after a verify/prefill wrote K/V); pages must already be reserved."""
@@ -273,20 +286,32 @@ class PageAllocator:
     self._length[seq_id] = length
     pages = self._pages[seq_id]
     keep = self.pages_for(length)
+    if len(pages) > keep:
+      self._rows[seq_id][keep:len(pages)] = TRASH_PAGE
     while len(pages) > keep:
       self._release(pages.pop())
 
-  def trim(self, seq_id) -> None:
-    """Returns reserved-but-uncommitted pages (after a verify that accepted less than it reserved)."""
-    self.crop(seq_id, self._length[seq_id])
+  def trim(self, seq_id, keep: int = 0) -> None:
+    """Returns reserved-but-uncommitted pages (after a verify that accepted less than it reserved), but those of the
+    `keep` tokens past the committed length (a call already dispatched writes there)."""
+    pages, need = self._pages[seq_id], self.pages_for(self._length[seq_id] + keep)
+    if len(pages) > need:
+      self._rows[seq_id][need:len(pages)] = TRASH_PAGE
+    while len(pages) > need:
+      self._release(pages.pop())
 
   def free(self, seq_id) -> None:
     pages = self._pages.pop(seq_id, None)
     self._length.pop(seq_id, None)
+    self._rows.pop(seq_id, None)
     for p in reversed(pages or ()):
       self._release(p)
 
-  def page_table_row(self, seq_id, width: int) -> np.ndarray:
+  def page_table_row(self, seq_id, width: int | None = None) -> np.ndarray:
+    """The request's page-table row (TRASH_PAGE past its pages); at the allocator's own width it is the kept row
+    itself: read it, do not write it."""
+    if width is None or width == self.max_pages_per_seq:
+      return self._rows[seq_id]
     row = np.full((width,), TRASH_PAGE, np.int32)
     pages = self._pages[seq_id]
     row[:len(pages)] = pages
@@ -304,6 +329,8 @@ class PageAllocator:
         assert p != TRASH_PAGE and p not in seen, f"page {p} both free and owned ({seq_id!r})"
         owners[p] = owners.get(p, 0) + 1
       assert self._length[seq_id] <= len(pages) * self.page_size, f"length past capacity for {seq_id!r}"
+      row = self._rows[seq_id]
+      assert row[:len(pages)].tolist() == pages and (row[len(pages):] == TRASH_PAGE).all(), f"stale row {seq_id!r}"
     for p, k in owners.items():
       assert self._refs.get(p, 1) == k, f"page {p} has {k} owners but reference count {self._refs.get(p, 1)}"
     assert set(self._refs) <= set(owners), "reference count of a page nobody owns"

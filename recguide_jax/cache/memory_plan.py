@@ -55,12 +55,11 @@ def _gb(n: float) -> str:
 
 def kv_heads_per_device(num_kv_heads: int, tp: int) -> int:
   """KV heads each of `tp` devices holds: an even split, or one (replicated) head each when tp >= the heads."""
-  if tp < 1:
-    raise MemoryPlanError(f"--tensor_parallel_size must be >= 1, got {tp}")
-  if num_kv_heads % tp and tp % num_kv_heads:
-    raise MemoryPlanError(f"--tensor_parallel_size {tp} must divide the model's {num_kv_heads} KV heads (or be a "
-                          "multiple of them)")
-  return max(1, num_kv_heads // tp)
+  from recguide_jax.parallel import sharding
+  try:
+    return num_kv_heads * sharding.kv_replication(num_kv_heads, tp) // tp
+  except sharding.MeshError as e:
+    raise MemoryPlanError(str(e)) from None
 
 
 def kv_page_bytes(cfg, page_size: int, dtype: str, tp: int = 1) -> int:
@@ -99,11 +98,6 @@ def _sharded_param_elements(cfg, tp: int) -> int:
     split = sum(1 for axis in sharding.param_spec(name, sds.shape, mesh) if axis is not None)
     total += math.prod(sds.shape) // tp ** split
   return total
-
-
-def pages_per_seq(max_model_len: int, max_block: int, page_size: int) -> int:
-  """Pages one sequence of `max_model_len` pledges (a verify may write one block past it; RunnerConfig's rule)."""
-  return -(-(max_model_len + max_block) // page_size)
 
 
 # ---- the activation probe ------------------------------------------------------------------------------------------
@@ -179,6 +173,7 @@ def measure_activation(cfg, dtype: str, runner_config, kinds: Sequence[str], blo
   Cache writers (variants that donate the cache) are compiled again at twice the pages: their growth per page (a
   backend copying the cache in the update) goes into `per_page_bytes`; readers cannot grow with it."""
   import jax
+  from recguide_jax.cache.kv_cache import pages_per_seq  # jax is imported only when a plan is made
   n1 = pages_per_seq(runner_config.max_model_len, runner_config.max_block, runner_config.page_size) + 1
   t0 = time.perf_counter()
   runners = {}
@@ -286,6 +281,7 @@ def plan_memory(cfg, *, dtype: str, page_size: int, max_model_len: int, max_num_
     raise MemoryPlanError(f"--device_memory_gb must be > 0, got {device_bytes / GB}")
   weights = weights_bytes(cfg, dtype, tp) if weights is None else weights
   page = kv_page_bytes(cfg, page_size, dtype, tp)
+  from recguide_jax.cache.kv_cache import pages_per_seq  # jax is imported only when a plan is made
   per_seq = pages_per_seq(max_model_len, max_block, page_size)
   where = f"{device}" + (f" (per device, tp={tp})" if tp > 1 else "")
   if device_bytes is not None and fraction is None:

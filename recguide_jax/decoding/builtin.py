@@ -3,27 +3,28 @@
 from __future__ import annotations
 
 from recguide_jax.decoding import rounds
-from recguide_jax.decoding.strategy import Round, RoundPlan, StepView, Strategy
+from recguide_jax.decoding.strategy import Round, RoundPlan, StepPlan, StepView, Strategy
 
 
-class ARStrategy(Strategy):
-  name = "ar"
-  _plan = RoundPlan(rounds.AR, 1)
-
-  def plan(self, req, view: StepView) -> RoundPlan:
-    return self._plan
-
-
-class FixedBlockStrategy(Strategy):
+class FixedStrategy(Strategy):
   """Every request, every round: `round` at one block size."""
   round: Round
+  block_size: int = 1
+  plans_ahead = True
+
+  def plan_step(self, view: StepView) -> StepPlan:
+    return StepPlan.uniform(RoundPlan(self.round, self.block_size), len(view.requests))
+
+
+class ARStrategy(FixedStrategy):
+  name = "ar"
+  round = rounds.AR
+
+
+class FixedBlockStrategy(FixedStrategy):
 
   def __init__(self, block_size: int):
     self.block_size = block_size
-    self._plan = RoundPlan(self.round, block_size)
-
-  def plan(self, req, view: StepView) -> RoundPlan:
-    return self._plan
 
   def block_sizes(self):
     return (self.block_size,)
@@ -44,7 +45,6 @@ class LinearStrategy(FixedBlockStrategy):
 class DiffusionStrategy(FixedBlockStrategy):
   """NLD's block diffusion `generate`: denoise a block by confidence threshold, then commit it causally."""
   name = "diffusion"
-  round = rounds.DIFFUSION
   supports_logprobs = False
 
   def __init__(self, block_size: int = 32, threshold: float = 0.9):
@@ -52,6 +52,7 @@ class DiffusionStrategy(FixedBlockStrategy):
       raise ValueError(f"diffusion threshold must be in (0, 1], got {threshold}")
     super().__init__(block_size)
     self.threshold = threshold
+    self.round = rounds.DiffusionRound(threshold)
 
   def step_kinds(self):
     return ("prefill", "denoise")

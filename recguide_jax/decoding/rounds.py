@@ -1,64 +1,97 @@
 """The generic rounds: AR decode, LinearSS (diffusion draft + causal verify) and NLD block diffusion. Each runs its
-forwards through the runner and hands the results to the engine's `RoundContext`; none knows which strategy
-planned it."""
+forwards through the runner on the engine's `Batch` and returns a `RoundOutput`; none knows which strategy planned
+it, and none touches engine state."""
 
 from __future__ import annotations
 
 import numpy as np
 
-from recguide_jax.decoding.strategy import Group, Round, RoundContext, RoundKind
-from recguide_jax.engine.requests import Forward
+from recguide_jax.decoding.strategy import Batch, Round, RoundKind, RoundOutput
+from recguide_jax.runtime.step_key import StepKind
 
 
-def draft_verify(ctx: RoundContext, blk: int, seed, write, prefix_len, page_table, samp):
-  """One LinearSS round on the device: draft forward, then verify forward (which commits K/V)."""
-  drafted, q, signals = ctx.runner.draft(seed, prefix_len, page_table, blk, samp)
-  res = ctx.runner.verify(drafted, q, write, prefix_len, page_table, samp)
-  if ctx.signal_log is not None:  # only analysis reads the draft back: no extra device->host copy per round
-    res.draft_tokens = np.asarray(drafted)
-    res.draft_signals = np.asarray(signals)
+def draft_verify(runner, blk: int, batch: Batch):
+  """One LinearSS round on the device: draft forward, then verify forward (which commits K/V). The draft tokens and
+  signals stay device arrays on the result: only analysis reads them back."""
+  drafted, q, signals = runner.draft(batch.seed, batch.prefix_len, batch.page_table, blk, batch.samp)
+  res = runner.verify(drafted, q, batch.live, batch.prefix_len, batch.page_table, batch.samp)
+  res.draft_tokens, res.draft_signals = drafted, signals
   return res
 
 
-class ARRound(Round):
-  """One token per request and step: decode forwards from the seed token, `ctx.decode_steps` of them in one device
-  call (each step's token is the next step's input on the device)."""
-  kind = RoundKind.AR
+def verified_output(label: str, res, batch: Batch, accepted: np.ndarray, forwards, row_forwards, **kw) -> RoundOutput:
+  """The output of a verification: each row emits and commits its accepted tokens."""
+  n = batch.n
+  return RoundOutput(label, res.tokens[:n], accepted, res.logprobs[:n], accepted, batch.planned.copy(), accepted,
+                     forwards, row_forwards, res.top_logprobs[:n], res.top_ids[:n], verify=res, **kw)
 
-  def run(self, ctx: RoundContext, group: Group) -> tuple[str, int]:
-    reqs = group.reqs
-    steps = ctx.decode_steps(reqs)
-    ctx.reserve(reqs, steps)
-    b, page_table, prefix_len, samp = ctx.batch_arrays(reqs, steps)
-    seed, write = ctx.seeds(reqs, b)
-    res = ctx.runner.verify(seed[:, None], None, write, prefix_len, page_table, samp, steps=steps)
-    for _ in range(steps):
-      ctx.count_forward(Forward.DECODE, 1, len(reqs))
-    for i, r in enumerate(reqs):
-      r.stats.forwards[Forward.DECODE] += steps
-      ctx.decoded(r, steps, res, i)
-    return self.kind, steps
+
+class ARRound(Round):
+  """One token per request and step: decode forwards from the seed token, `batch.steps` of them in one device call
+  (each step's token is the next step's input on the device). Pipelined: the engine may dispatch the next call from
+  this one's tokens on the device before it reads this one's back."""
+  kind = RoundKind.AR
+  multi_step = True
+  pipelined = True
+
+  def ahead(self, batch: Batch) -> tuple[int, int, int]:
+    return batch.steps, batch.steps, batch.steps  # commits every step it runs; a key round per step
+
+  def dispatch(self, runner, batch: Batch, seed=None):
+    """Dispatches the call without waiting; `seed`: the previous call's handle (its last tokens seed this one)."""
+    tokens = batch.seed[:, None] if seed is None else seed[1][:, -1:]
+    return runner.dispatch_decode(tokens, batch.live, batch.prefix_len, batch.page_table, batch.samp, batch.steps)
+
+  def collect(self, runner, batch: Batch, handle) -> RoundOutput:
+    """Reads a dispatched call back (waits for it)."""
+    res = runner.read_verify(handle)
+    n, steps = batch.n, batch.steps
+    full = np.full((n,), steps, np.int64)
+    ones = np.ones((n,), np.int64)
+    # AR writes exactly what it commits: nothing to trim (a pipelined next call's pages are past it)
+    return RoundOutput(self.kind, res.tokens[:n], full, res.logprobs[:n], full, ones, ones,
+                       [(StepKind.DECODE, 1, n)] * steps, {StepKind.DECODE: full}, res.top_logprobs[:n],
+                       res.top_ids[:n], rounds=steps, speculative=False, key_rounds=steps, verify=res, trim=False)
+
+  def run(self, runner, batch: Batch) -> RoundOutput:
+    return self.collect(runner, batch, self.dispatch(runner, batch))
 
 
 class LinearRound(Round):
   """LinearSS: a draft of `block` tokens and one verify forward. Requests planned at a smaller block (padded into
-  this batch) keep at most their planned block of the verified tokens."""
+  this batch) keep at most their planned block of the verified tokens. Pipelined: the next round's seed (the last
+  accepted token) and committed length are taken from this round's verification on the device."""
   kind = RoundKind.LINEAR
   pads_to_largest = True
+  pipelined = True
 
-  def run(self, ctx: RoundContext, group: Group) -> None:
-    reqs, blk = group.reqs, group.block
-    ctx.reserve(reqs, blk)
-    b, page_table, prefix_len, samp = ctx.batch_arrays(reqs)
-    seed, write = ctx.seeds(reqs, b)
-    res = draft_verify(ctx, blk, seed, write, prefix_len, page_table, samp)
-    ctx.count_forward(Forward.DRAFT, blk, len(reqs))
-    ctx.count_forward(Forward.VERIFY, blk, len(reqs))
-    for i, r in enumerate(reqs):
-      r.stats.forwards[Forward.DRAFT] += 1
-      r.stats.forwards[Forward.VERIFY] += 1
-      cap = group.planned[i]
-      ctx.verified(r, cap, min(int(res.accepted[i]), cap), res, i)
+  def ahead(self, batch: Batch) -> tuple[int, int, int]:
+    return batch.block, 1, 1  # at most a block committed (at least one token), one sampling-key round
+
+  def dispatch(self, runner, batch: Batch, seed=None):
+    if seed is None:
+      tokens, prefix = batch.seed, batch.prefix_len
+    else:  # the previous round's verification, still on the device
+      prev, prev_prefix = seed[0], seed[3]
+      accepted = prev[0]
+      tokens = prev[1][np.arange(batch.b), accepted - 1]
+      prefix = prev_prefix + accepted
+    drafted, q, signals = runner.draft(tokens, prefix, batch.page_table, batch.block, batch.samp)
+    outs = runner.dispatch_verify(drafted, q, batch.live, prefix, batch.page_table, batch.samp)
+    return outs, drafted, signals, prefix
+
+  def collect(self, runner, batch: Batch, handle) -> RoundOutput:
+    outs, drafted, signals, _ = handle
+    res = runner.read_verify(outs)
+    res.draft_tokens, res.draft_signals = drafted, signals  # device arrays: only analysis reads them back
+    n, blk = batch.n, batch.block
+    accepted = np.minimum(res.accepted[:n].astype(np.int64), batch.planned)
+    ones = np.ones((n,), np.int64)
+    return verified_output(self.kind, res, batch, accepted, [(StepKind.DRAFT, blk, n), (StepKind.VERIFY, blk, n)],
+                           {StepKind.DRAFT: ones, StepKind.VERIFY: ones})
+
+  def run(self, runner, batch: Batch) -> RoundOutput:
+    return self.collect(runner, batch, self.dispatch(runner, batch))
 
 
 class RaggedRound(Round):
@@ -69,44 +102,31 @@ class RaggedRound(Round):
   and acceptance are those of a LinearSS round at its own block (or an AR step), so the output is the same."""
   kind = RoundKind.RAGGED
 
-  def run(self, ctx: RoundContext, group: Group) -> str:
-    reqs, blocks = group.reqs, [int(b) for b in group.planned]
-    for r, blk in zip(reqs, blocks):
-      ctx.reserve([r], blk)
-    rows = ctx.rc.max_batch  # a ragged step's rows: one shape for every mix (its cost follows the tokens)
-    _, page_table, prefix_len, samp = pad_rows(ctx.batch_arrays(reqs), rows)
-    seed, write = ctx.seeds(reqs, rows)
+  def run(self, runner, batch: Batch) -> RoundOutput:
+    n, rows = batch.n, runner.config.max_batch  # a ragged step's rows: one shape for every mix
+    page_table, prefix_len, seed, live, samp = pad_rows(batch, rows)
+    planned = batch.planned.astype(np.int64)
     row_len = np.zeros((rows,), np.int32)
-    row_len[:len(reqs)] = blocks
+    row_len[:n] = planned
     draft_len = np.where(row_len > 1, row_len, 0).astype(np.int32)
-    n_draft = int(np.count_nonzero(draft_len))
-    drafted, q, signals = ctx.runner.ragged_draft(seed, draft_len, prefix_len, page_table, samp)
-    res = ctx.runner.ragged_verify(drafted, q, seed, row_len, write, prefix_len, page_table, samp)
-    ctx.count_forward(Forward.RAGGED_DRAFT, int(draft_len.sum()), n_draft)
-    ctx.count_forward(Forward.RAGGED_VERIFY, int(row_len.sum()), len(reqs))
-    if ctx.signal_log is not None:
-      res.draft_tokens = np.asarray(drafted)
-      res.draft_signals = np.asarray(signals)
-    for i, (r, blk) in enumerate(zip(reqs, blocks)):
-      if blk == 1:
-        r.stats.forwards[Forward.DECODE] += 1
-        ctx.decoded(r, 1, res, i)
-      else:
-        r.stats.forwards[Forward.DRAFT] += 1
-        r.stats.forwards[Forward.VERIFY] += 1
-        ctx.verified(r, blk, int(res.accepted[i]), res, i)
-    return self.kind
+    drafted, q, signals = runner.ragged_draft(seed, draft_len, prefix_len, page_table, samp)
+    res = runner.ragged_verify(drafted, q, seed, row_len, live, prefix_len, page_table, samp)
+    res.draft_tokens, res.draft_signals = drafted, signals  # device arrays: only analysis reads them back
+    linear = (planned > 1).astype(np.int64)
+    accepted = res.accepted[:n].astype(np.int64)
+    forwards = [(StepKind.RAGGED_DRAFT, int(draft_len.sum()), int(linear.sum())),
+                (StepKind.RAGGED_VERIFY, int(row_len.sum()), n)]
+    return verified_output(self.kind, res, batch, accepted, forwards,
+                           {StepKind.DRAFT: linear, StepKind.VERIFY: linear, StepKind.DECODE: 1 - linear})
 
 
-def pad_rows(arrays: tuple, rows: int) -> tuple:
-  """`RoundContext.batch_arrays`' (b, page_table, prefix_len, samp) padded with empty rows to `rows` (a ragged
-  step's fixed row count): padding rows read and write nothing (page 0 is the trash page, prefix 0)."""
-  b, page_table, prefix_len, samp = arrays
-  if b >= rows:
-    return arrays
-  grow = lambda x: np.concatenate([x, np.zeros((rows - b,) + x.shape[1:], x.dtype)])
-  samp = type(samp)(*(grow(x) for x in samp.args()))
-  return rows, grow(page_table), grow(prefix_len), samp
+def pad_rows(batch: Batch, rows: int) -> tuple:
+  """The batch's (page_table, prefix_len, seed, live, samp) padded with empty rows to `rows` (a ragged step's fixed
+  row count): padding rows read and write nothing (page 0 is the trash page, prefix 0, not live)."""
+  b = batch.b
+  grow = (lambda x: x) if b >= rows else (lambda x: np.concatenate([x, np.zeros((rows - b,) + x.shape[1:], x.dtype)]))
+  samp = batch.samp if b >= rows else type(batch.samp)(*(grow(x) for x in batch.samp.args()))
+  return grow(batch.page_table), grow(batch.prefix_len), grow(batch.seed), grow(batch.live), samp
 
 
 class DiffusionRound(Round):
@@ -114,50 +134,71 @@ class DiffusionRound(Round):
   gives the next seed (not needed when the block ends the generation with an EOS)."""
   kind = RoundKind.DIFFUSION
 
-  def run(self, ctx: RoundContext, group: Group) -> None:
-    reqs, blk = group.reqs, group.block
-    ctx.reserve(reqs, blk)
-    b, page_table, prefix_len, samp = ctx.batch_arrays(reqs)
-    seed, active = ctx.seeds(reqs, b)
-    threshold = np.full((b,), ctx.strategy.threshold, np.float32)
-    block, steps = ctx.runner.denoise(seed, prefix_len, page_table, threshold, blk, samp, active)
-    ctx.count_forward(Forward.DENOISE, blk, len(reqs))
-    eos = set(ctx.cfg.eos_token_ids)
+  def __init__(self, threshold: float = 0.9):
+    self.threshold = threshold
+
+  def run(self, runner, batch: Batch) -> RoundOutput:
+    n, blk, b = batch.n, batch.block, batch.b
+    threshold = np.full((b,), self.threshold, np.float32)
+    block, steps = runner.denoise(batch.seed, batch.prefix_len, batch.page_table, threshold, blk, batch.samp,
+                                  batch.live)
+    eos = np.asarray(sorted(runner.cfg.eos_token_ids), np.int64)
+    tokens = np.zeros((n, blk), np.int32)
+    emit = np.zeros((n,), np.int64)
+    logprobs = np.zeros((n, blk), np.float32)
+    commit = np.zeros((n,), np.int64)
+    body = np.asarray(block[:n, 1:])
+    ends = np.isin(body, eos) & ~np.array([r.params.ignore_eos for r in batch.reqs])[:, None]
     live = []
-    for i, r in enumerate(reqs):
-      r.stats.forwards[Forward.DENOISE] += int(steps[i])
-      body = [int(t) for t in block[i, 1:]]
-      ends = [j for j, t in enumerate(body) if t in eos] if not r.params.ignore_eos else []
-      if ends:  # the block ends the generation: emit through the first EOS, no commit forward needed
-        body = body[:ends[0] + 1]
-        ctx.count_block(r, blk, len(body))
-        ctx.emit(r, body, [0.0] * len(body), None, None)
-        if not r.finished:
-          ctx.finish(r, "stop")
+    for i in range(n):
+      hit = np.flatnonzero(ends[i])
+      if hit.size:  # the block ends the generation: emit through the first EOS, no commit forward needed
+        tokens[i, :hit[0] + 1] = body[i, :hit[0] + 1]
+        emit[i] = hit[0] + 1
       else:
-        live.append((i, r))
-    if not live:
-      return
-    sub = [r for _, r in live]
-    b2, page_table2, prefix_len2, samp2 = ctx.batch_arrays(sub)
-    tokens = np.zeros((b2, blk), np.int32)
-    valid = np.zeros((b2, blk), bool)
-    for j, (i, _) in enumerate(live):
-      tokens[j] = block[i]
-      valid[j] = True
-    last_idx = np.full((b2,), blk - 1, np.int32)
-    tok, lp, _, _ = ctx.runner.prefill(tokens, valid, prefix_len2, page_table2, last_idx, samp2)
-    ctx.count_forward(Forward.COMMIT, blk, len(live))
-    for j, (i, r) in enumerate(live):
-      r.stats.forwards[Forward.COMMIT] += 1
-      ctx.commit(r, ctx.committed(r) + blk)
-      body = [int(t) for t in block[i, 1:]] + [int(tok[j])]
-      ctx.count_block(r, blk, len(body))
-      ctx.emit(r, body, [0.0] * (blk - 1) + [float(lp[j])], None, None)
+        live.append(i)
+    forwards = [(StepKind.DENOISE, blk, n)]
+    if live:
+      sub = batch.sub(live, key_offset=1)
+      valid = np.zeros((sub.b, blk), bool)
+      valid[:len(live)] = True
+      commit_tokens = np.zeros((sub.b, blk), np.int32)
+      commit_tokens[:len(live)] = np.asarray(block)[live]
+      last_idx = np.full((sub.b,), blk - 1, np.int32)
+      tok, lp, _, _ = runner.prefill(commit_tokens, valid, sub.prefix_len, sub.page_table, last_idx, sub.samp)
+      forwards.append((StepKind.COMMIT, blk, len(live)))
+      tokens[live, :blk - 1] = body[live]
+      tokens[live, blk - 1] = np.asarray(tok)[:len(live)]
+      logprobs[live, blk - 1] = np.asarray(lp)[:len(live)]
+      emit[live] = blk
+      commit[live] = blk
+    committed = np.zeros((n,), np.int64)
+    committed[live] = 1
+    return RoundOutput(self.kind, tokens, emit, logprobs, commit, np.full((n,), blk, np.int64), emit.copy(),
+                       forwards, {StepKind.DENOISE: np.asarray(steps[:n], np.int64), StepKind.COMMIT: committed},
+                       speculative=False, key_rounds=2)
 
 
 AR = ARRound()
 LINEAR = LinearRound()
 RAGGED = RaggedRound()
 ARRound.ragged_round = LinearRound.ragged_round = RAGGED
-DIFFUSION = DiffusionRound()
+
+
+def draft_signal_rows(round_log) -> list[dict]:
+  """Per verified row of the rounds an engine recorded (`Engine.round_log`) that kept their drafts: its block, accepted
+  length, draft and verified tokens and draft signals (confidence, margin, runner-up token per position). Analysis
+  only: reads the drafts back from the device."""
+  rows = []
+  for outcome in round_log:
+    out = outcome.output
+    res = out.verify
+    if res is None or res.draft_signals is None or not out.speculative:
+      continue
+    drafts, sig = np.asarray(res.draft_tokens), np.asarray(res.draft_signals)
+    for i in range(outcome.batch.n):
+      blk, acc = int(out.block[i]), int(out.accepted[i])
+      rows.append({"block_size": blk, "accepted": acc, "draft": drafts[i].tolist(),
+                   "out": np.asarray(res.tokens[i, :acc]).tolist(), "conf": sig[i, 0].tolist(),
+                   "margin": sig[i, 1].tolist(), "alt": sig[i, 2].astype(int).tolist()})
+  return rows

@@ -1,55 +1,59 @@
 """The decoding-strategy protocol: the one seam between the engine and a way of decoding (AR, diffusion, LinearSS,
-RecGuide, or one a user registers).
+RecGuide, or one a user registers). Engine and rounds exchange data, not callbacks:
 
-Each engine step, for each decoding request, the engine asks its strategy for a `RoundPlan` given a read-only
-`StepView` of the batch and the load. A plan names a `Round` (an object of the strategy's choosing: one of the
-generic rounds in `rounds.py`, or the strategy's own) and a block size. The engine groups requests by plan into
-batches and hands each `Group` to its round, which runs its forwards through the runner with the services of a
-`RoundContext` (batch arrays, page reservation, the forward ledger, and `verified`, which commits the accepted
-tokens' pages, tells the strategy (`observe`) and emits the tokens). The round returns the label its wall time is
-recorded under (`observe_round`). A strategy keeps what it remembers about a request in `Request.strategy_state`,
-an object it sets in `on_admit`; the engine never looks inside.
+1. the engine takes a read-only `StepView` (the step's decoding requests and the load) and asks its strategy for a
+   `StepPlan` (`Strategy.plan_step`): one `RoundPlan` (a `Round` object and a block size) per request;
+2. the engine groups the plans into batches, reserves their pages and builds each `Batch` (page table, prefix
+   lengths, sampling arrays, seed tokens), then calls `Round.run(runner, batch)`, which runs the device forwards
+   and returns a `RoundOutput`: per row the tokens to emit, the tokens to commit to the cache and the rounds to
+   record; the forwards it ran; the label its wall time is recorded under;
+3. the engine applies the output (`Engine.apply`: pages, counters, request stats, emission, stop conditions) and
+   hands the strategy the `RoundOutcome` (`Strategy.observe`).
 
-The engine knows no strategy by name: adding one is a subclass and a `registry.register_strategy` call.
+A strategy keeps what it remembers about a request in `Request.strategy_state`, an object it sets in `on_admit`;
+the engine never looks inside. The engine knows no strategy by name: adding one is a subclass and a
+`registry.register_strategy` call.
 """
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import enum
-from typing import Any, Protocol, Sequence
+from typing import Any, Sequence
+
+import numpy as np
 
 
 class RoundKind(enum.StrEnum):
-  """Labels of the rounds the library's strategies run: what a round's wall time is recorded under (and what
-  RecGuide's cost model prices). str-valued: profiles and calibration tables keep their JSON keys."""
+  """Labels of the generic rounds (`rounds.py`): what their wall time is recorded under and what a cost model prices.
+  A strategy's own rounds label themselves with their own strings (str-valued: profiles keep their JSON keys)."""
   AR = "ar"
   LINEAR = "linear"
   DIFFUSION = "diffusion"
-  OVERLAP = "overlap"  # RecGuide's fused verify + branches, every draft prefetched
-  OVERLAP_DRAFT = "overlap_draft"  # the same round when it also ran a draft forward
-  SHADOW = "shadow"
   RAGGED = "ragged"  # LinearSS rows at their own blocks and AR rows in one ragged draft + one ragged verify forward
 
 
 @dataclasses.dataclass(frozen=True)
 class StepView:
-  """What a strategy may read about the engine when it plans (a snapshot, taken once per step)."""
-  step: int  # the engine's step counter: a strategy may decide something once per step by it
-  decoding: int  # requests decoding in this step (the load)
+  """What a strategy may read about the engine when it plans a step (a snapshot, taken once per step)."""
+  step: int  # the engine's step counter
+  requests: tuple  # the requests decoding in this step, in planning order (read-only)
   max_batch: int
   max_model_len: int
   max_block: int
   eos_token_ids: frozenset[int]
-  # the requests decoding in this step, in planning order: a strategy may plan the step as a whole (the cost of a
-  # batch depends on every request's block, not on one request's alone); read-only
-  batch: tuple = ()
   # requests admitted and not finished, decoding or still prefilling: the load a choice that lasts beyond this step
   # is made under (a request that prefills this step decodes in the next); 0: unknown, use `decoding`
   running: int = 0
   # the engine runs LinearSS and AR rows as ragged steps (bucketing "ragged"): a step's mixed blocks cost one
   # ragged draft + verify forward, not a batch per block size
   ragged_steps: bool = False
+
+  @property
+  def decoding(self) -> int:
+    """Requests decoding in this step (the load)."""
+    return len(self.requests)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -59,98 +63,159 @@ class RoundPlan:
   block_size: int
 
 
+@dataclasses.dataclass(frozen=True)
+class StepPlan:
+  """A strategy's plan of one step: `plans[i]` is the round of `view.requests[i]`."""
+  plans: tuple[RoundPlan, ...]
+
+  @classmethod
+  def uniform(cls, plan: RoundPlan, n: int) -> "StepPlan":
+    return cls((plan,) * n)
+
+
 @dataclasses.dataclass
-class Group:
-  """A batch of requests whose plans share a round: `block` is the block the round runs at; `planned[i]` is the
-  block request i was planned at (smaller than `block` when the engine padded it into a larger batch, which
-  `Round.pads_to_largest` allows: the request then keeps at most its planned block of the verified tokens)."""
+class Batch:
+  """One round's batch, built by the engine: rows 0..n-1 are `reqs` (padded to the bucket `b`), their pages reserved
+  for the round. `planned[i]` is the block request i was planned at (smaller than `block` when the engine padded it
+  into a larger batch, which `Round.pads_to_largest` allows: the request then keeps at most its planned block of the
+  verified tokens). `steps`: AR decode steps the call may run (1 unless the round is multi-step). Sampling keys are
+  (seed, counter + k) for a round's k-th use of them (`sub`); the engine advances each counter by the output's
+  `key_rounds` afterwards."""
   round: "Round"
   block: int
   reqs: list
-  planned: list[int]
+  planned: np.ndarray  # [n] int
+  b: int = 0
+  page_table: np.ndarray | None = None  # [b, P]
+  prefix_len: np.ndarray | None = None  # [b] committed tokens per row
+  samp: Any = None  # SamplingArrays [b]
+  seed: np.ndarray | None = None  # [b] the token each row's round starts from
+  live: np.ndarray | None = None  # [b] real rows
+  steps: int = 1
+  bucket_for: Any = None  # n -> the batch bucket of n rows (sub-batches)
+
+  @property
+  def n(self) -> int:
+    return len(self.reqs)
+
+  def sub(self, rows: Sequence[int], key_offset: int = 0) -> "Batch":
+    """The batch of `rows` only (padded to their own bucket), its sampling keys `key_offset` rounds on."""
+    rows = np.asarray(rows, np.int64)
+    b = self.bucket_for(len(rows))
+    out = Batch(self.round, self.block, [self.reqs[i] for i in rows], self.planned[rows], b,
+                steps=self.steps, bucket_for=self.bucket_for)
+    out.page_table = np.zeros((b, self.page_table.shape[1]), np.int32)
+    out.page_table[:len(rows)] = self.page_table[rows]
+    out.prefix_len = np.zeros((b,), np.int32)
+    out.prefix_len[:len(rows)] = self.prefix_len[rows]
+    out.seed = np.zeros((b,), np.int32)
+    out.seed[:len(rows)] = self.seed[rows]
+    out.live = np.zeros((b,), bool)
+    out.live[:len(rows)] = True
+    s = self.samp
+    out.samp = type(s).greedy(b)
+    for name in ("temperature", "top_k", "top_p", "keys", "top_logprobs"):
+      getattr(out.samp, name)[:len(rows)] = getattr(s, name)[rows]
+    out.samp.keys[:len(rows), 1] += np.uint32(key_offset)
+    return out
+
+
+@dataclasses.dataclass
+class RoundOutput:
+  """What a round did, as data (rows as in its `Batch`):
+  - emission: row i emits `tokens[i, :emit[i]]` with `logprobs` (and top entries when computed);
+  - the cache: `commit[i]` more tokens of row i hold committed K/V (what the round wrote past them is dropped);
+  - the books: each row's `rounds` decode rounds at `block[i]` with `accepted[i]` tokens each (multi-step AR: `steps`
+    rounds of 1 at block 1); `speculative`: the rounds verified drafts (the draft counters);
+  - the device: `forwards` (kind, block, live rows) in the order they ran, `row_forwards` (kind -> [n]);
+  - `label`: what its wall time is recorded under; `key_rounds`: sampling-key rounds it used;
+  - `verify`: the verification result (per-position entropy etc.) and `extra`: the round's own data, both for the
+    strategy's `observe`."""
+  label: str
+  tokens: np.ndarray  # [n, T]
+  emit: np.ndarray  # [n]
+  logprobs: np.ndarray  # [n, T]
+  commit: np.ndarray  # [n]
+  block: np.ndarray  # [n]
+  accepted: np.ndarray  # [n]
+  forwards: list[tuple[str, int, int]]
+  row_forwards: dict[str, np.ndarray]
+  top_logprobs: np.ndarray | None = None  # [n, T, K]
+  top_ids: np.ndarray | None = None
+  rounds: int = 1
+  speculative: bool = True
+  key_rounds: int = 1
+  trim: bool = True  # the round may have written past what it commits (a verify): drop those pages
+  verify: Any = None  # the runner's VerifyResult, rows as in the batch
+  extra: Any = None
+
+
+@dataclasses.dataclass
+class RoundOutcome:
+  """What a strategy observes after the engine applied a round: the batch, its output, each row's generated tokens
+  before the round, and the round's wall seconds (batch assembly, forwards, acceptance, emission)."""
+  batch: Batch
+  output: RoundOutput
+  generated_before: np.ndarray  # [n]
+  seconds: float
 
 
 class Round:
   """A kind of round. Subclasses implement `run`; instances are hashable by identity (plans are grouped by them)."""
-  kind: RoundKind | str = "round"
+  kind: str = "round"
   # True: requests planned at different blocks may share one batch padded to the largest (LinearSS rounds)
   pads_to_largest: bool = False
   # the round that runs this round's requests as rows of a ragged step, each at its own planned block (LinearSS and
   # AR rounds: `rounds.RAGGED`); None: it never does
   ragged_round: "Round | None" = None
+  # True: a call may run several AR steps (`Batch.steps`); the engine decides how many
+  multi_step: bool = False
+  # True: `dispatch(runner, batch, seed)` / `collect(runner, batch, handle)` split `run`, and the next call can start
+  # from the previous call's device outputs (the engine then prepares and dispatches it before it reads that one)
+  pipelined: bool = False
 
-  def run(self, ctx: "RoundContext", group: Group) -> str | tuple[str, int] | None:
-    """Runs one round for `group`; returns the label to record its wall time under (None: `kind`), or (label,
-    rounds) when one call ran several rounds (multi-step AR decode: each is recorded at its share of the time)."""
+  def ahead(self, batch: "Batch") -> tuple[int, int, int]:
+    """For a pipelined round: (the most tokens a row of `batch` commits, the fewest, its sampling-key rounds): what
+    the engine prepares the next call with before it has read this one back."""
+    raise NotImplementedError
+
+  def reserve(self, block: int, steps: int) -> int:
+    """Tokens past each row's committed length the round may write (its pages are reserved before `run`)."""
+    return block * steps
+
+  def run(self, runner, batch: Batch) -> RoundOutput:
     raise NotImplementedError
 
   def __repr__(self) -> str:
     return f"{type(self).__name__}({self.kind})"
 
 
-class RoundContext(Protocol):
-  """The engine's services to a running round."""
-  runner: Any  # the device side (prefill / draft / verify / fused / denoise)
-  cfg: Any  # the model's NLDConfig (mask and EOS token ids)
-  rc: Any  # the runner's RunnerConfig (page size, max_model_len, max_block)
-  strategy: "Strategy"
-  totals: Any  # engine-wide counters (collections.Counter) the server's /metrics reads
-  signal_log: list | None  # analysis: per-round draft signals, when a caller asked for them
-
-  def batch_arrays(self, reqs: Sequence, rounds: int = 1) -> tuple:
-    """(bucket b, page_table [b, P], prefix_len [b], SamplingArrays) of a padded batch; advances each request's
-    round counter (its sampling key) by `rounds` (a multi-step decode's steps count up from it)."""
-
-  def decode_steps(self, reqs: Sequence) -> int:
-    """AR decode steps the next decode call of `reqs` runs (1, or the runner's `decode_steps`)."""
-
-  def seeds(self, reqs: Sequence, b: int) -> tuple:
-    """(seed tokens [b], live-row flags [b]) of a padded batch."""
-
-  def reserve(self, reqs: Sequence, blk: int) -> None:
-    """Pages for `blk` more tokens past each request's committed length."""
-
-  def committed(self, req) -> int:
-    """Tokens of `req` whose K/V are committed in the cache."""
-
-  def commit(self, req, length: int) -> None:
-    """Marks `length` tokens of `req` committed (after a forward wrote them)."""
-
-  def count_forward(self, kind: str, blk: int, rows: int) -> None:
-    """Records one device forward in the engine's ledger."""
-
-  def count_block(self, req, blk: int, accepted: int) -> None:
-    """Records one decoded block of `req` in its stats (rounds, accepted lengths, block sizes)."""
-
-  def verified(self, req, blk: int, accepted: int, result, row: int) -> None:
-    """After a verification: stats, pages (commit `accepted`, drop the rest), `strategy.observe`, emission."""
-
-  def decoded(self, req, steps: int, result, row: int) -> None:
-    """After an AR decode call of `steps` steps: stats and `strategy.observe` per step, pages, emission."""
-
-  def emit(self, req, tokens: list[int], logprobs, top_logprobs, top_ids) -> None:
-    """Appends tokens to `req` (stop conditions, logprobs, its update callback)."""
-
-  def finish(self, req, reason: str) -> None:
-    """Ends `req` (frees its pages)."""
+@dataclasses.dataclass(frozen=True)
+class StrategyMetric:
+  """One series a strategy exports on the server's /metrics: `kind` "counter" or "gauge"; `value` a number, or with
+  `label` a list of (label value, number). `legacy`: also exported under the deprecated unlabeled prefix."""
+  name: str
+  doc: str
+  kind: str
+  value: Any
+  label: str | None = None
+  legacy: bool = False
 
 
 class Strategy:
-  """Base decoding strategy; subclasses implement `plan` and may override the hooks."""
+  """Base decoding strategy; subclasses implement `plan_step` and may override the hooks."""
   name = "base"
-  ragged_steps = False  # the last step's `StepView.ragged_steps`, for strategies that price a step's plan
-  threshold = 0.9  # confidence threshold of the diffusion denoise loop
   supports_logprobs = True
+  # True: the strategy's plan of a step does not depend on the outcome of the step before it, so the engine may plan
+  # (and dispatch) a step before it has applied the previous one (the fixed strategies)
+  plans_ahead = False
+  plans_ar = False  # True: plans AR rounds (block 1) beside `block_sizes` (metrics show their share from the start)
 
-  def plan(self, req, view: StepView) -> RoundPlan:
+  def plan_step(self, view: StepView) -> StepPlan:
     raise NotImplementedError
 
-  def observe(self, req, block_size: int, accepted: int, result, row: int) -> None:
-    """Called after each verification of `req` (result: the runner's VerifyResult, row: req's row in it)."""
-
-  def observe_round(self, kind: str, block_size: int, rows: int, seconds: float) -> None:
-    """Called after every round the engine ran for this strategy: the label its round returned, block size, live
-    rows and wall seconds."""
+  def observe(self, outcome: RoundOutcome) -> None:
+    """Called after the engine applied each round this strategy planned."""
 
   def on_admit(self, req) -> None:
     """Called when `req` joins the running batch: set `req.strategy_state` here."""
@@ -171,3 +236,11 @@ class Strategy:
     model, or None when it has none (the engine then keeps one batch per planned block size)."""
     del batch, block_size
     return None
+
+  def metrics(self) -> list[StrategyMetric]:
+    """The strategy's own series for /metrics (read from the server's thread: return copies)."""
+    return []
+
+  def clone(self) -> "Strategy":
+    """An independent copy for another engine (a data-parallel group): no mutable state shared."""
+    return copy.deepcopy(self)

@@ -1,15 +1,15 @@
-"""The host-side engine: admits requests, runs chunked prefill, asks the decoding strategy for each decoding
-request's round, groups the plans into batches, calls each batch's round, commits pages, emits tokens and finishes
-requests. It knows no strategy by name (see `recguide_jax.decoding.strategy`).
+"""The host-side engine: admits requests, runs chunked prefill, asks the decoding strategy for the step's plan,
+groups the plans into batches, runs each batch's round and applies its output (pages, counters, emission). It keeps
+the books; it knows no strategy by name (see `recguide_jax.decoding.strategy`).
 
 Each `step()`:
 1. admits waiting requests (FIFO) while a batch slot and their worst-case KV pages are free;
 2. runs one prefill chunk for requests whose prompt is not fully cached (chunked prefill interleaves with decode;
    `prefill`: prompt scoring, and the samples of one prompt sharing its prefill);
-3. asks the strategy for each decoding request's plan (a round and a block size) given a `StepView`, groups
-   requests by plan (`scheduler.group_plans`) and runs one round per group (padded to its batch bucket);
-4. rounds emit tokens through `verified`/`emit` (stop conditions, pages committed or cropped); finished requests
-   leave the batch.
+3. asks the strategy for a `StepPlan` of the decoding requests (`plan_step`), groups requests by plan
+   (`scheduler.group_plans`) and per group reserves pages, builds the `Batch` and runs its round;
+4. applies each `RoundOutput` (`apply`: pages committed or cropped, stats, emission and stop conditions), then tells
+   the strategy (`observe`); finished requests leave the batch.
 
 Requests join and leave between rounds. Only small arrays cross between host and device.
 """
@@ -25,11 +25,11 @@ from typing import Sequence
 import jax
 import numpy as np
 
-from recguide_jax.decoding.strategy import Group, RoundPlan, StepView, Strategy
+from recguide_jax.decoding.strategy import Batch, RoundOutcome, RoundOutput, RoundPlan, StepView, Strategy
 from recguide_jax.engine import output, prefill
-from recguide_jax.engine.scheduler import Scheduler, group_plans
 from recguide_jax.cache.kv_cache import PageAllocator
-from recguide_jax.engine.requests import QueueFull, Request, RequestError, SamplingParams, fold_seed, sampling_row
+from recguide_jax.engine.requests import Request, RequestError, SamplingParams, fold_seed, sampling_row
+from recguide_jax.engine.scheduler import Scheduler, check_queue, group_plans
 from recguide_jax.runtime.runner import Runner
 from recguide_jax.runtime.steps import SamplingArrays
 
@@ -37,9 +37,7 @@ log = logging.getLogger("recguide_jax.engine")
 
 
 class Engine:
-  """Continuous-batching engine. Not thread-safe by itself: `EngineThread` serialises access for servers.
-
-  It is also the `RoundContext` its strategy's rounds run with (`batch_arrays`, `reserve`, `verified`, ...)."""
+  """Continuous-batching engine. Not thread-safe by itself: `EngineThread` serialises access for servers."""
 
   def __init__(self, runner: Runner, strategy: Strategy, *, tokenizer=None, max_queue: int = 1024,
                bucketing: bool | str = "auto"):
@@ -52,6 +50,7 @@ class Engine:
     self.allocator = PageAllocator(self.rc.num_pages, self.rc.page_size, self.rc.pages_per_seq)
     self.scheduler = Scheduler(self.allocator, self.rc.max_batch, self.rc.max_block)
     self._eos = frozenset(self.cfg.eos_token_ids)
+    self._eos_array = np.array(sorted(self._eos), np.int64)
     self._ids = itertools.count()
     self.totals = collections.Counter()  # engine-wide counters for /metrics
     self.accepted_per_position = collections.Counter()  # block index -> accepted draft tokens there
@@ -60,8 +59,26 @@ class Engine:
     # largest; "auto": per step, whichever grouping the strategy's cost model (round_cost) prices cheaper
     self.bucketing = bucketing
     self.forward_log: list[tuple[str, int, int]] | None = None  # set to [] to record every forward
-    self.signal_log: list[dict] | None = None  # set to [] to record per-round draft signals (analysis)
+    self.round_log: list[RoundOutcome] | None = None  # set to [] to record every round's outcome (analysis)
+    # a pipelined round dispatched ahead and not yet applied: (batch, device handle, dispatch time)
+    self._pending: tuple[Batch, object, float] | None = None
     self.step_count = 0
+
+  @property
+  def strategy(self) -> Strategy:
+    return self._strategy
+
+  @strategy.setter
+  def strategy(self, strategy: Strategy) -> None:
+    self.drain()  # a call dispatched ahead was planned by the strategy before
+    self._strategy = strategy
+
+  def drain(self) -> None:
+    """Reads back and applies a call dispatched ahead (before the strategy changes, or to settle the books)."""
+    if getattr(self, "_pending", None) is not None:
+      batch, handle, t0 = self._pending
+      self._pending = None
+      self._finish_round(batch, lambda: batch.round.collect(self.runner, batch, handle), t0)
 
   @property
   def waiting(self):
@@ -95,8 +112,7 @@ class Engine:
                          "(params.sample(i)) with prefill_source naming the first", "n")
     if not validated:
       prompt_ids = self.validate_request(prompt_ids, params)
-    if len(self.waiting) >= self.max_queue:
-      raise QueueFull(f"the request queue is full ({self.max_queue} waiting)")
+    check_queue(len(self.waiting), self.max_queue)
     rid = request_id or f"req-{next(self._ids)}"
     seed = params.seed if params.seed is not None else int(np.random.randint(0, 2**31 - 1))
     req = Request(rid, list(prompt_ids), params, on_update=on_update, rng_seed=fold_seed(seed))
@@ -138,6 +154,8 @@ class Engine:
   def step(self) -> list[Request]:
     """Runs one iteration; returns the requests that finished in it."""
     self.step_count += 1
+    if self._pending is not None and self._advance_pipeline():
+      return self.scheduler.take_finished()
     for req in self.scheduler.admit():
       try:
         self.allocator.add(req.request_id)
@@ -145,8 +163,8 @@ class Engine:
       except Exception as e:  # this request only: its pages are freed, the others are admitted as usual
         self.fail_request(req, "admitting it", e)
     prefill.share_prefills(self)
-    prefilling = [r for r in self.running if r.prefilled < len(r.prompt_ids) and not r.finished
-                  and r.prefill_source is None and self._sampling_ready(r)]
+    prefilling = [r for r in self.running if not r.finished and r.prefill_source is None
+                  and self.prefilled(r) < len(r.prompt_ids) and self._sampling_ready(r)]
     if prefilling:
       batch = prefilling[:self.rc.max_batch]
       # a chunk whose prompt logprobs are wanted runs the SCORE variant; the others keep the plain prefill
@@ -156,41 +174,276 @@ class Engine:
         if reqs:
           self._isolated(reqs, "prefill", prefill.run_prefill, self, reqs, score)
     decoding = [r for r in self.running if r.seed_token is not None and not r.finished and self._sampling_ready(r)]
-    view = StepView(self.step_count, len(decoding), self.rc.max_batch, self.rc.max_model_len, self.rc.max_block,
-                    self._eos, tuple(decoding), len(self.running),
+    if decoding:
+      planned = self._plan(decoding)
+      try:
+        groups = group_plans(planned, self.bucketing, self.strategy.round_cost)
+      except Exception:  # a cost-model bug: run the planned groups as they are
+        log.exception("merging the planned groups failed; running them unmerged")
+        groups = group_plans(planned, True, self.strategy.round_cost)
+      for group in groups:
+        for i in range(0, len(group.reqs), self.rc.max_batch):
+          rows = [(r, p) for r, p in zip(group.reqs[i:i + self.rc.max_batch],
+                                         group.planned[i:i + self.rc.max_batch]) if not r.finished]
+          if rows:
+            self.run_round(Batch(group.round, group.block, [r for r, _ in rows],
+                                 np.array([p for _, p in rows], np.int64)))
+    return self.scheduler.take_finished()
+
+  def _view(self, reqs: Sequence[Request]) -> StepView:
+    return StepView(self.step_count, tuple(reqs), self.rc.max_batch, self.rc.max_model_len, self.rc.max_block,
+                    self._eos, len(self.running),
                     ragged_steps=self.bucketing == "ragged" and isinstance(self.bucketing, str))
-    planned: list[tuple[Request, RoundPlan]] = []
+
+  def _plan(self, decoding: list[Request]) -> list[tuple[Request, RoundPlan]]:
+    """The strategy's plan of the step, row by row; a planning error fails only the request it was planning (the
+    step is then planned one request at a time to find it)."""
+    try:
+      return list(zip(decoding, self._checked_plan(decoding)))
+    except Exception:
+      return self._plan_alone(decoding)
+
+  def _plan_alone(self, decoding: list[Request]) -> list[tuple[Request, RoundPlan]]:
+    planned = []
     for req in decoding:
       try:
-        planned.append((req, self.strategy.plan(req, view)))
+        planned.append((req, self._checked_plan([req])[0]))
       except Exception as e:
         self.fail_request(req, "planning its round", e)
+    return planned
+
+  def _checked_plan(self, reqs: list[Request]) -> tuple[RoundPlan, ...]:
+    plans = self.strategy.plan_step(self._view(reqs)).plans
+    if len(plans) != len(reqs):
+      raise ValueError(f"{self.strategy.name} planned {len(plans)} rounds for {len(reqs)} requests")
+    return plans
+
+  def run_round(self, batch: Batch) -> None:
+    """Builds `batch`'s arrays, runs its round, applies the output and tells the strategy. A pipelined round whose
+    batch is the whole decoding set also gets its next call dispatched before this one is read back."""
+    t0 = time.perf_counter()
+    what = f"{batch.round.kind} round (block {batch.block})"
+    if batch.round.pipelined:
+      ok, handle = self._isolated(batch.reqs, what, self._dispatch, batch)
+      if not ok:
+        return
+      self._pending = self._chain(batch, handle)
+      self._finish_round(batch, lambda: batch.round.collect(self.runner, batch, handle), t0)
+      return
+    self._finish_round(batch, lambda: self._run(batch), t0)
+
+  def _finish_round(self, batch: Batch, output, t0: float) -> None:
+    """Collects a round's output (`output()`), applies it and tells the strategy."""
+    what = f"{batch.round.kind} round (block {batch.block})"
+    done_before = all(r.finished for r in batch.reqs)  # a pipelined call all of whose requests stopped before it
+    ok, out = self._isolated(batch.reqs, what, output)
+    if not ok:
+      return
+    generated = np.array([len(r.output_ids) for r in batch.reqs], np.int64)
+    ok, _ = self._isolated(batch.reqs, what, self.apply, batch, out)
+    if not ok:
+      return
+    outcome = RoundOutcome(batch, out, generated, time.perf_counter() - t0)
+    if self.round_log is not None:
+      self.round_log.append(outcome)
+    if not done_before:
+      self._isolated([r for r in batch.reqs if not r.finished], f"observing a {what}", self.strategy.observe, outcome)
+
+  def _reserve(self, batch: Batch, ahead: int = 0) -> None:
+    need = ahead + batch.round.reserve(batch.block, batch.steps)
+    for r in batch.reqs:
+      self.allocator.reserve(r.request_id, self.allocator.length(r.request_id) + need)
+
+  def _run(self, batch: Batch) -> RoundOutput:
+    batch.steps = self.decode_steps(batch.reqs) if batch.round.multi_step else 1
+    self._reserve(batch)
+    self._fill(batch)
+    return batch.round.run(self.runner, batch)
+
+  def _dispatch(self, batch: Batch):
+    batch.steps = self.decode_steps(batch.reqs) if batch.round.multi_step else 1
+    self._reserve(batch)
+    self._fill(batch)
+    return batch.round.dispatch(self.runner, batch)
+
+  # ---- the pipeline: the next call dispatched before the previous one is read back -----------------------------
+  # While the device runs call k+1 the host reads call k back, emits its tokens and checks stop conditions. Call k+1
+  # starts from call k's last tokens on the device and at the lengths call k commits (an AR call commits every step
+  # it runs), so nothing of k has to reach the host first. A request that stops in call k wastes its row of k+1:
+  # that row is never applied (its pages are freed with the request; later users of the pages run after k+1 on the
+  # device, which takes every call's cache from the call before it). Only when the plan of k+1 cannot depend on
+  # k's outcome: a `plans_ahead` strategy, nothing waiting or prefilling, the batch the whole decoding set.
+  def _chain(self, batch: Batch, handle) -> tuple[Batch, object, float] | None:
+    """Dispatches the call after `batch`'s (dispatched as `handle`, not applied yet), if it may run ahead."""
+    most, fewest, keys = batch.round.ahead(batch)
+    if not (self.strategy.plans_ahead and not self.waiting and len(self.running) == batch.n
+            and self.runner.mesh is None  # a device array between calls keeps the single device's placement
+            and (batch.planned == batch.block).all() and not any(r.finished for r in batch.reqs)):
+      return None
+    left = max(r.params.max_tokens - len(r.output_ids) for r in batch.reqs) - fewest
+    if left < 1:
+      return None  # every request ends within `batch`'s call
+    n = self.rc.decode_steps if batch.round.multi_step else 1
+    nxt = Batch(batch.round, batch.block, batch.reqs, batch.planned, steps=n if 1 < n <= left else 1)
+    t0 = time.perf_counter()
+    ok, handle2 = self._isolated(batch.reqs, f"{batch.round.kind} round (ahead)", self._dispatch_ahead, nxt,
+                                 handle, most, keys)
+    return (nxt, handle2, t0) if ok else None
+
+  def _dispatch_ahead(self, batch: Batch, prev, most: int, keys: int):
+    self._reserve(batch, most)
+    self._fill(batch, most, keys)  # committed lengths: the round takes its own from `prev` where they vary
+    return batch.round.dispatch(self.runner, batch, seed=prev)
+
+  def _advance_pipeline(self) -> bool:
+    """At the start of a step with a call in flight: dispatches the one after it where it may run ahead, then reads
+    the pending one back and applies it. True: the step is done (the pipeline goes on); False: it drained, the step
+    goes on as usual."""
+    batch, handle, t0 = self._pending
+    self._pending = None
+    live = [r for r in batch.reqs if not r.finished]
+    if len(live) == batch.n and not any(self.prefilled(r) < len(r.prompt_ids) for r in self.running):
+      self._pending = self._chain(batch, handle)
+    self._finish_round(batch, lambda: batch.round.collect(self.runner, batch, handle), t0)
+    return self._pending is not None
+
+  def _fill(self, batch: Batch, ahead: int = 0, keys_ahead: int = 0) -> None:
+    """The batch's padded arrays: page table, committed lengths, sampling rows and keys, seed tokens (each a copy of
+    rows kept per request, not rebuilt element by element). `ahead` tokens and `keys_ahead` sampling-key rounds: what
+    a call in flight before this one will have committed and used."""
+    reqs, n = batch.reqs, len(batch.reqs)
+    alloc = self.allocator
+    ids = [r.request_id for r in reqs]
+    b = batch.b = self.runner.bucket_for(n)
+    batch.bucket_for = self.runner.bucket_for
+    batch.page_table = np.zeros((b, self.rc.pages_per_seq), np.int32)
+    batch.page_table[:n] = [alloc.page_table_row(rid) for rid in ids]
+    batch.prefix_len = np.zeros((b,), np.int32)
+    batch.prefix_len[:n] = [alloc.length(rid) + ahead for rid in ids]
+    batch.seed = np.zeros((b,), np.int32)
+    batch.seed[:n] = [r.seed_token for r in reqs]
+    batch.live = np.zeros((b,), bool)
+    batch.live[:n] = True
+    batch.samp = self.sampling_arrays(reqs, b, keys_ahead)
+
+  def apply(self, batch: Batch, out: RoundOutput) -> None:
+    """Commits a round's output: pages (each row's committed tokens, what the round wrote past them dropped), the
+    forward ledger and counters, the requests' stats, the sampling keys, then emission and stop conditions."""
+    reqs, rounds = batch.reqs, out.rounds
+    totals = self.totals
+    for kind, blk, rows in out.forwards:
+      totals[f"forwards_{kind}"] += 1
+      if self.forward_log is not None:
+        self.forward_log.append((str(kind), blk, rows))
+    # engine-wide counters over the batch at once (a pipelined call's rows of requests that stopped before it was
+    # applied are not part of its output)
+    live = np.array([not r.finished for r in reqs])
+    blocks, accepted, commit = out.block.tolist(), out.accepted.tolist(), out.commit.tolist()
+    for blk, count in collections.Counter(np.asarray(out.block)[live].tolist()).items():
+      self.block_size_choices[blk] += count * rounds
+    spec = (np.asarray(out.block) > 1) & live if out.speculative else np.zeros(len(blocks), bool)
+    if spec.any():
+      blk_arr, acc_arr = np.asarray(out.block)[spec], np.asarray(out.accepted)[spec]
+      totals["drafts"] += int(spec.sum())  # verified drafts (vLLM's spec_decode_num_drafts)
+      totals["draft_tokens"] += int((blk_arr - 1).sum())
+      totals["accepted_draft_tokens"] += int((acc_arr - 1).sum())
+      per_pos = np.bincount(acc_arr - 1)  # rows that accepted exactly k draft tokens
+      reach = np.cumsum(per_pos[::-1])[::-1]  # rows that accepted at least k
+      for pos in range(1, len(reach)):
+        self.accepted_per_position[pos] += int(reach[pos])
+    row_forwards = [(kind, counts.tolist()) for kind, counts in out.row_forwards.items()]
+    spec = spec.tolist()
+    alloc, key_rounds = self.allocator, out.key_rounds
+    # the pages of the call dispatched after this one (pipelined: it writes past what this one commits) stay
+    pending = self._pending[0] if self._pending is not None and self._pending[0].reqs is reqs else None
+    keep = pending.round.reserve(pending.block, pending.steps) if pending is not None else 0
+    for i, r in enumerate(reqs):
+      if r.finished:  # stopped (or aborted) before this call was applied: its row is not part of the output
+        continue
+      rid = r.request_id
+      alloc.commit(rid, alloc.length(rid) + commit[i])
+      if out.trim:
+        alloc.trim(rid, keep)
+      r.round_counter += key_rounds
+      st = r.stats
+      for kind, counts in row_forwards:
+        st.forwards[kind] += counts[i]
+      blk, acc = blocks[i], accepted[i]
+      st.rounds += rounds
+      if rounds == 1:
+        st.accepted_lengths.append(acc)
+        st.block_sizes.append(blk)
+      else:
+        st.accepted_lengths.extend([acc] * rounds)
+        st.block_sizes.extend([blk] * rounds)
+      if spec[i]:
+        st.draft_tokens += blk - 1
+        st.accepted_draft_tokens += acc - 1
+    self._emit_batch(reqs, out)
+
+  def _emit_batch(self, reqs: Sequence[Request], out: RoundOutput) -> None:
+    """Emits every row's tokens. The EOS check runs once over the batch's token array; a request with no logprobs,
+    stop token ids or stop strings then needs no per-token work (`output.append_plain`)."""
+    emit = out.emit.tolist()
+    tokens, logprobs = out.tokens, out.logprobs
+    # a few EOS ids: compared directly (np.isin sorts, ~10x slower on a step's small array)
+    eos = (tokens[:, :, None] == self._eos_array).any(axis=2)
+    eos &= np.arange(tokens.shape[1])[None, :] < out.emit[:, None]
+    first = np.where(eos.any(axis=1), eos.argmax(axis=1), tokens.shape[1]).tolist()
+    tok_rows, lp_rows = tokens.tolist(), logprobs.tolist()
+    top_lp, top_ids = out.top_logprobs, out.top_ids
+    for i, r in enumerate(reqs):
+      k = emit[i]
+      if not k or r.finished:
+        continue
+      if output.plain(r, self.tokenizer):
+        self._emit_plain(r, tok_rows[i][:k], lp_rows[i][:k], k if r.params.ignore_eos else first[i])
+      else:
+        self.emit(r, tok_rows[i][:k], lp_rows[i][:k], None if top_lp is None else top_lp[i, :k],
+                  None if top_ids is None else top_ids[i, :k])
+
+  def _emit_plain(self, r: Request, toks: list[int], lps: list[float], first_stop: int) -> None:
     try:
-      groups = group_plans(planned, self.bucketing, self.strategy.round_cost)
-    except Exception:  # a cost-model bug: run the planned groups as they are
-      log.exception("merging the planned groups failed; running them unmerged")
-      groups = group_plans(planned, True, self.strategy.round_cost)
-    for group in groups:
-      for i in range(0, len(group.reqs), self.rc.max_batch):
-        rows = [(r, p) for r, p in zip(group.reqs[i:i + self.rc.max_batch], group.planned[i:i + self.rc.max_batch])
-                if not r.finished]
-        if not rows:
-          continue
-        chunk = Group(group.round, group.block, [r for r, _ in rows], [p for _, p in rows])
-        t0 = time.perf_counter()
-        ok, ran = self._isolated(chunk.reqs, f"{group.round.kind} round (block {group.block})", group.round.run,
-                                 self, chunk)
-        if not ok:
-          continue
-        label, rounds = ran if isinstance(ran, tuple) else (ran, 1)
-        # the whole round on the wall clock (batch assembly, forwards, acceptance, emission): what a strategy that
-        # calibrates its cost model online compares regimes by (a multi-step AR call: each step at its share)
-        try:
-          self.strategy.observe_round(label or group.round.kind, group.block, len(chunk.reqs),
-                                      (time.perf_counter() - t0) / rounds)
-        except Exception:
-          log.exception("the strategy's observe_round failed")
-    return self.scheduler.take_finished()
+      new, reason = output.append_plain(r, toks, lps, first_stop)
+      if new:
+        r.seed_token = new[-1]
+      self.totals["generated_tokens"] += len(new)
+      if r.on_update is not None and not self._notify(r, new):
+        self.finish(r, "error", "engine error: the request's update callback failed")
+        return
+      if reason is not None:
+        self.finish(r, reason)
+    except Exception as e:
+      self.fail_request(r, "emitting its tokens", e)
+
+  def sampling_arrays(self, reqs: Sequence[Request], b: int, ahead: int = 0) -> SamplingArrays:
+    """The padded batch's sampling rows; each row's key is (seed, its round counter + `ahead`)."""
+    samp = SamplingArrays.greedy(b)
+    n = len(reqs)
+    if n:
+      rows = [r.sampling for r in reqs]  # converted when the request was added (or before it joined a batch)
+      samp.temperature[:n] = [row.temperature for row in rows]
+      samp.top_k[:n] = [row.top_k for row in rows]
+      samp.top_p[:n] = [row.top_p for row in rows]
+      samp.keys[:n, 0] = [row.seed for row in rows]
+      samp.keys[:n, 1] = [(r.round_counter + ahead) & 0xFFFFFFFF for r in reqs]
+      samp.top_logprobs[:n] = [r.params.logprobs or 0 for r in reqs]
+    return samp
+
+  def prefilled(self, r: Request) -> int:
+    """Prompt tokens of `r` whose K/V are in the cache (its committed length, while it prefills)."""
+    if r.request_id not in self.allocator.owners():
+      return 0
+    return min(self.allocator.length(r.request_id), len(r.prompt_ids))
+
+  def decode_steps(self, reqs: Sequence[Request]) -> int:
+    """AR steps the next decode call of `reqs` runs: the runner's `decode_steps` when no request waits to be
+    admitted or prefilled (a multi-step call would hold either back for its length) and some request of `reqs` has
+    that many tokens left to generate, else 1."""
+    n = self.rc.decode_steps
+    if n <= 1 or self.waiting or any(not r.finished and self.prefilled(r) < len(r.prompt_ids) for r in self.running):
+      return 1
+    return n if max(r.params.max_tokens - len(r.output_ids) for r in reqs) >= n else 1
 
   # ---- request isolation -----------------------------------------------------------------------------------------
   # Per-request values are converted to their host array types when a request is added (`sampling_row`), so a bad
@@ -235,102 +488,6 @@ class Engine:
     """Fails one request (logged with what it was doing) and no other."""
     log.error("request %s failed while %s; failing it alone", r.request_id, what, exc_info=e)
     self.finish(r, "error", f"engine error: {type(e).__name__}: {e}")
-
-  # ---- the RoundContext: what rounds call ----------------------------------------------------------------------------
-  def count_forward(self, kind: str, blk: int, rows: int) -> None:
-    """Every device forward: engine totals, and the ledger a profile can price (kind, block, live rows)."""
-    self.totals[f"forwards_{kind}"] += 1
-    if self.forward_log is not None:
-      self.forward_log.append((str(kind), blk, rows))
-
-  def batch_arrays(self, reqs: Sequence[Request], rounds: int = 1):
-    n = len(reqs)
-    b = self.runner.bucket_for(n)
-    width = self.rc.pages_per_seq
-    page_table = np.zeros((b, width), np.int32)
-    prefix_len = np.zeros((b,), np.int32)
-    for i, r in enumerate(reqs):
-      page_table[i] = self.allocator.page_table_row(r.request_id, width)
-      prefix_len[i] = self.allocator.length(r.request_id)
-    samp = SamplingArrays.greedy(b)
-    for i, r in enumerate(reqs):
-      row = r.sampling  # converted when the request was added (or by step, before it joined a batch)
-      samp.temperature[i] = row.temperature
-      samp.top_k[i] = row.top_k
-      samp.top_p[i] = row.top_p
-      samp.keys[i] = (row.seed, r.round_counter & 0xFFFFFFFF)
-      samp.top_logprobs[i] = r.params.logprobs or 0
-      r.round_counter += rounds
-    return b, page_table, prefix_len, samp
-
-  def decode_steps(self, reqs: Sequence[Request]) -> int:
-    """AR steps the next decode call of `reqs` runs: the runner's `decode_steps` when no request waits to be
-    admitted or prefilled (a multi-step call would hold either back for its length) and some request of `reqs` has
-    that many tokens left to generate, else 1."""
-    n = self.rc.decode_steps
-    if n <= 1 or self.waiting or any(r.prefilled < len(r.prompt_ids) and not r.finished for r in self.running):
-      return 1
-    return n if max(r.params.max_tokens - len(r.output_ids) for r in reqs) >= n else 1
-
-  def seeds(self, reqs: Sequence[Request], b: int) -> tuple[np.ndarray, np.ndarray]:
-    """Per-row seed tokens and the live-row flag of a padded batch."""
-    seed = np.zeros((b,), np.int32)
-    live = np.zeros((b,), bool)
-    for i, r in enumerate(reqs):
-      seed[i] = r.seed_token
-      live[i] = True
-    return seed, live
-
-  def reserve(self, reqs: Sequence[Request], blk: int) -> None:
-    for r in reqs:
-      self.allocator.reserve(r.request_id, self.allocator.length(r.request_id) + blk)
-
-  def committed(self, req: Request) -> int:
-    return self.allocator.length(req.request_id)
-
-  def commit(self, req: Request, length: int) -> None:
-    self.allocator.commit(req.request_id, length)
-
-  def count_block(self, r: Request, blk: int, accepted: int) -> None:
-    r.stats.rounds += 1
-    r.stats.accepted_lengths.append(accepted)
-    r.stats.block_sizes.append(blk)
-    self.block_size_choices[blk] += 1
-
-  def verified(self, r: Request, blk: int, accepted: int, res, i: int) -> None:
-    c = self.allocator.length(r.request_id)
-    toks = [int(t) for t in res.tokens[i, :accepted]]
-    self.count_block(r, blk, accepted)
-    if blk > 1:
-      self.totals["drafts"] += 1  # one verified draft (vLLM's spec_decode_num_drafts)
-      r.stats.draft_tokens += blk - 1
-      r.stats.accepted_draft_tokens += accepted - 1
-      self.totals["draft_tokens"] += blk - 1
-      self.totals["accepted_draft_tokens"] += accepted - 1
-      for pos in range(1, accepted):
-        self.accepted_per_position[pos] += 1
-    # the cache now holds [seed, accepted drafts]; everything the verify wrote past them is dropped
-    self.allocator.commit(r.request_id, c + accepted)
-    self.allocator.trim(r.request_id)
-    self.strategy.observe(r, blk, accepted, res, i)
-    if self.signal_log is not None and res.draft_signals is not None:
-      self.signal_log.append({"block_size": blk, "accepted": accepted,
-                              "draft": res.draft_tokens[i].tolist(), "out": res.tokens[i, :accepted].tolist(),
-                              "conf": res.draft_signals[i, 0].tolist(), "margin": res.draft_signals[i, 1].tolist(),
-                              "alt": res.draft_signals[i, 2].astype(int).tolist()})
-    self.emit(r, toks, list(res.logprobs[i, :accepted]), res.top_logprobs[i, :accepted], res.top_ids[i, :accepted])
-
-  def decoded(self, r: Request, steps: int, res, i: int) -> None:
-    """After an AR decode call of `steps` steps (`res` [b, steps]): each step is one round of one token in the
-    stats and for `strategy.observe`; the K/V of all steps are committed and the tokens emitted up to the request's
-    stop condition (a request that stops inside the call frees its pages, what later steps wrote with them)."""
-    c = self.allocator.length(r.request_id)
-    for _ in range(steps):
-      self.count_block(r, 1, 1)
-      self.strategy.observe(r, 1, 1, res, i)
-    self.allocator.commit(r.request_id, c + steps)
-    self.emit(r, [int(t) for t in res.tokens[i, :steps]], list(res.logprobs[i, :steps]), res.top_logprobs[i, :steps],
-              res.top_ids[i, :steps])
 
   # ---- emission and finishing ----------------------------------------------------------------------------------------
   def emit(self, r: Request, toks: list[int], lps, top_lp, top_ids) -> None:
@@ -398,6 +555,7 @@ class Engine:
     if victims:
       log.error("failing all %d requests (%d running, %d waiting): %s", len(victims), len(self.running),
                 len(self.waiting), message)
+    self._pending = None
     for r in victims:
       self.finish(r, "error", message)
     self.waiting.clear()

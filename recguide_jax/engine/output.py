@@ -66,15 +66,37 @@ def append_tokens(r: Request, toks: list[int], lps, top_lp, top_ids, eos: frozen
   return new, reason
 
 
-def append_prompt_logprobs(r: Request, lps, top_lp, top_ids, num_valid: int) -> None:
+def plain(r: Request, tokenizer) -> bool:
+  """Whether `r`'s emission needs no per-token work beyond its stop tokens and budget (`append_plain`): no logprobs
+  entries, no stop token ids of its own, no stop strings to search."""
+  p = r.params
+  return p.logprobs is None and not p.stop_token_ids and not (p.stop and tokenizer is not None)
+
+
+def append_plain(r: Request, toks: list[int], lps: list[float], first_stop: int) -> tuple[list[int], str | None]:
+  """`append_tokens` for a `plain` request whose first EOS in `toks` (the batch's vectorized check) is at
+  `first_stop` (len(toks) or more: none)."""
+  n, left, reason = len(toks), r.params.max_tokens - len(r.output_ids), None
+  if first_stop < n and first_stop < left:
+    n, reason = first_stop + 1, "stop"
+  elif left <= n:
+    n, reason = left, "length"
+  new = toks[:n] if n < len(toks) else toks
+  r.output_ids.extend(new)
+  r.token_logprobs.extend(lps[:n])
+  return new, reason
+
+
+def append_prompt_logprobs(r: Request, lps, top_lp, top_ids, num_valid: int, start: int) -> None:
   """Appends a scored prompt chunk's entries to `r.prompt_logprobs` (vLLM's layout: None for the first prompt
   token, then one entry per prompt token with its logprob given the ones before it and the top
-  `params.prompt_logprobs` entries). `lps[t]` scores the prompt token after chunk position t."""
+  `params.prompt_logprobs` entries). `lps[t]` scores the prompt token after chunk position t (prompt position
+  `start` + t)."""
   if r.prompt_logprobs is None:
     r.prompt_logprobs = [None]
   top = r.params.prompt_logprobs
   for t in range(num_valid):
-    pos = r.prefilled + t + 1
+    pos = start + t + 1
     if pos >= len(r.prompt_ids):
       break
     entry = {"token_id": int(r.prompt_ids[pos]), "logprob": float(lps[t])}

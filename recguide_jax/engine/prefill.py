@@ -14,7 +14,8 @@ import time
 import numpy as np
 
 from recguide_jax.engine import output
-from recguide_jax.engine.requests import Forward, Request
+from recguide_jax.engine.requests import Request
+from recguide_jax.runtime.step_key import StepKind
 
 
 def run_prefill(eng, reqs: list[Request], score: bool = False) -> None:
@@ -22,36 +23,45 @@ def run_prefill(eng, reqs: list[Request], score: bool = False) -> None:
   returns each position's next-prompt-token logprob and top entries. Requests whose prompt is then cached emit
   their first token (or finish, with max_tokens 0)."""
   chunk = eng.rc.prefill_chunk
-  for r in reqs:
-    eng.allocator.reserve(r.request_id, min(r.prefilled + chunk, len(r.prompt_ids)))
-  b, page_table, prefix_len, samp = eng.batch_arrays(reqs)
+  alloc = eng.allocator
+  done = [eng.prefilled(r) for r in reqs]  # prompt tokens cached so far: the allocator's committed length
+  for r, d in zip(reqs, done):
+    alloc.reserve(r.request_id, min(d + chunk, len(r.prompt_ids)))
+  b = eng.runner.bucket_for(len(reqs))
+  page_table = np.zeros((b, eng.rc.pages_per_seq), np.int32)
+  prefix_len = np.zeros((b,), np.int32)
   tokens = np.zeros((b, chunk), np.int32)
   valid = np.zeros((b, chunk), bool)
   last_idx = np.zeros((b,), np.int32)
   targets = np.zeros((b, chunk), np.int32) if score else None
-  for i, r in enumerate(reqs):
-    piece = r.prompt_ids[r.prefilled:r.prefilled + chunk]
+  for i, (r, d) in enumerate(zip(reqs, done)):
+    page_table[i] = alloc.page_table_row(r.request_id, eng.rc.pages_per_seq)
+    prefix_len[i] = d
+    piece = r.prompt_ids[d:d + chunk]
     tokens[i, :len(piece)] = piece
     valid[i, :len(piece)] = True
     last_idx[i] = len(piece) - 1
     if score:  # position t scores the prompt token after it (the last prompt token's successor is generated)
-      nxt = r.prompt_ids[r.prefilled + 1:r.prefilled + 1 + chunk]
+      nxt = r.prompt_ids[d + 1:d + 1 + chunk]
       targets[i, :len(nxt)] = nxt
+  samp = eng.sampling_arrays(reqs, b)
   outs = eng.runner.prefill(tokens, valid, prefix_len, page_table, last_idx, samp, targets)
   tok, lp, top_lp, top_ids = outs[:4]
-  eng.count_forward(Forward.PREFILL, chunk, len(reqs))
-  for i, r in enumerate(reqs):
+  eng.totals[f"forwards_{StepKind.PREFILL}"] += 1
+  if eng.forward_log is not None:
+    eng.forward_log.append((str(StepKind.PREFILL), chunk, len(reqs)))
+  for i, (r, d) in enumerate(zip(reqs, done)):
     n = int(valid[i].sum())
     if score:
-      output.append_prompt_logprobs(r, outs[4][i], outs[5][i], outs[6][i], n)
-    r.prefilled += n
+      output.append_prompt_logprobs(r, outs[4][i], outs[5][i], outs[6][i], n, d)
+    r.round_counter += 1
     eng.totals["prompt_tokens"] += n  # live, for /metrics and the periodic stats line
-    eng.allocator.commit(r.request_id, r.prefilled)
-    r.stats.forwards[Forward.PREFILL] += 1
+    alloc.commit(r.request_id, d + n)
+    r.stats.forwards[StepKind.PREFILL] += 1
   # other samples of a prompt cached just now take its pages before its first token can finish it
   share_prefills(eng)
   for i, r in enumerate(reqs):
-    if r.prefilled == len(r.prompt_ids):
+    if eng.prefilled(r) == len(r.prompt_ids):
       r.stats.ttft_s = time.perf_counter() - r.arrival
       if r.params.max_tokens == 0:  # only the prompt's logprobs were asked for
         eng.finish(r, "length")
@@ -75,7 +85,7 @@ def share_prefills(eng) -> None:
     if src.finished or src.request_id not in eng.allocator.owners():
       r.prefill_source = None
       continue
-    if src.prefilled < len(src.prompt_ids):
+    if eng.prefilled(src) < len(src.prompt_ids):
       continue  # still prefilling: wait for it
     try:
       shared = eng.allocator.fork(src.request_id, r.request_id, eng.allocator.shareable_tokens(len(r.prompt_ids)))
@@ -83,7 +93,7 @@ def share_prefills(eng) -> None:
       eng.fail_request(r, "sharing its prompt's pages", e)
       continue
     r.prefill_source = None
-    r.prefilled = r.shared_prompt_tokens = shared
+    r.shared_prompt_tokens = shared
     # the sampling key of each forward is (seed, round): skip the rounds of the chunks it did not run, so its first
     # token is drawn with the key it would have had prefilling alone (a seeded sample is the same alone)
     chunk = eng.rc.prefill_chunk

@@ -6,11 +6,12 @@ validates requests with this module without importing the engine or jax."""
 from __future__ import annotations
 
 import dataclasses
-import enum
 import time
 from typing import Any, Callable, Sequence
 
 import numpy as np
+
+from recguide_jax.runtime.step_key import COUNTED_FORWARDS
 
 MAX_TOP_LOGPROBS = 5
 # Bounds of the request fields that are not bounded by the model (vocabulary, max_model_len). Each one keeps a value
@@ -224,28 +225,13 @@ class SamplingParams:
     return [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
 
 
-class Forward(enum.StrEnum):
-  """The device forwards a request's stats count (the keys of `RequestStats.forwards`, and of the engine's forward
-  ledger together with the runner's fused kinds); str-valued, so the stats keep their JSON shape."""
-  PREFILL = "prefill"
-  DRAFT = "draft"
-  VERIFY = "verify"
-  DECODE = "decode"  # one AR token
-  DENOISE = "denoise"  # one step of a diffusion block's denoise loop
-  COMMIT = "commit"  # the causal forward that commits a denoised block's K/V
-  # the engine ledger's ragged forwards (block = packed query tokens, rows = rows that have tokens in it); a
-  # request's own stats count its part of them as DRAFT / VERIFY / DECODE
-  RAGGED_DRAFT = "ragged_draft"
-  RAGGED_VERIFY = "ragged_verify"
-
-
 @dataclasses.dataclass
 class RequestStats:
   rounds: int = 0
   accepted_lengths: list[int] = dataclasses.field(default_factory=list)
   block_sizes: list[int] = dataclasses.field(default_factory=list)
-  forwards: dict[str, int] = dataclasses.field(default_factory=lambda: {str(k): 0 for k in Forward})
-  overlap: dict[str, int] = dataclasses.field(default_factory=dict)  # RecGuide branch outcomes
+  # device forwards by kind (`StepKind` values; a fused verify counts as a verify)
+  forwards: dict[str, int] = dataclasses.field(default_factory=lambda: {str(k): 0 for k in COUNTED_FORWARDS})
   draft_tokens: int = 0  # draft tokens offered to the verifier
   accepted_draft_tokens: int = 0
   ttft_s: float | None = None
@@ -278,10 +264,9 @@ class Request:
   stats: RequestStats = dataclasses.field(default_factory=RequestStats)
   on_update: Callable[["Request", list[int]], None] | None = None
   # engine state
-  prefilled: int = 0  # prompt tokens whose K/V are in the cache
   seed_token: int | None = None  # emitted, not yet cached
   rng_seed: int = 0  # the 32-bit key word (fold_seed of the request's seed)
-  round_counter: int = 0
+  round_counter: int = 0  # the second word of its sampling keys: advanced by the engine after each forward
   sampling: SamplingRow | None = None  # this request's sampling-array row, converted when it was added
   text: str | None = None  # set when finished (cut before a stop string if one matched)
   # the engine's incremental text of the output while stop strings are checked (`engine.output.StopText`)

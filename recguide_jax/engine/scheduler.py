@@ -6,15 +6,31 @@ strategy's cost model prices that cheaper)."""
 from __future__ import annotations
 
 import collections
+import dataclasses
 import time
 from typing import Callable, Sequence
 
 import numpy as np
 
 from recguide_jax.decoding.grouping import cheapest_runs
-from recguide_jax.decoding.strategy import Group, RoundPlan
 from recguide_jax.cache.kv_cache import PageAllocator
-from recguide_jax.engine.requests import Request, RequestError, SamplingParams, describe
+from recguide_jax.decoding.strategy import Round, RoundPlan
+from recguide_jax.engine.requests import QueueFull, Request, RequestError, SamplingParams, describe
+
+
+def check_queue(queued: int, max_queue: int) -> None:
+  """The queue-full rule (the engine's, the data-parallel router's and the engine thread's inbox alike)."""
+  if queued >= max_queue:
+    raise QueueFull(f"the request queue is full ({max_queue} waiting)")
+
+
+@dataclasses.dataclass
+class Group:
+  """Requests whose plans share a round, run at `block`; `planned[i]` is the block request i was planned at."""
+  round: Round
+  block: int
+  reqs: list
+  planned: list[int]
 
 
 class Scheduler:

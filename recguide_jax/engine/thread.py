@@ -10,7 +10,8 @@ import threading
 import time
 
 from recguide_jax.engine.protocol import ServingEngine
-from recguide_jax.engine.requests import QueueFull, Request, RequestError, SamplingParams
+from recguide_jax.engine.requests import Request, RequestError, SamplingParams
+from recguide_jax.engine.scheduler import check_queue
 
 log = logging.getLogger("recguide_jax.engine")
 
@@ -46,8 +47,7 @@ class EngineThread:
       if self._stop:
         raise RequestError("the server is shutting down", None, 503)
       queued = sum(1 for kind, *_ in self._inbox if kind == "add") + len(self.engine.waiting)
-      if queued >= self.engine.max_queue:
-        raise QueueFull(f"the request queue is full ({self.engine.max_queue} waiting)")
+      check_queue(queued, self.engine.max_queue)
       self._inbox.append(("add", prompt_ids, params, request_id, on_update, arrival, prefill_source))
       self._cond.notify()
 

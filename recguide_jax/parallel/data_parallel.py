@@ -18,24 +18,18 @@ from __future__ import annotations
 
 import collections
 import concurrent.futures
-import copy
-import copyreg
 import itertools
-import types
 from typing import Callable, Sequence
 
+from recguide_jax.engine.requests import Request, SamplingParams
+from recguide_jax.engine.scheduler import check_queue
 from recguide_jax.parallel import sharding
-from recguide_jax.engine.requests import QueueFull, Request, SamplingParams
-
-# RecGuide's fitted tables and profiles are read-only mappings (types.MappingProxyType), which `copy.deepcopy`
-# cannot copy by default; copied as mappings, each group's policy gets its own (equal) tables
-copyreg.pickle(types.MappingProxyType, lambda m: (types.MappingProxyType, (dict(m),)))
 
 
 def strategy_copy(strategy):
-  """A group's own copy of a decoding policy (its per-load calibration and controller state must not be shared by
-  groups stepping concurrently)."""
-  return copy.deepcopy(strategy)
+  """A group's own copy of a decoding strategy (`Strategy.clone`: its per-load calibration and controller state must
+  not be shared by groups stepping concurrently)."""
+  return strategy.clone()
 
 
 def resolve_mesh(mesh, devices=None):
@@ -132,8 +126,7 @@ class DataParallelEngine:
                   prefill_source: str | None = None) -> Request:
     if not validated:
       prompt_ids = self.validate_request(prompt_ids, params)
-    if len(self.waiting) >= self.max_queue:  # the queue of every group, as one engine's queue would hold them
-      raise QueueFull(f"the request queue is full ({self.max_queue} waiting)")
+    check_queue(len(self.waiting), self.max_queue)  # every group's queue, as one engine's queue would hold them
     # a sample of n joins the group of the sample whose prefill it shares (pages live in one group's cache)
     i = self._home.get(prefill_source) if prefill_source is not None else None
     i = self.pick() if i is None else i

@@ -3,7 +3,7 @@
 A hardware profile (`profile.py`) holds device times of single forwards measured in isolation. What a user feels
 is the whole round: batch assembly, dispatch, the forwards, acceptance and token emission, and on a given machine
 the host part can weigh differently for an AR step than for a draft + verify round. The engine reports every decode
-round it runs (`Policy.observe_round`); `RoundClock` keeps the recent wall times per (round kind, block size, live
+round it runs (`RecGuideStrategy.observe`); `RoundClock` keeps the recent wall times per (round kind, block size, live
 rows), and `CalibratedCosts` answers cost queries with
 
 - the median measured round time where that (kind, B, rows) ran recently (at least `min_samples` rounds);
@@ -32,9 +32,10 @@ import time
 from typing import Callable
 
 from recguide_jax.decoding.strategy import RoundKind
+from recguide_jax.recguide.kinds import OverlapKind
 
 # the round kinds the regime switch prices
-KINDS = (RoundKind.AR, RoundKind.LINEAR, RoundKind.OVERLAP, RoundKind.OVERLAP_DRAFT)
+KINDS = (RoundKind.AR, RoundKind.LINEAR, OverlapKind.OVERLAP, OverlapKind.OVERLAP_DRAFT)
 
 
 class RoundClock:

@@ -31,10 +31,12 @@ import numpy as np
 
 from recguide_jax.model.config import BLOCK_SIZES
 from recguide_jax.decoding import grouping, rounds
-from recguide_jax.decoding.strategy import RoundKind, RoundPlan, StepView, Strategy
+from recguide_jax.decoding.strategy import (RoundKind, RoundOutcome, RoundPlan, StepPlan, StepView, Strategy,
+                                            StrategyMetric)
 from recguide_jax.recguide import calibration, overlap as ov, pricing, signals
 from recguide_jax.recguide.estimates import OnlineStats, ValueCalibration  # noqa: F401  (OnlineStats: re-exported)
-from recguide_jax.recguide.overlap_round import OverlapRound
+from recguide_jax.recguide.kinds import OverlapKind
+from recguide_jax.recguide.overlap_round import OverlapResult, OverlapRound
 
 
 
@@ -74,10 +76,13 @@ class RecGuideState:
   history: list[signals.RoundRecord] = dataclasses.field(default_factory=list)  # its last HISTORY verifications
   # a branch block its last overlap round confirmed: the next overlap round's draft (valid for that round only)
   prefetched: ov.Prefetched | None = None
+  overlap: dict[str, int] = dataclasses.field(default_factory=dict)  # its overlap rounds by branch outcome
 
 
 class RecGuideStrategy(Strategy):
   name = "recguide"
+  plans_ar = True
+  ragged_steps = False  # the last step's `StepView.ragged_steps`: a plan is priced as the engine will run it
 
   def __init__(self, block_size: int = 16, *, delta: float | None = None, planner: str | None = None,
                components=("p1", "p2", "continuation"),
@@ -85,6 +90,11 @@ class RecGuideStrategy(Strategy):
                fixed_regime: str | None = None, entropy_head_cap: int | None = None, calibrate: bool = True,
                overlap_slots: int | None = None, prefix_exponent: float | None = None, batch_priced: bool = True,
                tie_margin: float = TIE_MARGIN):
+    # what `clone` builds another one from
+    self._config = dict(block_size=block_size, delta=delta, planner=planner, components=components, overlap=overlap,
+                        adaptive=adaptive, switch=switch, profile=profile, tables=tables, fixed_regime=fixed_regime,
+                        entropy_head_cap=entropy_head_cap, calibrate=calibrate, overlap_slots=overlap_slots,
+                        prefix_exponent=prefix_exponent, batch_priced=batch_priced, tie_margin=tie_margin)
     if block_size not in BLOCK_SIZES:
       raise ValueError(f"recguide block_size must be one of {BLOCK_SIZES}, got {block_size}")
     self.block_size = block_size
@@ -145,10 +155,9 @@ class RecGuideStrategy(Strategy):
     # per (B, rows): the binomial weights of k drafting rows times the draft forward's cost at k rows relative to c
     self._draft_weights: dict[tuple[int, int], tuple[float, ...]] = {}
     self.regime_counts = collections.Counter()
-    self._regime_memo: tuple = (None, None)
-    self._step_costs: dict[int, float] | None = None  # this step's LinearSS round cost per B (all requests)
-    self._step_plan: dict[int, RoundPlan] | None = None  # this step's plan per adaptive request (by id)
-    self._step_values: dict[int, dict[int, float]] | None = None  # this step's `_values` per request (by id)
+    self.current_regime: Regime | None = None  # the regime of the latest step
+    self.overlap_outcomes = collections.Counter()  # overlap rounds' branch outcomes ("no_branch", hits, misses)
+    self.saved_drafts = 0  # draft forwards a prefetched branch replaced
     # re-measuring a stale runner-up regime (calibrated switch only): how close it must be, how much of the time
     # probes may take, probes run, the one in progress
     self.probe_margin = 0.7
@@ -186,10 +195,10 @@ class RecGuideStrategy(Strategy):
       return forward(8) if prof is None else prof.ar_cost(c)
     if kind == RoundKind.LINEAR:
       return 2 * forward(blk) if prof is None else prof.cost(c, blk)
-    if kind in (RoundKind.OVERLAP, RoundKind.OVERLAP_DRAFT):
+    if kind in (OverlapKind.OVERLAP, OverlapKind.OVERLAP_DRAFT):
       slots = self.overlap_slots
       fused = forward((1 + slots) * blk) if prof is None else prof.fused_cost(c, blk, slots)
-      if kind == RoundKind.OVERLAP:
+      if kind == OverlapKind.OVERLAP:
         return fused
       # the fused forward after a draft forward (no prefetched block to reuse)
       return fused + (forward(blk) if prof is None else prof.forward_costs(c, blk)[0])
@@ -229,10 +238,6 @@ class RecGuideStrategy(Strategy):
       total += w * term
       term *= odds
     return total
-
-  def observe_round(self, kind: str, block_size: int, rows: int, seconds: float) -> None:
-    if self.calibrate:
-      self.calibrated.clock.observe(kind, block_size, rows, seconds)
 
   # ---- regime switch -------------------------------------------------------------------------------------------------
   def expected_rates(self, concurrency: int, batch=None, values=None) -> dict[str, float]:
@@ -300,8 +305,8 @@ class RecGuideStrategy(Strategy):
       blk = int(rate_key[len(Regime.LINEAR):])
       return estimates.accepted[blk] / cost(RoundKind.LINEAR, blk, c)
     blk = self.block_size
-    fused = cost(RoundKind.OVERLAP, blk, c)
-    draft = max(cost(RoundKind.OVERLAP_DRAFT, blk, c) - fused, 0.0)
+    fused = cost(OverlapKind.OVERLAP, blk, c)
+    draft = max(cost(OverlapKind.OVERLAP_DRAFT, blk, c) - fused, 0.0)
     round_ms = fused + draft * self._draft_forward_share(blk, c, estimates.draft_share, estimates.draft_shares)
     if estimates.rows_left_out:  # their LinearSS round, at its cheapest block
       round_ms += cost(RoundKind.LINEAR, BLOCK_SIZES[0], estimates.rows_left_out)
@@ -341,7 +346,7 @@ class RecGuideStrategy(Strategy):
     if rate_key == Regime.AR:
       return (RoundKind.AR, 1, concurrency)
     if rate_key == Regime.OVERLAP:
-      return (RoundKind.OVERLAP, self.block_size, concurrency)
+      return (OverlapKind.OVERLAP, self.block_size, concurrency)
     return (RoundKind.LINEAR, int(rate_key[len(Regime.LINEAR):]), concurrency)
 
   def _never_measured(self, rate_key: str) -> bool:
@@ -349,7 +354,7 @@ class RecGuideStrategy(Strategy):
     size or load): its cost is then the profile's, scaled by how far the other kinds ran from theirs. Overlap's
     rate rests on its rounds with and without a draft forward (`_rate`), the others' on their clock key's kind."""
     kind = self._clock_key(rate_key, 1)[0]
-    kinds = (kind, RoundKind.OVERLAP_DRAFT) if kind == RoundKind.OVERLAP else (kind,)
+    kinds = (kind, OverlapKind.OVERLAP_DRAFT) if kind == OverlapKind.OVERLAP else (kind,)
     return not any(self.calibrated.clock.ever_measured(k) for k in kinds)
 
   def _probe_or_best(self, ranked: list[Regime], basis: dict, rates: dict, c: int, estimates: StepEstimates) -> str:
@@ -416,7 +421,7 @@ class RecGuideStrategy(Strategy):
     return cost if fresh is None else min(cost, fresh)
 
   # ---- per request ---------------------------------------------------------------------------------------------------
-  _eos: frozenset = frozenset()  # the engine's EOS ids, refreshed with the per-step memo
+  _eos: frozenset = frozenset()  # the engine's EOS ids, refreshed by each step's plan
 
   def on_admit(self, req) -> None:
     req.strategy_state = RecGuideState()
@@ -475,7 +480,7 @@ class RecGuideStrategy(Strategy):
     scores = {b: values[b] / costs[b] for b in BLOCK_SIZES}
     return max(BLOCK_SIZES, key=lambda b: (scores[b], -b))
 
-  def plan_step(self, reqs, concurrency: int, values=None) -> tuple[str, list[int]]:
+  def price_step(self, reqs, concurrency: int, values=None) -> tuple[str, list[int]]:
     """The plan for a step's adaptive requests, priced as a batch: (name, block per request, 1 for AR). `values`:
     their `_values`, when the caller has them.
 
@@ -489,9 +494,8 @@ class RecGuideStrategy(Strategy):
     B200 table, a step of 3 drain requests priced B = 16 0.2% above B = 8 on the value model's estimates; the
     round gave the tokens B = 8 would have for 6.7% more time, and left RecGuide behind fixed B = 8 for the run."""
     c = max(concurrency, 1)
-    if self._step_costs is None:
-      self._step_costs = self._linear_costs(c)
-    rule = [self._adaptive_block(r, c, self._step_costs) for r in reqs]
+    costs = self._linear_costs(c)
+    rule = [self._adaptive_block(r, c, costs) for r in reqs]
     if not self.batch_priced or self.probing or not reqs:
       return "rule", rule
     values = [self._values(r) for r in reqs] if values is None else values
@@ -541,44 +545,38 @@ class RecGuideStrategy(Strategy):
       return False
     return bool(self.fixed_regime) or self._remaining(req) > self.stats.accepted[self.block_size]
 
-  def plan(self, req, view: StepView) -> RoundPlan:
-    concurrency = view.decoding
+  def plan_step(self, view: StepView) -> StepPlan:
+    """The step's regime (once, for the load in flight), then each request's round: overlap, AR or fixed-B
+    LinearSS as the regime says, the adaptive requests' blocks priced together as the batch they run as
+    (`price_step`)."""
+    reqs = view.requests
+    concurrency = len(reqs)
     # the regime lasts beyond this step (overlap pays a draft to enter, its branches pay off in later rounds), so
     # it is chosen for the load in flight: a step where some requests still prefill is not a lighter load (in a
     # closed loop of 8 such steps ran overlap at 3-7 decoding rows and paid a fresh draft each time)
     load = max(concurrency, view.running)
-    # the regime depends only on the load and engine-wide estimates: decide it once per engine step, not per
-    # request (per-request Python work showed up as a few % of an AR step at high concurrency)
-    key = (view.step, concurrency, load)
-    if self._regime_memo[0] != key:
-      # the requests' values, once per step: the switch and the batch pricing share them
-      values = [self._values(r) for r in view.batch] if self._switch_on_values else None
-      self._step_values = None if values is None else dict(zip(map(id, view.batch), values))
-      self._regime_memo = (key, self.regime(load, view.batch, values))
-      self._eos = view.eos_token_ids
-      self.ragged_steps = view.ragged_steps
-      self._step_costs = None
-      self._step_plan = None
-    regime = self._regime_memo[1]
-    if regime == Regime.OVERLAP and not self._overlaps(req):
-      regime = Regime.ADAPTIVE
-    if regime in self._plans:  # overlap, ar, linear (the fixed B)
-      self.regime_counts[regime] += 1
-      return self._plans[regime]
-    if self._step_plan is None:  # the step's adaptive requests, planned together once (the engine's snapshot)
-      mine = [r for r in view.batch if self._regime_memo[1] == Regime.ADAPTIVE or not self._overlaps(r)]
-      values = None if self._step_values is None else [self._step_values[id(r)] for r in mine]
-      name, blocks = self.plan_step(mine, concurrency, values)
-      self.step_plans[name] += bool(mine)
-      self._step_plan = {id(r): (self._plans[Regime.AR] if b == 1 else RoundPlan(rounds.LINEAR, b))
-                         for r, b in zip(mine, blocks)}
-    plan = self._step_plan.get(id(req))
-    if plan is None:  # a request outside the engine's snapshot (a caller planning by hand)
-      if self._step_costs is None:
-        self._step_costs = self._linear_costs(max(concurrency, 1))
-      plan = RoundPlan(rounds.LINEAR, self._adaptive_block(req, concurrency, self._step_costs))
-    self.regime_counts[Regime.AR if plan.block_size == 1 else Regime.ADAPTIVE] += 1
-    return plan
+    self._eos = view.eos_token_ids
+    self.ragged_steps = view.ragged_steps
+    # the requests' values, once per step: the switch and the batch pricing share them
+    values = [self._values(r) for r in reqs] if self._switch_on_values else None
+    regime = self.current_regime = self.regime(load, reqs, values)
+    plans: list[RoundPlan | None] = [None] * concurrency
+    adaptive = []  # rows planned by the adaptive rule (and priced as a batch)
+    for i, r in enumerate(reqs):
+      mine = Regime.ADAPTIVE if regime == Regime.OVERLAP and not self._overlaps(r) else regime
+      if mine in self._plans:  # overlap, ar, linear (the fixed B)
+        self.regime_counts[mine] += 1
+        plans[i] = self._plans[mine]
+      else:
+        adaptive.append(i)
+    if adaptive:
+      name, blocks = self.price_step([reqs[i] for i in adaptive], concurrency,
+                                     None if values is None else [values[i] for i in adaptive])
+      self.step_plans[name] += 1
+      for i, blk in zip(adaptive, blocks):
+        plans[i] = self._plans[Regime.AR] if blk == 1 else RoundPlan(rounds.LINEAR, blk)
+        self.regime_counts[Regime.AR if blk == 1 else Regime.ADAPTIVE] += 1
+    return StepPlan(tuple(plans))
 
   def plan_branches(self, draft_signals: np.ndarray, blk: int, bounds: dict) -> list:
     """One request's branches from its draft signals [3, B]; `bounds` (generated, committed, max_new, max_len) are
@@ -588,18 +586,38 @@ class RecGuideStrategy(Strategy):
                                   prefix_exponent=self.prefix_exponent, **bounds)
     return ov.plan_branches(ov.analyze(draft_signals, self.delta), blk, components=self.components, **bounds)
 
-  def observe(self, req, block_size: int, accepted: int, result, row: int) -> None:
+  def observe(self, outcome: RoundOutcome) -> None:
+    """After each round: its wall time (calibration: a multi-step AR call at each step's share), each row's
+    verification, and an overlap round's branch outcomes (a confirmed branch becomes the request's next draft)."""
+    batch, out = outcome.batch, outcome.output
+    res = out.verify
+    if res is not None:
+      for i, r in enumerate(batch.reqs):
+        left = r.params.max_tokens - int(outcome.generated_before[i])  # its budget before this round emitted
+        for _ in range(out.rounds):
+          self.observe_verification(r, int(out.block[i]), int(out.accepted[i]), res, i, left)
+    if isinstance(out.extra, OverlapResult):
+      self._observe_overlap(batch, out, out.extra)
+    self.observe_round(out.label, batch.block, batch.n, outcome.seconds / out.rounds)
+
+  def observe_round(self, kind: str, block_size: int, rows: int, seconds: float) -> None:
+    """One round's wall seconds (a multi-step call: each step's share), for the calibrated costs."""
+    if self.calibrate:
+      self.calibrated.clock.observe(kind, block_size, rows, seconds)
+
+  def observe_verification(self, req, block_size: int, accepted: int, result, row: int, left: int | None = None
+                           ) -> None:
+    """One verification of `req` (`result` row `row`) of `block_size` that accepted `accepted`; `left`: the tokens
+    it could still emit before it (default: what it can emit now)."""
     state = self.state(req)
     # a prefetched overlap branch is a draft for the round right after the one that made it: any verification,
-    # of whatever kind, moves the committed state past it (the overlap round stores its new one after this call)
+    # of whatever kind, moves the committed state past it (an overlap round's new one is stored after this)
     state.prefetched = None
     if block_size <= 1:
       # an AR round is a round without a speculative verification: it carries no signal (s averages the entropies
       # of the last rounds that have one, z is unknown after it), so two AR rounds in a row return the request to
       # the value model's unconditional values, its prior. Without this a request that looked unsure once would be
-      # priced out of speculation for good (AR rounds would leave its history as it was). A one-token AR
-      # verification's entropy is no substitute: its distribution is not that of e_t (which includes the first
-      # rejected position), and it made the values optimistic.
+      # priced out of speculation for good (AR rounds would leave its history as it was).
       if self.batch_priced:
         state.history.append(signals.RoundRecord(1, 1, None))
         if len(state.history) > HISTORY:
@@ -607,7 +625,7 @@ class RecGuideStrategy(Strategy):
       return
     if self.calibrate and self.tables is not None and block_size in BLOCK_SIZES:
       # what the value model predicted for this round (the history before it) against what it returned
-      predicted = self._model_values(req, self._remaining(req))[block_size]  # observe runs before emission
+      predicted = self._model_values(req, self._remaining(req) if left is None else left)[block_size]
       self.value_calibration.observe(block_size, predicted, accepted)
     cap = self.tables.head_cap if self.tables is not None else self.entropy_head_cap
     # a set test on a short list: np.isin took ~0.1 ms per request and round, ~2% of a C = 1 round on a CPU
@@ -618,5 +636,45 @@ class RecGuideStrategy(Strategy):
     if block_size in BLOCK_SIZES:  # an overlap round's too: it verifies a block of its B as LinearSS does
       self.stats.observe_verified(block_size, accepted)
 
-  def observe_overlap(self, req, hit: bool) -> None:
-    self.stats.observe_overlap(hit)
+  def _observe_overlap(self, batch, out, ovr: "OverlapResult") -> None:
+    self.saved_drafts += ovr.saved_drafts
+    for i, r in enumerate(batch.reqs):
+      outcome = ovr.outcomes[i]
+      label = "no_branch" if outcome is None else outcome.label
+      self.overlap_outcomes[label] += 1
+      state = self.state(r)
+      state.overlap[label] = state.overlap.get(label, 0) + 1
+      if outcome is not None:
+        self.stats.observe_overlap(outcome.branch is not None)
+      if self.overlap_log is not None and ovr.traces:
+        self.overlap_log.append(ovr.traces[i])
+      if outcome is not None and outcome.branch is not None and not r.finished:
+        state.prefetched = ovr.prefetch[i]
+
+  def metrics(self) -> list[StrategyMetric]:
+    counts = dict(self.regime_counts)
+    outcomes = dict(self.overlap_outcomes)
+    known = [*ov.HIT_OUTCOMES, *ov.MISS_OUTCOMES, "no_branch"]
+    return [
+        StrategyMetric("regime_decisions", "RecGuide switch decisions: request rounds planned by regime.", "counter",
+                       [(r.value, counts.get(r, 0)) for r in Regime]
+                       + sorted((str(k), v) for k, v in counts.items() if k not in tuple(Regime)), "regime"),
+        StrategyMetric("regime_probes", "RecGuide re-measurements of a close runner-up regime.", "counter",
+                       self.probes),
+        StrategyMetric("regime", "1 for the regime the switch chose at the latest step.", "gauge",
+                       [(r.value, 1.0 if self.current_regime == r else 0.0) for r in Regime], "regime"),
+        StrategyMetric("overlap_rounds", "RecGuide overlap rounds by branch outcome (hits: a branch became the "
+                       "next draft).", "counter", [(k, outcomes.get(k, 0)) for k in known]
+                       + sorted((k, v) for k, v in outcomes.items() if k not in known), "outcome"),
+        StrategyMetric("overlap_hits", "Fused rounds whose branch became the next draft (RecGuide).", "counter",
+                       sum(outcomes.get(k, 0) for k in ov.HIT_OUTCOMES), legacy=True),
+        StrategyMetric("overlap_misses", "Fused rounds whose branches were all discarded (RecGuide).", "counter",
+                       sum(outcomes.get(k, 0) for k in ov.MISS_OUTCOMES), legacy=True),
+        StrategyMetric("overlap_saved_drafts", "Draft forwards skipped because a reused branch was the draft.",
+                       "counter", self.saved_drafts),
+    ]
+
+  def clone(self) -> "RecGuideStrategy":
+    """A fresh strategy of the same configuration (the fitted tables and the profile are read-only and shared)."""
+    return type(self)(**self._config)
+

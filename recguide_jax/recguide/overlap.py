@@ -161,6 +161,8 @@ class ReuseOutcome:
 
 OUTCOMES = ("correction_hit", "correction_miss", "continuation_hit", "continuation_miss", "continuation_absent",
             "no_hit")
+HIT_OUTCOMES = ("correction_hit", "continuation_hit")  # a branch became the next draft
+MISS_OUTCOMES = ("correction_miss", "continuation_miss", "continuation_absent", "no_hit")
 
 
 def select_reuse(accepted: int, out_tokens: np.ndarray, branches: Sequence[Branch], branch_tokens: np.ndarray,

@@ -21,23 +21,13 @@ log = logging.getLogger(__name__)
 
 _background = threading.local()
 
-# XLA:CPU sends dots to YNNPACK fusions by default. For products of few rows (AR decode at any batch up to this
-# many rows, small verifies) its own Eigen dot is faster: an AR decode step of a 26M-parameter fp32 model at batch 8
-# took 1.22x less time without them, while verify and draft steps of 128 rows were 4-9% slower (2-core x86 VM,
-# interleaved medians). So CPU variants of at most this many query rows compile without them.
+# XLA:CPU options chosen by measurement (docs/cpu_tuning.md): Eigen's dot instead of YNNPACK for products of few
+# rows (weight on the right: up to 64 rows; weight on the left, the CPU default: matrix-vector only; never for
+# bf16/fp16 weights, which Eigen converts in memory every step) ...
 CPU_EIGEN_DOT_MAX_ROWS = 64
-# With the weight on the left of a decode's dots (model.KernelLayout.OUT_IN, the CPU default) YNNPACK is the faster
-# one from 2 rows on: the same AR decode step at batch 8 took 16.6 ms with YNNPACK, 18.8 with Eigen (22.2 with the
-# weight on the right and Eigen), at batch 32 35.5 vs 40.2 ms; at batch 1 (a matrix-vector product) Eigen's was a
-# little faster (9.7 vs 10.2 ms). Not for bf16/fp16 weights: Eigen's dot converts them to f32 in memory on every
-# step, and the model's dense layers compute a narrow float's one row as two so that YNNPACK takes it (model.Dense).
 CPU_EIGEN_DOT_MAX_ROWS_WEIGHT_LEFT = 1
 _NO_YNN_DOTS = ("xla_cpu_experimental_ynn_fusion_type", "")
-# XLA:CPU's default scheduler lets independent temporaries live at once: a bf16 step converts every weight to f32
-# for its dots (XLA:CPU has no bf16 matmul), all of them live together, 85 MB of temporaries for a 26M-parameter
-# model, which the allocator maps fresh, and the kernel zero-fills page by page, on every step (~21,800 page faults,
-# most of a 55-60 ms step). The memory-optimized scheduler reuses them: 16 MB, no faults, the step at 9-11 ms like
-# f32's. In f32 (temporaries well under 1 MB) the two steps measured the same. So every CPU variant uses it.
+# ... and the memory-optimized scheduler everywhere (it reuses temporaries the default one maps fresh each step)
 _MEMORY_SCHEDULER = ("xla_cpu_scheduler_type", "CPU_SCHEDULER_TYPE_MEMORY_OPTIMIZED")
 _SPEED_ONLY = dict((_NO_YNN_DOTS, _MEMORY_SCHEDULER))  # options this module adds; none changes a result
 

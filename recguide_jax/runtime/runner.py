@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import concurrent.futures
 import dataclasses
-import math
 import os
 import threading
 import time
@@ -34,7 +33,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from recguide_jax.runtime import sampling
 
 from recguide_jax.parallel import sharding
-from recguide_jax.cache.kv_cache import KVCache, storage_dtype
+from recguide_jax.cache.kv_cache import KVCache, pages_per_seq, storage_dtype
 from recguide_jax.model.nld import (KernelLayout, LayerLoop, NLDModel, resolve_kernel_layout, resolve_layer_loop,
                                     weights_platform, with_kernel_layout, with_layer_loop)
 from recguide_jax.runtime.compilation import (BackgroundCompiler, CompileCounter, compile_with_options,
@@ -101,8 +100,7 @@ class RunnerConfig:
 
   @property
   def pages_per_seq(self) -> int:
-    # A verify may write up to one block past the last emitted token, so leave room for it.
-    return math.ceil((self.max_model_len + self.max_block) / self.page_size)
+    return pages_per_seq(self.max_model_len, self.max_block, self.page_size)
 
 
 @dataclasses.dataclass
@@ -223,13 +221,6 @@ class Runner:
       self._background.shutdown()
 
   # ---- compilation -------------------------------------------------------------------------------------------------
-  @staticmethod
-  def _key(key: StepKey | str, blk: int | None = None, b: int | None = None) -> StepKey:
-    """A `StepKey`, or (kind label, block, batch) as earlier releases passed them."""
-    if isinstance(key, StepKey):
-      return key
-    return StepKey.parse(key, blk, b)
-
   def _jit(self, key: StepKey, host_args: tuple):
     fn = self.steps.build(key)
     donate = (1,) if key.kind.writes_cache else ()
@@ -247,16 +238,14 @@ class Runner:
       out_sh = (cache_sh,) + tuple(out_sh[1:])
     return jax.jit(fn, in_shardings=in_sh, out_shardings=out_sh, donate_argnums=donate)
 
-  def lower(self, key: StepKey | str, blk: int | None = None, b: int | None = None):
+  def lower(self, key: StepKey):
     """The lowered (not yet compiled) variant: its HLO and, once compiled, its memory analysis."""
-    key = self._key(key, blk, b)
     host = example_host_args(key, self.config.pages_per_seq, self.cfg.vocab_size)
     jitted = self._jit(key, host)
     with sharding.mesh_context(self.mesh):  # traced inside the mesh: activation constraints, per-shard kernels
       return jitted.lower(self._state_spec, self._cache_spec, *host)
 
-  def compiled(self, key: StepKey | str, blk: int | None = None, b: int | None = None):
-    key = self._key(key, blk, b)
+  def compiled(self, key: StepKey):
     fn = self._compiled.get(key)
     if fn is None:
       fn = self._compile(key)
@@ -413,15 +402,31 @@ class Runner:
     tokens [b, 1] for `steps` steps (results [b, steps]; the steps' sampling keys count up from samp.keys)."""
     b, blk = tokens.shape
     if q is None:  # AR decode: nothing to accept; its variant takes no draft distribution at all
-      if blk != 1:
-        raise ValueError("verify without draft distributions is only AR decode (block of 1)")
-      outs = self.execute(StepKey(StepKind.DECODE, 1, b, steps=steps),
-                          (tokens, write, prefix_len, page_table) + samp.args())
+      outs = self.dispatch_decode(tokens, write, prefix_len, page_table, samp, steps)
     elif steps != 1:
       raise ValueError("only an AR decode (q None) runs several steps per call")
     else:
-      outs = self.execute(StepKey(StepKind.VERIFY, blk, b),
-                          (tokens, q, write, prefix_len, page_table) + samp.args())
+      outs = self.dispatch_verify(tokens, q, write, prefix_len, page_table, samp)
+    return self.read_verify(outs)
+
+  def dispatch_verify(self, tokens, q, write, prefix_len, page_table, samp: SamplingArrays) -> tuple:
+    """A verify of `tokens` [b, B] against the draft distributions `q`, dispatched without waiting: the device arrays
+    of a `VerifyResult`. `prefix_len` may be a device array (a pipelined round's, from the verify before it)."""
+    b, blk = tokens.shape
+    return self.execute(StepKey(StepKind.VERIFY, blk, b), (tokens, q, write, prefix_len, page_table) + samp.args())
+
+  def dispatch_decode(self, tokens, write, prefix_len, page_table, samp: SamplingArrays, steps: int = 1) -> tuple:
+    """An AR decode of the seed tokens [b, 1] (numpy, or the device tokens of the call before it) for `steps` steps,
+    dispatched without waiting: the device arrays of a `VerifyResult` (its tokens at index 1, [b, steps])."""
+    b, blk = tokens.shape
+    if blk != 1:
+      raise ValueError("verify without draft distributions is only AR decode (block of 1)")
+    return self.execute(StepKey(StepKind.DECODE, 1, b, steps=steps),
+                        (tokens, write, prefix_len, page_table) + samp.args())
+
+  @staticmethod
+  def read_verify(outs) -> VerifyResult:
+    """A dispatched decode or verify's result on the host (waits for it: one device->host transfer)."""
     return VerifyResult(*jax.device_get(outs))
 
   def fused(self, tokens, positions, mask, lora, write, prefix_len, page_table, samp: SamplingArrays, blk: int):

@@ -26,6 +26,9 @@ class StepKind(str, enum.Enum):
   # step for any mix, compiled per token bucket, not per (kind, block, batch)
   RAGGED_DRAFT = "ragged_draft"  # each row's bidirectional draft block [seed, MASK...] of its own length
   RAGGED_VERIFY = "ragged_verify"  # each row's causal block (a LinearSS verify or one AR token): writes its K/V
+  # the causal forward that commits a denoised block's K/V: it runs the PREFILL variant (never a StepKey of its own)
+  # and is counted apart in the forward ledger and the request stats
+  COMMIT = "commit"
 
   @property
   def writes_cache(self) -> bool:
@@ -54,6 +57,8 @@ class StepKey:
 
   def __post_init__(self):
     object.__setattr__(self, "kind", StepKind(self.kind))
+    if self.kind == StepKind.COMMIT:
+      raise ValueError("a commit forward runs the prefill variant: no step key of its own")
     if self.block < 1 or self.batch < 1:
       raise ValueError(f"a step's block and batch must be positive: {self}")
     if self.kind == StepKind.DECODE and self.block != 1:
@@ -93,6 +98,11 @@ class StepKey:
     """A key from a kind label ("fused2" = FUSED with 2 slots)."""
     kind_enum, slots = parse_kind_label(kind)
     return cls(kind_enum, block, batch, slots)
+
+
+# the forwards a request's stats count (`RequestStats.forwards`), in their JSON order
+COUNTED_FORWARDS = (StepKind.PREFILL, StepKind.DRAFT, StepKind.VERIFY, StepKind.DECODE, StepKind.DENOISE,
+                    StepKind.COMMIT)
 
 
 def kind_label(kind: StepKind, slots: int = 0) -> str:

@@ -1,13 +1,14 @@
 """The exported series, built at scrape time from `ServerMetrics`' accumulators and the engine's counters: vLLM's
-series (`recguide:<vLLM's name>` with a `model_name` label), RecGuide's own beside them (block-size rounds, overlap
-outcomes, regime decisions, forwards, shared prompt tokens) and the deprecated pre-vLLM `recguide_*` names."""
+series (`recguide:<vLLM's name>` with a `model_name` label), the engine's own beside them (block-size rounds,
+forwards, shared prompt tokens), the decoding strategy's (`Strategy.metrics`) and the deprecated pre-vLLM
+`recguide_*` names."""
 
 from __future__ import annotations
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 
-from recguide_jax.server.metric_types import (FINISH_REASONS, FORWARD_KINDS, LEGACY_PREFIX, OVERLAP_HITS,
-                                              OVERLAP_MISSES, PREFIX, REGIMES, Histogram, _copy, engine_snapshot)
+from recguide_jax.server.metric_types import (FINISH_REASONS, FORWARD_KINDS, LEGACY_PREFIX, PREFIX, Histogram,
+                                              engine_snapshot)
 
 
 class Collector:
@@ -89,45 +90,26 @@ class Collector:
     yield labeled_counter("spec_decode_num_accepted_tokens_per_pos", "Accepted tokens per draft position (0: the "
                           "first draft token).", "position",
                           [(p, per_position.get(p + 1, 0)) for p in range(positions)])
-    # ---- RecGuide's own series ----------------------------------------------------------------------------------
+    # ---- the engine's and the strategy's own series -----------------------------------------------------------
     blocks = dict(snap["block_sizes"])
-    try:  # zeros for every block size the policy may plan (and AR rounds for RecGuide), so shares exist from start
-      planned = tuple(eng.strategy.block_sizes()) + ((1,) if hasattr(eng.strategy, "regime_counts") else ())
+    strategy = eng.strategy
+    try:  # zeros for every block size the strategy may plan (and AR rounds, when it may plan them), so shares exist
+      planned = tuple(strategy.block_sizes()) + ((1,) if getattr(strategy, "plans_ar", False) else ())
     except Exception:
       planned = ()
     for b in planned:
       blocks.setdefault(int(b), 0)
     yield labeled_counter("block_size_rounds", "Decode rounds by block size (1: plain AR rounds).", "block_size",
                           sorted(blocks.items()))
-    outcomes = {k[len("overlap_"):]: v for k, v in totals.items() if k.startswith("overlap_")}
-    saved = outcomes.pop("saved_drafts", 0)
-    known = list(OVERLAP_HITS) + list(OVERLAP_MISSES) + ["no_branch"]
-    yield labeled_counter("overlap_rounds", "RecGuide overlap rounds by branch outcome (hits: a branch became the "
-                          "next draft).", "outcome", [(k, outcomes.get(k, 0)) for k in known]
-                          + sorted((k, v) for k, v in outcomes.items() if k not in known))
-    hits = sum(outcomes.get(k, 0) for k in OVERLAP_HITS)
-    misses = sum(outcomes.get(k, 0) for k in OVERLAP_MISSES)
-    yield counter("overlap_hits", "Fused rounds whose branch became the next draft (RecGuide).", hits)
-    yield counter("overlap_misses", "Fused rounds whose branches were all discarded (RecGuide).", misses)
-    yield counter("overlap_saved_drafts", "Draft forwards skipped because a reused branch was the draft.", saved)
     yield counter("prompt_tokens_shared", "Prompt tokens of n > 1 samples taken from another sample's KV pages "
                   "instead of prefilled again.", totals.get("prompt_tokens_shared", 0))
-    policy = eng.strategy
-    regime_counts = getattr(policy, "regime_counts", None)
-    if regime_counts is not None:  # the RecGuide policy
-      counts = _copy(regime_counts)
-      yield labeled_counter("regime_decisions", "RecGuide switch decisions: request rounds planned by regime.",
-                            "regime", [(r, counts.get(r, 0)) for r in REGIMES]
-                            + sorted((k, v) for k, v in counts.items() if k not in REGIMES))
-      yield counter("regime_probes", "RecGuide re-measurements of a close runner-up regime.",
-                    getattr(policy, "probes", 0))
-      memo = getattr(policy, "_regime_memo", (None, None))
-      current = memo[1] if isinstance(memo, tuple) and len(memo) == 2 else None
-      g = GaugeMetricFamily(PREFIX + "regime", "1 for the regime the switch chose at the latest step.",
-                            labels=labels + ["regime"])
-      for r in REGIMES:
-        g.add_metric(values + [r], 1.0 if current == r else 0.0)
-      yield g
+    strategy_metrics = snap["strategy_metrics"]
+    for sm in strategy_metrics:
+      family = (CounterMetricFamily if sm.kind == "counter" else GaugeMetricFamily)(
+          PREFIX + sm.name, sm.doc, labels=labels + ([sm.label] if sm.label else []))
+      for key, value in (sm.value if sm.label else [(None, sm.value)]):
+        family.add_metric(values + ([str(key)] if sm.label else []), value)
+      yield family
     kinds = list(FORWARD_KINDS) + sorted(k[len("forwards_"):] for k in totals
                                          if k.startswith("forwards_") and k[len("forwards_"):] not in FORWARD_KINDS)
     yield labeled_counter("forwards", "Batched device forwards by kind.", "kind",
@@ -142,7 +124,7 @@ class Collector:
     info = GaugeMetricFamily(PREFIX + "cache_config_info", "Information of the KV cache and policy.",
                              labels=labels + ["page_size", "num_pages", "max_model_len", "max_num_seqs", "policy"])
     info.add_metric(values + [str(eng.rc.page_size), str(snap["pages_total"]), str(eng.rc.max_model_len),
-                              str(eng.rc.max_batch), str(getattr(policy, "name", ""))], 1.0)
+                              str(eng.rc.max_batch), str(getattr(strategy, "name", ""))], 1.0)
     yield info
     if not m.legacy_names:
       return
@@ -187,5 +169,6 @@ class Collector:
                  "position", sorted(per_position.items()))
     yield legacy("counter", "block_size_choices", "Decode rounds by block size.", None, "block_size",
                  sorted(snap["block_sizes"].items()))
-    yield legacy("counter", "overlap_hits", "Fused rounds whose branch became the next draft.", hits)
-    yield legacy("counter", "overlap_misses", "Fused rounds whose branches were all discarded.", misses)
+    for sm in strategy_metrics:
+      if sm.legacy:
+        yield legacy(sm.kind, sm.name, sm.doc, sm.value)

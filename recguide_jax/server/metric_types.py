@@ -4,15 +4,17 @@ into, and the one-copy snapshot of the engine's counters both a scrape and the s
 from __future__ import annotations
 
 import bisect
+import logging
 import math
 import threading
+
+log = logging.getLogger("recguide_jax.server")
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 PREFIX = "recguide:"
 LEGACY_PREFIX = "recguide_"  # the names before the vLLM-style ones; deprecated, kept for existing dashboards/tests
 FINISH_REASONS = ("stop", "length", "abort", "error")
 FORWARD_KINDS = ("prefill", "decode", "draft", "verify", "denoise", "commit")
-REGIMES = ("overlap", "adaptive", "linear", "ar")  # RecGuideStrategy.regime's answers
 DEFAULT_LOG_STATS_INTERVAL_S = 10.0  # vLLM's VLLM_LOG_STATS_INTERVAL
 
 # vLLM's bucket boundaries, with finer sub-10 ms buckets in front: a small model on a fast device has millisecond
@@ -28,9 +30,6 @@ LEGACY_TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 
 LEGACY_TPOT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
 LEGACY_E2E_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0)
 
-# RecGuide overlap outcomes (recguide/overlap.py OUTCOMES) split into hits and misses
-OVERLAP_HITS = ("correction_hit", "continuation_hit")
-OVERLAP_MISSES = ("correction_miss", "continuation_miss", "continuation_absent", "no_hit")
 
 def token_buckets(max_len: int) -> tuple[float, ...]:
   """vLLM's 1-2-5 series of token-count buckets up to max_len."""
@@ -98,4 +97,18 @@ def engine_snapshot(engine_thread) -> dict:
       "pages_used": used,
       "pages_total": total,
       "kv_usage": used / max(total, 1),
+      "strategy_metrics": _strategy_metrics(eng),
   }
+
+
+def _strategy_metrics(eng) -> list:
+  """The strategy's own series (`Strategy.metrics`), read on the scraping thread: a failure costs its series only."""
+  for _ in range(5):
+    try:
+      return list(eng.strategy.metrics())
+    except RuntimeError:  # a counter changed size while it was copied
+      continue
+    except Exception:
+      log.exception("the decoding strategy's metrics failed")
+      return []
+  return []

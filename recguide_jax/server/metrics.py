@@ -13,7 +13,7 @@ Three sources:
   sent after its request was recorded;
 - inter-token latencies are recorded as tokens are emitted (one observation per engine update that carries tokens,
   i.e. per verify round: a round's accepted tokens arrive together, as vLLM counts a speculative step);
-- engine-wide metrics (token counters, drafts and acceptance, block sizes, overlap outcomes, regime decisions,
+- engine-wide metrics (token counters, drafts and acceptance, block sizes, the strategy's own series,
   queue, KV use, compilations) are read from the engine at scrape time. The engine thread mutates those counters
   between our reads, so each is copied once per scrape rather than read field by field.
 
@@ -31,8 +31,8 @@ from prometheus_client import CollectorRegistry, generate_latest
 from recguide_jax.server.metric_series import Collector
 from recguide_jax.server.metric_types import (CONTENT_TYPE, DEFAULT_LOG_STATS_INTERVAL_S, FINISH_REASONS,  # noqa: F401
                                               FORWARD_KINDS, ITL_BUCKETS, LEGACY_E2E_BUCKETS, LEGACY_PREFIX,
-                                              LEGACY_TPOT_BUCKETS, LEGACY_TTFT_BUCKETS, OVERLAP_HITS, OVERLAP_MISSES,
-                                              PREFIX, REGIMES, REQUEST_LATENCY_BUCKETS, TTFT_BUCKETS, Histogram,
+                                              LEGACY_TPOT_BUCKETS, LEGACY_TTFT_BUCKETS, PREFIX,
+                                              REQUEST_LATENCY_BUCKETS, TTFT_BUCKETS, Histogram,
                                               engine_snapshot, token_buckets)
 from recguide_jax.server.stats_log import StatsLogger
 

@@ -21,14 +21,6 @@ def stop_position(text: str, stop_strings: Sequence[str]) -> int | None:
   return StopChecker(stop_strings).find(text)
 
 
-def final_text(tokenizer: Tokenizer, emitted_ids: Sequence[int], stop_strings: Sequence[str]) -> str:
-  """The text of a finished request, from every token the engine emitted (before it cut the ids at a stop string):
-  the engine's rule (decode, cut before the earliest stop string) applied to the whole output at once."""
-  text = tokenizer.decode(emitted_ids)
-  pos = stop_position(text, stop_strings)
-  return text if pos is None else text[:pos]
-
-
 class TextDeltas:
   """Turns the growing list of emitted token ids into text deltas that never need to be taken back."""
 

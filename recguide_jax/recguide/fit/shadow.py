@@ -9,11 +9,12 @@ import json
 
 import numpy as np
 
+from recguide_jax.decoding.rounds import draft_verify, verified_output
+from recguide_jax.decoding.strategy import (Batch, Round, RoundOutcome, RoundOutput, RoundPlan, StepPlan, StepView,
+                                            Strategy)
 from recguide_jax.model.config import BLOCK_SIZES
-from recguide_jax.decoding.rounds import draft_verify
-from recguide_jax.decoding.strategy import Group, Round, RoundContext, RoundKind, RoundPlan, StepView, Strategy
 from recguide_jax.recguide import signals
-from recguide_jax.engine.requests import Forward
+from recguide_jax.runtime.step_key import StepKind
 
 EXPLORE = {None: {16: 1.0}, 8: {8: 0.55, 16: 0.35, 32: 0.10}, 16: {8: 0.25, 16: 0.50, 32: 0.25},
            32: {8: 0.10, 16: 0.35, 32: 0.55}}
@@ -23,29 +24,27 @@ class ShadowRound(Round):
   """From the same committed state, draft + verify at every block size and log the counterfactual accepted
   lengths; commit the chosen one, which runs last so that its K/V are the canonical ones (the others only wrote
   slots past the committed length or slots the chosen verify rewrites)."""
-  kind = RoundKind.SHADOW
+  kind = "shadow"
 
   def __init__(self, strategy: "ShadowTraceStrategy"):
     self.strategy = strategy
 
-  def run(self, ctx: RoundContext, group: Group) -> None:
-    reqs, chosen = group.reqs, group.block
+  def reserve(self, block: int, steps: int) -> int:
+    return max(self.strategy.block_sizes())
+
+  def run(self, runner, batch: Batch) -> RoundOutput:
+    n, chosen = batch.n, batch.block
     sizes = self.strategy.block_sizes()
-    ctx.reserve(reqs, max(sizes))
-    b, page_table, prefix_len, samp = ctx.batch_arrays(reqs)
-    seed, write = ctx.seeds(reqs, b)
-    counterfactual = [{} for _ in reqs]
+    counterfactual = [{} for _ in range(n)]
+    forwards = []
     for blk in [x for x in sizes if x != chosen] + [chosen]:
-      res = draft_verify(ctx, blk, seed, write, prefix_len, page_table, samp)
-      ctx.count_forward(Forward.DRAFT, blk, len(reqs))  # every executed forward is in the ledger
-      ctx.count_forward(Forward.VERIFY, blk, len(reqs))
-      for i in range(len(reqs)):
+      res = draft_verify(runner, blk, batch)
+      forwards += [(StepKind.DRAFT, blk, n), (StepKind.VERIFY, blk, n)]  # every executed forward is in the ledger
+      for i in range(n):
         counterfactual[i][blk] = int(res.accepted[i])
-    for i, r in enumerate(reqs):
-      r.stats.forwards[Forward.DRAFT] += len(sizes)
-      r.stats.forwards[Forward.VERIFY] += len(sizes)
-      self.strategy.record_shadow(r, counterfactual[i])
-      ctx.verified(r, chosen, int(res.accepted[i]), res, i)
+    each = np.full((n,), len(sizes), np.int64)
+    return verified_output(self.kind, res, batch, res.accepted[:n].astype(np.int64), forwards,
+                           {StepKind.DRAFT: each, StepKind.VERIFY: each}, extra=counterfactual)
 
 
 class ShadowTraceStrategy(Strategy):
@@ -67,12 +66,14 @@ class ShadowTraceStrategy(Strategy):
   def on_admit(self, req) -> None:
     req.strategy_state = []  # the request's verification history (signals.RoundRecord)
 
-  def plan(self, req, view: StepView) -> RoundPlan:
-    hist = req.strategy_state
-    prev = hist[-1].block_size if hist else None
-    probs = EXPLORE[prev]
-    choice = int(self.rng.choice(list(probs), p=list(probs.values())))
-    return RoundPlan(self.round, choice)
+  def plan_step(self, view: StepView) -> StepPlan:
+    plans = []
+    for req in view.requests:
+      hist = req.strategy_state
+      prev = hist[-1].block_size if hist else None
+      probs = EXPLORE[prev]
+      plans.append(RoundPlan(self.round, int(self.rng.choice(list(probs), p=list(probs.values())))))
+    return StepPlan(tuple(plans))
 
   def record_shadow(self, req, accepted_by_block: dict[int, int]) -> None:
     hist = req.strategy_state
@@ -80,9 +81,12 @@ class ShadowTraceStrategy(Strategy):
                       "s": signals.signal_s(hist), "z": signals.stratum(hist), "head_cap": self.entropy_head_cap,
                       "A": {str(b): int(a) for b, a in accepted_by_block.items()}})
 
-  def observe(self, req, block_size: int, accepted: int, result, row: int) -> None:
-    req.strategy_state.append(signals.make_record(result.entropy[row], accepted, block_size,
-                                                  head_cap=self.entropy_head_cap))
+  def observe(self, outcome: RoundOutcome) -> None:
+    out = outcome.output
+    for i, req in enumerate(outcome.batch.reqs):
+      self.record_shadow(req, out.extra[i])
+      req.strategy_state.append(signals.make_record(out.verify.entropy[i], int(out.accepted[i]), int(out.block[i]),
+                                                    head_cap=self.entropy_head_cap))
 
   def write(self, path) -> None:
     with open(path, "w") as f:

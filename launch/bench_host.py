@@ -1,0 +1,251 @@
+"""Host overhead of the engine: engine wall time per device call against the same compiled calls alone.
+
+The model is near-zero-cost on purpose (a random 2-layer, 64-wide NLD written with the project's checkpoint code,
+the bundled tokenizer beside it), so what the engine adds per step between device calls is what is measured. For
+each policy and concurrency C, C requests (the same prompt length, greedy, `--max_tokens` each, EOS ignored) run to
+the end; the steps where every request decodes (no prefill, nobody finished yet) are timed, and every device call
+they made is recorded (`Runner.before_execute`). Right after every third such step its compiled calls are replayed
+alone with the recorded arguments (under the same machine load), back to back, their outputs read back as the
+engine reads them: the bare device time of a step (the step after a replay is not timed). Host time per step =
+engine step - bare step; per request-step it is divided by C and by the AR steps one call runs (a 4-step decode
+call is 4 request-steps per request).
+
+A cProfile of the engine's host side at the largest C (the same timed steps, AR and LinearSS) says which
+functions cost what.
+
+  python launch/bench_host.py                              # ar, linear, recguide; C = 1, 8, 32, 128
+  python launch/bench_host.py --output_dir docs            # docs/bench_host.{json,md}
+"""
+
+from __future__ import annotations
+
+import cProfile
+import io
+import os
+import pathlib
+import pstats
+import shutil
+import statistics
+import sys
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+for _p in (ROOT, os.path.join(ROOT, "launch")):
+  if _p not in sys.path:
+    sys.path.insert(0, _p)
+
+
+def build_model(directory: pathlib.Path) -> pathlib.Path:
+  """A random 2-layer, 64-wide NLD checkpoint (the bundled model's vocabulary and tokenizer), written once."""
+  if (directory / "params").exists():
+    return directory
+  import dataclasses
+
+  from flax import nnx
+
+  from recguide_jax.llm import BUNDLED_CHECKPOINT
+  from recguide_jax.model import checkpoint as ckpt_lib
+  from recguide_jax.model.config import NLDConfig
+  from recguide_jax.model.nld import NLDModel
+  base = NLDConfig.from_json_file(BUNDLED_CHECKPOINT / "config.json")
+  cfg = dataclasses.replace(base, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                            num_key_value_heads=2, head_dim=16, lora_rank=8)
+  ckpt_lib.save_model(directory, NLDModel(cfg, rngs=nnx.Rngs(0)))
+  for name in ("tokenizer.json", "tokenizer_config.json"):
+    shutil.copy(BUNDLED_CHECKPOINT / name, directory / name)
+  return directory
+
+
+class Recorder:
+  """Records the device calls of the runner (`before_execute`)."""
+
+  def __init__(self):
+    self.calls: list = []
+
+  def __call__(self, key, args):
+    self.calls.append((key, args))
+
+
+def timed_steps(llm, policy: str, c: int, max_tokens: int, prompt_len: int, profile: bool = False, replays: int = 0):
+  """Runs C requests to the end; returns [(step seconds, [(key, args)] of its calls, their bare seconds)] of the
+  steps where all C decoded, and the profile of those steps (or None)."""
+  from recguide_jax.engine.requests import SamplingParams
+  eng = llm.engine
+  llm.set_policy(policy, block_size=16)
+  params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+  for i in range(c):
+    eng.add_request([5 + (i + k) % 97 for k in range(prompt_len)], params)
+  rec = Recorder()
+  llm.runner.before_execute = rec
+  import jax
+  prof = cProfile.Profile() if profile else None
+  steps, skipped = [], 0
+  try:
+    while eng.has_work():
+      full = (not eng.waiting and len(eng.running) == c
+              and all(r.seed_token is not None and eng.prefilled(r) == len(r.prompt_ids) for r in eng.running))
+      rec.calls = []
+      if prof is not None and full:
+        prof.enable()
+      t0 = time.perf_counter()
+      eng.step()
+      dt = time.perf_counter() - t0
+      if prof is not None and full:
+        prof.disable()
+      # a step where every request decoded and none finished: the steady state. Every third one's calls are replayed
+      # right after it, under the same machine load (a replay rewrites the same K/V from the same inputs: harmless);
+      # the step after a replay is not timed (a call the engine dispatched ahead ran meanwhile)
+      if full and all(not r.finished for r in eng.running) and rec.calls:
+        calls, rec.calls = rec.calls, []
+        k = len(steps) + skipped
+        if k % 3 == 2:
+          skipped += 1
+          continue
+        bare = None
+        if replays and k % 3 == 1:
+          jax.block_until_ready(llm.runner.cache)  # the engine's call in flight, if any, first
+          bare = bare_seconds(llm.runner, calls, replays)
+        steps.append((dt, calls, bare))
+  finally:
+    llm.runner.before_execute = None
+  assert eng.allocator.num_used == 0
+  return steps, prof
+
+
+def bare_seconds(runner, calls, repeats: int) -> float:
+  """The step's device calls replayed alone (back to back, outputs read back once at the end as the engine reads
+  them): median wall seconds."""
+  import jax
+  out = []
+  for _ in range(repeats):
+    t0 = time.perf_counter()
+    outs = [runner.execute(key, args) for key, args in calls]
+    jax.device_get(outs)
+    out.append(time.perf_counter() - t0)
+  return statistics.median(out)
+
+
+def measure(llm, policy: str, c: int, cfg) -> dict:
+  timed_steps(llm, policy, c, cfg["max_tokens"], cfg["prompt_len"])  # compiles what this point calls
+  walls, bares, calls_per_step, steps_per_call = [], [], [], []
+  for _ in range(cfg["repeats"]):
+    steps, _ = timed_steps(llm, policy, c, cfg["max_tokens"], cfg["prompt_len"], replays=3)
+    for dt, calls, bare in steps:
+      walls.append(dt)
+      if bare is not None:
+        bares.append(bare)
+      calls_per_step.append(len(calls))
+      steps_per_call.append(max(k.steps for k, _ in calls))
+  if not walls:
+    return {"policy": policy, "concurrency": c, "steps": 0}
+  # medians, and minima: on a shared machine a step's minimum over many is the better estimate of its own cost
+  out = {"policy": policy, "concurrency": c, "steps": len(walls), "bare_samples": len(bares),
+         "calls_per_step": statistics.median(calls_per_step), "ar_steps_per_call": statistics.median(steps_per_call)}
+  for stat, fn in (("", statistics.median), ("_min", min)):
+    wall, bare = fn(walls), fn(bares)
+    out.update({f"engine_step_ms{stat}": wall * 1e3, f"bare_step_ms{stat}": bare * 1e3,
+                f"engine_per_call_ms{stat}": wall * 1e3 / out["calls_per_step"],
+                f"bare_per_call_ms{stat}": bare * 1e3 / out["calls_per_step"],
+                f"engine_vs_bare{stat}": wall / bare, f"host_per_step_ms{stat}": (wall - bare) * 1e3,
+                f"host_per_request_step_us{stat}": (wall - bare) * 1e6 / (c * out["ar_steps_per_call"])})
+  return out
+
+
+def profile_top(llm, policy: str, c: int, cfg, top: int = 25) -> str:
+  timed_steps(llm, policy, c, cfg["max_tokens"], cfg["prompt_len"])
+  steps, prof = timed_steps(llm, policy, c, cfg["max_tokens"], cfg["prompt_len"], profile=True)
+  s = io.StringIO()
+  pstats.Stats(prof, stream=s).sort_stats("tottime").print_stats(top)
+  lines = [ln for ln in s.getvalue().splitlines() if ln.strip()]
+  start = next(i for i, ln in enumerate(lines) if ln.lstrip().startswith("ncalls"))
+  return f"{policy} C={c}, {len(steps)} timed steps (tottime: the function's own time)\n" + "\n".join(
+      ln.replace(ROOT + "/", "") for ln in lines[start:start + top + 1])
+
+
+def markdown(result: dict) -> str:
+  meta = result["meta"]
+  lines = ["# Host overhead per device call", "",
+           f"Near-zero-cost model (random NLD, {meta['model']}); C requests of {meta['prompt_len']} prompt tokens, "
+           f"{meta['max_tokens']} new tokens each, greedy; AR decode calls of {meta['decode_steps']} steps; the "
+           "steps where all C requests decode are timed, every third followed by its device calls replayed alone. "
+           "Medians over "
+           f"{meta['repeats']} generations. jax {meta['jax']} ({meta['backend']}, {meta['cpu_count']} cores), load "
+           f"average {meta['load_start']:.1f} at the start, {meta['load_end']:.1f} at the end ({meta['time_utc']}, "
+           f"code {meta['code']}). On this shared CPU absolute numbers are upper bounds.", "",
+           "Each cell: median / minimum over the timed steps (engine) and the replays (bare); the host columns are "
+           "engine - bare of those. A step is one engine iteration: one AR call, or one LinearSS round (draft + "
+           "verify), or RecGuide's round(s).", "",
+           "| policy | C | steps | engine per call (ms) | bare call (ms) | engine / bare | host per step (ms) | "
+           "host per request-step (us) |", "|---|---|---|---|---|---|---|---|"]
+  for p in result["points"]:
+    if not p.get("steps"):
+      lines.append(f"| {p['policy']} | {p['concurrency']} | 0 | | | | | |")
+      continue
+
+    def cell(key, fmt):
+      return f"{p[key]:{fmt}} / {p[key + '_min']:{fmt}}"
+    lines.append(f"| {p['policy']} | {p['concurrency']} | {p['steps']} | {cell('engine_per_call_ms', '.3f')} | "
+                 f"{cell('bare_per_call_ms', '.3f')} | {cell('engine_vs_bare', '.2f')} | "
+                 f"{cell('host_per_step_ms', '.3f')} | {cell('host_per_request_step_us', '.1f')} |")
+  for prof in result.get("profiles", []):
+    lines += ["", "```", prof, "```"]
+  return "\n".join(lines) + "\n"
+
+
+def main(argv):
+  del argv
+  from absl import flags
+
+  import jax
+
+  from bench_peer import code_version, quiet_logging
+
+  from recguide_jax.benchmarks import cli
+  from recguide_jax.benchmarks.report import write_report
+  from recguide_jax.llm import LLM
+  f = flags.FLAGS
+  quiet_logging()
+  model = build_model(pathlib.Path(f.model_dir))
+  cfg = {"max_tokens": f.max_tokens, "prompt_len": f.prompt_len, "repeats": f.repeats}
+  concurrency = cli.int_list("concurrency")
+  llm = LLM(str(model), policy="recguide", max_num_seqs=max(concurrency), max_model_len=256, page_size=16,
+            prefill_chunk=32, warmup=False, decode_steps=f.decode_steps)
+  load_start = os.getloadavg()[0]
+  points = []
+  for policy in f.policies:
+    for c in concurrency:
+      p = measure(llm, policy, c, cfg)
+      points.append(p)
+      print(p, flush=True)
+  profiles = [profile_top(llm, policy, max(concurrency), cfg) for policy in f.profile_policies]
+  meta = {"model": "2 layers, hidden 64, vocab 2048", "prompt_len": f.prompt_len, "max_tokens": f.max_tokens,
+          "decode_steps": f.decode_steps, "repeats": f.repeats, "jax": jax.__version__,
+          "backend": jax.default_backend(), "cpu_count": os.cpu_count(), "load_start": load_start,
+          "load_end": os.getloadavg()[0], "time_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+          "code": code_version()}
+  result = {"meta": meta, "points": points, "profiles": profiles}
+  js, md = write_report(result, markdown(result), cli.output_dir(), "bench_host")
+  print(markdown(result))
+  print(f"wrote {js} and {md}")
+
+
+def _define_flags():
+  from absl import flags
+
+  from recguide_jax.benchmarks import cli
+  flags.DEFINE_list("policies", ["ar", "linear", "recguide"], "Policies to measure (linear: LinearSS at B = 16).")
+  flags.DEFINE_list("concurrency", ["1", "8", "32", "128"], "Requests decoded together (C).")
+  flags.DEFINE_integer("max_tokens", 96, "New tokens per request.")
+  flags.DEFINE_integer("prompt_len", 16, "Prompt tokens per request.")
+  flags.DEFINE_integer("repeats", 2, "Timed generations per point (after one that compiles).")
+  flags.DEFINE_integer("decode_steps", 4, "AR decode steps per device call.")
+  flags.DEFINE_list("profile_policies", ["ar", "linear"], "Policies profiled at the largest C.")
+  flags.DEFINE_string("model_dir", os.path.join(ROOT, "runs", "bench_host", "model"),
+                      "Where the random model is written (once).")
+  cli.define_output_flags("bench_host")
+
+
+if __name__ == "__main__":
+  from recguide_jax.benchmarks import cli as _cli
+  _define_flags()
+  _cli.run(main)
