@@ -391,7 +391,8 @@ def test_recguide_tables_round_trip_and_runtime(model, tmp_path):
 
 
 def test_policy_carries_the_fitted_overlap_delta(model, tmp_path):
-  from recguide_jax.recguide.controller import PAPER_DELTA, RecGuideStrategy
+  from recguide_jax.recguide.config import PAPER_DELTA
+  from recguide_jax.recguide.controller import RecGuideStrategy
   levels = (ad.LevelTable(1, 0.1, pf.load_profile("b200_nld8b").costs(1), 32),)
   plain = ad.RecGuideTables(model, levels, "b200_nld8b")
   assert "overlap_delta" not in plain.to_json() and RecGuideStrategy(16, tables=plain).delta == PAPER_DELTA

@@ -350,7 +350,7 @@ def test_engine_reports_every_round_to_the_policy(tiny_llm, ar_reference):
 def test_tables_priced_for_other_hardware_keep_their_values_but_not_their_prices():
   from recguide_jax.recguide import adaptive, value_model as vm
   from recguide_jax.recguide.fit import value_fit
-  from recguide_jax.recguide.controller import RecGuideState
+  from recguide_jax.recguide.config import RecGuideState
   from recguide_jax.recguide.signals import RoundRecord
   rows = [{"dataset": "syn", "request_id": r, "round": t, "s": -0.5 if t else None, "z": "b16_partial" if t else None,
            "A": {"8": 6, "16": 10, "32": 14}} for r in range(30) for t in range(4)]
@@ -397,7 +397,7 @@ def test_recguide_corrects_fitted_values_that_over_promise_on_this_workload():
 
   from recguide_jax.recguide import adaptive
   from recguide_jax.recguide.fit import value_fit
-  from recguide_jax.recguide.controller import RecGuideState
+  from recguide_jax.recguide.config import RecGuideState
   rows = [{"dataset": "syn", "request_id": r, "round": t, "s": None, "z": None, "A": {"8": 6, "16": 8, "32": 9}}
           for r in range(30) for t in range(4)]
   model = value_fit.fit_value_model(rows, bins=2)

@@ -17,7 +17,8 @@ from recguide_jax.engine.scheduler import group_plans
 from recguide_jax.recguide import adaptive, overlap as ov
 from recguide_jax.recguide.fit import value_fit
 from recguide_jax.recguide.profile import load_profile
-from recguide_jax.recguide.controller import RecGuideState, RecGuideStrategy
+from recguide_jax.recguide.config import RecGuideState
+from recguide_jax.recguide.controller import RecGuideStrategy
 from recguide_jax.recguide.profile import HardwareProfile
 from recguide_jax.recguide.signals import RoundRecord
 from recguide_jax.runtime.step_key import StepKind

@@ -229,6 +229,7 @@ class Engine:
         return
       self._pending = self._chain(batch, handle)
       self._finish_round(batch, lambda: batch.round.collect(self.runner, batch, handle), t0)
+      self._drain_if_idle()
       return
     self._finish_round(batch, lambda: self._run(batch), t0)
 
@@ -305,7 +306,13 @@ class Engine:
     if len(live) == batch.n and not any(self.prefilled(r) < len(r.prompt_ids) for r in self.running):
       self._pending = self._chain(batch, handle)
     self._finish_round(batch, lambda: batch.round.collect(self.runner, batch, handle), t0)
+    self._drain_if_idle()
     return self._pending is not None
+
+  def _drain_if_idle(self) -> None:
+    """A call in flight all of whose requests stopped is read back now (its forwards count in this run's ledger)."""
+    if self._pending is not None and all(r.finished for r in self._pending[0].reqs):
+      self.drain()
 
   def _fill(self, batch: Batch, ahead: int = 0, keys_ahead: int = 0) -> None:
     """The batch's padded arrays: page table, committed lengths, sampling rows and keys, seed tokens (each a copy of

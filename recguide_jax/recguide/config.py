@@ -1,0 +1,91 @@
+"""RecGuide's configuration and per-request state: the regimes, the frozen `RecGuideConfig` a strategy is built
+with (resolved against the fitted tables: the overlap threshold, branch planner, tree width and prefix exponent
+fitted for the model, else the paper's; every value checked), and `RecGuideState`."""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+from typing import Any
+
+from recguide_jax.model.config import BLOCK_SIZES
+from recguide_jax.recguide import overlap as ov, signals
+
+
+class Regime(enum.StrEnum):
+  """What the switch decides per step (str-valued: metrics label them so)."""
+  OVERLAP = "overlap"  # verification-overlapped drafting (greedy requests)
+  ADAPTIVE = "adaptive"  # LinearSS with B chosen per request
+  LINEAR = "linear"  # LinearSS at the fixed block size (ablations)
+  AR = "ar"
+
+
+HISTORY = 4  # verification rounds a request's history keeps (the signals read the last two)
+# how much more tokens per unit time a plan must be priced at to replace a cheaper one (`price_step`): its values are
+# estimates, and a gain below their error is a coin flip that can only add variance against the fixed plan. The
+# bundled value model's per-B mean error on GSM8K test prompts was -4% to +3% (docs/bench_recguide_priced.md), so a
+# priced gain under 1% is no gain; giving it up costs at most 1% on the steps where it applies.
+TIE_MARGIN = 0.01
+PAPER_DELTA = 0.5  # risky-position margin threshold of the paper (NLD-8B)
+
+
+@dataclasses.dataclass
+class RecGuideState:
+  """What RecGuide remembers of one request (`Request.strategy_state`)."""
+  history: list[signals.RoundRecord] = dataclasses.field(default_factory=list)  # its last HISTORY verifications
+  # a branch block its last overlap round confirmed: the next overlap round's draft (valid for that round only)
+  prefetched: ov.Prefetched | None = None
+  overlap: dict[str, int] = dataclasses.field(default_factory=dict)  # its overlap rounds by branch outcome
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class RecGuideConfig:
+  """What a RecGuide strategy is built with; None fields are resolved from the tables (or the paper's values)."""
+  block_size: int = 16
+  delta: float | None = None  # risky-position margin threshold of the overlap planner
+  planner: str | None = None  # overlap branch planner (`overlap.PLANNERS`)
+  components: tuple = ("p1", "p2", "continuation")
+  overlap: bool = True
+  adaptive: bool = True
+  switch: bool = True
+  profile: Any = None  # HardwareProfile
+  tables: Any = None  # RecGuideTables
+  fixed_regime: Regime | None = None  # bypasses the switch (ablations)
+  entropy_head_cap: int | None = None
+  calibrate: bool = True  # correct the profile's costs (and the fitted values) online with this machine's clock
+  overlap_slots: int | None = None  # branch slots of the fused forward (its width: (1 + slots) B tokens)
+  prefix_exponent: float | None = None  # the expected-hit planner's prefix exponent
+  # True: a step's adaptive plan is priced as the batch it runs as, against every fixed-B plan and AR; False: the
+  # paper's per-request rule alone (the Table 6 ablation rows)
+  batch_priced: bool = True
+  tie_margin: float = TIE_MARGIN  # a plan replaces a cheaper one only when priced this much (relative) above it
+
+  def __post_init__(self):
+    tables, set_ = self.tables, lambda name, value: object.__setattr__(self, name, value)
+    if self.block_size not in BLOCK_SIZES:
+      raise ValueError(f"recguide block_size must be one of {BLOCK_SIZES}, got {self.block_size}")
+    if self.delta is None:  # the threshold fitted with the tables (launch/fit_delta.py), else the paper's
+      set_("delta", tables.overlap_delta if tables is not None and tables.overlap_delta is not None else PAPER_DELTA)
+    if self.planner is None:  # the branch planner fitted with the tables, else the paper's no-P3 rule
+      set_("planner", tables.overlap_planner if tables is not None and tables.overlap_planner else ov.PLANNERS[0])
+    if self.planner not in ov.PLANNERS:
+      raise ValueError(f"planner must be one of {ov.PLANNERS}, got {self.planner!r}")
+    if self.overlap_slots is None:  # the tree width fitted for the expected-hit planner, else the paper's 3 branches
+      fitted = tables.overlap_slots if tables is not None and self.planner == "expected_hit" else None
+      set_("overlap_slots", fitted or ov.MAX_BRANCHES)
+    if not 1 <= self.overlap_slots <= ov.MAX_SLOTS:
+      raise ValueError(f"overlap_slots must lie in [1, {ov.MAX_SLOTS}], got {self.overlap_slots}")
+    if self.planner == "no_p3" and self.overlap_slots < ov.MAX_BRANCHES:
+      raise ValueError(f"the paper's no-P3 rule plans up to {ov.MAX_BRANCHES} branches; overlap_slots is "
+                       f"{self.overlap_slots}")
+    if self.prefix_exponent is None:  # the expected-hit planner's fitted prefix exponent, else the plain product
+      fitted = tables.overlap_prefix_exponent if tables is not None and self.planner == "expected_hit" else None
+      set_("prefix_exponent", fitted or 1.0)
+    if not 0.0 < self.prefix_exponent <= 2.0:
+      raise ValueError(f"prefix_exponent must lie in (0, 2], got {self.prefix_exponent}")
+    set_("components", tuple(self.components))
+    if self.fixed_regime and self.fixed_regime not in tuple(Regime):
+      raise ValueError(f"fixed_regime must be one of {[r.value for r in Regime]}, got {self.fixed_regime!r}")
+    set_("fixed_regime", Regime(self.fixed_regime) if self.fixed_regime else None)
+    if not 0.0 <= self.tie_margin < 1.0:
+      raise ValueError(f"tie_margin must lie in [0, 1), got {self.tie_margin}")

@@ -1,0 +1,76 @@
+"""RecGuide's cost model: the price of a round of each kind at a load, from the hardware profile (or generic relative
+costs without one), calibrated online with this machine's measured round times (`calibration.py`) unless pricing
+for another device; and the expected cost of an overlap round's draft forward when only some rows draft."""
+
+from __future__ import annotations
+
+import math
+from typing import Sequence
+
+from recguide_jax.decoding.strategy import RoundKind
+from recguide_jax.model.config import BLOCK_SIZES
+from recguide_jax.recguide import pricing
+from recguide_jax.recguide.kinds import OverlapKind
+
+
+class CostModel:
+  """Mixin of `RecGuideStrategy`: reads `profile`, `overlap_slots`, `calibrate`, `calibrated` and `_draft_weights`."""
+
+  def _profiled_round_cost(self, kind: str, blk: int, concurrency: int) -> float:
+    """One round of `kind` for `concurrency` requests by the profile alone (device time of its forwards). Without
+    a profile: relative costs of a compute-bound device, a forward of n query tokens per request costing
+    (1 + n/32) / 2."""
+    prof, c = self.profile, concurrency
+    forward = lambda n: 0.5 * (1.0 + n / 32.0)  # noqa: E731
+    if kind == RoundKind.AR:
+      return forward(8) if prof is None else prof.ar_cost(c)
+    if kind == RoundKind.LINEAR:
+      return 2 * forward(blk) if prof is None else prof.cost(c, blk)
+    if kind in (OverlapKind.OVERLAP, OverlapKind.OVERLAP_DRAFT):
+      slots = self.overlap_slots
+      fused = forward((1 + slots) * blk) if prof is None else prof.fused_cost(c, blk, slots)
+      if kind == OverlapKind.OVERLAP:
+        return fused
+      # the fused forward after a draft forward (no prefetched block to reuse)
+      return fused + (forward(blk) if prof is None else prof.forward_costs(c, blk)[0])
+    raise ValueError(f"no cost for round kind {kind!r}")
+
+  def _round_cost(self, kind: str, blk: int, concurrency: int) -> float:
+    if self.calibrate:
+      return self.calibrated.cost(kind, blk, concurrency)
+    return self._profiled_round_cost(kind, blk, concurrency)
+
+  def _linear_costs(self, concurrency: int) -> dict[int, float]:
+    return {b: self._round_cost(RoundKind.LINEAR, b, concurrency) for b in BLOCK_SIZES}
+
+  def round_cost(self, batch: int, block_size: int) -> float:
+    return self._round_cost(RoundKind.LINEAR, block_size, batch)
+
+  def _draft_forward_share(self, blk: int, c: int, share: float, shares: Sequence[float] | None = None) -> float:
+    """E[cost of an overlap round's draft forward] / its cost at all `c` rows, when each row drafts with probability
+    `share`: the forward runs only when some row drafts, for those K ~ Binomial(c, share) rows. `share` times the
+    full forward is exact at one row only: on a weight-bound device a forward for few rows costs nearly the full
+    one, so it under-priced overlap's drafts at C >= 2 (docs/recguide.md, "Priced as a batch" (2))."""
+    if shares:  # the step's own rows, each at its own miss probability: the forward is skipped when none misses
+      prof = self.profile
+      draft = (lambda k: prof.forward_costs(k, blk)[0]) if prof is not None else (lambda k: 1.0)
+      return pricing.expected_draft_cost(shares, draft) / draft(c)
+    if c <= 1 or share <= 0.0 or share >= 1.0:
+      return min(max(share, 0.0), 1.0)
+    weights = self._draft_weights.get((blk, c))
+    if weights is None:  # the profile's draft forward per row count (static): once per (B, rows)
+      prof = self.profile
+      draft = (lambda k: prof.forward_costs(k, blk)[0]) if prof is not None else (lambda k: 1.0)
+      full = draft(c)
+      weights = (0.0, *(math.comb(c, k) * draft(k) / full for k in range(1, c + 1)))
+      self._draft_weights[(blk, c)] = weights
+    odds, total, term = share / (1.0 - share), 0.0, (1.0 - share) ** c
+    for w in weights:  # term = share^k (1 - share)^(c - k), k = 0..c
+      total += w * term
+      term *= odds
+    return total
+
+  def observe_round(self, kind: str, block_size: int, rows: int, seconds: float) -> None:
+    """One round's wall seconds (a multi-step call: each step's share), for the calibrated costs."""
+    if self.calibrate:
+      self.calibrated.clock.observe(kind, block_size, rows, seconds)

@@ -1,0 +1,111 @@
+"""RecGuide's adaptive block size (docs/spec/recguide.md §5) and its batch pricing (ours): per request, B in
+{8, 16, 32} from its verification history (the fitted value tables' V_B(s, z) - rho_C T_C(B), or, with tables priced
+for other hardware, their values over this strategy's own costs; without tables, online estimates), and a step's
+per-request choices priced together as the batch the engine runs them as, against every fixed B and AR
+(`decoding.grouping`)."""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+from recguide_jax.decoding import grouping
+from recguide_jax.decoding.strategy import RoundKind
+from recguide_jax.model.config import BLOCK_SIZES
+from recguide_jax.recguide import pricing, signals
+from recguide_jax.recguide.config import Regime
+
+
+class AdaptiveRule:
+  """Mixin of `RecGuideStrategy` (with `CostModel`): reads `tables`, `adaptive`, `calibrate`, `value_calibration`,
+  `stats` and the per-request `state`."""
+
+  @staticmethod
+  def _remaining(req) -> int:
+    """Tokens `req` may still emit (its max_tokens budget)."""
+    return req.params.max_tokens - len(req.output_ids)
+
+  def _values(self, req) -> dict[int, float]:
+    """Expected tokens of `req`'s next LinearSS round per B: the fitted value model V_B(s, z) from its history
+    (unconditional before its first verification), scaled by how it has matched verification on this workload when
+    calibrating (`ValueCalibration`), else the engine-wide online estimate; near the end of its budget, of the
+    tokens it may still emit (a longer block buys nothing past max_tokens)."""
+    left = self._remaining(req)
+    if self.tables is None:
+      accepted = self.stats.accepted
+      return accepted if left >= BLOCK_SIZES[-1] else {b: min(v, left) for b, v in accepted.items()}
+    values = self._model_values(req, left)
+    if not self.calibrate:
+      return values
+    return {b: v * self.value_calibration.scale(b) for b, v in values.items()}
+
+  def _model_values(self, req, left: int) -> dict[int, float]:
+    """The fitted value model's V_B(s, z) of `req`'s next round (capped at `left` tokens)."""
+    hist = self.state(req).history
+    model = self.tables.value_model
+    s, z = (signals.signal_s(hist, model.window), signals.stratum(hist)) if hist else (None, None)
+    return model.values(s, z) if left >= BLOCK_SIZES[-1] else model.values_capped(s, z, left)
+
+  def _adaptive_block(self, req, concurrency: int, costs: dict[int, float] | None = None) -> int:
+    """The per-request rule. `costs`: the LinearSS round cost per B at this concurrency when the caller has them
+    (one step's requests share them)."""
+    if not self.adaptive:
+      return self.block_size
+    c = max(concurrency, 1)
+    if self.tables is not None and self._tables_priced_here:
+      # the paper's rule: rho is a price against the costs it was solved with, so the tables' own costs
+      return self.tables.next_block(c, self.state(req).history)
+    values = self._values(req)
+    if costs is None:
+      costs = self._linear_costs(c)
+    if self.tables is not None:
+      # tables priced for other hardware (the bundled ones: the B200 table) keep the rule's fitted form V - rho T on
+      # this policy's own (calibrated) costs, rho carried into their time unit (`pricing.rescaled_rho`): the ratio
+      # V / T, a different rule, is what the paper's own search rejected
+      if not self.state(req).history:
+        return self.tables.level(c).cold_start_block
+      return pricing.decide_rescaled(values, self.tables.rho_for(c), self.tables.costs_for(c), costs)
+    scores = {b: values[b] / costs[b] for b in BLOCK_SIZES}
+    return max(BLOCK_SIZES, key=lambda b: (scores[b], -b))
+
+  def price_step(self, reqs, concurrency: int, values=None) -> tuple[str, list[int]]:
+    """The plan for a step's adaptive requests, priced as a batch: (name, block per request, 1 for AR). `values`:
+    their `_values`, when the caller has them.
+
+    Candidates: the per-request rule's blocks and the plans that give every request the same block (each B, and
+    AR unless the regime is pinned). A plan's expected tokens are the sum of its requests' values (`_values`; 1
+    per AR step), its cost the rounds the engine will run for it, mixed blocks batched the cheapest way
+    (`grouping.plan_cost`, as the engine's "auto" grouping does), every round priced by this strategy's cost model
+    (`round_cost`). The step runs the plan with the most tokens per unit time; a near-tie keeps the plan listed
+    first (AR, then B ascending, then the rule: the cheaper round, and a fixed plan before the mixed one): a later
+    plan replaces the best so far only when priced more than `tie_margin` above it. In a closed loop of 32 on the
+    B200 table, a step of 3 drain requests priced B = 16 0.2% above B = 8 on the value model's estimates; the
+    round gave the tokens B = 8 would have for 6.7% more time, and left RecGuide behind fixed B = 8 for the run."""
+    c = max(concurrency, 1)
+    costs = self._linear_costs(c)
+    rule = [self._adaptive_block(r, c, costs) for r in reqs]
+    if not self.batch_priced or self.probing or not reqs:
+      return "rule", rule
+    values = [self._values(r) for r in reqs] if values is None else values
+    n = len(reqs)
+    best_name, best_blocks, best_rate = None, rule, -1.0
+    if self.switch and not self.fixed_regime:  # AR is the switch's candidate (a pinned regime stays LinearSS)
+      best_name, best_blocks, best_rate = Regime.AR.value, [1] * n, n / self._round_cost(RoundKind.AR, 1, n)
+    for name, blocks in [*((f"linear{b}", [b] * n) for b in BLOCK_SIZES), ("rule", rule)]:
+      cost = self.plan_cost(blocks)
+      rate = sum(v[b] for v, b in zip(values, blocks)) / cost
+      if rate > best_rate * (1 + max(self.tie_margin, 1e-9)):
+        best_name, best_blocks, best_rate = name, blocks, rate
+    return best_name, best_blocks
+
+  def plan_cost(self, blocks: Sequence[int]) -> float:
+    """The cost of one step whose rows are planned at `blocks` as the engine will run it: on ragged steps
+    (`ragged_steps`, from the step's view) one ragged draft + verify forward whatever the mix, priced by the profile
+    (`pricing.ragged_step_cost`); else the cheapest split into padded batches (`grouping.plan_cost`)."""
+    if self.ragged_steps and self.profile is not None and not self.calibrate:
+      return pricing.ragged_step_cost(blocks, self.profile)
+    return grouping.plan_cost(blocks, self.round_cost)
+
+  @property
+  def _tables_priced_here(self) -> bool:
+    """True when the tables' rho was solved against this policy's profile (same profile name)."""
+    return self.profile is not None and bool(self.profile.name) and self.tables.profile == self.profile.name

@@ -1,0 +1,233 @@
+"""RecGuide's regime switch (docs/spec/recguide.md §6, ours): the expected rate of each regime, E[tokens]/E[time],
+at the load from the cost model and the engine's observed acceptance and overlap hit rates; AR is a candidate too,
+so speculation never runs where it loses to plain decoding. With calibration a stale runner-up is re-measured now
+and then (a probe) so machine drift cannot freeze a wrong choice, and a regime never run here is measured once."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Callable
+
+from recguide_jax.decoding.strategy import RoundKind
+from recguide_jax.model.config import BLOCK_SIZES
+from recguide_jax.recguide.config import Regime
+from recguide_jax.recguide.kinds import OverlapKind
+
+
+@dataclasses.dataclass(frozen=True)
+class StepEstimates:
+  """What one step's regime rates rest on, per request: the expected tokens of a LinearSS round per B (an overlap
+  round verifies a block of the strategy's B: that block's value), the share of overlapping requests that draft in
+  a round, and the rows of the step that would not overlap (they run a LinearSS round of their own)."""
+  accepted: dict[int, float]
+  draft_share: float
+  rows_left_out: int = 0
+  # the overlapping rows' own draft probabilities (1 - h_i), when the step's requests are known: the draft forward
+  # is then priced by the chance that some row needs it (`pricing.expected_draft_cost`), not by their mean
+  draft_shares: tuple[float, ...] = ()
+
+
+class RegimeSwitch:
+  """Mixin of `RecGuideStrategy` (with `CostModel` and `AdaptiveRule`): the switch's state is the strategy's (probes,
+  the probe in progress, `probing`)."""
+
+  def expected_rates(self, concurrency: int, batch=None, values=None) -> dict[str, float]:
+    """Tokens per unit time per request for each regime at this concurrency, keyed "ar", "linear<B>" (adaptive
+    B stands on its best block) and "overlap", priced on `step_estimates(batch, values)`."""
+    return self._rates(max(concurrency, 1), self.step_estimates(batch, values))
+
+  def _rates(self, c: int, estimates: StepEstimates) -> dict[str, float]:
+    return {key: self._rate(key, c, self._round_cost, estimates)
+            for key in ("ar", *(f"linear{b}" for b in BLOCK_SIZES), "overlap")}
+
+  def step_estimates(self, batch=None, values=None) -> StepEstimates:
+    """What the regime rates rest on. `batch`: the step's requests, when known (overlap's draft share is then theirs,
+    `overlap_draft_share`, else the steady state's 1 - hit rate); `values`: their expected tokens per B
+    (`_values`, in `batch` order), when known, else the engine-wide running estimates.
+
+    Every regime's tokens come from one estimate of the same thing, so that only costs and the branch reuse rate
+    tell overlap from LinearSS at its B: priced on a running accepted length of its own that only its rounds moved,
+    overlap froze low after a hard spell and stayed off on prompts unlike the fitting set where it paid
+    (docs/recguide.md, "Priced as a batch" (2)).
+
+    The regimes are compared over the same requests: overlap's value is the mean V_B over the whole batch too (a
+    request that would not overlap runs LinearSS and is worth about its V_B either way), and the requests that
+    would not overlap (sampled, or finishing this round) cost overlap a LinearSS round of their own beside the
+    fused one; left out, drain steps of a closed loop took overlap for the few requests not near their end."""
+    shares = tuple(self.overlap_draft_shares(batch)) if batch and self.overlap else ()
+    share = sum(shares) / len(shares) if shares else 1.0 - self.stats.overlap_hit
+    left_out = sum(not self._overlaps(r) for r in batch) if batch and self.overlap else 0
+    if values is None:
+      return StepEstimates(self.stats.accepted, share, left_out, shares)
+    return StepEstimates({b: sum(v[b] for v in values) / len(values) for b in BLOCK_SIZES}, share, left_out, shares)
+
+  def overlap_draft_share(self, batch) -> float | None:
+    """The mean of `overlap_draft_shares` (None: no request of `batch` would overlap)."""
+    shares = self.overlap_draft_shares(batch)
+    return sum(shares) / len(shares) if shares else None
+
+  def overlap_draft_shares(self, batch) -> list[float]:
+    """Per request of `batch` that would run overlap rounds, the share of them that pay a draft forward, from this
+    step to its end.
+
+    In its steady state an overlap round drafts only on a miss (1 - hit rate: a hit's branch is the next round's
+    draft). A request that holds no prefetched branch (entering overlap, or after a miss) drafts in this round for
+    sure, and a branch pays off only in a round that follows: over its R = left / accepted remaining rounds it
+    drafts 1 + (R - 1)(1 - hit) times, so entering is worth it only when enough rounds are left to recover the
+    draft. Priced in the steady state alone, a request with a round or two left entered overlap at the end of a
+    run (B200 table, C = 32: the last request's one overlap round cost a draft and a 5-block fused forward for
+    the tokens a B = 8 round gave). A request holding a branch drafts 1 - hit per round less than that."""
+    hit, accepted = self.stats.overlap_hit, max(self.stats.accepted[self.block_size], 1.0)
+    shares = []
+    for req in batch:
+      if not self._overlaps(req):
+        continue
+      left = max(1.0, self._remaining(req) / accepted)
+      first = 0.0 if self.state(req).prefetched is not None else 1.0
+      shares.append((first + (left - 1.0) * (1.0 - hit)) / left)
+    return shares
+
+  def _rate(self, rate_key: str, c: int, cost: Callable[[str, int, int], float], estimates: StepEstimates) -> float:
+    """One regime's expected tokens per unit time per request, with round costs from `cost(kind, B, rows)`."""
+    if rate_key == Regime.AR:
+      return 1.0 / cost(RoundKind.AR, 1, c)
+    if rate_key.startswith(Regime.LINEAR):
+      blk = int(rate_key[len(Regime.LINEAR):])
+      return estimates.accepted[blk] / cost(RoundKind.LINEAR, blk, c)
+    blk = self.block_size
+    fused = cost(OverlapKind.OVERLAP, blk, c)
+    draft = max(cost(OverlapKind.OVERLAP_DRAFT, blk, c) - fused, 0.0)
+    round_ms = fused + draft * self._draft_forward_share(blk, c, estimates.draft_share, estimates.draft_shares)
+    if estimates.rows_left_out:  # their LinearSS round, at its cheapest block
+      round_ms += cost(RoundKind.LINEAR, BLOCK_SIZES[0], estimates.rows_left_out)
+    return estimates.accepted[blk] / round_ms
+
+  def regime(self, concurrency: int, batch=None, values=None) -> Regime:
+    """The step's regime at this load; `batch`: the step's requests, when known, `values`: their expected tokens
+    per B (`step_estimates`)."""
+    self.probing = False
+    if self.fixed_regime:
+      return self.fixed_regime
+    if not self.switch:
+      return Regime.OVERLAP if (self.overlap and concurrency <= 1) else Regime.ADAPTIVE
+    c = max(concurrency, 1)
+    estimates = self.step_estimates(batch, values)
+    rates = self._rates(c, estimates)
+    if not self.overlap:
+      rates.pop(Regime.OVERLAP)
+    # one rate per regime: adaptive B is as good as its best block size
+    basis: dict[Regime, str] = {}  # regime -> the rate it stands on
+    for key, rate in rates.items():
+      name = Regime.ADAPTIVE if key.startswith(Regime.LINEAR) else Regime(key)
+      if name not in basis or rate > rates[basis[name]]:
+        basis[name] = key
+    ranked = sorted(basis, key=lambda name: -rates[basis[name]])
+    if ranked[0] == Regime.AR and self._ar_per_step and Regime.ADAPTIVE in basis:
+      # AR is priced per step against the requests' own values (`plan_step`), which AR rounds return to the prior
+      # (`observe`); here AR would rest on engine-wide acceptance estimates that only speculative rounds update, and
+      # with nothing to re-measure them (no calibration probes) one unlucky spell would keep every later step in AR
+      return Regime.ADAPTIVE
+    if not self.calibrate or len(ranked) < 2:
+      return ranked[0]
+    return self._probe_or_best(ranked, basis, rates, c, estimates)
+
+  def _clock_key(self, rate_key: str, concurrency: int) -> tuple[str, int, int]:
+    """The measured round a regime's rate rests on."""
+    if rate_key == Regime.AR:
+      return (RoundKind.AR, 1, concurrency)
+    if rate_key == Regime.OVERLAP:
+      return (OverlapKind.OVERLAP, self.block_size, concurrency)
+    return (RoundKind.LINEAR, int(rate_key[len(Regime.LINEAR):]), concurrency)
+
+  def _never_measured(self, rate_key: str) -> bool:
+    """Whether no round of the kinds a regime's rate rests on has been measured on this machine yet (at any block
+    size or load): its cost is then the profile's, scaled by how far the other kinds ran from theirs. Overlap's
+    rate rests on its rounds with and without a draft forward (`_rate`), the others' on their clock key's kind."""
+    kind = self._clock_key(rate_key, 1)[0]
+    kinds = (kind, OverlapKind.OVERLAP_DRAFT) if kind == OverlapKind.OVERLAP else (kind,)
+    return not any(self.calibrated.clock.ever_measured(k) for k in kinds)
+
+  def _probe_or_best(self, ranked: list[Regime], basis: dict, rates: dict, c: int, estimates: StepEstimates) -> str:
+    """Re-measures a stale runner-up: when the best regime's cost was measured just now but the runner-up's is
+    stale (or was never measured) and the runner-up is estimated close enough to matter (>= `probe_margin` of the
+    best's rate), the runner-up runs for `min_samples` steps, so the two are compared in one state of the
+    machine. Without this a regime measured in a slow spell of a shared machine can lose the switch for good.
+    Probes are spaced so that they take at most `probe_budget` of the time (under high load a round of the
+    runner-up is long, so it is probed rarely). The margin test prices the runner-up also from fresh rounds only
+    (`CalibratedCosts.fresh_cost`) and takes the more promising price: a stale median from a cold start or a slow
+    spell must not keep a close regime from being re-measured.
+
+    A regime none of whose round kinds has ever run here, ranked anywhere below the best, is probed when its
+    estimate is within `explore_margin` of the best's: that estimate is the profile's cost ratio between kinds,
+    and a profile of other hardware, or none, can be off several-fold. Without a profile on this CPU the generic
+    costs priced an AR step at 3x what it took, the `probe_margin` never let AR run, and RecGuide held 0.67x AR's
+    throughput at C = 16. Such a first measurement, one per kind, has its own budget (`explore_budget`) and is
+    spaced from the first decision too, not only from the last probe, so that a long one is no large share of a
+    short run either."""
+    if self._probe is not None:
+      regime, left, first_of = self._probe
+      if first_of is None or self._never_measured(first_of):
+        self._probe = (regime, left - 1, first_of) if left > 1 else None
+        self.probing = True
+        return regime
+      self._probe = None  # a first measurement that has its median: decide as usual
+    best = ranked[0]
+    clock = self.calibrated.clock
+    now = clock.now()
+    if self._first_decision_at is None:
+      self._first_decision_at = now
+    if not clock.is_fresh(*self._clock_key(basis[best], c)):
+      return best
+    for rank, name in enumerate(ranked[1:]):
+      unmeasured = self._never_measured(basis[name])
+      key = self._clock_key(basis[name], c)
+      if not (rank == 0 or unmeasured) or clock.is_fresh(*key):
+        continue  # only the runner-up, or a regime never measured, is worth a probe
+      probe_s = clock.min_samples * self._round_cost(key[0], key[1], c) / 1e3
+      if unmeasured:  # a first measurement: its own budget, counted from the first decision too
+        since = now - max(self._last_probe_at, self._first_decision_at)
+        wait, margin = probe_s / self.explore_budget, self.explore_margin
+      else:  # and never sooner than the last probe's rounds go stale
+        since = now - self._last_probe_at
+        wait, margin = max(clock.stale_after_s, probe_s / self.probe_budget), self.probe_margin
+      if since < wait:
+        continue  # checked first: it is cheap, and most steps stop here
+      if self._rate(basis[name], c, self._current_cost, estimates) < margin * rates[basis[best]]:
+        continue
+      self._last_probe_at = now
+      self.probes += 1
+      # a first measurement runs until its kind has a median (the live rows can change between steps, and each row
+      # count is its own clock key), for up to explore_rounds steps
+      left = (self.explore_rounds if unmeasured else clock.min_samples) - 1
+      self._probe = (name, left, basis[name] if unmeasured else None) if left > 0 else None
+      self.probing = True
+      return name
+    return best
+
+  def _current_cost(self, kind: str, blk: int, rows: int) -> float:
+    """A probe candidate's round cost as the machine's current state says: its kind's fresh rounds where they
+    are cheaper (a median from a cold start or a slow spell must not keep it from being re-measured)."""
+    cost, fresh = self._round_cost(kind, blk, rows), self.calibrated.fresh_cost(kind, blk, rows)
+    return cost if fresh is None else min(cost, fresh)
+
+  @property
+  def _switch_on_values(self) -> bool:
+    """True when the switch prices a step on its requests' own values (`step_estimates`): it decides (no pinned
+    regime), the batch pricing is on and fitted tables give every request V_B(s, z) for every B from its own
+    latest history, which any round of any regime moves."""
+    return self.switch and not self.fixed_regime and self.batch_priced and self.tables is not None
+
+  @property
+  def _ar_per_step(self) -> bool:
+    """True when AR is decided per step in `plan_step` rather than by the regime switch: the batch pricing is on,
+    per-request values come from fitted tables (after AR rounds, their prior), and the costs are the profile's
+    alone (a calibrated switch instead re-measures a stale runner-up with probes)."""
+    return self.batch_priced and self.tables is not None and not self.calibrate and self.adaptive
+
+  def _overlaps(self, req) -> bool:
+    """Whether `req` runs an overlap round when the regime is overlap: greedy requests only (the reuse rules compare
+    argmaxes), and, where the switch decides, not one this round is expected to finish (no next round for a
+    prefetched branch to save a draft in)."""
+    if req.params.temperature > 0:
+      return False
+    return bool(self.fixed_regime) or self._remaining(req) > self.stats.accepted[self.block_size]
