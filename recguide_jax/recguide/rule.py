@@ -1,6 +1,7 @@
 """RecGuide's adaptive block size (docs/spec/recguide.md §5) and its batch pricing (ours): per request, B in
-{8, 16, 32} from its verification history (the fitted value tables' V_B(s, z) - rho_C T_C(B), or, with tables priced
-for other hardware, their values over this strategy's own costs; without tables, online estimates), and a step's
+{8, 16, 32} from its verification history (the fitted value tables' V_B(s, z) - rho_C T_C(B); with tables priced
+for other hardware the same rule over this strategy's own costs, rho rescaled to their time unit; without tables,
+online estimates), and a step's
 per-request choices priced together as the batch the engine runs them as, against every fixed B and AR
 (`decoding.grouping`)."""
 
