@@ -121,10 +121,10 @@ def test_ragged_sampling_keeps_the_ar_distribution():
   from recguide_jax.model.nld import NLDModel
   from tests.conftest import tiny_config
   from tests.test_sampling import MASK, PROMPT, VOCAB, chi_square_pvalue
-  n_tokens, n_samples = 5, 2000
+  n_tokens, n_samples = 6, 2000  # the prefill samples the first token: 5 decoded over >= 3 rounds
   cfg = tiny_config(vocab_size=VOCAB, mask_token_id=MASK, eos_token_ids=(0,), bos_token_id=1)
   model = NLDModel(cfg, rngs=nnx.Rngs(3))
-  llm = LLM(model=model, policy=MixedBlocks((1, 1, 2, 3)), max_num_seqs=32, max_model_len=32, page_size=4,
+  llm = LLM(model=model, policy=MixedBlocks((1, 1, 1, 2, 3)), max_num_seqs=32, max_model_len=32, page_size=4,
             prefill_chunk=4, block_sizes=(2, 3), warmup=False, compile_cache_dir=None, bucketing="ragged")
   params = SamplingParams(max_tokens=n_tokens, temperature=0.9, ignore_eos=True)
   llm.engine.forward_log = []
