@@ -159,7 +159,8 @@ class LLM:
 
     `runner_options`: any other `RunnerConfig` field by name. `bucketing`: True, one batch per planned block size;
     False, planned block sizes share a batch padded to the largest; "auto", whichever the strategy's cost model
-    prices cheaper per step. The options are kept as one frozen `engine_config` (`engine.EngineConfig`).
+    prices cheaper per step; "ragged", LinearSS and AR requests share one ragged draft + verify forward per step,
+    each at its own planned block (compiled per packed-token bucket, not per block size). The options are kept as one frozen `engine_config` (`engine.EngineConfig`).
 
     `warmup_prompt_logprobs`: warm-up (and the memory plan) also covers the prefill variant that scores the prompt
     (`SamplingParams.prompt_logprobs`); otherwise the first request that asks for prompt logprobs compiles it.
@@ -217,6 +218,8 @@ class LLM:
       self._kinds, self._kind_sizes = self.strategy.step_kinds(), self.strategy.block_sizes()
     if warmup_prompt_logprobs:
       self._kinds = tuple(self._kinds) + ("score",)
+    if bucketing == "ragged" and isinstance(bucketing, str):  # the ragged draft + verify of every token bucket
+      self._kinds = tuple(self._kinds) + ("ragged",)
     self.engine_config = EngineConfig(
         max_num_seqs=max_num_seqs, max_model_len=max_model_len, num_pages=num_pages or None, page_size=page_size,
         prefill_chunk=prefill_chunk, block_sizes=tuple(block_sizes) if block_sizes else None, dtype=dtype, rule=rule,

@@ -181,6 +181,8 @@ def priced_ms(forward_log, profile) -> float:
       total += profile.fused_cost(rows, blk, fused_slots(kind))
     elif kind == "decode":
       total += profile.ar_cost(rows)
+    elif kind in ("ragged_draft", "ragged_verify"):  # blk: the packed query tokens of the forward
+      total += profile.ragged_cost(rows, blk, kind == "ragged_draft")
   return total
 
 
@@ -195,7 +197,9 @@ def ledger_counts(forward_log) -> dict[str, int]:
   for kind, _, _ in forward_log:
     if kind == "draft" or kind == "decode":
       counts[kind] += 1
-    elif kind in VERIFICATIONS or kind.startswith("fused"):
+    elif kind == "ragged_draft":
+      counts["draft"] += 1
+    elif kind in VERIFICATIONS or kind.startswith("fused") or kind == "ragged_verify":
       counts["verify"] += 1
   counts["forwards"] = counts["draft"] + counts["verify"] + counts["decode"]
   counts["saved_drafts"] = counts["verify"] - counts["draft"]

@@ -126,7 +126,8 @@ def probe_variants(variants: Sequence[Any]) -> list[Any]:
   memory of a step grows with both)."""
   best: dict[str, Any] = {}
   for v in variants:
-    if v.label not in best or (v.batch, v.block) > (best[v.label].batch, best[v.label].block):
+    size = lambda k: (k.batch, k.block, k.tokens)  # a ragged kind's largest: its most packed tokens
+    if v.label not in best or size(v) > size(best[v.label]):
       best[v.label] = v
   return list(best.values())
 

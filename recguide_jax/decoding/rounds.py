@@ -107,6 +107,41 @@ class LinearRound(Round):
     return self.collect(runner, batch, self.dispatch(runner, batch))
 
 
+class RaggedRound(Round):
+  """LinearSS rows, each at its own planned block, and AR rows (planned block 1) in two forwards whatever the mix:
+  one ragged draft of the LinearSS rows, one ragged verify of every row (an AR row's verify decodes its seed).
+  Nothing is padded to another row's block and no block size gets a batch of its own: the forwards compute
+  sum(B_i) and sum(B_i) + #AR query tokens (in the runner's packed-token buckets). Each row's tokens, sampling key
+  and acceptance are those of a LinearSS round at its own block (or an AR step), so the output is the same."""
+  kind = RoundKind.RAGGED
+
+  def run(self, runner, batch: Batch) -> RoundOutput:
+    n, rows = batch.n, runner.config.max_batch  # a ragged step's rows: one shape for every mix
+    page_table, prefix_len, seed, live, samp = pad_rows(batch, rows)
+    planned = batch.planned.astype(np.int64)
+    row_len = np.zeros((rows,), np.int32)
+    row_len[:n] = planned
+    draft_len = np.where(row_len > 1, row_len, 0).astype(np.int32)
+    drafted, q, signals = runner.ragged_draft(seed, draft_len, prefix_len, page_table, samp)
+    res = runner.ragged_verify(drafted, q, seed, row_len, live, prefix_len, page_table, samp)
+    res.draft_tokens, res.draft_signals = drafted, signals  # device arrays: only analysis reads them back
+    linear = (planned > 1).astype(np.int64)
+    accepted = res.accepted[:n].astype(np.int64)
+    forwards = [(StepKind.RAGGED_DRAFT, int(draft_len.sum()), int(linear.sum())),
+                (StepKind.RAGGED_VERIFY, int(row_len.sum()), n)]
+    return verified_output(self.kind, res, batch, accepted, forwards,
+                           {StepKind.DRAFT: linear, StepKind.VERIFY: linear, StepKind.DECODE: 1 - linear})
+
+
+def pad_rows(batch: Batch, rows: int) -> tuple:
+  """The batch's (page_table, prefix_len, seed, live, samp) padded with empty rows to `rows` (a ragged step's fixed
+  row count): padding rows read and write nothing (page 0 is the trash page, prefix 0, not live)."""
+  b = batch.b
+  grow = (lambda x: x) if b >= rows else (lambda x: np.concatenate([x, np.zeros((rows - b,) + x.shape[1:], x.dtype)]))
+  samp = batch.samp if b >= rows else type(batch.samp)(*(grow(x) for x in batch.samp.args()))
+  return grow(batch.page_table), grow(batch.prefix_len), grow(batch.seed), grow(batch.live), samp
+
+
 class DiffusionRound(Round):
   """NLD's block diffusion: denoise a block by confidence threshold, then one causal forward commits its K/V and
   gives the next seed (not needed when the block ends the generation with an EOS)."""
@@ -159,6 +194,8 @@ class DiffusionRound(Round):
 
 AR = ARRound()
 LINEAR = LinearRound()
+RAGGED = RaggedRound()
+ARRound.ragged_round = LinearRound.ragged_round = RAGGED
 
 
 def draft_signal_rows(round_log) -> list[dict]:

@@ -31,6 +31,7 @@ class RoundKind(enum.StrEnum):
   AR = "ar"
   LINEAR = "linear"
   DIFFUSION = "diffusion"
+  RAGGED = "ragged"  # LinearSS rows at their own blocks and AR rows in one ragged draft + one ragged verify forward
 
 
 @dataclasses.dataclass(frozen=True)
@@ -45,6 +46,9 @@ class StepView:
   # requests admitted and not finished, decoding or still prefilling: the load a choice that lasts beyond this step
   # is made under (a request that prefills this step decodes in the next); 0: unknown, use `decoding`
   running: int = 0
+  # the engine runs LinearSS and AR rows as ragged steps (bucketing "ragged"): a step's mixed blocks cost one
+  # ragged draft + verify forward, not a batch per block size
+  ragged_steps: bool = False
 
   @property
   def decoding(self) -> int:
@@ -161,6 +165,9 @@ class Round:
   kind: str = "round"
   # True: requests planned at different blocks may share one batch padded to the largest (LinearSS rounds)
   pads_to_largest: bool = False
+  # the round that runs this round's requests as rows of a ragged step, each at its own planned block (LinearSS and
+  # AR rounds: `rounds.RAGGED`); None: it never does
+  ragged_round: "Round | None" = None
   # True: a call may run several AR steps (`Batch.steps`); the engine decides how many
   multi_step: bool = False
   # True: `dispatch(runner, batch, seed)` / `collect(runner, batch, handle)` split `run`, and the next call can start

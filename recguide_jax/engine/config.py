@@ -10,7 +10,7 @@ from typing import Any, Mapping
 
 from recguide_jax.model.config import BLOCK_SIZES
 
-BUCKETING_CHOICES = (True, False, "auto")
+BUCKETING_CHOICES = (True, False, "auto", "ragged")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -30,7 +30,8 @@ class EngineConfig:
   max_queue: int = 1 << 16
   attention: str = "auto"
   # True: one batch per planned block size; False: planned block sizes share one batch padded to the largest;
-  # "auto": per step, whichever the strategy's cost model prices cheaper
+  # "auto": per step, whichever the strategy's cost model prices cheaper; "ragged": LinearSS and AR requests of any
+  # planned blocks share one ragged draft + verify forward, each at its own block (runtime/steps.py)
   bucketing: bool | str = "auto"
   gpu_memory_utilization: float | None = None  # of the device memory; what weights and activations leave is KV
   device_memory_gb: float | None = None

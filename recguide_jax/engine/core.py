@@ -234,7 +234,8 @@ class Engine:
 
   def _view(self, reqs: Sequence[Request]) -> StepView:
     return StepView(self.step_count, tuple(reqs), self.rc.max_batch, self.rc.max_model_len, self.rc.max_block,
-                    self._eos, len(self.running))
+                    self._eos, len(self.running),
+                    ragged_steps=self.bucketing == "ragged" and isinstance(self.bucketing, str))
 
   def _plan(self, decoding: list[Request]) -> list[tuple[Request, RoundPlan]]:
     """The strategy's plan of the step, row by row; a planning error fails only the request it was planning (the

@@ -105,7 +105,8 @@ def group_plans(planned: list[tuple[Request, RoundPlan]], bucketing: bool | str,
                 round_cost: Callable[[int, int], float | None]) -> list[Group]:
   """A step's plans as batches, in first-planned order: one per (round, block size), then rounds that allow it
   (`Round.pads_to_largest`) merged across block sizes: always (bucketing False), never (True), or as the cost
-  model prices cheapest ("auto")."""
+  model prices cheapest ("auto"); "ragged": every plan whose round runs as a ragged row joins one ragged round
+  (`ragged_groups`)."""
   groups: dict[tuple, Group] = {}
   for req, plan in planned:
     g = groups.get((plan.round, plan.block_size))
@@ -114,6 +115,8 @@ def group_plans(planned: list[tuple[Request, RoundPlan]], bucketing: bool | str,
     g.reqs.append(req)
     g.planned.append(plan.block_size)
   out = list(groups.values())
+  if bucketing == "ragged" and isinstance(bucketing, str):
+    return ragged_groups(out)
   if bucketing is True:
     return out
   rounds = dict.fromkeys(g.round for g in out if g.round.pads_to_largest)
@@ -146,4 +149,21 @@ def merge_groups(groups: list[Group], rnd, round_cost: Callable[[int, int], floa
       merged.reqs.extend(mine[i].reqs)
       merged.planned.extend(mine[i].planned)
     out.append(merged)
+  return out
+
+
+def ragged_groups(groups: list[Group]) -> list[Group]:
+  """Groups whose round runs as ragged rows (`Round.ragged_round`: LinearSS and AR) merged into one group of that
+  ragged round whose rows keep their own planned blocks, when some row drafts (AR rows alone stay an AR round:
+  its multi-step decode needs no draft); the other groups as they are."""
+  out = list(groups)
+  for ragged in dict.fromkeys(g.round.ragged_round for g in groups if g.round.ragged_round is not None):
+    mine = [g for g in out if g.round.ragged_round is ragged]
+    if not any(b > 1 for g in mine for b in g.planned):
+      continue
+    merged = Group(ragged, max(b for g in mine for b in g.planned), [], [])
+    for g in mine:
+      merged.reqs.extend(g.reqs)
+      merged.planned.extend(g.planned)
+    out = [g for g in out if g.round.ragged_round is not ragged] + [merged]
   return out

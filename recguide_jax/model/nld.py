@@ -97,6 +97,16 @@ SWAPPED_MATMUL_MAX_ROWS = 64
 
 
 @dataclasses.dataclass(frozen=True)
+class RaggedLayout:
+  """Where the packed query tokens of a ragged step ([1, T]: every request's tokens back to back, each row its own
+  count) sit in the per-row layout [R, Qrow] that the paged cache and the attention read: the dense layers run on
+  the T packed tokens only, while the cache write and the attention take the row layout with its block masks, page
+  tables and prefix lengths per row (the XLA path; see attention/paged.py)."""
+  slot: jax.Array  # [T] int32: the packed token's index into the flattened [R * Qrow] row layout
+  token: jax.Array  # [R, Qrow] int32: the packed token in each row slot (empty slots: any, masked and unwritten)
+
+
+@dataclasses.dataclass(frozen=True)
 class ForwardInputs:
   """Per-call inputs of `NLDModel.__call__` (all arrays are batched over requests)."""
   tokens: jax.Array  # [b, Q] int32
@@ -110,6 +120,9 @@ class ForwardInputs:
   # Training only: the tokens are [x_t | x_0] under the sbd_block_diff mask with this block size (block_mask is
   # then ignored and the structured attention skips the half of the scores that is always masked).
   train_block_size: int | None = None
+  # A ragged step: tokens/positions/lora_mask are the packed [1, T]; block_mask [R, Qrow, Qrow], kv_write [R, Qrow],
+  # prefix_len [R] and page_table [R, P] are per row of `ragged`'s row layout
+  ragged: RaggedLayout | None = None
 
 
 class RMSNorm(nnx.Module):
@@ -211,11 +224,15 @@ class Attention(nnx.Module):
     if cfg.llama_4_scaling_beta:
       sp = inp.positions if inp.scale_positions is None else inp.scale_positions
       q = q * rope.llama4_query_scale(sp, cfg).astype(q.dtype)[..., None, None]
+    positions = inp.positions
+    if inp.ragged is not None:  # packed [1, T] -> the row layout [R, Qrow] the cache and the block masks index
+      rows = lambda x: x[0][inp.ragged.token]
+      q, k, v, positions = rows(q), rows(k), rows(v), rows(positions)
     if inp.kv_write is not None:
       # Commit first, then attend: the new entries sit at positions >= prefix_len, which the prefix read masks,
       # so the result is the same, and writing before reading lets XLA update the carried pages in place (a
       # read-then-write order made it copy the cache).
-      cache = KVCache(*write_block(cache.k, cache.v, k, v, inp.page_table, inp.positions, inp.kv_write, layer))
+      cache = KVCache(*write_block(cache.k, cache.v, k, v, inp.page_table, positions, inp.kv_write, layer))
     if inp.train_block_size:
       out = attn_lib.sbd_training_attention(q, k, v, inp.train_block_size, cfg.head_dim ** -0.5)
     else:
@@ -225,6 +242,8 @@ class Attention(nnx.Module):
         page_table=inp.page_table if inp.prefix_len is not None else None, prefix_len=inp.prefix_len,
         scale=cfg.head_dim ** -0.5, impl=getattr(self, "attention_impl", "reference"),
         layer=layer if cache is not None else None)
+    if inp.ragged is not None:  # back to the packed tokens
+      out = out.reshape(-1, *out.shape[2:])[inp.ragged.slot][None]
     out = sharding.constrain(out, "batch", "length", "act_heads", "head_dim")
     out = out.reshape(b, nq_tok, cfg.num_attention_heads * cfg.head_dim)
     return self.o_proj(out, *lora), cache

@@ -29,6 +29,7 @@ from recguide_jax.recguide.switch import RegimeSwitch
 class RecGuideStrategy(AdaptiveRule, RegimeSwitch, CostModel, Strategy):
   name = "recguide"
   plans_ar = True
+  ragged_steps = False  # the last step's `StepView.ragged_steps`: a plan is priced as the engine will run it
 
   def __init__(self, block_size: int = 16, **options):
     """`options`: the other `RecGuideConfig` fields (delta, planner, overlap_slots, profile, tables, calibrate, ...)."""
@@ -129,6 +130,7 @@ class RecGuideStrategy(AdaptiveRule, RegimeSwitch, CostModel, Strategy):
     # closed loop of 8 such steps ran overlap at 3-7 decoding rows and paid a fresh draft each time)
     load = max(concurrency, view.running)
     self._eos = view.eos_token_ids
+    self.ragged_steps = view.ragged_steps
     # the requests' values, once per step: the switch and the batch pricing share them
     values = [self._values(r) for r in reqs] if self._switch_on_values else None
     regime = self.current_regime = self.regime(load, reqs, values)

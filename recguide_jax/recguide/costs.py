@@ -5,9 +5,11 @@ for another device; and the expected cost of an overlap round's draft forward wh
 from __future__ import annotations
 
 import math
+from typing import Sequence
 
 from recguide_jax.decoding.strategy import RoundKind
 from recguide_jax.model.config import BLOCK_SIZES
+from recguide_jax.recguide import pricing
 from recguide_jax.recguide.kinds import OverlapKind
 
 
@@ -44,11 +46,15 @@ class CostModel:
   def round_cost(self, batch: int, block_size: int) -> float:
     return self._round_cost(RoundKind.LINEAR, block_size, batch)
 
-  def _draft_forward_share(self, blk: int, c: int, share: float) -> float:
+  def _draft_forward_share(self, blk: int, c: int, share: float, shares: Sequence[float] | None = None) -> float:
     """E[cost of an overlap round's draft forward] / its cost at all `c` rows, when each row drafts with probability
     `share`: the forward runs only when some row drafts, for those K ~ Binomial(c, share) rows. `share` times the
     full forward is exact at one row only: on a weight-bound device a forward for few rows costs nearly the full
     one, so it under-priced overlap's drafts at C >= 2 (docs/recguide.md, "Priced as a batch" (2))."""
+    if shares:  # the step's own rows, each at its own miss probability: the forward is skipped when none misses
+      prof = self.profile
+      draft = (lambda k: prof.forward_costs(k, blk)[0]) if prof is not None else (lambda k: 1.0)
+      return pricing.expected_draft_cost(shares, draft) / draft(c)
     if c <= 1 or share <= 0.0 or share >= 1.0:
       return min(max(share, 0.0), 1.0)
     weights = self._draft_weights.get((blk, c))

@@ -187,6 +187,19 @@ class HardwareProfile:
       return _interp(self.ar_step_ms, c)
     return self.forward_costs(c, self.block_sizes[0])[1]
 
+  def ragged_cost(self, c: float, tokens: int, draft: bool) -> float:
+    """One ragged forward (runtime/steps.py) of `c` rows holding `tokens` packed query tokens, rows at blocks of
+    their own: the profile's draft (`draft`) or verify forward of c rows at the mean block tokens / c, linear
+    between the measured blocks and the smallest block's cost below it (at serving sizes a forward of fewer query
+    tokens per row is weight-bound: `ar_cost`'s estimate). It charges the tokens the forward computes, with no
+    padding row and no second forward for a second block size; the largest measured block bounds it above."""
+    self._check_c(c)
+    blocks = self.block_sizes
+    mean = min(max(tokens / c, blocks[0]), blocks[-1])
+    role = 0 if draft else 1
+    costs = [self.forward_costs(c, b)[role] for b in blocks]
+    return float(np.interp(mean, np.asarray(blocks, float), np.asarray(costs)))
+
   def fused_cost(self, c: float, b: int, slots: int = FUSED_SLOTS) -> float:
     """One fused verify + prospective-branch forward at block B with `slots` branch slots ((1 + slots) B query
     tokens per request, docs/spec/recguide.md §6); profiles hold the paper's tree of 3 slots (4B query tokens).

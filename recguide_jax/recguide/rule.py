@@ -1,15 +1,18 @@
 """RecGuide's adaptive block size (docs/spec/recguide.md §5) and its batch pricing (ours): per request, B in
-{8, 16, 32} from its verification history (the fitted value tables' V_B(s, z) - rho_C T_C(B), or, with tables priced
-for other hardware, their values over this strategy's own costs; without tables, online estimates), and a step's
+{8, 16, 32} from its verification history (the fitted value tables' V_B(s, z) - rho_C T_C(B); with tables priced
+for other hardware the same rule over this strategy's own costs, rho rescaled to their time unit; without tables,
+online estimates), and a step's
 per-request choices priced together as the batch the engine runs them as, against every fixed B and AR
 (`decoding.grouping`)."""
 
 from __future__ import annotations
 
+from typing import Sequence
+
 from recguide_jax.decoding import grouping
 from recguide_jax.decoding.strategy import RoundKind
 from recguide_jax.model.config import BLOCK_SIZES
-from recguide_jax.recguide import signals
+from recguide_jax.recguide import pricing, signals
 from recguide_jax.recguide.config import Regime
 
 
@@ -52,11 +55,16 @@ class AdaptiveRule:
     if self.tables is not None and self._tables_priced_here:
       # the paper's rule: rho is a price against the costs it was solved with, so the tables' own costs
       return self.tables.next_block(c, self.state(req).history)
-    # tables priced for other hardware (the bundled ones: the B200 table): their rho and costs would pick blocks for
-    # that device; keep their per-request value model and price with this policy's own (calibrated) costs
     values = self._values(req)
     if costs is None:
       costs = self._linear_costs(c)
+    if self.tables is not None:
+      # tables priced for other hardware (the bundled ones: the B200 table) keep the rule's fitted form V - rho T on
+      # this policy's own (calibrated) costs, rho carried into their time unit (`pricing.rescaled_rho`): the ratio
+      # V / T, a different rule, is what the paper's own search rejected
+      if not self.state(req).history:
+        return self.tables.level(c).cold_start_block
+      return pricing.decide_rescaled(values, self.tables.rho_for(c), self.tables.costs_for(c), costs)
     scores = {b: values[b] / costs[b] for b in BLOCK_SIZES}
     return max(BLOCK_SIZES, key=lambda b: (scores[b], -b))
 
@@ -84,11 +92,19 @@ class AdaptiveRule:
     if self.switch and not self.fixed_regime:  # AR is the switch's candidate (a pinned regime stays LinearSS)
       best_name, best_blocks, best_rate = Regime.AR.value, [1] * n, n / self._round_cost(RoundKind.AR, 1, n)
     for name, blocks in [*((f"linear{b}", [b] * n) for b in BLOCK_SIZES), ("rule", rule)]:
-      cost = grouping.plan_cost(blocks, self.round_cost)
+      cost = self.plan_cost(blocks)
       rate = sum(v[b] for v, b in zip(values, blocks)) / cost
       if rate > best_rate * (1 + max(self.tie_margin, 1e-9)):
         best_name, best_blocks, best_rate = name, blocks, rate
     return best_name, best_blocks
+
+  def plan_cost(self, blocks: Sequence[int]) -> float:
+    """The cost of one step whose rows are planned at `blocks` as the engine will run it: on ragged steps
+    (`ragged_steps`, from the step's view) one ragged draft + verify forward whatever the mix, priced by the profile
+    (`pricing.ragged_step_cost`); else the cheapest split into padded batches (`grouping.plan_cost`)."""
+    if self.ragged_steps and self.profile is not None and not self.calibrate:
+      return pricing.ragged_step_cost(blocks, self.profile)
+    return grouping.plan_cost(blocks, self.round_cost)
 
   @property
   def _tables_priced_here(self) -> bool:

@@ -22,6 +22,9 @@ class StepEstimates:
   accepted: dict[int, float]
   draft_share: float
   rows_left_out: int = 0
+  # the overlapping rows' own draft probabilities (1 - h_i), when the step's requests are known: the draft forward
+  # is then priced by the chance that some row needs it (`pricing.expected_draft_cost`), not by their mean
+  draft_shares: tuple[float, ...] = ()
 
 
 class RegimeSwitch:
@@ -51,16 +54,21 @@ class RegimeSwitch:
     request that would not overlap runs LinearSS and is worth about its V_B either way), and the requests that
     would not overlap (sampled, or finishing this round) cost overlap a LinearSS round of their own beside the
     fused one; left out, drain steps of a closed loop took overlap for the few requests not near their end."""
-    share = self.overlap_draft_share(batch) if batch and self.overlap else None
-    share = 1.0 - self.stats.overlap_hit if share is None else share
+    shares = tuple(self.overlap_draft_shares(batch)) if batch and self.overlap else ()
+    share = sum(shares) / len(shares) if shares else 1.0 - self.stats.overlap_hit
     left_out = sum(not self._overlaps(r) for r in batch) if batch and self.overlap else 0
     if values is None:
-      return StepEstimates(self.stats.accepted, share, left_out)
-    return StepEstimates({b: sum(v[b] for v in values) / len(values) for b in BLOCK_SIZES}, share, left_out)
+      return StepEstimates(self.stats.accepted, share, left_out, shares)
+    return StepEstimates({b: sum(v[b] for v in values) / len(values) for b in BLOCK_SIZES}, share, left_out, shares)
 
   def overlap_draft_share(self, batch) -> float | None:
-    """The share of overlap rounds that pay a draft forward, from this step to the end of `batch`'s requests that
-    would run them (None: none would).
+    """The mean of `overlap_draft_shares` (None: no request of `batch` would overlap)."""
+    shares = self.overlap_draft_shares(batch)
+    return sum(shares) / len(shares) if shares else None
+
+  def overlap_draft_shares(self, batch) -> list[float]:
+    """Per request of `batch` that would run overlap rounds, the share of them that pay a draft forward, from this
+    step to its end.
 
     In its steady state an overlap round drafts only on a miss (1 - hit rate: a hit's branch is the next round's
     draft). A request that holds no prefetched branch (entering overlap, or after a miss) drafts in this round for
@@ -77,7 +85,7 @@ class RegimeSwitch:
       left = max(1.0, self._remaining(req) / accepted)
       first = 0.0 if self.state(req).prefetched is not None else 1.0
       shares.append((first + (left - 1.0) * (1.0 - hit)) / left)
-    return sum(shares) / len(shares) if shares else None
+    return shares
 
   def _rate(self, rate_key: str, c: int, cost: Callable[[str, int, int], float], estimates: StepEstimates) -> float:
     """One regime's expected tokens per unit time per request, with round costs from `cost(kind, B, rows)`."""
@@ -89,7 +97,7 @@ class RegimeSwitch:
     blk = self.block_size
     fused = cost(OverlapKind.OVERLAP, blk, c)
     draft = max(cost(OverlapKind.OVERLAP_DRAFT, blk, c) - fused, 0.0)
-    round_ms = fused + draft * self._draft_forward_share(blk, c, estimates.draft_share)
+    round_ms = fused + draft * self._draft_forward_share(blk, c, estimates.draft_share, estimates.draft_shares)
     if estimates.rows_left_out:  # their LinearSS round, at its cheapest block
       round_ms += cost(RoundKind.LINEAR, BLOCK_SIZES[0], estimates.rows_left_out)
     return estimates.accepted[blk] / round_ms

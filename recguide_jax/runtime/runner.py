@@ -40,7 +40,7 @@ from recguide_jax.model.nld import (KernelLayout, LayerLoop, NLDModel, resolve_k
 from recguide_jax.runtime.compilation import (BackgroundCompiler, CompileCounter, compile_with_options,
                                               enable_compile_cache, variant_compiler_options)
 from recguide_jax.runtime.step_key import (BLOCK_SIZES, StepKey, StepKind, batch_buckets, fused_kind,  # noqa: F401
-                                           fused_slots, parse_kind_label)
+                                           fused_slots, parse_kind_label, ragged_token_buckets)
 from recguide_jax.runtime.steps import SamplingArrays, StepFunctions, example_host_args
 
 MAX_COMPILE_WORKERS = 8  # default bound on concurrent variant compiles in `Runner.warmup`
@@ -88,6 +88,16 @@ class RunnerConfig:
   @property
   def max_block(self) -> int:
     return max(self.block_sizes + (self.prefill_chunk,))
+
+  @property
+  def ragged_width(self) -> int:
+    """The most query tokens one row of a ragged step holds: the largest block."""
+    return max(self.block_sizes) if self.block_sizes else 1
+
+  @property
+  def ragged_buckets(self) -> tuple[int, ...]:
+    """Packed-token buckets a ragged step is compiled for (they do not depend on the set of block sizes)."""
+    return ragged_token_buckets(self.max_batch, self.ragged_width)
 
   @property
   def pages_per_seq(self) -> int:
@@ -248,7 +258,7 @@ class Runner:
   def compiler_options(self, key: StepKey) -> dict[str, Any]:
     """The XLA options variant `key` compiles with (compilation.py `variant_compiler_options`)."""
     return variant_compiler_options(dict(self.config.compiler_options), self.platform,
-                                    key.batch * key.query_tokens, self.kernel_layout is KernelLayout.OUT_IN,
+                                    key.rows, self.kernel_layout is KernelLayout.OUT_IN,
                                     narrow_weights=jnp.dtype(self._weight_dtype).itemsize < 4)
 
   def _compile(self, key: StepKey):
@@ -258,6 +268,8 @@ class Runner:
     """Every variant the given step kinds (labels such as "fused2" allowed) need for `block_sizes` (default: the
     configured ones), for every batch bucket."""
     sizes = self.config.block_sizes if block_sizes is None else block_sizes
+    ragged = "ragged" in kinds  # every packed-token bucket of RAGGED_DRAFT and RAGGED_VERIFY
+    kinds = [k for k in kinds if k != "ragged"]
     parsed = [parse_kind_label(k) for k in kinds]
     kind_set = {k for k, _ in parsed}
     fused_slots = [s for k, s in parsed if k == StepKind.FUSED]
@@ -279,7 +291,18 @@ class Runner:
           out.append(StepKey(StepKind.FUSED, blk, b, slots))
         if StepKind.DENOISE in kind_set:
           out.append(StepKey(StepKind.PREFILL, blk, b))  # commits a denoised block
+    if ragged:
+      for t in self.config.ragged_buckets:
+        for kind in (StepKind.RAGGED_DRAFT, StepKind.RAGGED_VERIFY):
+          out.append(self.ragged_key(kind, t))
     return list(dict.fromkeys(out))
+
+  def ragged_key(self, kind: StepKind, tokens: int) -> StepKey:
+    """The ragged variant of `kind` for `tokens` packed tokens (the smallest bucket that holds them)."""
+    fits = [t for t in self.config.ragged_buckets if t >= tokens]
+    if not fits:
+      raise ValueError(f"{tokens} packed tokens exceed the largest ragged bucket {self.config.ragged_buckets[-1]}")
+    return StepKey(kind, self.config.ragged_width, self.config.max_batch, tokens=fits[0])
 
   def warmup(self, kinds=("prefill", "draft", "verify"), block_sizes: tuple[int, ...] | None = None,
              progress: bool = True, workers: int | None = None,
@@ -426,6 +449,21 @@ class Runner:
     if not slots:
       return res, None, None
     return res, host[6], host[7]
+
+  def ragged_draft(self, seed, row_len, prefix_len, page_table, samp: SamplingArrays):
+    """Drafts of every row at its own block row_len [R] (0: none) in one forward (R = max_batch rows). Returns
+    device arrays in the row layout: tokens [R, W], distributions [R, W, V], signals [R, 3, W] (W the largest
+    block)."""
+    key = self.ragged_key(StepKind.RAGGED_DRAFT, int(np.sum(row_len)))
+    return self.execute(key, (seed, row_len, prefix_len, page_table) + samp.args())
+
+  def ragged_verify(self, drafted, q, seed, row_len, write, prefix_len, page_table, samp: SamplingArrays
+                    ) -> VerifyResult:
+    """Verifies every row at its own block row_len [R] in one forward: LinearSS rows their draft (`drafted`, `q`
+    from `ragged_draft`), AR rows (row_len 1) decode their seed. Results [R, W] as `verify`'s."""
+    key = self.ragged_key(StepKind.RAGGED_VERIFY, int(np.sum(row_len)))
+    outs = self.execute(key, (drafted, q, seed, row_len, write, prefix_len, page_table) + samp.args())
+    return VerifyResult(*jax.device_get(outs))
 
   def denoise(self, seed, prefix_len, page_table, threshold, blk: int, samp: SamplingArrays, active):
     outs = self.execute(StepKey(StepKind.DENOISE, blk, seed.shape[0], controls=samp.controls_len),

@@ -257,18 +257,23 @@ def stream_keys(keys: jax.Array, stream: int) -> jax.Array:
 
 
 def accept(rule: str, key_data: jax.Array, p: jax.Array, q: jax.Array, draft: jax.Array,
-           greedy: jax.Array | None = None):
+           greedy: jax.Array | None = None, lengths: jax.Array | None = None):
   """Speculative acceptance for a batch of blocks.
 
   p: [b, B, V] verifier distributions (index j predicts block index j+1); q: [b, B, V] the draft distributions
   (index j is the distribution draft[j] was drawn from; index 0, the seed, is unused); draft: [b, B] (draft[0] is
   the seed); greedy: [b] bool, rows whose p and q are one-hot (enables the no-noise fast path when all are).
+  lengths: [b] int32, each row's own block (1..B) when rows of different blocks share the [b, B] layout (a ragged
+  step): a row accepts none of the draft tokens past its block, and after a fully accepted block of its own it draws
+  its bonus token from p at its last index, as a batch of its own block would. None: every row's block is B.
   Returns (accepted [b] in 1..B, out [b, B]) where out[:accepted] are the tokens to emit.
   """
   if rule not in RULES:
     raise ValueError(f"unknown acceptance rule {rule!r}; expected one of {RULES}")
   b, blk, _ = p.shape
   greedy = jnp.zeros((b,), bool) if greedy is None else greedy
+  last = jnp.full((b,), blk - 1, jnp.int32) if lengths is None else lengths.astype(jnp.int32) - 1
+  in_block = jnp.arange(blk - 1)[None, :] < last[:, None]  # [b, B-1] draft tokens inside each row's own block
   x = draft[:, 1:]  # [b, B-1] tokens to verify; p[:, j] predicts x[:, j]
   if rule == "leviathan":
     # gathered from p and q whole: a gather from the slices p[:, :-1] / q[:, 1:] made XLA copy them ([b, B-1, V]
@@ -277,19 +282,19 @@ def accept(rule: str, key_data: jax.Array, p: jax.Array, q: jax.Array, draft: ja
     q_x = jnp.take_along_axis(q, draft[..., None], axis=-1)[:, 1:, 0]
     k_u = stream_keys(key_data, UNIFORM_STREAM)
     u = 1.0 - jax.vmap(lambda k: jax.random.uniform(k, (blk - 1,)))(k_u)  # (0, 1]: u*q <= 0 never accepts p=0
-    ok = u * q_x <= p_x
+    ok = (u * q_x <= p_x) & in_block
     m = jnp.sum(jnp.cumprod(ok.astype(jnp.int32), axis=1), axis=1)  # leading accepts, 0..B-1
     p_m = jnp.take_along_axis(p, m[:, None, None], axis=1)[:, 0]  # [b, V]
-    q_next = jnp.take_along_axis(q, jnp.minimum(m + 1, blk - 1)[:, None, None], axis=1)[:, 0]
+    q_next = jnp.take_along_axis(q, jnp.minimum(m + 1, last)[:, None, None], axis=1)[:, 0]
     residual = jnp.maximum(p_m - q_next, 0.0)
     total = jnp.sum(residual, axis=-1, keepdims=True)
     residual = jnp.where(total > 0, residual / jnp.where(total > 0, total, 1.0), p_m)
-    final_dist = jnp.where((m < blk - 1)[:, None], residual, p_m)
+    final_dist = jnp.where((m < last)[:, None], residual, p_m)
     final = draw(stream_keys(key_data, RESIDUAL_STREAM), final_dist, greedy)
     out = jnp.concatenate([x, jnp.zeros((b, 1), jnp.int32)], axis=1)
   else:
     y = draw(stream_keys(key_data, VERIFIER_STREAM), p, greedy)  # [b, B] independent verifier samples
-    ok = y[:, :-1] == x
+    ok = (y[:, :-1] == x) & in_block
     m = jnp.sum(jnp.cumprod(ok.astype(jnp.int32), axis=1), axis=1)
     final = jnp.take_along_axis(y, m[:, None], axis=1)[:, 0]
     out = y

@@ -21,13 +21,22 @@ class StepKind(str, enum.Enum):
   # a PREFILL that also scores the prompt: the logprob (and top entries) of each next prompt token at every
   # position (prompt logprobs, `echo`); compiled on first use, so a server whose clients never ask pays nothing
   SCORE = "score"
+  # Ragged steps: every request's own query tokens packed into one token dimension (`StepKey.tokens`, a few
+  # buckets), each row at its own block (LinearSS rows at their planned B, AR rows at 1): one forward per engine
+  # step for any mix, compiled per token bucket, not per (kind, block, batch)
+  RAGGED_DRAFT = "ragged_draft"  # each row's bidirectional draft block [seed, MASK...] of its own length
+  RAGGED_VERIFY = "ragged_verify"  # each row's causal block (a LinearSS verify or one AR token): writes its K/V
   # the causal forward that commits a denoised block's K/V: it runs the PREFILL variant (never a StepKey of its own)
   # and is counted apart in the forward ledger and the request stats
   COMMIT = "commit"
 
   @property
   def writes_cache(self) -> bool:
-    return self not in (StepKind.DRAFT, StepKind.DENOISE)
+    return self not in (StepKind.DRAFT, StepKind.DENOISE, StepKind.RAGGED_DRAFT)
+
+  @property
+  def ragged(self) -> bool:
+    return self in (StepKind.RAGGED_DRAFT, StepKind.RAGGED_VERIFY)
 
   def __str__(self) -> str:
     return self.value
@@ -37,7 +46,8 @@ class StepKind(str, enum.Enum):
 class StepKey:
   """One compiled variant: `kind` at query block `block` (the prefill chunk for PREFILL and SCORE, 1 for DECODE), batch
   bucket `batch`, for FUSED its number of branch slots, and for DECODE the AR steps one call runs (each step feeds
-  the token it sampled to the next on the device: one dispatch and one read-back for `steps` tokens)."""
+  the token it sampled to the next on the device: one dispatch and one read-back for `steps` tokens). A ragged
+  kind packs `tokens` query tokens of up to `batch` rows, each row at most `block` of them (the largest block)."""
   kind: StepKind
   block: int
   batch: int
@@ -46,6 +56,7 @@ class StepKey:
   # the length of each row's sparse sampling-control list (sampling.Controls); 0: the step applies no controls. A
   # batch with controls runs its own variant, compiled on first use, so batches without any pay nothing for them
   controls: int = 0
+  tokens: int = 0  # a ragged step's packed query tokens (0 for every other kind)
 
   def __post_init__(self):
     object.__setattr__(self, "kind", StepKind(self.kind))
@@ -61,6 +72,14 @@ class StepKey:
       raise ValueError(f"only a decode step runs several steps per call (and at least one): {self}")
     if self.controls < 0:
       raise ValueError(f"a step's control list length is non-negative: {self}")
+    if self.kind.ragged != (self.tokens > 0):
+      raise ValueError(f"only a ragged step has a packed token count (and it is positive): {self}")
+
+  @property
+  def rows(self) -> int:
+    """Query tokens the dense layers of one call compute: the batch's padded rows, or a ragged step's packed
+    tokens."""
+    return self.tokens if self.kind.ragged else self.batch * self.query_tokens
 
   @property
   def query_tokens(self) -> int:
@@ -75,8 +94,10 @@ class StepKey:
   @property
   def name(self) -> str:
     """"kind/block/batch", as reports and tables name a variant ("fused2/16/8"; "decode/1/8x4": 4 steps a call)."""
-    return (f"{self.label}/{self.block}/{self.batch}" + (f"x{self.steps}" if self.steps > 1 else "")
-            + (f"+c{self.controls}" if self.controls else ""))
+    controls = f"+c{self.controls}" if self.controls else ""
+    if self.kind.ragged:
+      return f"{self.label}/t{self.tokens}{controls}"
+    return f"{self.label}/{self.block}/{self.batch}" + (f"x{self.steps}" if self.steps > 1 else "") + controls
 
   @classmethod
   def parse(cls, kind: str | StepKind, block: int, batch: int) -> "StepKey":
@@ -121,6 +142,22 @@ def batch_buckets(max_batch: int) -> tuple[int, ...]:
     out.append(b)
     b *= 2
   out.append(max_batch)
+  return tuple(out)
+
+
+# the smallest token bucket of a ragged step: below it a step's dense layers cost about the same at any size
+MIN_RAGGED_TOKENS = 16
+
+
+def ragged_token_buckets(max_batch: int, max_block: int) -> tuple[int, ...]:
+  """Packed-token buckets of ragged steps: powers of two from MIN_RAGGED_TOKENS, then max_batch * max_block (every
+  row at the largest block). They follow the batch and the largest block only, never the set of block sizes."""
+  top = max_batch * max_block
+  out, t = [], MIN_RAGGED_TOKENS
+  while t < top:
+    out.append(t)
+    t *= 2
+  out.append(top)
   return tuple(out)
 
 

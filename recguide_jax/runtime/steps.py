@@ -17,7 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from recguide_jax.model.nld import ForwardInputs, NLDModel
+from recguide_jax.model.nld import ForwardInputs, NLDModel, RaggedLayout
 from recguide_jax.parallel import sharding
 from recguide_jax.runtime import sampling
 from recguide_jax.runtime.step_key import StepKey, StepKind
@@ -95,6 +95,10 @@ class StepFunctions:
       return self._fused(key.block, key.slots)
     if key.kind == StepKind.DENOISE:
       return self._denoise(key.block)
+    if key.kind == StepKind.RAGGED_DRAFT:
+      return self._ragged_draft(key.block, key.tokens)
+    if key.kind == StepKind.RAGGED_VERIFY:
+      return self._ragged_verify(key.block, key.tokens)
     raise ValueError(f"no step function for {key}")
 
   # ---- one function per kind -----------------------------------------------------------------------------------
@@ -304,6 +308,80 @@ class StepFunctions:
 
     return fn
 
+  # ---- ragged steps: rows of their own block lengths packed into one token dimension ----------------------------
+  def _ragged_draft(self, width: int, total: int):
+    """LinearSS drafts of every row at its own block `row_len[r]` (0: no draft for that row) in one forward over
+    `total` packed tokens: the same tokens, positions and bidirectional in-block mask as a DRAFT at block
+    row_len[r], so the same draft. Results in the row layout [R, width] (q [R, width, V]), which the ragged verify
+    reads."""
+    cfg = self.cfg
+
+    def fn(state, cache, seed, row_len, prefix_len, page_table, temperature, top_k, top_p, keys, top_logprobs):
+      del top_logprobs
+      rows = seed.shape[0]
+      layout, j = ragged_layout(row_len, width, total)
+      prefix_len = jnp.where(row_len > 0, prefix_len, 0)  # a row with no draft reads no prefix
+      tokens = jnp.full((rows, width), cfg.mask_token_id, jnp.int32).at[:, 0].set(seed)
+      mask = jnp.arange(width)[None, None, :] < row_len[:, None, None]  # [R, width, width]: the row's own block
+      inp = ragged_inputs(layout, j, tokens, prefix_len, page_table, mask, None,
+                          jnp.ones((1, total), bool) if cfg.lora_rank else None)
+      model = self._model(state)
+      h, _ = model.hidden(inp, cache)
+      logits = model.logits(h[0][layout.token])  # [R, width, V]: the head runs on each row's slots
+      q = sampling.processed_probs(logits, temperature, top_k, top_p, cfg.mask_token_id)
+      drafted = sampling.draw(sampling.stream_keys(keys, sampling.DRAFT_STREAM), q, temperature <= 0)
+      drafted = drafted.at[:, 0].set(seed)
+      return drafted, q, draft_signals(logits, drafted, cfg)
+
+    return fn
+
+  def _ragged_verify(self, width: int, total: int):
+    """Every row's causal block at its own length `row_len[r]` in one forward over `total` packed tokens: a
+    LinearSS row verifies its draft (row_len = its B) with acceptance capped at its own block, an AR row (row_len 1)
+    decodes its seed token. Writes the K/V of the live rows' tokens. Results as VERIFY's, [R, width]."""
+    cfg, rule = self.cfg, self.rule
+
+    def fn(state, cache, drafted, q, seed, row_len, write, prefix_len, page_table, temperature, top_k, top_p, keys,
+           top_logprobs):
+      layout, j = ragged_layout(row_len, width, total)
+      prefix_len = jnp.where(row_len > 0, prefix_len, 0)
+      tokens = drafted.at[:, 0].set(seed)
+      mask = jnp.tril(jnp.ones((width, width), bool))[None] & (jnp.arange(width)[None, None, :] <
+                                                               row_len[:, None, None])
+      kv_write = write[:, None] & (jnp.arange(width)[None, :] < row_len[:, None])
+      inp = ragged_inputs(layout, j, tokens, prefix_len, page_table, mask, kv_write, None)
+      model = self._model(state)
+      h, cache = model.hidden(inp, cache)
+      logits = model.logits(h[0][layout.token])  # [R, width, V]
+      p = sampling.processed_probs(logits, temperature, top_k, top_p, cfg.mask_token_id)
+      accepted, out = sampling.accept(rule, keys, p, q, tokens, temperature <= 0, lengths=jnp.maximum(row_len, 1))
+      lp, top_lp, top_ids = sampling.raw_logprobs(logits, out, cfg.mask_token_id, top_logprobs)
+      return cache, accepted, out, lp, top_lp, top_ids, verifier_entropy(logits, cfg)
+
+    return fn
+
+
+def ragged_layout(row_len: jax.Array, width: int, total: int):
+  """Rows of `row_len` [R] tokens each (at most `width`), packed back to back into `total` tokens (the rest is
+  padding). -> (RaggedLayout, j [T]: each packed token's index in its row)."""
+  rows = row_len.shape[0]
+  starts = jnp.cumsum(row_len) - row_len  # [R] each row's first packed token
+  t = jnp.arange(total)
+  row = jnp.clip(jnp.searchsorted(jnp.cumsum(row_len), t, side="right"), 0, rows - 1)  # padding: the last row
+  j = jnp.clip(t - starts[row], 0, width - 1)
+  token = jnp.clip(starts[:, None] + jnp.arange(width)[None, :], 0, total - 1)  # empty slots: masked, unwritten
+  return RaggedLayout(slot=(row * width + j).astype(jnp.int32), token=token.astype(jnp.int32)), j
+
+
+def ragged_inputs(layout, j, tokens_rows, prefix_len, page_table, mask, kv_write, lora_mask) -> ForwardInputs:
+  """ForwardInputs of a ragged forward: the packed tokens and positions [1, T] read off the row layout."""
+  flat = layout.slot
+  width = tokens_rows.shape[1]
+  tokens = tokens_rows.reshape(-1)[flat][None]
+  positions = (prefix_len[flat // width] + j)[None].astype(jnp.int32)
+  return ForwardInputs(tokens=tokens, positions=positions, block_mask=mask, prefix_len=prefix_len,
+                       page_table=page_table, kv_write=kv_write, lora_mask=lora_mask, ragged=layout)
+
 
 # Position slices of a step's logits: a slice's [b, w, V / tp] float32 logits stay under LOGITS_SLICE_BYTES per
 # device while it has at least MIN_SLICE_ROWS rows (b * w), below which re-reading the head's weights once per slice
@@ -393,4 +471,9 @@ def example_host_args(key: StepKey, pages_per_seq: int, vocab_size: int) -> tupl
             i32(b), i32(b, P)) + samp
   if key.kind == StepKind.DENOISE:
     return (i32(b), i32(b), i32(b, P), np.zeros(b, np.float32)) + samp + (np.zeros(b, bool),)
+  if key.kind == StepKind.RAGGED_DRAFT:
+    return (i32(b), i32(b), i32(b), i32(b, P)) + samp
+  if key.kind == StepKind.RAGGED_VERIFY:
+    q = jax.ShapeDtypeStruct((b, blk, vocab_size), jnp.float32)
+    return (i32(b, blk), q, i32(b), i32(b), np.zeros((b,), bool), i32(b), i32(b, P)) + samp
   raise ValueError(f"no host arguments for {key}")

@@ -1,0 +1,312 @@
+"""Ragged steps (issue 36): LinearSS rows at their own blocks and AR rows in one draft and one verify forward,
+compiled per packed-token bucket. Lossless: the same tokens as bucketed and padded grouping, and as AR."""
+
+import zlib
+
+import numpy as np
+import pytest
+
+from recguide_jax import SamplingParams
+from recguide_jax.decoding.builtin import ARStrategy
+from recguide_jax.decoding import rounds
+from recguide_jax.decoding.strategy import RoundPlan, StepPlan, Strategy
+
+PARAMS = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+MIXES = {  # per-request block choices a step draws from (1: an AR row)
+  "linear": (8, 16, 32),
+  "linear_ar": (1, 8, 16, 32),
+  "ar_heavy": (1, 1, 1, 8),
+}
+
+
+class MixedBlocks(Strategy):
+  """Plans each request at a block drawn per (request, step) from `choices`: every step mixes block sizes."""
+  name = "mixed"
+
+  def __init__(self, choices):
+    self.choices = choices
+
+  def plan_step(self, view):
+    plans = []
+    for req in view.requests:
+      blk = self.choices[(zlib.crc32(req.request_id.encode()) + 7 * view.step) % len(self.choices)]
+      plans.append(RoundPlan(rounds.AR if blk == 1 else rounds.LINEAR, blk))
+    return StepPlan(tuple(plans))
+
+  def block_sizes(self):
+    return tuple(b for b in self.choices if b > 1)
+
+  def step_kinds(self):
+    return ("prefill", "draft", "verify", "ragged")
+
+
+def prompts(n, seed):
+  rng = np.random.default_rng(seed)
+  return [[int(t) for t in np.tile(rng.integers(4, 128, int(rng.integers(1, 4))), 20)[:int(rng.integers(2, 30))]]
+          for _ in range(n)]
+
+
+@pytest.fixture(scope="module")
+def ar_reference(tiny_llm):
+  ps = prompts(8, 5)
+  tiny_llm.set_policy(ARStrategy())
+  return ps, [o.token_ids for o in tiny_llm.generate(ps, PARAMS)]
+
+
+def run(llm, ps, strategy, bucketing, concurrency, params=PARAMS):
+  from recguide_jax import benchmarks as bench
+  llm.set_policy(strategy)
+  llm.engine.bucketing = bucketing
+  llm.engine.forward_log = []
+  try:
+    reqs, _ = bench.run_concurrent(llm.engine, ps, params, concurrency)
+    log = llm.engine.forward_log
+  finally:
+    llm.engine.bucketing = "auto"
+    llm.engine.forward_log = None
+  assert llm.engine.allocator.num_used == 0
+  return [r.output_ids for r in reqs], log
+
+
+def test_ragged_layout_packs_rows_back_to_back():
+  import jax.numpy as jnp
+  from recguide_jax.runtime.steps import ragged_layout
+  row_len = jnp.asarray([3, 0, 1, 2], jnp.int32)
+  layout, j = ragged_layout(row_len, 4, 8)
+  slot, token = np.asarray(layout.slot), np.asarray(layout.token)
+  # packed tokens 0..5 belong to rows 0,0,0,2,3,3 at in-row indices 0,1,2,0,0,1
+  assert slot[:6].tolist() == [0, 1, 2, 8, 12, 13] and np.asarray(j)[:6].tolist() == [0, 1, 2, 0, 0, 1]
+  for r, n in enumerate(row_len.tolist()):
+    for k in range(n):  # row slot (r, k) reads back the packed token that maps onto it
+      assert slot[token[r, k]] == r * 4 + k
+  assert slot.max() < 16 and token.max() < 8
+
+
+@pytest.mark.parametrize("mix", sorted(MIXES))
+def test_ragged_equals_ar(tiny_llm, ar_reference, mix):
+  ps, ar = ar_reference
+  out, log = run(tiny_llm, ps, MixedBlocks(MIXES[mix]), "ragged", 8)
+  assert out == ar
+  kinds = {k for k, _, _ in log} - {"prefill"}  # one draft and one verify forward per decode step, whatever the mix
+  assert "ragged_verify" in kinds and kinds <= {"ragged_draft", "ragged_verify", "decode"}, kinds
+
+
+def test_ragged_equals_bucketed_and_padded(tiny_llm, ar_reference):
+  """The same requests and plans grouped per block size, padded to the largest, and ragged: the same tokens."""
+  ps, _ = ar_reference
+  ps = ps[:4]
+  outs = {b: run(tiny_llm, ps, MixedBlocks(MIXES["linear_ar"]), b, 4)[0] for b in (True, False, "ragged")}
+  assert outs["ragged"] == outs[True] == outs[False]
+
+
+def test_ragged_rows_join_and_leave(tiny_llm, ar_reference):
+  """Concurrency below the batch: rows come and go between steps, partial ragged batches."""
+  ps, ar = ar_reference
+  out, _ = run(tiny_llm, ps, MixedBlocks(MIXES["linear_ar"]), "ragged", 3)
+  assert out == ar
+
+
+def test_ragged_variants_do_not_grow_with_block_sizes(tiny_llm):
+  runner = tiny_llm.engine.runner
+  few = [v for v in runner.variants(["ragged"], (8, 32)) if v.kind.ragged]
+  assert few == [v for v in runner.variants(["ragged"], (8, 12, 16, 24, 32)) if v.kind.ragged]
+  assert len(few) == 2 * len(runner.config.ragged_buckets)
+
+
+def test_ragged_sampling_keeps_the_ar_distribution():
+  """Sampled ragged steps over several rounds whose rows switch between AR and LinearSS at blocks 2 and 3 from step
+  to step: the continuations follow the exact AR distribution (chi-square over every continuation)."""
+  from flax import nnx
+  from recguide_jax import LLM
+  from recguide_jax.model.nld import NLDModel
+  from tests.conftest import tiny_config
+  from tests.test_sampling import MASK, PROMPT, VOCAB, chi_square_pvalue
+  n_tokens, n_samples = 6, 2000  # the prefill samples the first token: 5 decoded over >= 3 rounds
+  cfg = tiny_config(vocab_size=VOCAB, mask_token_id=MASK, eos_token_ids=(0,), bos_token_id=1)
+  model = NLDModel(cfg, rngs=nnx.Rngs(3))
+  llm = LLM(model=model, policy=MixedBlocks((1, 1, 1, 2, 3)), max_num_seqs=32, max_model_len=32, page_size=4,
+            prefill_chunk=4, block_sizes=(2, 3), warmup=False, compile_cache_dir=None, bucketing="ragged")
+  params = SamplingParams(max_tokens=n_tokens, temperature=0.9, ignore_eos=True)
+  llm.engine.forward_log = []
+  outs = llm.generate([PROMPT] * n_samples, [params.__class__(**{**params.__dict__, "seed": 7000 + i})
+                                              for i in range(n_samples)])
+  kinds = {k for k, _, _ in llm.engine.forward_log}
+  assert {"ragged_draft", "ragged_verify"} <= kinds
+  rounds = [len(o.stats["block_sizes"]) for o in outs]
+  assert np.mean(rounds) >= 3 and min(rounds) >= 2, np.mean(rounds)
+  assert all(len(set(o.stats["block_sizes"])) > 1 for o in outs[:50])  # each request's rows switch blocks
+  exact = _exact(model, params, n_tokens)
+  pvalue = chi_square_pvalue([o.token_ids for o in outs], exact)
+  assert pvalue > 0.01, f"ragged sampled continuations deviate from AR (p={pvalue:.2e})"
+
+
+def _exact(model, params, n_tokens):
+  """P(continuation) of every continuation of `n_tokens` tokens after test_sampling's PROMPT (one causal forward)."""
+  import itertools
+  import jax.numpy as jnp
+  from recguide_jax.model.nld import ForwardInputs
+  from recguide_jax.runtime import sampling
+  from tests.test_sampling import MASK, PROMPT, VOCAB
+  conts = list(itertools.product([t for t in range(VOCAB) if t != MASK], repeat=n_tokens))
+  seqs = jnp.asarray([PROMPT + list(c) for c in conts])
+  b, n = seqs.shape
+  logits, _ = model(ForwardInputs(tokens=seqs, positions=jnp.broadcast_to(jnp.arange(n), (b, n)),
+                                  block_mask=jnp.tril(jnp.ones((n, n), bool))))
+  p = np.asarray(sampling.processed_probs(logits, jnp.full((b,), params.temperature), jnp.full((b,), params.top_k),
+                                          jnp.full((b,), params.top_p), MASK))
+  rows = np.arange(b)[:, None]
+  cols = len(PROMPT) - 1 + np.arange(n_tokens)[None, :]
+  probs = np.prod(p[rows, cols, np.asarray(conts)], axis=1)
+  return dict(zip(conts, probs.tolist()))
+
+
+# ---- pricing (recguide/pricing.py) ------------------------------------------------------------------------------
+def test_draft_skip_is_priced_by_the_chance_that_some_row_misses():
+  from recguide_jax.recguide import pricing
+  hits = [0.9, 0.5, 0.99, 0.7]
+  dist = pricing.drafting_rows_distribution([1 - h for h in hits])
+  assert abs(dist.sum() - 1) < 1e-12 and abs(dist[0] - np.prod(hits)) < 1e-12
+  # a forward that costs the same for any number of rows runs unless every row holds a branch
+  assert abs(pricing.expected_draft_cost([1 - h for h in hits], lambda k: 1.0) - (1 - np.prod(hits))) < 1e-12
+  # eight rows each missing 10% of the time: the forward runs 57% of the steps, not 10%
+  assert abs(pricing.expected_draft_cost([0.1] * 8, lambda k: 1.0) - (1 - 0.9 ** 8)) < 1e-12
+  # a cost linear in the drafting rows is charged by the mean share (E[K] = sum of shares)
+  assert abs(pricing.expected_draft_cost([0.2, 0.4], lambda k: float(k)) - 0.6) < 1e-12
+
+
+def test_fitted_rule_keeps_its_form_on_another_profile():
+  from recguide_jax.recguide import pricing
+  fitted = {8: 17.1, 16: 18.7, 32: 21.5}
+  values = {8: 4.0, 16: 5.1, 32: 5.9}
+  rho = 0.3
+  assert pricing.rescaled_rho(rho, fitted, fitted) == rho
+  # the same device in another time unit (or 2x slower throughout): the same block as the fitted rule
+  slower = {b: 2 * c for b, c in fitted.items()}
+  want = max(sorted(fitted), key=lambda b: (values[b] - rho * fitted[b], -b))
+  assert pricing.decide_rescaled(values, rho, fitted, slower) == want
+  # not the ratio rule: argmax V/T picks another block here
+  assert max(fitted, key=lambda b: values[b] / slower[b]) != want
+
+
+def test_ragged_step_prices_below_bucketing_and_padding_on_the_b200_table():
+  from recguide_jax.recguide import pricing
+  from recguide_jax.recguide.profile import load_profile
+  prof = load_profile("b200_nld8b")
+  blocks = [8] * 10 + [16] * 12 + [32] * 10
+  c = len(blocks)
+  ragged = pricing.ragged_step_cost(blocks, prof)
+  bucketed = sum(prof.cost(blocks.count(b), b) for b in (8, 16, 32))
+  padded = prof.cost(c, 32)
+  assert ragged < bucketed and ragged < padded
+  # a uniform plan prices as the table's own round (mean block = B)
+  assert abs(pricing.ragged_step_cost([16] * 8, prof) - prof.cost(8, 16)) < 1e-9
+  assert pricing.ragged_step_cost([1, 1], prof) == prof.ar_cost(2)
+
+
+def _recguide_fixtures():
+  from tests import test_recguide_priced as tp
+  return tp
+
+
+def test_recguide_prices_a_mixed_step_as_one_ragged_forward():
+  """On ragged steps a step's mixed blocks cost one ragged draft + verify: the per-request rule's mix (B = 32 for
+  requests that keep accepting, 8 for the others) wins, where split into a batch per block it loses to one block."""
+  from recguide_jax.recguide.controller import RecGuideStrategy
+  from recguide_jax.recguide.profile import load_profile
+  tp = _recguide_fixtures()
+  prof = load_profile("b200_nld8b")
+  accepts = {"confident": {8: 8, 16: 15, 32: 28}, "unsure": {8: 3, 16: 3, 32: 3}}
+  tables = tp._tables(prof, 0.1, accepts)
+  reqs = [tp._Req(k, accepts) for k in ["confident", "unsure"] * 16]
+  chosen = {}
+  for ragged in (False, True):
+    pol = RecGuideStrategy(16, profile=prof, tables=tables, overlap=False, calibrate=False)
+    pol.ragged_steps = ragged
+    chosen[ragged] = pol.price_step(reqs, len(reqs))
+  name, blocks = chosen[True]
+  assert name == "rule" and blocks == [32, 8] * 16
+  assert chosen[False][0] != "rule" and len(set(chosen[False][1])) == 1
+
+
+def test_recguide_off_its_tables_profile_keeps_the_fitted_rule():
+  """Tables fitted on one profile, the policy priced on another in a different time unit (3x every cost): the same
+  blocks as the tables' own rule V - rho T (rho rescaled), not the ratio V / T."""
+  from recguide_jax.recguide.controller import RecGuideStrategy
+  from recguide_jax.recguide.profile import HardwareProfile, load_profile
+  tp = _recguide_fixtures()
+  prof = load_profile("b200_nld8b")
+  slow = HardwareProfile(draft_verify_ms={c: {b: 3 * ms for b, ms in row.items()}
+                                          for c, row in prof.draft_verify_ms.items()}, name="b200_times_3")
+  accepts = {"confident": {8: 8, 16: 12, 32: 14}, "unsure": {8: 3, 16: 3, 32: 3}}
+  tables = tp._tables(prof, 0.12, accepts)
+  pol = RecGuideStrategy(16, profile=slow, tables=tables, overlap=False, calibrate=False, batch_priced=False)
+  assert not pol._tables_priced_here
+  ratio_rule_differs = False
+  for c in (1, 8, 32):
+    for kind in ("confident", "unsure"):
+      req = tp._Req(kind, accepts)
+      want = tables.next_block(c, req.strategy_state.history)
+      assert pol._adaptive_block(req, c) == want, (c, kind)
+      values, costs = pol._values(req), pol._linear_costs(c)
+      ratio_rule_differs |= max((8, 16, 32), key=lambda b: (values[b] / costs[b], -b)) != want
+  assert ratio_rule_differs  # the case is one where the two rules part
+
+
+def test_overlap_draft_forward_priced_by_each_rows_miss_probability():
+  from recguide_jax.recguide import pricing
+  from recguide_jax.recguide.controller import RecGuideStrategy
+  from recguide_jax.recguide.profile import load_profile
+  prof = load_profile("b200_nld8b")
+  pol = RecGuideStrategy(16, profile=prof, calibrate=False)
+  shares = (0.05, 0.05, 0.05, 0.9)
+  draft = lambda k: prof.forward_costs(k, 16)[0]  # noqa: E731
+  got = pol._draft_forward_share(16, 4, sum(shares) / 4, shares)
+  assert abs(got - pricing.expected_draft_cost(shares, draft) / draft(4)) < 1e-12
+  # one row that nearly always misses keeps the forward running nearly always: more than the mean share's price
+  assert got > pol._draft_forward_share(16, 4, sum(shares) / 4) and got > 0.9 * draft(1) / draft(4)
+
+
+@pytest.mark.parametrize("impl", ["reference", "pallas_gpu", "pallas_tpu"])
+def test_ragged_forward_matches_each_rows_own_forward(impl):
+  """The model's ragged forward (packed tokens, rows of 3, 0, 8 and 1 tokens over prefixes in the paged cache)
+  gives each row's logits and K/V writes of that row's own forward at its own block; the attention of the row
+  layout runs on the XLA path or, interpreted, on either Pallas kernel (what the dispatcher picks on an
+  accelerator)."""
+  import jax
+  import jax.numpy as jnp
+  from flax import nnx
+  from recguide_jax.attention.dispatch import set_attention_impl
+  from recguide_jax.model.nld import ForwardInputs, NLDModel
+  from recguide_jax.runtime.steps import ragged_inputs, ragged_layout
+  from tests.conftest import tiny_config
+  cfg = tiny_config()
+  model = NLDModel(cfg, rngs=nnx.Rngs(1))
+  set_attention_impl(model, impl)
+  page_size, width, pages = 8, 8, 4
+  row_len = np.array([3, 0, 8, 1], np.int32)
+  prefix = np.array([5, 0, 12, 20], np.int32)
+  rows = len(row_len)
+  table = 1 + np.arange(rows * pages, dtype=np.int32).reshape(rows, pages)
+  rng = np.random.default_rng(0)
+  cache = model.new_cache(1 + rows * pages, page_size)
+  cache = type(cache)(*(jnp.asarray(rng.normal(size=x.shape), x.dtype) for x in (cache.k, cache.v)))
+  tokens = rng.integers(4, cfg.vocab_size, (rows, width)).astype(np.int32)
+  causal = jnp.tril(jnp.ones((width, width), bool))[None] & (jnp.arange(width)[None, None] < row_len[:, None, None])
+  write = np.arange(width)[None] < row_len[:, None]
+  layout, j = ragged_layout(jnp.asarray(row_len), width, 16)
+  inp = ragged_inputs(layout, j, jnp.asarray(tokens), jnp.asarray(prefix), jnp.asarray(table), causal,
+                      jnp.asarray(write), None)
+  logits, new_cache = jax.jit(lambda c: model(inp, c))(cache)
+  logits = np.asarray(logits[0])[np.asarray(layout.token)]  # [rows, width, V]
+  for r in range(rows):
+    n = int(row_len[r])
+    if not n:
+      continue
+    own = ForwardInputs(tokens=jnp.asarray(tokens[r:r + 1, :n]), positions=jnp.asarray(prefix[r] + np.arange(n))[None],
+                        block_mask=jnp.tril(jnp.ones((n, n), bool)), prefix_len=jnp.asarray(prefix[r:r + 1]),
+                        page_table=jnp.asarray(table[r:r + 1]), kv_write=jnp.ones((1, n), bool))
+    want, want_cache = model(own, cache)
+    np.testing.assert_allclose(logits[r, :n], np.asarray(want[0]), rtol=2e-4, atol=2e-4)
+    for got_pages, want_pages in ((new_cache.k, want_cache.k), (new_cache.v, want_cache.v)):
+      np.testing.assert_allclose(np.asarray(got_pages)[:, table[r]], np.asarray(want_pages)[:, table[r]],
+                                 rtol=1e-5, atol=1e-5)
