@@ -373,9 +373,14 @@ class PageAllocator:
     while len(pages) > keep:
       self._release(pages.pop())
 
-  def trim(self, seq_id) -> None:
-    """Returns reserved-but-uncommitted pages (after a verify that accepted less than it reserved)."""
-    self.crop(seq_id, self._length[seq_id])
+  def trim(self, seq_id, keep: int = 0) -> None:
+    """Returns reserved-but-uncommitted pages (after a verify that accepted less than it reserved), but those of the
+    `keep` tokens past the committed length (a call already dispatched writes there)."""
+    if not keep:
+      return self.crop(seq_id, self._length[seq_id])
+    pages, need = self._pages[seq_id], self.pages_for(self._length[seq_id] + keep)
+    while len(pages) > need:
+      self._release(pages.pop())
 
   def free(self, seq_id) -> None:
     pages = self._pages.pop(seq_id, None)
