@@ -1,8 +1,8 @@
 """Does the TPU compiler's `cost_analysis()` price a step? Compiles variants at several layer counts, scanned (as
 served) and unrolled, and writes flops / bytes accessed / optimal_seconds per device (docs/aot/cost_analysis.md).
 
-  python launch/aot_cost_analysis.py --preset <config dir> --layers 2,4,8 --layer_loop scan
-  python launch/aot_cost_analysis.py --preset <config dir> --layers 1,2,4 --layer_loop unrolled
+  python launch/aot_cost_analysis.py --preset nld-8b --layers 2,4,8 --layer_loop scan
+  python launch/aot_cost_analysis.py --preset nld-8b --layers 1,2,4 --layer_loop unrolled
 """
 
 import dataclasses
