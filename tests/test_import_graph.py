@@ -117,6 +117,22 @@ def test_engine_and_runtime_depend_on_no_strategy():
       assert "recguide" not in text and "overlap" not in text, name
 
 
+def test_server_and_protocol_depend_on_no_strategy():
+  """The HTTP server reads a strategy only through the protocol (`metrics()`, `name`), and the protocol itself
+  (`decoding.strategy`, `decoding.grouping`) imports no strategy: neither imports RecGuide or the fixed strategies,
+  and no server module names a strategy's internals (its regimes, overlap rounds or class)."""
+  strategies = ("recguide_jax.recguide", "recguide_jax.decoding.builtin", "recguide_jax.decoding.rounds",
+                "recguide_jax.decoding.registry")
+  protocol = ("recguide_jax.decoding.strategy", "recguide_jax.decoding.grouping")
+  for name, path in MODULES.items():
+    if name.startswith("recguide_jax.server") or name in protocol:
+      assert not any(d.startswith(strategies) for d in GRAPH[name]), (name, sorted(GRAPH[name]))
+    if name.startswith("recguide_jax.server"):
+      text = path.read_text()
+      for word in ("RecGuideStrategy", "overlap", "regime", "_regime_memo", "LinearStrategy"):
+        assert word not in text, (name, word)
+
+
 @pytest.mark.parametrize("name", sorted(n for n in MODULES if not n.endswith("__main__")))
 def test_each_module_imports(name):
   importlib.import_module(name)

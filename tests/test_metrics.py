@@ -138,8 +138,8 @@ def test_vllm_named_metrics_agree_with_responses(served):
   # idle now: nothing running or waiting, no KV page owned
   assert v("recguide:num_requests_running") == 0 and v("recguide:num_requests_waiting") == 0
   assert v("recguide:kv_cache_usage_perc") == 0
-  # the deprecated names are still exported (documented in docs/metrics.md)
-  assert snap[("recguide_accepted_draft_tokens_total", frozenset())] == accepted
+  assert v("recguide:spec_decode_num_accepted_tokens_total") == accepted
+  assert not any(name.startswith("recguide_") for name, _ in snap)  # one name per series: no pre-vLLM aliases
 
 
 def test_kv_cache_usage_is_a_fraction(served):

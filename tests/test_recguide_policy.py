@@ -434,7 +434,7 @@ def test_metrics_and_clone_are_the_strategys_own():
   series = {m.name: m for m in pol.metrics()}
   assert dict(series["regime_decisions"].value)["ar"] == 3
   assert dict(series["regime"].value) == {"overlap": 0.0, "adaptive": 0.0, "linear": 0.0, "ar": 1.0}
-  assert series["overlap_hits"].value == 2 and series["overlap_misses"].value == 1 and series["overlap_hits"].legacy
+  assert series["overlap_hits"].value == 2 and series["overlap_misses"].value == 1
   twin = pol.clone()
   assert type(twin) is RecGuideStrategy and twin.tables is pol.tables and twin.profile is pol.profile
   assert twin.delta == pol.delta and twin.overlap_slots == pol.overlap_slots and twin.planner == pol.planner

@@ -193,13 +193,12 @@ class Round:
 @dataclasses.dataclass(frozen=True)
 class StrategyMetric:
   """One series a strategy exports on the server's /metrics: `kind` "counter" or "gauge"; `value` a number, or with
-  `label` a list of (label value, number). `legacy`: also exported under the deprecated unlabeled prefix."""
+  `label` a list of (label value, number)."""
   name: str
   doc: str
   kind: str
   value: Any
   label: str | None = None
-  legacy: bool = False
 
 
 class Strategy:

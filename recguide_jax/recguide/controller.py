@@ -237,9 +237,9 @@ class RecGuideStrategy(AdaptiveRule, RegimeSwitch, CostModel, Strategy):
                        "next draft).", "counter", [(k, outcomes.get(k, 0)) for k in known]
                        + sorted((k, v) for k, v in outcomes.items() if k not in known), "outcome"),
         StrategyMetric("overlap_hits", "Fused rounds whose branch became the next draft (RecGuide).", "counter",
-                       sum(outcomes.get(k, 0) for k in ov.HIT_OUTCOMES), legacy=True),
+                       sum(outcomes.get(k, 0) for k in ov.HIT_OUTCOMES)),
         StrategyMetric("overlap_misses", "Fused rounds whose branches were all discarded (RecGuide).", "counter",
-                       sum(outcomes.get(k, 0) for k in ov.MISS_OUTCOMES), legacy=True),
+                       sum(outcomes.get(k, 0) for k in ov.MISS_OUTCOMES)),
         StrategyMetric("overlap_saved_drafts", "Draft forwards skipped because a reused branch was the draft.",
                        "counter", self.saved_drafts),
     ]

@@ -1,15 +1,14 @@
 """The exported series, built at scrape time from `ServerMetrics`' prometheus_client histograms and counters and
 the engine's counters: vLLM's series (`recguide:<vLLM's name>` with a `model_name` label), the engine's own beside
-them (block-size rounds, forwards, shared prompt tokens), the decoding strategy's (`Strategy.metrics`) and the
-deprecated pre-vLLM `recguide_*` names. The engine's counters live in the engine, so they are read here as metric
+them (block-size rounds, forwards, shared prompt tokens), and the decoding strategy's (`Strategy.metrics`). The engine's counters live in the engine, so they are read here as metric
 families (prometheus_client's way for values owned elsewhere)."""
 
 from __future__ import annotations
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
-from recguide_jax.server.metric_types import (FINISH_REASONS, FORWARD_KINDS, LEGACY_PREFIX, PREFIX, engine_snapshot,
-                                              samples_by_label, without_created)
+from recguide_jax.server.metric_types import (FORWARD_KINDS, PREFIX, engine_snapshot,
+                                              without_created)
 
 
 class Collector:
@@ -25,11 +24,6 @@ class Collector:
     snap = engine_snapshot(et)
     totals = snap["totals"]
     labels, values = ["model_name"], [m.model_name]
-    finished = samples_by_label(m.request_success, "finished_reason")
-    http_errors = samples_by_label(m.http_errors, "code")
-    with m._lock:
-      fin_prompt, fin_gen = m.finished_prompt_tokens, m.finished_generation_tokens
-      rounds, round_tokens = m._rounds, m._round_tokens
 
     def gauge(name, doc, value, extra=None):
       g = GaugeMetricFamily(PREFIX + name, doc, labels=labels + list(extra or {}))
@@ -108,46 +102,3 @@ class Collector:
     info.add_metric(values + [str(eng.rc.page_size), str(snap["pages_total"]), str(eng.rc.max_model_len),
                               str(eng.rc.max_batch), str(getattr(strategy, "name", ""))], 1.0)
     yield info
-    if not m.legacy_names:
-      return
-    # ---- deprecated names (no labels), as before the vLLM-style series ------------------------------------------
-    L = LEGACY_PREFIX
-
-    def legacy(kind, name, doc, value, label=None, items=None):
-      fam = (CounterMetricFamily if kind == "counter" else GaugeMetricFamily)(
-          L + name, doc + " Deprecated: see docs/metrics.md.", labels=[label] if label else None)
-      if label:
-        for k, v in items:
-          fam.add_metric([str(k)], v)
-      else:
-        fam.add_metric([], value)
-      return fam
-
-    yield legacy("counter", "requests", "Finished requests by finish reason.", None, "status",
-                 [(r, finished.get(r, 0)) for r in sorted(set(FINISH_REASONS) | set(finished))])
-    yield legacy("counter", "http_errors", "Error answers by HTTP status.", None, "code", sorted(http_errors.items()))
-    yield legacy("counter", "prompt_tokens", "Prompt tokens of finished requests.", fin_prompt)
-    yield legacy("counter", "generation_tokens", "Output tokens of finished requests.", fin_gen)
-    for hist in m.legacy_histograms:
-      yield from without_created(hist)
-    if rounds:
-      yield legacy("gauge", "mean_acceptance_length", "Tokens emitted per decode round, over all finished requests.",
-                   round_tokens / rounds)
-    yield legacy("gauge", "queue_depth", "Requests waiting for a batch slot.", snap["waiting"])
-    yield legacy("gauge", "running_requests", "Requests in the running batch.", snap["running"])
-    yield legacy("gauge", "kv_pages_in_use", "KV cache pages owned by requests.", snap["pages_used"])
-    yield legacy("gauge", "kv_pages_total", "Usable KV cache pages.", snap["pages_total"])
-    yield legacy("gauge", "compilations_after_warmup", "Backend compilations since warm-up ended.",
-                 eng.runner.compiles_after_warmup)
-    yield legacy("counter", "forwards", "Batched device forwards by kind.", None, "kind",
-                 [(k, totals.get(f"forwards_{k}", 0)) for k in kinds])
-    yield legacy("counter", "draft_tokens", "Draft tokens offered to the verifier.", totals.get("draft_tokens", 0))
-    yield legacy("counter", "accepted_draft_tokens", "Draft tokens the verifier accepted.",
-                 totals.get("accepted_draft_tokens", 0))
-    yield legacy("counter", "accepted_tokens_per_position", "Accepted draft tokens by position (from 1).", None,
-                 "position", sorted(per_position.items()))
-    yield legacy("counter", "block_size_choices", "Decode rounds by block size.", None, "block_size",
-                 sorted(snap["block_sizes"].items()))
-    for sm in strategy_metrics:
-      if sm.legacy:
-        yield legacy(sm.kind, sm.name, sm.doc, sm.value)

@@ -10,7 +10,6 @@ log = logging.getLogger("recguide_jax.server")
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 PREFIX = "recguide:"
-LEGACY_PREFIX = "recguide_"  # the names before the vLLM-style ones; deprecated, kept for existing dashboards/tests
 FINISH_REASONS = ("stop", "length", "abort", "error")
 FORWARD_KINDS = ("prefill", "decode", "draft", "verify", "denoise", "commit")
 DEFAULT_LOG_STATS_INTERVAL_S = 10.0  # vLLM's VLLM_LOG_STATS_INTERVAL
@@ -23,10 +22,6 @@ ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.0075, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15
                2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
 REQUEST_LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0,
                            40.0, 50.0, 60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
-# the legacy histograms keep their old buckets
-LEGACY_TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
-LEGACY_TPOT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
-LEGACY_E2E_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0)
 
 
 def token_buckets(max_len: int) -> tuple[float, ...]:

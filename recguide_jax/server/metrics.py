@@ -1,8 +1,7 @@
 """Prometheus metrics of one server app, named and typed like vLLM's, and the periodic engine stats log line.
 
 Series are `recguide:<vLLM's name>` with a `model_name` label (a dashboard built on `vllm:...` works after
-replacing the prefix), RecGuide's own series beside them under the same prefix, and the pre-vLLM `recguide_*` names
-kept as deprecated aliases (docs/metrics.md lists every series). What the server records itself is held in
+replacing the prefix), RecGuide's own series beside them under the same prefix (docs/metrics.md lists every series). What the server records itself is held in
 prometheus_client's `Histogram` and `Counter` (as vLLM's are); what the engine counts is read at scrape time by the
 collector (`metric_series`), which exports both. No series has a `_created` twin: the collector drops those samples,
 so nothing depends on prometheus_client's process-wide `_created` switch; the metrics are not in the process-global
@@ -18,7 +17,7 @@ Three sources:
   queue, KV use, compilations) are read from the engine at scrape time. The engine thread mutates those counters
   between our reads, so each is copied once per scrape rather than read field by field.
 
-This module records; `metric_series` builds the exported series (vLLM's, RecGuide's own, the deprecated names),
+This module records; `metric_series` builds the exported series (vLLM's and RecGuide's own),
 `metric_types` holds the names and buckets they share, `stats_log` the periodic log line.
 """
 
@@ -31,9 +30,8 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 
 from recguide_jax.server.metric_series import Collector
 from recguide_jax.server.metric_types import (CONTENT_TYPE, DEFAULT_LOG_STATS_INTERVAL_S, FINISH_REASONS,  # noqa: F401
-                                              FORWARD_KINDS, ITL_BUCKETS, LEGACY_E2E_BUCKETS, LEGACY_PREFIX,
-                                              LEGACY_TPOT_BUCKETS, LEGACY_TTFT_BUCKETS, PREFIX,
-                                              REQUEST_LATENCY_BUCKETS, TTFT_BUCKETS,
+                                              FORWARD_KINDS, ITL_BUCKETS, PREFIX, REQUEST_LATENCY_BUCKETS,
+                                              TTFT_BUCKETS,
                                               engine_snapshot, token_buckets)
 from recguide_jax.server.stats_log import StatsLogger
 
@@ -41,25 +39,18 @@ from recguide_jax.server.stats_log import StatsLogger
 class ServerMetrics:
   """The app's metrics: call `record_*` from the engine thread's callbacks, `render()` on a scrape."""
 
-  def __init__(self, engine_thread, model_name: str = "", legacy_names: bool = True):
+  def __init__(self, engine_thread, model_name: str = ""):
     self.engine_thread = engine_thread
     self.model_name = model_name
-    self.legacy_names = legacy_names
     self._lock = threading.Lock()
     max_len = engine_thread.engine.rc.max_model_len
     labels = ["model_name"]
     self.histograms: list[Histogram] = []  # vLLM's, in export order
-    self.legacy_histograms: list[Histogram] = []
 
     def hist(name, doc, buckets):
       h = Histogram(PREFIX + name, doc, labels, buckets=buckets, registry=None)
       self.histograms.append(h)
       return h.labels(model_name)
-
-    def legacy(name, doc, buckets):
-      h = Histogram(LEGACY_PREFIX + name, doc + " Deprecated.", buckets=buckets, registry=None)
-      self.legacy_histograms.append(h)
-      return h
 
     # per-request histograms (recorded at finish)
     self.prompt_len = hist("request_prompt_tokens", "Number of prefill tokens per finished request.",
@@ -81,18 +72,12 @@ class ServerMetrics:
                         "seconds.", REQUEST_LATENCY_BUCKETS)
     self.decode = hist("request_decode_time_seconds", "Histogram of time from the first token to the last in "
                        "seconds.", REQUEST_LATENCY_BUCKETS)
-    self.legacy_ttft = legacy("time_to_first_token_seconds", "Time to first token.", LEGACY_TTFT_BUCKETS)
-    self.legacy_tpot = legacy("time_per_output_token_seconds", "Time per output token after the first.",
-                              LEGACY_TPOT_BUCKETS)
-    self.legacy_e2e = legacy("e2e_request_latency_seconds", "End to end request latency.", LEGACY_E2E_BUCKETS)
     self.request_success = Counter(PREFIX + "request_success", "Count of finished requests by finish reason.",
                                    labels + ["finished_reason"], registry=None)
     for reason in FINISH_REASONS:  # exported from the start, so dashboards see every reason
       self.request_success.labels(model_name, reason)
     self.http_errors = Counter(PREFIX + "http_errors", "Error answers (bodies and stream error events) by HTTP "
                                "status.", labels + ["code"], registry=None)
-    self.finished_prompt_tokens = 0
-    self.finished_generation_tokens = 0
     self._rounds = 0
     self._round_tokens = 0
     self._last_token_t: dict[str, float] = {}  # request id -> when its latest tokens were emitted
@@ -116,8 +101,6 @@ class ServerMetrics:
     """Called once per finished request (on the engine thread), before its response can be sent."""
     self.request_success.labels(self.model_name, finish_reason).inc()
     with self._lock:
-      self.finished_prompt_tokens += prompt_len
-      self.finished_generation_tokens += output_len
       lengths = stats.get("accepted_lengths") or []
       self._rounds += len(lengths)
       self._round_tokens += sum(lengths)
@@ -126,14 +109,11 @@ class ServerMetrics:
     ttft, latency, queue = stats.get("ttft_s"), stats.get("latency_s"), stats.get("queue_s")
     if ttft is not None:
       self.ttft.observe(ttft)
-      self.legacy_ttft.observe(ttft)
       if latency is not None and output_len > 1:
         tpot = max(latency - ttft, 0.0) / (output_len - 1)
         self.tpot.observe(tpot)
-        self.legacy_tpot.observe(tpot)
     if latency is not None:
       self.e2e.observe(latency)
-      self.legacy_e2e.observe(latency)
     if queue is not None:
       self.queue.observe(queue)
       if latency is not None:
