@@ -86,7 +86,7 @@ def test_decode_takes_no_draft_distribution_and_equals_verify(runner):
   page_table = np.array([[1, 2, 3, 4, 5, 6, 7, 8, 9, 10], [11, 12, 13, 14, 15, 16, 17, 18, 19, 20]], np.int32)
   page_table = np.pad(page_table, ((0, 0), (0, runner.config.pages_per_seq - page_table.shape[1])))
   samp = SamplingArrays(np.array([0.0, 1.3], np.float32), np.zeros(2, np.int32), np.ones(2, np.float32),
-                        np.array([[0, 11], [0, 12]], np.uint32))
+                        np.array([[0, 11], [0, 12]], np.uint32), np.zeros(2, np.int32))
   cache0 = jax.tree.map(jnp.copy, runner.cache)  # the step donates the cache it is given
   got = runner.verify(tokens, None, write, prefix_len, page_table, samp)
   k_after = np.asarray(runner.cache.k)

@@ -32,19 +32,15 @@ class SamplingArrays:
   top_p: np.ndarray  # [b] float32
   keys: np.ndarray  # [b, 2] uint32
   # [b] int32: top logprobs each row reads (SamplingParams.logprobs; 0 none): a step computes the top entries only
-  # when some row does. Optional so that the four-array constructor of earlier releases keeps working: left out,
-  # no row reads any
-  top_logprobs: np.ndarray | None = None
+  # when some row does
+  top_logprobs: np.ndarray
   # the batch's sampling controls (numpy leaves), None when no row sets any: the steps then skip them entirely
   controls: sampling.Controls | None = None
 
-  def __post_init__(self):
-    if self.top_logprobs is None:
-      self.top_logprobs = np.zeros(self.temperature.shape, np.int32)
-
   @classmethod
   def greedy(cls, b: int) -> "SamplingArrays":
-    return cls(np.zeros(b, np.float32), np.zeros(b, np.int32), np.ones(b, np.float32), np.zeros((b, 2), np.uint32))
+    return cls(np.zeros(b, np.float32), np.zeros(b, np.int32), np.ones(b, np.float32), np.zeros((b, 2), np.uint32),
+               np.zeros(b, np.int32))
 
   @property
   def controls_len(self) -> int:
