@@ -152,6 +152,7 @@ def test_pipelined_decode_is_exact(tiny_llm, ar_outputs):
     eng.pipeline = True
     try:
       for params in cases:
+        eng.reset_prefix_cache()
         reqs = [eng.add_request(p, dataclasses.replace(params, max_tokens=params.max_tokens + 3 * i), f"r{i}",
                                 on_update=lambda r, new: streams.setdefault(r.request_id, []).append(list(new)))
                 for i, p in enumerate(prompts[:5])]
