@@ -17,7 +17,7 @@ from recguide_jax.aot import targets  # noqa: E402
 
 targets.prepare_environment()  # before jax starts a backend
 
-from absl import app, flags  # noqa: E402
+from absl import flags  # noqa: E402
 
 _TARGET = flags.DEFINE_string("target", "v5e:2x2", "TPU slice (CHIP:AxB).")
 _TP = flags.DEFINE_integer("tensor_parallel_size", 2, "Devices of the tp group.")
@@ -58,4 +58,5 @@ def main(argv):
 
 
 if __name__ == "__main__":
-  app.run(main)
+  from recguide_jax.benchmarks import cli
+  cli.run(main)

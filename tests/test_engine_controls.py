@@ -8,8 +8,10 @@ import pytest
 
 from recguide_jax import SamplingParams
 from recguide_jax.decoding.builtin import ARStrategy, DiffusionStrategy, LinearStrategy
-from recguide_jax.decoding.strategy import Round, RoundPlan, Strategy
+from recguide_jax.decoding.rounds import verified_output
+from recguide_jax.decoding.strategy import Round, RoundKind, RoundPlan, StepPlan, Strategy
 from recguide_jax.engine.requests import RequestError
+from recguide_jax.runtime.step_key import StepKind
 from recguide_jax.recguide.controller import RecGuideStrategy
 from tests.test_engine import varied_prompts
 from tests.test_recguide_policy import flat_profile
@@ -52,32 +54,31 @@ class OracleRound(Round):
   """Drafts the AR reference's next tokens and verifies them (VERIFY against one-hot draft distributions, or the
   fused GVERIFY of host-given drafts): every draft is accepted iff each verify position is processed exactly as AR
   decoding processed it, penalty counts and min_tokens including the draft prefix before it."""
-  kind = "oracle"
+  kind = RoundKind.LINEAR
 
   def __init__(self, reference: dict, path: str):
     self.reference, self.path = reference, path
 
-  def run(self, ctx, group):
-    reqs, blk = group.reqs, group.block
-    ctx.reserve(reqs, blk)
-    b, page_table, prefix_len, samp = ctx.batch_arrays(reqs)
-    seed, write = ctx.seeds(reqs, b)
+  def run(self, runner, batch):
+    reqs, blk, b, n = batch.reqs, batch.block, batch.b, batch.n
     tokens = np.zeros((b, blk), np.int32)
-    tokens[:, 0] = seed
+    tokens[:, 0] = batch.seed
     for i, r in enumerate(reqs):
       nxt = self.reference[tuple(r.prompt_ids)][len(r.output_ids):][:blk - 1]
       tokens[i, 1:1 + len(nxt)] = nxt
     if self.path == "verify":
-      q = np.asarray(jax.nn.one_hot(tokens, ctx.cfg.vocab_size), np.float32)
-      res = ctx.runner.verify(tokens, q, write, prefix_len, page_table, samp)
+      q = np.asarray(jax.nn.one_hot(tokens, runner.cfg.vocab_size), np.float32)
+      res = runner.verify(tokens, q, batch.live, batch.prefix_len, batch.page_table, batch.samp)
+      kind = StepKind.VERIFY
     else:
-      positions = prefix_len[:, None] + np.arange(blk)[None, :]
+      positions = batch.prefix_len[:, None] + np.arange(blk)[None, :]
       mask = np.broadcast_to(np.tril(np.ones((blk, blk), bool)), (b, blk, blk)).copy()
-      res, _, _ = ctx.runner.fused(tokens, positions, mask, np.zeros((b, blk), bool),
-                                   np.broadcast_to(write[:, None], (b, blk)).copy(), prefix_len, page_table, samp, blk)
-    for i, r in enumerate(reqs):
-      ctx.verified(r, blk, int(res.accepted[i]), res, i)
-    return self.kind
+      res, _, _ = runner.fused(tokens, positions, mask, np.zeros((b, blk), bool),
+                               np.broadcast_to(batch.live[:, None], (b, blk)).copy(), batch.prefix_len,
+                               batch.page_table, batch.samp, blk)
+      kind = StepKind.GVERIFY
+    accepted = res.accepted[:n].astype(np.int64)
+    return verified_output(self.kind, res, batch, accepted, [(kind, blk, n)], {StepKind.VERIFY: np.ones((n,), np.int64)})
 
 
 class OracleStrategy(Strategy):
@@ -86,8 +87,8 @@ class OracleStrategy(Strategy):
   def __init__(self, reference, path):
     self.round = OracleRound(reference, path)
 
-  def plan(self, req, view):
-    return RoundPlan(self.round, 8)
+  def plan_step(self, view):
+    return StepPlan(tuple(RoundPlan(self.round, 8) for _ in view.requests))
 
   def block_sizes(self):
     return (8,)

@@ -9,6 +9,7 @@ import json
 import logging
 import os
 import sys
+import time
 
 import httpx
 import pytest
@@ -173,6 +174,12 @@ def test_stats_line(served, caplog):
   r = httpx.post(server.base + "/v1/completions", json={"prompt": PROMPTS[2], "max_tokens": 30, "temperature": 0},
                  timeout=120)
   assert r.status_code == 200
+  # the response leaves once the request is recorded; the engine thread ends its step (and drops the request from
+  # `running`) right after, so wait for that before reading the line
+  for _ in range(1000):
+    if not eng.running and not eng.waiting:
+      break
+    time.sleep(0.01)
   with caplog.at_level(logging.INFO, logger="recguide_jax.server"):
     line = stats.log_once()
   assert line is not None and line in caplog.text
