@@ -10,6 +10,7 @@ import pytest
 
 from recguide_jax.runtime.runner import Runner, RunnerConfig, fused_kind, fused_slots
 from recguide_jax.runtime.steps import SamplingArrays
+from recguide_jax.engine.requests import MAX_TOP_LOGPROBS
 from recguide_jax.runtime.step_key import StepKey, StepKind
 from recguide_jax.runtime.step_key import parse_kind_label
 
@@ -120,7 +121,7 @@ def test_score_prefill_compiles_on_first_use_and_writes_what_prefill_writes(tiny
   assert int(scored[0][0]) == int(plain[0][0])
   k = np.asarray(runner.cache.k)
   np.testing.assert_allclose(k[:, 3:5], k[:, 1:3], atol=1e-6)
-  assert scored[4].shape == (1, 16) and scored[5].shape == (1, 16, 5) and scored[6].shape == (1, 16, 5)
+  assert scored[4].shape == (1, 16) and scored[5].shape == scored[6].shape == (1, 16, MAX_TOP_LOGPROBS)
   assert np.all(scored[4] <= 0) and np.all(scored[5][..., :1] >= scored[4][..., None] - 1e-6)
 
 
