@@ -26,7 +26,7 @@ import time
 # Runnable as a script from a checkout without installing the package.
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from absl import app, flags, logging  # noqa: E402
+from absl import flags, logging  # noqa: E402
 
 _MODEL = flags.DEFINE_string("model", None, "Checkpoint directory (config.json + params/ + tokenizer files), also "
                              "accepted as the one positional argument. Default: $RECGUIDE_CHECKPOINT, else the bundled "

@@ -92,7 +92,6 @@ def test_multi_step_decode_equals_one_step_calls(tiny_llm, tiny_model, ar_output
   (step s draws with the request's round counter + s), and through a stop token or max_tokens inside a call, whose
   later steps' pages are freed with the request."""
   from recguide_jax import LLM
-  from recguide_jax.runtime.step_key import StepKind
   single = LLM(model=tiny_model, policy="ar", max_num_seqs=8, max_model_len=256, page_size=8, prefill_chunk=16,
                warmup=False, compile_cache_dir=None, decode_steps=1)
   assert tiny_llm.runner.config.decode_steps == 4 and single.runner.config.decode_steps == 1

@@ -12,7 +12,6 @@ import numpy as np
 import pytest
 
 from recguide_jax.recguide import adaptive as ad
-from recguide_jax.recguide import overlap as ov
 from recguide_jax.recguide.fit import overlap_fit as ovf
 from recguide_jax.recguide import profile as pf
 from recguide_jax.recguide.fit import rho_search as rs

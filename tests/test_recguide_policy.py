@@ -96,7 +96,7 @@ def test_switch_prefers_ar_when_speculation_loses():
 
 
 def test_fitted_tables_drive_the_block_choice(tiny_llm, ar_reference, tmp_path):
-  from recguide_jax.recguide import adaptive, value_model as vm
+  from recguide_jax.recguide import adaptive
   from recguide_jax.recguide.fit import rho_search, value_fit
   rng = np.random.default_rng(0)
   rows = []

@@ -16,7 +16,6 @@ import fnmatch
 import functools
 from typing import Callable, Sequence
 
-import jax.numpy as jnp
 
 from recguide_jax.cache import memory_plan as memory_plan_lib
 from recguide_jax.aot import inspect as hlo

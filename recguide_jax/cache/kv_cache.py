@@ -389,10 +389,16 @@ class PageAllocator:
     for p in reversed(pages or ()):
       self._release(p)
 
+  def write_page_table(self, seq_ids: Sequence[object], out: np.ndarray) -> None:
+    """Writes the page-table rows of `seq_ids` into the first rows of `out`, which must hold TRASH_PAGE (zeros)
+    past each one's pages: a batch's table is filled in place, each row a slice copy of its page list."""
+    for row, seq_id in zip(out, seq_ids):
+      pages = self._pages[seq_id]
+      row[:len(pages)] = pages
+
   def page_table_row(self, seq_id, width: int | None = None) -> np.ndarray:
     row = np.full((width or self.max_pages_per_seq,), TRASH_PAGE, np.int32)
-    pages = self._pages[seq_id]
-    row[:len(pages)] = pages
+    self.write_page_table((seq_id,), row[None])
     return row
 
   def check(self) -> None:

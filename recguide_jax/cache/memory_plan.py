@@ -281,17 +281,21 @@ def fit_activation(plan, runner_at, variants_of, progress=None, backend: str = "
     return _fit(plan, runner_at, variants_of, say, backend, most, pool)
 
 
-def _fit(plan, runner_at, variants_of, say, backend, most, pool) -> FittedPlan:
+def _probe(runner_at, variants_of, say, backend, most, pool) -> ActivationProfile:
+  """The first reserve: the largest variant of each kind compiled at `most`'s cache (its runner freed on return)."""
   t0 = time.perf_counter()
-  probe_runner = runner_at(most.num_pages)
-  held = _nbytes(probe_runner.state) + _nbytes(probe_runner.cache)
-  todo = probe_variants(variants_of(probe_runner))
+  runner = runner_at(most.num_pages)
+  held = _nbytes(runner.state) + _nbytes(runner.cache)
+  todo = probe_variants(variants_of(runner))
   say(f"memory plan: the largest variant of each kind ({len(todo)}) at {most.num_pages} KV pages")
   peaks = dict(zip([v.name for v in todo],
-                   _map(pool, lambda v: _transient_bytes(_compiled(probe_runner, v, most.num_pages), held), todo)))
-  probe = ActivationProfile(base_bytes=reserve_bytes(max(peaks.values())), per_page_bytes=0.0, variants=peaks,
-                            probe_pages=most.num_pages, compile_seconds=time.perf_counter() - t0, backend=backend)
-  del probe_runner
+                   _map(pool, lambda v: _transient_bytes(_compiled(runner, v, most.num_pages), held), todo)))
+  return ActivationProfile(base_bytes=reserve_bytes(max(peaks.values())), per_page_bytes=0.0, variants=peaks,
+                           probe_pages=most.num_pages, compile_seconds=time.perf_counter() - t0, backend=backend)
+
+
+def _fit(plan, runner_at, variants_of, say, backend, most, pool) -> FittedPlan:
+  probe = _probe(runner_at, variants_of, say, backend, most, pool)
   activation, rounds = probe, []
   for _ in range(MAX_PLAN_ROUNDS):
     fitted = plan(activation=activation)

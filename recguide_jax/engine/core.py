@@ -235,7 +235,7 @@ class Engine:
   def _view(self, reqs: Sequence[Request]) -> StepView:
     return StepView(self.step_count, tuple(reqs), self.rc.max_batch, self.rc.max_model_len, self.rc.max_block,
                     self._eos, len(self.running),
-                    ragged_steps=self.bucketing == "ragged" and isinstance(self.bucketing, str))
+                    ragged_steps=self.bucketing == "ragged")
 
   def _plan(self, decoding: list[Request]) -> list[tuple[Request, RoundPlan]]:
     """The strategy's plan of the step, row by row; a planning error fails only the request it was planning (the
@@ -365,8 +365,8 @@ class Engine:
     ids = [r.request_id for r in reqs]
     b = batch.b = self.runner.bucket_for(n)
     batch.bucket_for = self.runner.bucket_for
-    batch.page_table = np.zeros((b, self.rc.pages_per_seq), np.int32)
-    batch.page_table[:n] = [alloc.page_table_row(rid) for rid in ids]
+    batch.page_table = np.zeros((b, self.rc.pages_per_seq), np.int32)  # zeros: TRASH_PAGE
+    alloc.write_page_table(ids, batch.page_table)
     batch.prefix_len = np.zeros((b,), np.int32)
     batch.prefix_len[:n] = [alloc.length(rid) + ahead for rid in ids]
     batch.seed = np.zeros((b,), np.int32)
@@ -453,15 +453,7 @@ class Engine:
 
   def _emit_plain(self, r: Request, toks: list[int], lps: list[float], first_stop: int) -> None:
     try:
-      new, reason = output.append_plain(r, toks, lps, first_stop)
-      if new:
-        r.seed_token = new[-1]
-      self.totals["generated_tokens"] += len(new)
-      if r.on_update is not None and not self._notify(r, new):
-        self.finish(r, "error", "engine error: the request's update callback failed")
-        return
-      if reason is not None:
-        self.finish(r, reason)
+      self._deliver(r, *output.append_plain(r, toks, lps, first_stop))
     except Exception as e:
       self.fail_request(r, "emitting its tokens", e)
 
@@ -547,17 +539,20 @@ class Engine:
     if r.finished:
       return
     try:
-      new, reason = output.append_tokens(r, toks, lps, top_lp, top_ids, self._eos, self.tokenizer)
-      if r.seed_token is None or new:
-        r.seed_token = r.output_ids[-1] if r.output_ids else None
-      self.totals["generated_tokens"] += len(new)
-      if not self._notify(r, new):
-        self.finish(r, "error", "engine error: the request's update callback failed")
-        return
-      if reason is not None:
-        self.finish(r, reason)
+      self._deliver(r, *output.append_tokens(r, toks, lps, top_lp, top_ids, self._eos, self.tokenizer))
     except Exception as e:
       self.fail_request(r, "emitting its tokens", e)
+
+  def _deliver(self, r: Request, new: list[int], reason: str | None) -> None:
+    """After a request's tokens were appended: its next seed, the counters, its update callback, its end."""
+    if r.seed_token is None or new:
+      r.seed_token = r.output_ids[-1] if r.output_ids else None
+    self.totals["generated_tokens"] += len(new)
+    if not self._notify(r, new):
+      self.finish(r, "error", "engine error: the request's update callback failed")
+      return
+    if reason is not None:
+      self.finish(r, reason)
 
   @staticmethod
   def _notify(r: Request, new: list[int]) -> bool:

@@ -28,14 +28,14 @@ def run_prefill(eng, reqs: list[Request], score: bool = False) -> None:
   for r, d in zip(reqs, done):
     alloc.reserve(r.request_id, min(d + chunk, len(r.prompt_ids)))
   b = eng.runner.bucket_for(len(reqs))
-  page_table = np.zeros((b, eng.rc.pages_per_seq), np.int32)
+  page_table = np.zeros((b, eng.rc.pages_per_seq), np.int32)  # zeros: TRASH_PAGE
+  alloc.write_page_table([r.request_id for r in reqs], page_table)
   prefix_len = np.zeros((b,), np.int32)
   tokens = np.zeros((b, chunk), np.int32)
   valid = np.zeros((b, chunk), bool)
   last_idx = np.zeros((b,), np.int32)
   targets = np.zeros((b, chunk), np.int32) if score else None
   for i, (r, d) in enumerate(zip(reqs, done)):
-    page_table[i] = alloc.page_table_row(r.request_id, eng.rc.pages_per_seq)
     prefix_len[i] = d
     piece = r.prompt_ids[d:d + chunk]
     tokens[i, :len(piece)] = piece

@@ -272,7 +272,7 @@ class Runner:
     kinds = [k for k in kinds if k != "ragged"]
     parsed = [parse_kind_label(k) for k in kinds]
     kind_set = {k for k, _ in parsed}
-    fused_slots = [s for k, s in parsed if k == StepKind.FUSED]
+    slot_counts = [s for k, s in parsed if k == StepKind.FUSED]
     out: list[StepKey] = []
     for b in self.buckets:
       if StepKind.PREFILL in kind_set:
@@ -287,7 +287,7 @@ class Runner:
         for kind in (StepKind.DRAFT, StepKind.VERIFY, StepKind.DENOISE, StepKind.GVERIFY):
           if kind in kind_set:
             out.append(StepKey(kind, blk, b))
-        for slots in fused_slots:
+        for slots in slot_counts:
           out.append(StepKey(StepKind.FUSED, blk, b, slots))
         if StepKind.DENOISE in kind_set:
           out.append(StepKey(StepKind.PREFILL, blk, b))  # commits a denoised block
