@@ -1,10 +1,13 @@
 """Shared fixtures: tiny random NLD models and engines built once per test session (compiling step variants is
 the slow part on CPU, so tests reuse runners and compile lazily), and the XLA:CPU compile options of the session."""
 
+import atexit
 import importlib.metadata
 import importlib.util
 import os
+import shutil
 import sys
+import tempfile
 
 import pytest
 
@@ -18,6 +21,16 @@ if ROOT not in sys.path:
 os.environ.setdefault("TPU_SKIP_MDS_QUERY", "1")
 if importlib.util.find_spec("libtpu") and not os.environ.get("JAX_PLATFORMS"):
   os.environ["JAX_PLATFORMS"] = "cpu"
+
+
+# The suite's persistent compilation cache is its own, made fresh each session and shared with the servers and
+# scripts it starts: never a directory that other runs, jaxlibs or hosts wrote into. RECGUIDE_TEST_COMPILE_CACHE
+# names a directory to keep between runs instead.
+if os.environ.get("RECGUIDE_TEST_COMPILE_CACHE"):
+  os.environ["RECGUIDE_COMPILE_CACHE"] = os.environ["RECGUIDE_TEST_COMPILE_CACHE"]
+else:
+  os.environ["RECGUIDE_COMPILE_CACHE"] = tempfile.mkdtemp(prefix="recguide-test-xla-")
+  atexit.register(shutil.rmtree, os.environ["RECGUIDE_COMPILE_CACHE"], ignore_errors=True)
 
 
 def _cpu_only_jax() -> bool:

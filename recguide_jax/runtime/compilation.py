@@ -9,8 +9,10 @@ waiting. Everything else that compiles after warm-up is.
 from __future__ import annotations
 
 import atexit
+import hashlib
 import logging
 import os
+import platform
 import queue
 import threading
 from typing import Any, Callable, Hashable, Iterable, Mapping
@@ -101,10 +103,36 @@ class CompileCounter:
     return cls._background_total
 
 
+def host_cpu_fingerprint(cpuinfo: str = "/proc/cpuinfo") -> str:
+  """A short digest of this host's CPU model and instruction-set flags (from `cpuinfo` where there is one)."""
+  text = platform.machine() + platform.processor()
+  try:
+    with open(cpuinfo) as f:
+      for line in f:
+        name = line.split(":", 1)[0].strip()
+        if name in ("model name", "flags", "Features", "CPU part"):
+          text += line
+        elif not line.strip():
+          break  # the first processor's entry is enough
+  except OSError:
+    pass
+  return hashlib.sha256(text.encode()).hexdigest()[:12]
+
+
+def compile_cache_path(directory: str | os.PathLike, platform_name: str) -> str:
+  """Where `directory` keeps `platform_name`'s executables. jax keys an entry by program, flags and backend but not
+  by the host CPU's instruction set, so XLA:CPU executables go to a subdirectory per CPU model: a cache shared by
+  unlike hosts (a network home, a CI cache) never loads machine code built for another CPU."""
+  if platform_name != "cpu":
+    return os.fspath(directory)
+  return os.path.join(directory, f"cpu-{host_cpu_fingerprint()}")
+
+
 def enable_compile_cache(directory: str | None) -> None:
   """Persistent XLA compilation cache, so a restart reuses the previous run's executables."""
   if not directory:
     return
+  directory = compile_cache_path(directory, jax.default_backend())
   os.makedirs(directory, exist_ok=True)
   jax.config.update("jax_compilation_cache_dir", directory)
   jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
