@@ -343,14 +343,14 @@ def priced(llm, recguide, levels, params, data, tables_path):
       ar_out = outs if name == "ar" else ar_out
       ledgers[name] = (llm.engine.forward_log, sum(len(o) for o in outs), outs == ar_out,
                        dict(getattr(policy, "regime_counts", {})),
-                       [b for r in reqs for b in r.stats.block_sizes])
+                       [b for r in reqs for b in r.stats.block_sizes], [len(o) for o in outs])
       llm.engine.forward_log = None
     if c == 1:
       ledgers_at_1 = ledgers
     for pname, prof in profiles.items():
       rates = {}
       for name in fixed + (f"recguide@{pname}",):
-        log, tokens, lossless, regimes, blocks = ledgers[name]
+        log, tokens, lossless, regimes, blocks, _ = ledgers[name]
         ms = bench.priced_ms(log, prof)
         rates[name] = tokens / ms
         rows.append({"price_profile": pname, "concurrency": c, "policy": name, "generated_tokens": tokens,
@@ -409,13 +409,16 @@ def priced(llm, recguide, levels, params, data, tables_path):
               "ratios with the profile RecGuide decides with; best fixed: of the fixed rows run on that set, AR and "
               "B = 8/16/32 on GSM8K test, B = 8/16 elsewhere):\n",
               "| prompt set | priced with | LinearSS B=16 tokens/forward | RecGuide tokens/forward | RecGuide drafts / "
-              "verifications (saved) | RecGuide vs LinearSS B=16 | RecGuide vs best fixed | lossless |",
+              "verifications (saved) | RecGuide vs LinearSS B=16 (95% interval over prompts) | RecGuide vs best fixed | "
+              "lossless |",
               "|" + "---|" * 8]
     for u in unseen_rows:
+      lo, hi = u["recguide_vs_linear16_ci95"]
       lines.append(f"| {u['prompt_set']} | {u['price_profile']} | {u['linear16_tokens_per_forward']:.2f} | "
                    f"{u['recguide_tokens_per_forward']:.2f} | {u['recguide_forwards']['draft']} / "
                    f"{u['recguide_forwards']['verify']} ({u['recguide_forwards']['saved_drafts']}) | "
-                   f"{u['recguide_vs_linear16']:.3f}x | {u['recguide_vs_best_fixed']:.3f}x ({u['best_fixed']}) | "
+                   f"{u['recguide_vs_linear16']:.3f}x ({lo:.3f}-{hi:.3f}) | {u['recguide_vs_best_fixed']:.3f}x "
+                   f"({u['best_fixed']}) | "
                    f"{u['lossless']} |")
   out_json = cli.report_path("bench_recguide_priced.json")
   out_md = cli.report_path("bench_recguide_priced.md")
@@ -439,7 +442,8 @@ def priced(llm, recguide, levels, params, data, tables_path):
 
 def c1_ledgers(llm, recguide, profiles, prompts, params) -> dict:
   """C = 1 runs of LinearSS B = 8 and 16 and RecGuide deciding with each profile over `prompts`, as `priced` keeps
-  them: {name: (forward ledger, tokens, same outputs as LinearSS B = 16, regime counts, block sizes)}."""
+  them: {name: (forward ledger, tokens, same outputs as LinearSS B = 16, regime counts, block sizes, tokens per
+  request)}."""
   from recguide_jax import benchmarks as bench
   from recguide_jax.decoding.builtin import LinearStrategy
   configs = ([(f"linear B={b}", LinearStrategy(b)) for b in (16, 8)]
@@ -453,7 +457,8 @@ def c1_ledgers(llm, recguide, profiles, prompts, params) -> dict:
     outs = [r.output_ids for r in reqs]
     reference = outs if reference is None else reference  # greedy LinearSS equals AR (tested), B = 16 runs first
     ledgers[name] = (llm.engine.forward_log, sum(len(o) for o in outs), outs == reference,
-                     dict(getattr(policy, "regime_counts", {})), [b for r in reqs for b in r.stats.block_sizes])
+                     dict(getattr(policy, "regime_counts", {})), [b for r in reqs for b in r.stats.block_sizes],
+                     [len(o) for o in outs])
     llm.engine.forward_log = None
   return ledgers
 
@@ -468,11 +473,21 @@ def c1_row(set_name: str, pname: str, prof, ledgers: dict) -> dict:
   mine = f"recguide@{pname}"
   per_forward = {name: ledgers[name][1] / bench.ledger_counts(ledgers[name][0])["forwards"]
                  for name in ("linear B=16", mine)}
+  # the same ratio per prompt, resampled: how far it moves with which prompts the set drew (C = 1 runs one request
+  # after another, so each request's forwards are its own)
+  per_prompt = {}
+  for name in ("linear B=16", mine):
+    parts = bench.split_sequential_ledger(ledgers[name][0])
+    if len(parts) != len(ledgers[name][5]):
+      raise ValueError(f"{name}: {len(parts)} request ledgers for {len(ledgers[name][5])} requests")
+    per_prompt[name] = [(tok, bench.priced_ms(part, prof)) for tok, part in zip(ledgers[name][5], parts)]
+  interval = bench.paired_rate_ratio(per_prompt[mine], per_prompt["linear B=16"])["ci95"]
   return {"prompt_set": set_name, "price_profile": pname, "tokens": ledgers[mine][1],
           "linear16_tokens_per_forward": per_forward["linear B=16"], "recguide_tokens_per_forward": per_forward[mine],
           "recguide_forwards": bench.ledger_counts(ledgers[mine][0]), "regimes": ledgers[mine][3],
           "priced_tokens_per_ms": {name: rates[name] for name in (*fixed, mine)},
-          "recguide_vs_linear16": rates[mine] / rates["linear B=16"], "best_fixed": best,
+          "recguide_vs_linear16": rates[mine] / rates["linear B=16"], "recguide_vs_linear16_ci95": interval,
+          "best_fixed": best,
           "recguide_vs_best_fixed": rates[mine] / rates[best],
           "lossless": all(lossless for _, _, lossless, *_ in ledgers.values())}
 
