@@ -29,7 +29,9 @@ every fixed alternative priced by the same P:
 With --unseen (the default) it also runs C = 1 on prompt sets the tables were not fitted on
 (`recguide_jax.benchmarks.unseen`: the shipped word problems and far GSM8K train questions): LinearSS B = 8 and 16 and
 RecGuide deciding with each profile, reported beside GSM8K test's C = 1 as tokens per decode forward and the priced
-ratio to LinearSS B = 16, so a controller that keeps overlap's gain only on its fitting set shows.
+ratio to LinearSS B = 16, so a controller that keeps overlap's gain only on its fitting set shows. Each ratio there
+carries a 95% interval from a bootstrap over the set's prompts; --c1_samples adds further GSM8K samples to that table
+(how far the ratio moves between samples of one distribution).
 
 Reports go to --output_dir (default runs/bench_recguide): bench_recguide.{json,md}, bench_recguide_steady.{json,md}
 or bench_recguide_priced.{json,md}.
@@ -68,6 +70,9 @@ flags.DEFINE_list("price_profiles", ["b200_nld8b"], "--mode=priced: the profiles
                   "with and every run is priced with.")
 flags.DEFINE_bool("unseen", True, "--mode=priced: also run C = 1 on prompt sets the tables were not fitted on "
                   "(recguide_jax.benchmarks.unseen), --num_prompts of each.")
+flags.DEFINE_list("c1_samples", [], "--mode=priced: further GSM8K samples run at C = 1 like the unseen sets, each "
+                  "SPLIT@OFFSET (test@200: --num_prompts test questions from 200), to show how far the C = 1 ratio "
+                  "moves between prompt samples of one distribution.")
 flags.DEFINE_integer("steady_requests_per_slot", 8, "--mode=steady: requests per level = max(--num_prompts, this * C) "
                      "(GSM8K questions, reused in turn if the file has fewer).")
 cli.define_output_flags("bench_recguide")
@@ -170,6 +175,7 @@ def main(argv):
       for name, policy in order + ([(n, p) for n, p in configs if n not in WALL_ROWS] if rep == 0 else []):
         llm.set_policy(policy)
         llm.engine.bucketing = BUCKETING.get(name, "auto")
+        llm.reset_prefix_cache()  # every config starts from the same cache (see `priced`)
         llm.engine.forward_log = []
         runs[name].append(bench.run_concurrent(llm.engine, prompts, params, c))
         logs[name] += llm.engine.forward_log
@@ -287,6 +293,7 @@ def held_load(llm, recguide, default, levels, params, data, tables_path):
 
   def before_run(name):
     llm.engine.bucketing = "auto"
+    llm.reset_prefix_cache()  # every config starts from the same cache (see `priced`)
 
   result = steady.held_load_comparison(
       llm, lambda c: prompts[:max(FLAGS.num_prompts, FLAGS.steady_requests_per_slot * c)], params, levels, configs,
@@ -326,6 +333,12 @@ def priced(llm, recguide, levels, params, data, tables_path):
     path = spec if os.path.exists(spec) else os.path.join(ROOT, spec)
     prof = prof_lib.load_profile(path if os.path.exists(path) else spec)
     profiles[prof.name or os.path.splitext(os.path.basename(spec))[0]] = prof
+  samples = []  # --c1_samples as (split, offset), checked before the long runs
+  for spec in FLAGS.c1_samples:
+    split, _, offset = spec.partition("@")
+    if split not in ("test", "train") or not offset.isdigit():
+      sys.exit(f"error: --c1_samples entries are SPLIT@OFFSET with SPLIT test or train, got {spec!r}")
+    samples.append((split, int(offset)))
   prompts = bench.gsm8k_prompts(data, FLAGS.num_prompts, llm.tokenizer)
   fixed = ("ar", "linear B=8", "linear B=16", "linear B=32")
   rows = []
@@ -337,6 +350,10 @@ def priced(llm, recguide, levels, params, data, tables_path):
     for name, policy in configs:
       llm.set_policy(policy)
       llm.engine.bucketing = "auto"
+      # a prompt whose prefix is cached prefills at once, which changes how the decode steps batch: the config run
+      # after another on the same prompts would decode differently (at C = 32 fixed B = 8 priced 4.339 warm, 4.263
+      # cold), so every config starts from an empty prefix cache
+      llm.reset_prefix_cache()
       llm.engine.forward_log = []
       reqs, _ = bench.run_concurrent(llm.engine, prompts, params, c)
       outs = [r.output_ids for r in reqs]
@@ -372,16 +389,23 @@ def priced(llm, recguide, levels, params, data, tables_path):
     sets = {"gsm8k_test": ledgers_at_1} if ledgers_at_1 else {}
     for set_name, set_prompts in unseen.prompt_sets(FLAGS.num_prompts, llm.tokenizer, FLAGS.gsm8k_dir).items():
       sets[set_name] = c1_ledgers(llm, recguide, profiles, set_prompts, params)
-    for set_name, ledgers in sets.items():
-      for pname, prof in profiles.items():
-        unseen_rows.append(c1_row(set_name, pname, prof, ledgers))
-        u = unseen_rows[-1]
-        print(f"C=1 {set_name} priced with {pname}: tokens per forward linear B=16 "
-              f"{u['linear16_tokens_per_forward']:.2f}, recguide {u['recguide_tokens_per_forward']:.2f}; recguide vs "
-              f"linear B=16 {u['recguide_vs_linear16']:.3f}x (priced), lossless={u['lossless']}", flush=True)
+  else:
+    sets = {"gsm8k_test": ledgers_at_1} if ledgers_at_1 and samples else {}
+  for split, offset in samples:
+    set_prompts = bench.gsm8k_prompts(bench.gsm8k_file(split, FLAGS.gsm8k_dir), FLAGS.num_prompts, llm.tokenizer,
+                                      offset=offset)
+    sets[f"gsm8k_{split}@{offset}"] = c1_ledgers(llm, recguide, profiles, set_prompts, params)
+  for set_name, ledgers in sets.items():
+    for pname, prof in profiles.items():
+      unseen_rows.append(c1_row(set_name, pname, prof, ledgers))
+      u = unseen_rows[-1]
+      print(f"C=1 {set_name} priced with {pname}: tokens per forward linear B=16 "
+            f"{u['linear16_tokens_per_forward']:.2f}, recguide {u['recguide_tokens_per_forward']:.2f}; recguide vs "
+            f"linear B=16 {u['recguide_vs_linear16']:.3f}x (priced), lossless={u['lossless']}", flush=True)
   command = ("python launch/bench_recguide.py --mode=priced --price_profiles=" + ",".join(FLAGS.price_profiles)
              + f" --concurrency={','.join(map(str, levels))} --num_prompts={FLAGS.num_prompts} "
-             f"--max_tokens={FLAGS.max_tokens} --output_dir=docs")
+             f"--max_tokens={FLAGS.max_tokens} --output_dir=docs"
+             + (f" --c1_samples={','.join(FLAGS.c1_samples)}" if FLAGS.c1_samples else ""))
   meta = {"mode": "priced", "checkpoint": str(FLAGS.model or "bundled"), "data": data,
           "num_prompts": FLAGS.num_prompts, "max_tokens": FLAGS.max_tokens, "price_profiles": FLAGS.price_profiles,
           "recguide_tables": tables_path, "recguide_tie_margin": configs[-1][1].tie_margin, "command": command,
@@ -404,7 +428,8 @@ def priced(llm, recguide, levels, params, data, tables_path):
                    f" | {rg['priced_tokens_per_ms']:.3f} | {rg['vs_best_fixed']:.3f}x ({rg['best_fixed']}) | "
                    f"{rg['vs_official_fixed']:.3f}x | {share} | {all(r['lossless'] for r in mine.values())} |")
   if unseen_rows:
-    lines += ["\nC = 1 on prompt sets the tables were not fitted on, beside GSM8K test (tokens per decode forward; "
+    lines += ["\nC = 1 on prompt sets the tables were not fitted on (and the --c1_samples GSM8K samples), beside GSM8K "
+              "test (tokens per decode forward; "
               "RecGuide's verifications, plain or fused, and the draft forwards its reused branches saved; priced "
               "ratios with the profile RecGuide decides with; best fixed: of the fixed rows run on that set, AR and "
               "B = 8/16/32 on GSM8K test, B = 8/16 elsewhere):\n",
@@ -452,6 +477,7 @@ def c1_ledgers(llm, recguide, profiles, prompts, params) -> dict:
   for name, policy in configs:
     llm.set_policy(policy)
     llm.engine.bucketing = "auto"
+    llm.reset_prefix_cache()  # every config starts from the same cache (see `priced`)
     llm.engine.forward_log = []
     reqs, _ = bench.run_concurrent(llm.engine, prompts, params, 1)
     outs = [r.output_ids for r in reqs]
