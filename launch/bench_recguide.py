@@ -428,8 +428,9 @@ def priced(llm, recguide, levels, params, data, tables_path):
                    f" | {rg['priced_tokens_per_ms']:.3f} | {rg['vs_best_fixed']:.3f}x ({rg['best_fixed']}) | "
                    f"{rg['vs_official_fixed']:.3f}x | {share} | {all(r['lossless'] for r in mine.values())} |")
   if unseen_rows:
-    lines += ["\nC = 1 on prompt sets the tables were not fitted on (and the --c1_samples GSM8K samples), beside GSM8K "
-              "test (tokens per decode forward; "
+    lines += ["\nC = 1 on prompt sets the tables were not fitted on"
+              + (" (and the --c1_samples GSM8K samples)" if samples else "") + ", beside GSM8K test (tokens per "
+              "decode forward; "
               "RecGuide's verifications, plain or fused, and the draft forwards its reused branches saved; priced "
               "ratios with the profile RecGuide decides with; best fixed: of the fixed rows run on that set, AR and "
               "B = 8/16/32 on GSM8K test, B = 8/16 elsewhere):\n",
