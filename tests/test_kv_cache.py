@@ -66,14 +66,15 @@ def test_trash_page_never_allocated():
   assert list(row[3:]) == [TRASH_PAGE, TRASH_PAGE]
 
 
-def test_write_block_and_gather_roundtrip():
+@pytest.mark.parametrize("as_rows", [False, True])
+def test_write_block_and_gather_roundtrip(as_rows):
   rng = np.random.default_rng(0)
   pages = jnp.zeros((6, 4, 2 * 3), jnp.float32)  # [N, S, H * D]: the heads folded into the last dim
   table = np.array([[2, 5, 1], [3, 4, 0]], np.int32)
   k_new = rng.normal(size=(2, 5, 2, 3)).astype(np.float32)
   positions = np.array([[3, 4, 5, 6, 7], [0, 1, 2, 3, 4]], np.int32)
   write = np.array([[True] * 5, [True, True, True, False, False]])
-  k_pages, _ = write_block(pages, pages, k_new, k_new, table, positions, write)
+  k_pages, _ = write_block(pages, pages, k_new, k_new, table, positions, write, as_rows=as_rows)
   # token 3 of request 0 sits in logical page 0 (physical 2) at offset 3, head h on columns [3h, 3h + 3)
   np.testing.assert_array_equal(np.asarray(k_pages[2, 3]), k_new[0, 0].reshape(-1))
   logical = np.asarray(gather_prefix(k_pages, table, kv_heads=2))
@@ -82,15 +83,17 @@ def test_write_block_and_gather_roundtrip():
   np.testing.assert_array_equal(logical[1, 3:5], 0)  # unwritten tokens went to the trash page
 
 
-def test_stacked_write_and_gather_touch_only_their_layer():
-  """The scanned model's layout: every layer's pages in one [L, N, S, H * D] array, written and read at a layer."""
+@pytest.mark.parametrize("as_rows", [False, True])
+def test_stacked_write_and_gather_touch_only_their_layer(as_rows):
+  """The scanned model's layout: every layer's pages in one [L, N, S, H * D] array, written and read at a layer
+  (as a scatter at (layer, page, offset), or of whole rows as the TPU step does)."""
   rng = np.random.default_rng(1)
   pages = jnp.asarray(rng.normal(size=(3, 6, 4, 2 * 3)).astype(np.float32))
   table = np.array([[2, 5, 1], [3, 4, 0]], np.int32)
   k_new = rng.normal(size=(2, 5, 2, 3)).astype(np.float32)
   positions = np.array([[3, 4, 5, 6, 7], [0, 1, 2, 3, 4]], np.int32)
   write = np.array([[True] * 5, [True, True, True, False, False]])
-  k_pages, _ = write_block(pages, pages, k_new, k_new, table, positions, write, layer=jnp.int32(1))
+  k_pages, _ = write_block(pages, pages, k_new, k_new, table, positions, write, layer=jnp.int32(1), as_rows=as_rows)
   # layer 1 equals a single-layer write of its own pages; the other layers are untouched
   want_1, _ = write_block(pages[1], pages[1], k_new, k_new, table, positions, write)
   np.testing.assert_array_equal(np.asarray(k_pages[1]), np.asarray(want_1))

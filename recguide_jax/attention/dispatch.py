@@ -48,6 +48,11 @@ def target_platform(platform: str | None):
     _target_platform.reset(token)
 
 
+def tracing_platform() -> str:
+  """The platform the step being traced will run on: `target_platform`'s, else jax's default backend."""
+  return _target_platform.get() or jax.default_backend()
+
+
 def _pow2(n: int) -> bool:
   return n > 0 and n & (n - 1) == 0
 
@@ -74,7 +79,7 @@ def resolve(impl: str, q_shape=(1, 1, 1, 128), page_size: int | None = None,
   """-> (path, variant, interpret): path "reference" or "pallas"; variant "tpu"/"gpu" for pallas."""
   if impl not in IMPLS:
     raise ValueError(f"attention impl must be one of {IMPLS}, got {impl!r}")
-  platform = platform or _target_platform.get() or jax.default_backend()
+  platform = platform or tracing_platform()
   on_accel = platform in ("tpu", "gpu", "cuda", "rocm")
   native = "tpu" if platform == "tpu" else "gpu"
   if impl == "reference" or (impl == "auto" and not on_accel):

@@ -93,26 +93,30 @@ def _slots(page_table: jax.Array, positions: jax.Array, write: jax.Array, page_s
 
 def write_block(k_pages: jax.Array, v_pages: jax.Array, k_new: jax.Array, v_new: jax.Array,
                 page_table: jax.Array, positions: jax.Array, write: jax.Array,
-                layer: jax.Array | int | None = None) -> tuple[jax.Array, jax.Array]:
+                layer: jax.Array | int | None = None, as_rows: bool = False) -> tuple[jax.Array, jax.Array]:
   """Scatters per-token K/V into their pages: token (r, t) goes to slot `positions[r, t]` of request r.
 
   k_new/v_new: [b, T, kv_heads, D]; page_table: [b, P]; positions, write: [b, T]. Tokens with write=False land on
   the trash page, so the scatter has a static shape. Pages are one layer's [num_pages, page_size, H * D] when
   `layer` is None, else every layer's [L, num_pages, page_size, H * D] and the tokens go to layer `layer` (an int
   or an int32 scalar, e.g. a scan's layer index): one scatter into the stacked array, updated in place when it is
-  donated or loop-carried.
+  donated or loop-carried. `as_rows` (for the TPU): a scatter of whole rows into the pages viewed as
+  [rows, H * D], the same update.
   """
   shape = k_pages.shape
   num_pages, page_size, width = shape[-3:]
   page, offset = _slots(page_table, positions, write, page_size)
+  if not as_rows:
+    idx = (page, offset) if layer is None else (jnp.asarray(layer, jnp.int32), page, offset)
+    return (k_pages.at[idx].set(to_storage(fold_heads(k_new), k_pages.dtype)),
+            v_pages.at[idx].set(to_storage(fold_heads(v_new), v_pages.dtype)))
+  # indexed by (layer, page, offset), libtpu gave the loop-carried cache another layout at one KV head per device
+  # and copied all of it back for the attention kernel in every layer; XLA:CPU copies the reshaped one instead
   row = page * page_size + offset
   if layer is not None:
     row = row + jnp.asarray(layer, jnp.int32) * (num_pages * page_size)
   row = row.reshape(-1)
 
-  # a scatter of whole rows into the cache viewed as [rows, H * D] (a free reshape): indexed by (layer, page,
-  # offset) instead, XLA:TPU gave the loop-carried cache another layout at one KV head per device and copied all
-  # of it back for the attention kernel in every layer
   def put(pages, new):
     rows = pages.reshape(-1, width).at[row].set(to_storage(fold_heads(new), pages.dtype).reshape(-1, width))
     return rows.reshape(shape)

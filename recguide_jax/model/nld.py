@@ -232,7 +232,8 @@ class Attention(nnx.Module):
       # Commit first, then attend: the new entries sit at positions >= prefix_len, which the prefix read masks,
       # so the result is the same, and writing before reading lets XLA update the carried pages in place (a
       # read-then-write order made it copy the cache).
-      cache = KVCache(*write_block(cache.k, cache.v, k, v, inp.page_table, positions, inp.kv_write, layer))
+      cache = KVCache(*write_block(cache.k, cache.v, k, v, inp.page_table, positions, inp.kv_write, layer,
+                                   as_rows=attention_dispatch.tracing_platform() == "tpu"))
     if inp.train_block_size:
       out = attn_lib.sbd_training_attention(q, k, v, inp.train_block_size, cfg.head_dim ** -0.5)
     else:
