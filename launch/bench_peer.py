@@ -332,9 +332,9 @@ def ours_run(llm, prompts: list, new_tokens: int) -> dict:
   t0 = time.perf_counter()
   outs = llm.generate(prompts, params)
   wall = time.perf_counter() - t0
-  ttft = max(o.stats["ttft_s"] for o in outs)
-  accepted = [a for o in outs for a in o.stats["accepted_lengths"]]
-  return {"tokens": [list(o.token_ids) for o in outs], "wall_s": wall, "ttft_s": ttft,
+  ttft = max(o.metrics["ttft_s"] for o in outs)
+  accepted = [a for o in outs for a in o.metrics["accepted_lengths"]]
+  return {"tokens": [list(o.outputs[0].token_ids) for o in outs], "wall_s": wall, "ttft_s": ttft,
           "mean_accepted_length": statistics.fmean(accepted) if accepted else 0.0}
 
 

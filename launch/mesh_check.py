@@ -86,7 +86,7 @@ def _generate(llm, name, prompts, tables):
   llm.set_policy(_policy(name, tables))
   outs = llm.generate(prompts, SamplingParams(max_tokens=_MAX_TOKENS.value, temperature=0.0, ignore_eos=True),
                       use_tqdm=False)
-  return [list(o.token_ids) for o in outs]
+  return [list(o.outputs[0].token_ids) for o in outs]
 
 
 def _logits_gap(model, mesh) -> float:
@@ -195,7 +195,7 @@ def _chi_square(mesh_spec: str, samples: int) -> dict:
   index = {c: i for i, c in enumerate(conts)}
   observed = np.zeros(len(conts))
   for o in outs:
-    observed[index[tuple(o.token_ids)]] += 1
+    observed[index[tuple(o.outputs[0].token_ids)]] += 1
   expected = exact / exact.sum() * samples
   pvalue = bench_stats.pooled_chisquare_pvalue(observed, expected)
   return {"mesh": mesh_spec, "samples": samples, "pvalue": pvalue, "ok": pvalue > 0.001}

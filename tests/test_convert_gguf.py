@@ -215,7 +215,7 @@ def test_engine_greedy_tokens_match_transformers(case):
             compile_cache_dir=None, warmup=False)
   prompt = llm.tokenizer.encode(llm.tokenizer.apply_chat_template([{"role": "user", "content": "Hello Tom"}]))
   got = llm.generate([prompt], SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True),
-                     use_tqdm=False)[0].token_ids
+                     use_tqdm=False)[0].outputs[0].token_ids
   seq = list(prompt)
   for _ in range(12):  # the reference's greedy choice; the engine never emits the mask token
     last = _torch_logits(case.torch_model, seq)[-1]
@@ -306,9 +306,9 @@ def test_draft_adapter_attaches_at_conversion_and_keeps_the_verifier(small_tenso
             prefill_chunk=16, warmup=False, compile_cache_dir=None)
   prompts = [[5, 9, 17, 33, 40, 41], [60, 61, 62, 7]]
   params = SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True)
-  spec = [o.token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+  spec = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
   llm.set_policy(ARStrategy())
-  assert [o.token_ids for o in llm.generate(prompts, params, use_tqdm=False)] == spec
+  assert [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)] == spec
 
   # only the mask token's row may be replaced: any other would change the verifier
   raw = json.loads((tmp_path / "adapter" / "adapter_config.json").read_text())

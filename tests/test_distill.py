@@ -158,9 +158,9 @@ def test_exported_adapter_checkpoint_serves_lossless(tmp_path, base_dir):
   assert llm.cfg.lora_rank == 8
   prompts = [r["prompt"] for r in _rows(4, seed=5)]
   params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
-  spec = [o.token_ids for o in llm.generate(prompts, params)]
+  spec = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
   llm.set_policy(ARStrategy())
-  ar = [o.token_ids for o in llm.generate(prompts, params)]
+  ar = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
   assert spec == ar
 
   # the adapter is trained on the doubled training sequence and served over the paged KV cache: the engine's draft
@@ -168,7 +168,7 @@ def test_exported_adapter_checkpoint_serves_lossless(tmp_path, base_dir):
   prompt = (prompts[0] * 8)[:16]  # a whole number of blocks, so the first drafted block is block-aligned
   llm.set_policy(LinearStrategy(8))
   llm.engine.round_log = []
-  served = llm.generate([prompt], params)[0].token_ids
+  served = llm.generate([prompt], params)[0].outputs[0].token_ids
   served_conf = np.asarray(draft_signal_rows(llm.engine.round_log)[0]["conf"])
   llm.engine.round_log = None
   model = ckpt_lib.load_model(out)

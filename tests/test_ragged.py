@@ -50,7 +50,7 @@ def prompts(n, seed):
 def ar_reference(tiny_llm):
   ps = prompts(8, 5)
   tiny_llm.set_policy(ARStrategy())
-  return ps, [o.token_ids for o in tiny_llm.generate(ps, PARAMS)]
+  return ps, [o.outputs[0].token_ids for o in tiny_llm.generate(ps, PARAMS)]
 
 
 def run(llm, ps, strategy, bucketing, concurrency, params=PARAMS):
@@ -132,11 +132,11 @@ def test_ragged_sampling_keeps_the_ar_distribution():
                                               for i in range(n_samples)])
   kinds = {k for k, _, _ in llm.engine.forward_log}
   assert {"ragged_draft", "ragged_verify"} <= kinds
-  rounds = [len(o.stats["block_sizes"]) for o in outs]
+  rounds = [len(o.metrics["block_sizes"]) for o in outs]
   assert np.mean(rounds) >= 3 and min(rounds) >= 2, np.mean(rounds)
-  assert all(len(set(o.stats["block_sizes"])) > 1 for o in outs[:50])  # each request's rows switch blocks
+  assert all(len(set(o.metrics["block_sizes"])) > 1 for o in outs[:50])  # each request's rows switch blocks
   exact = _exact(model, params, n_tokens)
-  pvalue = chi_square_pvalue([o.token_ids for o in outs], exact)
+  pvalue = chi_square_pvalue([o.outputs[0].token_ids for o in outs], exact)
   assert pvalue > 0.01, f"ragged sampled continuations deviate from AR (p={pvalue:.2e})"
 
 

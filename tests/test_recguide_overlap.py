@@ -242,7 +242,7 @@ def test_overlap_is_lossless_and_hits_save_forwards(tiny_llm):
   prompts = [[int(t) for t in np.tile(rng.integers(4, 128, 2), 12)[:int(rng.integers(3, 24))]] for _ in range(6)]
   params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
   tiny_llm.set_policy(ARStrategy())
-  ar = [o.token_ids for o in tiny_llm.generate(prompts, params)]
+  ar = [o.outputs[0].token_ids for o in tiny_llm.generate(prompts, params)]
   # delta 1.0: every position is risky, so corrections are planned whenever an alternative exists;
   # delta 0.0: nothing is risky, so every round carries a continuation branch
   for planner, slots in (("expected_hit", 5), ("expected_hit", 3), ("no_p3", 3)):  # expected_hit: every slot
@@ -251,7 +251,7 @@ def test_overlap_is_lossless_and_hits_save_forwards(tiny_llm):
       tiny_llm.set_policy(last)
       tiny_llm.engine.forward_log = []
       outs = tiny_llm.generate(prompts, params)
-      assert [o.token_ids for o in outs] == ar, (planner, delta)
+      assert [o.outputs[0].token_ids for o in outs] == ar, (planner, delta)
       assert tiny_llm.engine.allocator.num_used == 0
       assert {k for k, _, _ in tiny_llm.engine.forward_log} & {"fused3", "fused5"} == {f"fused{slots}"}
       tiny_llm.engine.forward_log = None
@@ -260,16 +260,16 @@ def test_overlap_is_lossless_and_hits_save_forwards(tiny_llm):
   tiny_llm.set_policy(strategy)
   strategy.overlap_log = []
   logged = tiny_llm.generate(prompts, params)
-  assert [o.token_ids for o in logged] == ar
+  assert [o.outputs[0].token_ids for o in logged] == ar
   rounds = strategy.overlap_log
-  assert len(rounds) == sum(o.stats["rounds"] for o in logged)
+  assert len(rounds) == sum(o.metrics["rounds"] for o in logged)
   counted = strategy.overlap_outcomes["correction_hit"]  # its overlap rounds' outcomes, over every request
   assert ovf.replay_correction_hits(rounds, 16, 4, 0.5) * len(rounds) == pytest.approx(counted)
   hits = last.overlap_outcomes["correction_hit"] + last.overlap_outcomes["continuation_hit"]  # the last sweep's
-  saved = sum(o.stats["rounds"] - o.stats["forwards"]["draft"] for o in outs)
+  saved = sum(o.metrics["rounds"] - o.metrics["forwards"]["draft"] for o in outs)
   # each consumed hit skipped exactly one draft forward (a hit in a request's last round is never consumed)
   assert 0 < saved <= hits
-  assert all(o.stats["forwards"]["verify"] == o.stats["rounds"] for o in outs)
+  assert all(o.metrics["forwards"]["verify"] == o.metrics["rounds"] for o in outs)
 
 
 def test_best_sweep_row_prices_first_then_tokens_per_forward():

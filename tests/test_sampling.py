@@ -121,10 +121,10 @@ def test_speculative_sampling_matches_ar(small_vocab_model, samplers, params):
   for name, llm in samplers.items():
     plist = [SamplingParams(**{**params.__dict__, "seed": 1000 + i}) for i in range(N_SAMPLES)]
     outs = llm.generate([PROMPT] * N_SAMPLES, plist)
-    samples = [o.token_ids for o in outs]
+    samples = [o.outputs[0].token_ids for o in outs]
     assert all(len(s) == N_TOKENS for s in samples)
     results[name] = (chi_square_pvalue(samples, exact),
-                     np.mean([np.mean(o.stats["accepted_lengths"]) for o in outs]))
+                     np.mean([np.mean(o.metrics["accepted_lengths"]) for o in outs]))
   for name, (pvalue, _) in results.items():
     assert pvalue > 0.001, f"{name}: sampled continuations deviate from AR (p={pvalue:.2e})"
   # the min(1, p/q) rule accepts at least as much as the independent-sample rule
