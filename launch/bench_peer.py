@@ -276,8 +276,9 @@ def checkpoint_twin(checkpoint_dir: str | os.PathLike):
   from flax import nnx
 
   from recguide_jax.model import checkpoint as ckpt_lib
+  from recguide_jax.model.params import flatten_params
   model = ckpt_lib.load_model(checkpoint_dir, dtype="float32")
-  flat = ckpt_lib.flatten_params(nnx.state(model, nnx.Param).to_pure_dict())
+  flat = flatten_params(nnx.state(model, nnx.Param).to_pure_dict())
   nld = model.cfg.to_hf_dict()
   twin = ministral3_model(nld)
   state = {k: torch.from_numpy(v.copy()) for k, v in export_state_dict(flat, model.cfg.num_hidden_layers).items()}

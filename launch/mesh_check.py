@@ -136,14 +136,15 @@ def _restore_check(model, mesh) -> dict:
   from recguide_jax.model import checkpoint
 
   from recguide_jax.parallel import data_parallel
+  from recguide_jax.model.params import flatten_params
 
   from recguide_jax.parallel import sharding
   group = data_parallel.first_group(mesh)
   with tempfile.TemporaryDirectory() as tmp:
     checkpoint.save_model(tmp, model)
     restored = checkpoint.load_model(tmp, mesh=group)
-  ref = checkpoint.flatten_params(nnx.state(model, nnx.Param).to_pure_dict())
-  got = checkpoint.flatten_params(nnx.state(restored, nnx.Param).to_pure_dict())
+  ref = flatten_params(nnx.state(model, nnx.Param).to_pure_dict())
+  got = flatten_params(nnx.state(restored, nnx.Param).to_pure_dict())
   cfg, run_cfg = model.cfg, restored.cfg
   r = run_cfg.num_key_value_heads // cfg.num_key_value_heads
   gap, placed = 0.0, True

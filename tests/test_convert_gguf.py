@@ -27,6 +27,7 @@ from recguide_jax import LLM
 from recguide_jax import SamplingParams
 
 from recguide_jax.model import checkpoint
+from recguide_jax.model.params import flatten_params
 from recguide_jax.attention.reference import causal_mask
 from recguide_jax.convert.hf import ConversionError
 from recguide_jax.convert.gguf import convert_gguf_checkpoint
@@ -291,8 +292,8 @@ def test_draft_adapter_attaches_at_conversion_and_keeps_the_verifier(small_tenso
   assert "draft LoRA r=4" in proc.stdout
   base, ours = checkpoint.load_model(tmp_path / "base"), checkpoint.load_model(tmp_path / "ours")
   assert ours.cfg == cfg
-  got = checkpoint.flatten_params(nnx_state(ours))
-  want = checkpoint.flatten_params(nnx_state(base))
+  got = flatten_params(nnx_state(ours))
+  want = flatten_params(nnx_state(base))
   for name, value in got.items():
     if name in flat:
       np.testing.assert_array_equal(np.asarray(value), flat[name])

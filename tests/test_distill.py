@@ -13,6 +13,7 @@ from flax import nnx
 from conftest import tiny_config
 from recguide_jax.decoding.rounds import draft_signal_rows
 from recguide_jax.model import checkpoint as ckpt_lib
+from recguide_jax.model.params import flatten_params
 from recguide_jax.model.nld import ForwardInputs, NLDModel
 from recguide_jax.train import distill
 
@@ -206,7 +207,7 @@ def test_llama_adapter_on_every_projection_with_a_trained_mask_embedding(tmp_pat
   assert raw["target_modules"] == list(LORA_TARGET_MODULES) and raw["trainable_token_indices"] == [MASK]
   read_cfg, flat, rows = peft.read_adapter(tmp_path / "adapter", cfg)
   assert read_cfg.lora_target_modules == LORA_TARGET_MODULES and read_cfg.lora_rank == 4
-  want = ckpt_lib.flatten_params(tr.params["lora"].to_pure_dict())
+  want = flatten_params(tr.params["lora"].to_pure_dict())
   assert set(flat) == set(want) and len(flat) == 2 * len(LORA_TARGET_MODULES)
   for name, value in flat.items():
     np.testing.assert_array_equal(value, np.asarray(want[name]))

@@ -36,6 +36,7 @@ from recguide_jax.parallel import sharding
 from recguide_jax.model.config import NLDConfig
 from recguide_jax.cache.kv_cache import KVCache, write_block
 from recguide_jax.model import rope
+from recguide_jax.model.params import flatten_params, unflatten_params
 
 
 class _WeightArrangement(enum.Enum):
@@ -438,12 +439,7 @@ def model_from_params(cfg: NLDConfig, flat: dict, *, dtype, attention_impl: str 
   their mesh shards); `dtype` is the compute dtype."""
   model = nnx.eval_shape(lambda: NLDModel(cfg, dtype=dtype, param_dtype=dtype))
   state = nnx.state(model, nnx.Param)
-  pure = state.to_pure_dict()
-
-  def fill(tree, prefix=""):
-    return {k: fill(v, f"{prefix}{k}.") if isinstance(v, dict) else flat[f"{prefix}{k}"] for k, v in tree.items()}
-
-  nnx.replace_by_pure_dict(state, fill(pure))
+  nnx.replace_by_pure_dict(state, unflatten_params(state.to_pure_dict(), flat))
   nnx.update(model, state)
   if attention_impl is not None:
     model.layers.self_attn.attention_impl = attention_impl
@@ -456,15 +452,7 @@ def shard_model(model: NLDModel, mesh: jax.sharding.Mesh) -> NLDModel:
   kept."""
   # the sharding rules name the stacked weights, [in, out]
   model = with_kernel_layout(with_layer_loop(model, LayerLoop.SCAN), KernelLayout.IN_OUT)
-  pure = nnx.state(model, nnx.Param).to_pure_dict()
-
-  def flatten(tree, prefix=""):
-    out = {}
-    for k, v in tree.items():
-      out.update(flatten(v, f"{prefix}{k}.") if isinstance(v, dict) else {f"{prefix}{k}": v})
-    return out
-
-  run_cfg, placed = sharding.place_params(flatten(pure), model.cfg, mesh)
+  run_cfg, placed = sharding.place_params(flatten_params(nnx.state(model, nnx.Param).to_pure_dict()), model.cfg, mesh)
   return model_from_params(run_cfg, placed, dtype=model.embed_tokens.dtype,
                            attention_impl=getattr(model.layers.self_attn, "attention_impl", None))
 
