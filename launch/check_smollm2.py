@@ -52,7 +52,7 @@ def main(argv):
   from recguide_jax import SamplingParams
 
   from recguide_jax.model import checkpoint
-  from recguide_jax.attention.reference import causal_mask
+  from pallas_kernels.common import causal_mask
   from recguide_jax.model.nld import ForwardInputs
 
   ckpt = pathlib.Path(_MODEL.value)

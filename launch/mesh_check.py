@@ -100,12 +100,13 @@ def _logits_gap(model, mesh) -> float:
 
   from recguide_jax.parallel import sharding
   from recguide_jax.cache.kv_cache import KVCache
+  from pallas_kernels.common import causal_mask
   from recguide_jax.model.nld import ForwardInputs, shard_model
   b, q = 2, 16
   rng = np.random.default_rng(1)
   inp = dict(tokens=rng.integers(4, model.cfg.vocab_size, (b, q)).astype(np.int32),
              positions=np.broadcast_to(np.arange(q, dtype=np.int32), (b, q)).copy(),
-             block_mask=np.tril(np.ones((q, q), bool)), prefix_len=np.zeros((b,), np.int32),
+             block_mask=causal_mask(q), prefix_len=np.zeros((b,), np.int32),
              page_table=np.asarray([[1, 2], [3, 4]], np.int32), kv_write=np.ones((b, q), bool),
              lora_mask=np.ones((b, q), bool))
 
@@ -165,6 +166,7 @@ def _chi_square(mesh_spec: str, samples: int) -> dict:
   import jax.numpy as jnp
   import numpy as np
   from flax import nnx
+  from pallas_kernels.common import causal_mask
   from recguide_jax.benchmarks import stats as bench_stats
 
   from recguide_jax import LLM
@@ -184,7 +186,7 @@ def _chi_square(mesh_spec: str, samples: int) -> dict:
   conts = list(itertools.product([t for t in range(vocab) if t != mask], repeat=n))
   seqs = jnp.asarray([prompt + list(c) for c in conts])
   logits, _ = model(ForwardInputs(tokens=seqs, positions=jnp.broadcast_to(jnp.arange(seqs.shape[1]), seqs.shape),
-                                  block_mask=jnp.tril(jnp.ones((seqs.shape[1],) * 2, bool))))
+                                  block_mask=causal_mask(seqs.shape[1])))
   b = len(conts)
   p = np.asarray(sampling.processed_probs(logits, jnp.ones((b,)), jnp.zeros((b,), jnp.int32), jnp.ones((b,)), mask),
                  np.float64)  # float64: scipy wants the observed and expected totals equal to 1.5e-8

@@ -27,7 +27,7 @@ import hf_reference as ref  # noqa: E402
 from recguide_jax import SamplingParams
 
 from recguide_jax.model import checkpoint  # noqa: E402
-from recguide_jax.attention.reference import causal_mask  # noqa: E402
+from pallas_kernels.common import causal_mask  # noqa: E402
 from recguide_jax.convert.hf import convert_hf_checkpoint  # noqa: E402
 from recguide_jax.cache.kv_cache import storage_dtype  # noqa: E402
 from recguide_jax.llm import LLM  # noqa: E402

@@ -28,7 +28,7 @@ from recguide_jax import SamplingParams
 
 from recguide_jax.model import checkpoint
 from recguide_jax.model.params import flatten_params
-from recguide_jax.attention.reference import causal_mask
+from pallas_kernels.common import causal_mask
 from recguide_jax.convert.hf import ConversionError
 from recguide_jax.convert.gguf import convert_gguf_checkpoint
 from recguide_jax.model.nld import ForwardInputs

@@ -31,7 +31,7 @@ from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS  # noqa: E402
 
 from recguide_jax.model import checkpoint  # noqa: E402
 from recguide_jax.model.params import flatten_params  # noqa: E402
-from recguide_jax.attention.reference import causal_mask, full_mask  # noqa: E402
+from pallas_kernels.common import causal_mask, full_mask  # noqa: E402
 from recguide_jax.model.config import PRESETS, ConfigError, NLDConfig  # noqa: E402
 from recguide_jax.convert.hf import ConversionError, convert_hf_checkpoint  # noqa: E402
 from recguide_jax.cache.kv_cache import TRASH_PAGE, PageAllocator  # noqa: E402

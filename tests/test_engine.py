@@ -7,6 +7,7 @@ import jax
 import numpy as np
 import pytest
 
+from pallas_kernels.common import causal_mask
 from recguide_jax import SamplingParams
 from recguide_jax.decoding.builtin import ARStrategy, DiffusionStrategy, LinearStrategy
 from recguide_jax.engine.requests import RequestError
@@ -216,7 +217,7 @@ def test_diffusion_commit_seeds_are_ar_predictions(tiny_llm, tiny_model):
     seq = p + r.output_ids
     n = len(seq)
     logits, _ = tiny_model(ForwardInputs(tokens=jnp.asarray([seq]), positions=jnp.arange(n)[None],
-                                         block_mask=jnp.tril(jnp.ones((n, n), bool))))
+                                         block_mask=causal_mask(n)))
     ar = np.asarray(jnp.argmax(logits[0].at[:, 3].set(-jnp.inf), -1))
     # output index 0 is the prefill's token; then each round emits 7 denoised tokens + 1 committed seed
     assert r.output_ids[0] == ar[len(p) - 1]

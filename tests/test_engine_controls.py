@@ -6,6 +6,7 @@ import jax
 import numpy as np
 import pytest
 
+from pallas_kernels.common import causal_mask
 from recguide_jax import SamplingParams
 from recguide_jax.decoding.builtin import ARStrategy, DiffusionStrategy, LinearStrategy
 from recguide_jax.decoding.rounds import verified_output
@@ -73,7 +74,7 @@ class OracleRound(Round):
       kind = StepKind.VERIFY
     else:
       positions = batch.prefix_len[:, None] + np.arange(blk)[None, :]
-      mask = np.broadcast_to(np.tril(np.ones((blk, blk), bool)), (b, blk, blk)).copy()
+      mask = np.broadcast_to(causal_mask(blk), (b, blk, blk)).copy()
       res, _, _ = runner.fused(tokens, positions, mask, np.zeros((b, blk), bool),
                                np.broadcast_to(batch.live[:, None], (b, blk)).copy(), batch.prefix_len,
                                batch.page_table, batch.samp, blk)

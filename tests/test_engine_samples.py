@@ -12,6 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from pallas_kernels.common import causal_mask
 from recguide_jax import SamplingParams
 
 from recguide_jax.decoding.builtin import ARStrategy, LinearStrategy
@@ -28,7 +29,7 @@ def reference_logprobs(model, prompt):
   """log_softmax of a plain causal forward over the whole prompt, mask token excluded (the raw distribution)."""
   n = len(prompt)
   logits, _ = model(ForwardInputs(tokens=jnp.asarray([prompt]), positions=jnp.arange(n)[None],
-                                  block_mask=jnp.tril(jnp.ones((n, n), bool))))
+                                  block_mask=causal_mask(n)))
   logits = logits[0].at[:, model.cfg.mask_token_id].set(-jnp.inf)
   return np.asarray(jax.nn.log_softmax(logits, axis=-1))
 

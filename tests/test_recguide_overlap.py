@@ -5,6 +5,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from pallas_kernels.common import causal_mask
 from recguide_jax import SamplingParams
 from recguide_jax.model.nld import ForwardInputs
 from recguide_jax.recguide import overlap as ov
@@ -157,7 +158,7 @@ def test_tree_layout_mask_positions_lora():
   assert list(pos[:4]) == [20, 21, 22, 23] and list(pos[4:8]) == [22, 23, 24, 25] and list(pos[8:12]) == [24, 25,
                                                                                                         26, 27]
   assert list(write) == [True] * 4 + [False] * 12 and list(lora) == [False] * 4 + [True] * 8 + [False] * 4
-  np.testing.assert_array_equal(mask[:4, :4], np.tril(np.ones((4, 4), bool)))
+  np.testing.assert_array_equal(mask[:4, :4], causal_mask(4))
   assert not mask[:4, 4:].any()  # the verifier never sees branches
   for q in range(4, 8):  # correction block: verifier tokens 0..1 + own block
     assert list(np.nonzero(mask[q])[0]) == [0, 1, 4, 5, 6, 7]
@@ -215,13 +216,13 @@ def test_fused_forward_is_exact(tiny_model):
   pt = alloc.page_table_row("r", 16)
   cache = tiny_model.new_cache(64, 8)
   n = len(prompt)
-  _, cache = _forward(tiny_model, prompt, np.arange(n), np.tril(np.ones((n, n), bool)), 0, pt, cache,
+  _, cache = _forward(tiny_model, prompt, np.arange(n), causal_mask(n), 0, pt, cache,
                       write=np.ones(n, bool))
   draft = rng.integers(4, 128, blk)
   branches = [ov.Branch("correction", 3, alt=77), ov.Branch("continuation", blk)]
   tokens, pos, mask, lora, write = ov.tree_layout(blk, draft, branches, n, mask_id)
   fused_logits, fused_cache = _forward(tiny_model, tokens, pos, mask, n, pt, cache, write=write, lora=lora)
-  plain_logits, plain_cache = _forward(tiny_model, draft, n + np.arange(blk), np.tril(np.ones((blk, blk), bool)), n,
+  plain_logits, plain_cache = _forward(tiny_model, draft, n + np.arange(blk), causal_mask(blk), n,
                                        pt, cache, write=np.ones(blk, bool))
   np.testing.assert_allclose(fused_logits[0, :blk], plain_logits[0], atol=1e-5)
   for a, b in zip((fused_cache.k, fused_cache.v), (plain_cache.k, plain_cache.v)):  # [L, pages, ...]

@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from pallas_kernels.common import causal_mask
 from recguide_jax import LLM
 
 from recguide_jax import SamplingParams
@@ -42,7 +43,7 @@ def exact_distribution(model, params: SamplingParams):
   seqs = jnp.asarray([PROMPT + list(c) for c in conts])
   b, n = seqs.shape
   logits, _ = model(ForwardInputs(tokens=seqs, positions=jnp.broadcast_to(jnp.arange(n), (b, n)),
-                                  block_mask=jnp.tril(jnp.ones((n, n), bool))))
+                                  block_mask=causal_mask(n)))
   probs = {}
   if params.has_controls:  # the controls depend on each continuation's own history: vLLM's formulas, in numpy
     logits = np.asarray(logits)

@@ -18,6 +18,7 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 from conftest import COMPILE_FLAGS
+from pallas_kernels.common import causal_mask
 from recguide_jax.attention import reference as attention
 from recguide_jax.attention import dispatch as attention_dispatch
 from recguide_jax.model import checkpoint
@@ -110,7 +111,7 @@ def test_kv_heads_replicated_in_groups_when_tp_exceeds_them():
   rng = np.random.default_rng(0)
   b, q, hq, hkv, d, r = 2, 5, 8, 2, 16, 4
   qs, ks, vs = (jnp.asarray(rng.normal(size=(b, q, h, d)), jnp.float32) for h in (hq, hkv, hkv))
-  mask = jnp.tril(jnp.ones((q, q), bool))
+  mask = causal_mask(q)
   expand = lambda x: sharding.replicate_kv_heads(x.reshape(b, q, hkv * d), hkv, d, r).reshape(b, q, hkv * r, d)
   one = attention.block_attention_ref(qs, ks, vs, mask, scale=d ** -0.5)
   rep = attention.block_attention_ref(qs, expand(ks), expand(vs), mask, scale=d ** -0.5)

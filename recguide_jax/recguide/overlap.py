@@ -25,6 +25,8 @@ from typing import Sequence
 
 import numpy as np
 
+from pallas_kernels.common import causal_mask
+
 MAX_BRANCHES = 3  # the paper's tree: up to P1, P2 and the continuation (the default number of branch slots)
 MAX_SLOTS = 8  # the widest fused tree offered: 9B query tokens per request
 PLANNERS = ("no_p3", "expected_hit")  # the paper's final rule (default), our slot-filling alternative
@@ -134,7 +136,7 @@ def tree_layout(block: int, draft: np.ndarray, branches: Sequence[Branch], commi
   write = np.zeros((q,), bool)
   tokens[:block] = draft
   positions[:block] = committed + np.arange(block)
-  mask[:block, :block] = np.tril(np.ones((block, block), bool))
+  mask[:block, :block] = causal_mask(block)
   write[:block] = True
   for k in range(slots):
     lo = (k + 1) * block

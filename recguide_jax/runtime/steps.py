@@ -17,6 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from pallas_kernels.common import causal_mask
 from recguide_jax.model.nld import ForwardInputs, NLDModel, RaggedLayout
 from recguide_jax.parallel import sharding
 from recguide_jax.runtime import sampling
@@ -105,7 +106,7 @@ class StepFunctions:
     of SCORE_SLICE positions, so the step's peak holds [b, SCORE_SLICE, V] logits, and only the small results
     leave the device."""
     cfg = self.cfg
-    mask = jnp.tril(jnp.ones((chunk, chunk), bool))
+    mask = jnp.asarray(causal_mask(chunk))
 
     def fn(state, cache, tokens, valid, prefix_len, page_table, last_idx, *rest):
       targets, samp = (rest[0], rest[1:]) if score else (None, rest)
@@ -151,7 +152,7 @@ class StepFunctions:
 
   def _verify(self, blk: int):
     cfg, rule = self.cfg, self.rule
-    mask = jnp.tril(jnp.ones((blk, blk), bool))
+    mask = jnp.asarray(causal_mask(blk))
 
     def fn(state, cache, tokens, q, write, prefix_len, page_table, *samp, extra=None, offset=0):
       temperature, top_k, top_p, keys, top_logprobs, controls = unpack_sampling(samp)
@@ -342,7 +343,7 @@ class StepFunctions:
       layout, j = ragged_layout(row_len, width, total)
       prefix_len = jnp.where(row_len > 0, prefix_len, 0)
       tokens = drafted.at[:, 0].set(seed)
-      mask = jnp.tril(jnp.ones((width, width), bool))[None] & (jnp.arange(width)[None, None, :] <
+      mask = jnp.asarray(causal_mask(width))[None] & (jnp.arange(width)[None, None, :] <
                                                                row_len[:, None, None])
       kv_write = write[:, None] & (jnp.arange(width)[None, :] < row_len[:, None])
       inp = ragged_inputs(layout, j, tokens, prefix_len, page_table, mask, kv_write, None)
