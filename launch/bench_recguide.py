@@ -29,7 +29,9 @@ every fixed alternative priced by the same P:
 With --unseen (the default) it also runs C = 1 on prompt sets the tables were not fitted on
 (`recguide_jax.benchmarks.unseen`: the shipped word problems and far GSM8K train questions): LinearSS B = 8 and 16 and
 RecGuide deciding with each profile, reported beside GSM8K test's C = 1 as tokens per decode forward and the priced
-ratio to LinearSS B = 16, so a controller that keeps overlap's gain only on its fitting set shows.
+ratio to LinearSS B = 16, so a controller that keeps overlap's gain only on its fitting set shows. Each ratio there
+carries a 95% interval from a bootstrap over the set's prompts; --c1_samples adds further GSM8K samples to that table
+(how far the ratio moves between samples of one distribution).
 
 Reports go to --output_dir (default runs/bench_recguide): bench_recguide.{json,md}, bench_recguide_steady.{json,md}
 or bench_recguide_priced.{json,md}.
@@ -68,6 +70,9 @@ flags.DEFINE_list("price_profiles", ["b200_nld8b"], "--mode=priced: the profiles
                   "with and every run is priced with.")
 flags.DEFINE_bool("unseen", True, "--mode=priced: also run C = 1 on prompt sets the tables were not fitted on "
                   "(recguide_jax.benchmarks.unseen), --num_prompts of each.")
+flags.DEFINE_list("c1_samples", [], "--mode=priced: further GSM8K samples run at C = 1 like the unseen sets, each "
+                  "SPLIT@OFFSET (test@200: --num_prompts test questions from 200), to show how far the C = 1 ratio "
+                  "moves between prompt samples of one distribution.")
 flags.DEFINE_integer("steady_requests_per_slot", 8, "--mode=steady: requests per level = max(--num_prompts, this * C) "
                      "(GSM8K questions, reused in turn if the file has fewer).")
 cli.define_output_flags("bench_recguide")
@@ -170,6 +175,7 @@ def main(argv):
       for name, policy in order + ([(n, p) for n, p in configs if n not in WALL_ROWS] if rep == 0 else []):
         llm.set_policy(policy)
         llm.engine.bucketing = BUCKETING.get(name, "auto")
+        llm.reset_prefix_cache()  # every config starts from the same cache (see `priced`)
         llm.engine.forward_log = []
         runs[name].append(bench.run_concurrent(llm.engine, prompts, params, c))
         logs[name] += llm.engine.forward_log
@@ -287,6 +293,7 @@ def held_load(llm, recguide, default, levels, params, data, tables_path):
 
   def before_run(name):
     llm.engine.bucketing = "auto"
+    llm.reset_prefix_cache()  # every config starts from the same cache (see `priced`)
 
   result = steady.held_load_comparison(
       llm, lambda c: prompts[:max(FLAGS.num_prompts, FLAGS.steady_requests_per_slot * c)], params, levels, configs,
@@ -326,6 +333,12 @@ def priced(llm, recguide, levels, params, data, tables_path):
     path = spec if os.path.exists(spec) else os.path.join(ROOT, spec)
     prof = prof_lib.load_profile(path if os.path.exists(path) else spec)
     profiles[prof.name or os.path.splitext(os.path.basename(spec))[0]] = prof
+  samples = []  # --c1_samples as (split, offset), checked before the long runs
+  for spec in FLAGS.c1_samples:
+    split, _, offset = spec.partition("@")
+    if split not in ("test", "train") or not offset.isdigit():
+      sys.exit(f"error: --c1_samples entries are SPLIT@OFFSET with SPLIT test or train, got {spec!r}")
+    samples.append((split, int(offset)))
   prompts = bench.gsm8k_prompts(data, FLAGS.num_prompts, llm.tokenizer)
   fixed = ("ar", "linear B=8", "linear B=16", "linear B=32")
   rows = []
@@ -337,20 +350,24 @@ def priced(llm, recguide, levels, params, data, tables_path):
     for name, policy in configs:
       llm.set_policy(policy)
       llm.engine.bucketing = "auto"
+      # a prompt whose prefix is cached prefills at once, which changes how the decode steps batch: the config run
+      # after another on the same prompts would decode differently (at C = 32 fixed B = 8 priced 4.339 warm, 4.263
+      # cold), so every config starts from an empty prefix cache
+      llm.reset_prefix_cache()
       llm.engine.forward_log = []
       reqs, _ = bench.run_concurrent(llm.engine, prompts, params, c)
       outs = [r.output_ids for r in reqs]
       ar_out = outs if name == "ar" else ar_out
       ledgers[name] = (llm.engine.forward_log, sum(len(o) for o in outs), outs == ar_out,
                        dict(getattr(policy, "regime_counts", {})),
-                       [b for r in reqs for b in r.stats.block_sizes])
+                       [b for r in reqs for b in r.stats.block_sizes], [len(o) for o in outs])
       llm.engine.forward_log = None
     if c == 1:
       ledgers_at_1 = ledgers
     for pname, prof in profiles.items():
       rates = {}
       for name in fixed + (f"recguide@{pname}",):
-        log, tokens, lossless, regimes, blocks = ledgers[name]
+        log, tokens, lossless, regimes, blocks, _ = ledgers[name]
         ms = bench.priced_ms(log, prof)
         rates[name] = tokens / ms
         rows.append({"price_profile": pname, "concurrency": c, "policy": name, "generated_tokens": tokens,
@@ -372,16 +389,23 @@ def priced(llm, recguide, levels, params, data, tables_path):
     sets = {"gsm8k_test": ledgers_at_1} if ledgers_at_1 else {}
     for set_name, set_prompts in unseen.prompt_sets(FLAGS.num_prompts, llm.tokenizer, FLAGS.gsm8k_dir).items():
       sets[set_name] = c1_ledgers(llm, recguide, profiles, set_prompts, params)
-    for set_name, ledgers in sets.items():
-      for pname, prof in profiles.items():
-        unseen_rows.append(c1_row(set_name, pname, prof, ledgers))
-        u = unseen_rows[-1]
-        print(f"C=1 {set_name} priced with {pname}: tokens per forward linear B=16 "
-              f"{u['linear16_tokens_per_forward']:.2f}, recguide {u['recguide_tokens_per_forward']:.2f}; recguide vs "
-              f"linear B=16 {u['recguide_vs_linear16']:.3f}x (priced), lossless={u['lossless']}", flush=True)
+  else:
+    sets = {"gsm8k_test": ledgers_at_1} if ledgers_at_1 and samples else {}
+  for split, offset in samples:
+    set_prompts = bench.gsm8k_prompts(bench.gsm8k_file(split, FLAGS.gsm8k_dir), FLAGS.num_prompts, llm.tokenizer,
+                                      offset=offset)
+    sets[f"gsm8k_{split}@{offset}"] = c1_ledgers(llm, recguide, profiles, set_prompts, params)
+  for set_name, ledgers in sets.items():
+    for pname, prof in profiles.items():
+      unseen_rows.append(c1_row(set_name, pname, prof, ledgers))
+      u = unseen_rows[-1]
+      print(f"C=1 {set_name} priced with {pname}: tokens per forward linear B=16 "
+            f"{u['linear16_tokens_per_forward']:.2f}, recguide {u['recguide_tokens_per_forward']:.2f}; recguide vs "
+            f"linear B=16 {u['recguide_vs_linear16']:.3f}x (priced), lossless={u['lossless']}", flush=True)
   command = ("python launch/bench_recguide.py --mode=priced --price_profiles=" + ",".join(FLAGS.price_profiles)
              + f" --concurrency={','.join(map(str, levels))} --num_prompts={FLAGS.num_prompts} "
-             f"--max_tokens={FLAGS.max_tokens} --output_dir=docs")
+             f"--max_tokens={FLAGS.max_tokens} --output_dir=docs"
+             + (f" --c1_samples={','.join(FLAGS.c1_samples)}" if FLAGS.c1_samples else ""))
   meta = {"mode": "priced", "checkpoint": str(FLAGS.model or "bundled"), "data": data,
           "num_prompts": FLAGS.num_prompts, "max_tokens": FLAGS.max_tokens, "price_profiles": FLAGS.price_profiles,
           "recguide_tables": tables_path, "recguide_tie_margin": configs[-1][1].tie_margin, "command": command,
@@ -404,18 +428,23 @@ def priced(llm, recguide, levels, params, data, tables_path):
                    f" | {rg['priced_tokens_per_ms']:.3f} | {rg['vs_best_fixed']:.3f}x ({rg['best_fixed']}) | "
                    f"{rg['vs_official_fixed']:.3f}x | {share} | {all(r['lossless'] for r in mine.values())} |")
   if unseen_rows:
-    lines += ["\nC = 1 on prompt sets the tables were not fitted on, beside GSM8K test (tokens per decode forward; "
+    lines += ["\nC = 1 on prompt sets the tables were not fitted on"
+              + (" (and the --c1_samples GSM8K samples)" if samples else "") + ", beside GSM8K test (tokens per "
+              "decode forward; "
               "RecGuide's verifications, plain or fused, and the draft forwards its reused branches saved; priced "
               "ratios with the profile RecGuide decides with; best fixed: of the fixed rows run on that set, AR and "
               "B = 8/16/32 on GSM8K test, B = 8/16 elsewhere):\n",
               "| prompt set | priced with | LinearSS B=16 tokens/forward | RecGuide tokens/forward | RecGuide drafts / "
-              "verifications (saved) | RecGuide vs LinearSS B=16 | RecGuide vs best fixed | lossless |",
+              "verifications (saved) | RecGuide vs LinearSS B=16 (95% interval over prompts) | RecGuide vs best fixed | "
+              "lossless |",
               "|" + "---|" * 8]
     for u in unseen_rows:
+      lo, hi = u["recguide_vs_linear16_ci95"]
       lines.append(f"| {u['prompt_set']} | {u['price_profile']} | {u['linear16_tokens_per_forward']:.2f} | "
                    f"{u['recguide_tokens_per_forward']:.2f} | {u['recguide_forwards']['draft']} / "
                    f"{u['recguide_forwards']['verify']} ({u['recguide_forwards']['saved_drafts']}) | "
-                   f"{u['recguide_vs_linear16']:.3f}x | {u['recguide_vs_best_fixed']:.3f}x ({u['best_fixed']}) | "
+                   f"{u['recguide_vs_linear16']:.3f}x ({lo:.3f}-{hi:.3f}) | {u['recguide_vs_best_fixed']:.3f}x "
+                   f"({u['best_fixed']}) | "
                    f"{u['lossless']} |")
   out_json = cli.report_path("bench_recguide_priced.json")
   out_md = cli.report_path("bench_recguide_priced.md")
@@ -439,7 +468,8 @@ def priced(llm, recguide, levels, params, data, tables_path):
 
 def c1_ledgers(llm, recguide, profiles, prompts, params) -> dict:
   """C = 1 runs of LinearSS B = 8 and 16 and RecGuide deciding with each profile over `prompts`, as `priced` keeps
-  them: {name: (forward ledger, tokens, same outputs as LinearSS B = 16, regime counts, block sizes)}."""
+  them: {name: (forward ledger, tokens, same outputs as LinearSS B = 16, regime counts, block sizes, tokens per
+  request)}."""
   from recguide_jax import benchmarks as bench
   from recguide_jax.decoding.builtin import LinearStrategy
   configs = ([(f"linear B={b}", LinearStrategy(b)) for b in (16, 8)]
@@ -448,12 +478,14 @@ def c1_ledgers(llm, recguide, profiles, prompts, params) -> dict:
   for name, policy in configs:
     llm.set_policy(policy)
     llm.engine.bucketing = "auto"
+    llm.reset_prefix_cache()  # every config starts from the same cache (see `priced`)
     llm.engine.forward_log = []
     reqs, _ = bench.run_concurrent(llm.engine, prompts, params, 1)
     outs = [r.output_ids for r in reqs]
     reference = outs if reference is None else reference  # greedy LinearSS equals AR (tested), B = 16 runs first
     ledgers[name] = (llm.engine.forward_log, sum(len(o) for o in outs), outs == reference,
-                     dict(getattr(policy, "regime_counts", {})), [b for r in reqs for b in r.stats.block_sizes])
+                     dict(getattr(policy, "regime_counts", {})), [b for r in reqs for b in r.stats.block_sizes],
+                     [len(o) for o in outs])
     llm.engine.forward_log = None
   return ledgers
 
@@ -468,11 +500,21 @@ def c1_row(set_name: str, pname: str, prof, ledgers: dict) -> dict:
   mine = f"recguide@{pname}"
   per_forward = {name: ledgers[name][1] / bench.ledger_counts(ledgers[name][0])["forwards"]
                  for name in ("linear B=16", mine)}
+  # the same ratio per prompt, resampled: how far it moves with which prompts the set drew (C = 1 runs one request
+  # after another, so each request's forwards are its own)
+  per_prompt = {}
+  for name in ("linear B=16", mine):
+    parts = bench.split_sequential_ledger(ledgers[name][0])
+    if len(parts) != len(ledgers[name][5]):
+      raise ValueError(f"{name}: {len(parts)} request ledgers for {len(ledgers[name][5])} requests")
+    per_prompt[name] = [(tok, bench.priced_ms(part, prof)) for tok, part in zip(ledgers[name][5], parts)]
+  interval = bench.paired_rate_ratio(per_prompt[mine], per_prompt["linear B=16"])["ci95"]
   return {"prompt_set": set_name, "price_profile": pname, "tokens": ledgers[mine][1],
           "linear16_tokens_per_forward": per_forward["linear B=16"], "recguide_tokens_per_forward": per_forward[mine],
           "recguide_forwards": bench.ledger_counts(ledgers[mine][0]), "regimes": ledgers[mine][3],
           "priced_tokens_per_ms": {name: rates[name] for name in (*fixed, mine)},
-          "recguide_vs_linear16": rates[mine] / rates["linear B=16"], "best_fixed": best,
+          "recguide_vs_linear16": rates[mine] / rates["linear B=16"], "recguide_vs_linear16_ci95": interval,
+          "best_fixed": best,
           "recguide_vs_best_fixed": rates[mine] / rates[best],
           "lossless": all(lossless for _, _, lossless, *_ in ledgers.values())}
 

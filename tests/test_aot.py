@@ -157,6 +157,49 @@ print("RESULT" + json.dumps(out))
 """
 
 
+_CACHE_WRITE_PROBE = """
+import dataclasses, json, sys
+sys.path.insert(0, {root!r})
+from recguide_jax.aot import targets
+targets.prepare_environment()
+from recguide_jax.attention import dispatch as attention_dispatch
+from recguide_jax.aot import inspect as hlo
+from recguide_jax.aot.compile import policy_runner_config, shapes_config, target_mesh
+from recguide_jax.cache.memory_plan import _abstract_runner, _nbytes
+from recguide_jax.runtime.step_key import StepKey, StepKind
+cfg = shapes_config({model!r}, 16)
+_, rc, _, _ = policy_runner_config("linear", block_size=8, max_num_seqs=1, max_model_len=256, page_size=16,
+                                   prefill_chunk=64)
+out = {{}}
+with attention_dispatch.target_platform("tpu"):
+  runner = _abstract_runner(cfg, "bfloat16", dataclasses.replace(rc, num_pages=8192), "pallas",
+                            target_mesh(targets.parse_target("v5e:2x2"), 2))
+  cache_bytes = _nbytes(runner.cache)
+  for key in (StepKey(StepKind.DECODE, 1, 1), StepKey(StepKind.VERIFY, 8, 1)):
+    compiled = runner.compiled(key)
+    out[key.name] = {{"temp": compiled.memory_analysis().temp_size_in_bytes, "cache": cache_bytes,
+                     "copies": [b.shape for b in hlo.large_buffers(compiled.as_text(), cache_bytes // 8)]}}
+print("RESULT" + json.dumps(out))
+"""
+
+
+def test_a_cache_write_at_one_kv_head_per_device_copies_no_cache_on_a_tpu(tmp_path):
+  """At one KV head per device (NLD's 8 KV heads at tp=8), a cache write indexed by (layer, page, offset) made
+  libtpu give the loop-carried cache another layout and copy all of it back for the attention kernel in every
+  layer: temporaries as large as the cache (541 MB at 32768 pages of this model). Written as whole rows they stay
+  a few MB whatever the cache size."""
+  why = targets.missing_compiler(targets.Platform.TPU)
+  if why:
+    pytest.skip(why)
+  model = _small_lane_dense_model(tmp_path)
+  proc = subprocess.run([sys.executable, "-c", _CACHE_WRITE_PROBE.format(root=ROOT, model=model)],
+                        env={**os.environ, "PYTHONPATH": ROOT}, capture_output=True, text=True, timeout=1200)
+  assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+  out = json.loads(proc.stdout.split("RESULT", 1)[1])
+  for name, found in out.items():
+    assert found["temp"] < 0.05 * found["cache"] and not found["copies"], (name, found)
+
+
 def test_recguide_logits_stay_vocab_sharded_and_sliced_on_a_tpu(tmp_path):
   """Issue 33: the fused step held [b, 4B, V] float32 logits (1.9 GB per v5e chip for NLD-8B) and the draft gathered
   its [b, B, V] distributions onto every device. Compiled by libtpu at tp=2 with a slice budget of one block: no

@@ -59,6 +59,34 @@ def test_paired_ratio_interval_separates_a_real_gap_from_noise():
     bench.pooled_ratio_interval([])
 
 
+def test_split_sequential_ledger_cuts_at_each_requests_prefill():
+  log = [("prefill", 256, 1), ("prefill", 64, 1), ("draft", 16, 1), ("fused4", 16, 1), ("prefill", 64, 1),
+         ("verify", 16, 1), ("decode", 1, 1)]
+  parts = bench.split_sequential_ledger(log)
+  assert parts == [log[:4], log[4:]]
+  assert sum(bench.ledger_counts(p)["forwards"] for p in parts) == bench.ledger_counts(log)["forwards"]
+  with pytest.raises(ValueError, match="one after another"):  # two requests in one forward: no per-request cut
+    bench.split_sequential_ledger([("prefill", 64, 1), ("verify", 16, 2)])
+  with pytest.raises(ValueError, match="start with a prefill"):
+    bench.split_sequential_ledger([("draft", 16, 1)])
+
+
+def test_paired_rate_ratio_is_the_pooled_ratio_with_a_prompt_bootstrap():
+  rng = np.random.default_rng(0)
+  ms = rng.uniform(50, 150, 40)
+  tokens = rng.integers(60, 128, 40).astype(float)
+  base = list(zip(tokens, ms))
+  faster = list(zip(tokens, ms / 1.2 * rng.uniform(0.9, 1.1, 40)))  # ~1.2x on every prompt, with spread
+  out = bench.paired_rate_ratio(faster, base)
+  want = (tokens.sum() / sum(m for _, m in faster)) / (tokens.sum() / ms.sum())
+  assert out["ratio"] == pytest.approx(want) and out["prompts"] == 40
+  lo, hi = out["ci95"]
+  assert lo < want < hi and lo > 1.1 and hi < 1.3 and hi - lo > 0.005
+  assert bench.paired_rate_ratio(base, base)["ci95"] == pytest.approx([1.0, 1.0])
+  with pytest.raises(ValueError):
+    bench.paired_rate_ratio(base, base[:-1])
+
+
 def test_paired_wall_ratios_pair_each_repeat_with_its_best_baseline():
   ratios = bench.paired_wall_ratios([2.0, 4.0, 3.0], {"ar": [2.2, 4.0, 3.3], "linear B=8": [1.9, 5.0, 3.6]})
   assert ratios == pytest.approx([1.9 / 2.0, 4.0 / 4.0, 3.3 / 3.0])

@@ -124,24 +124,28 @@ def test_multi_step_decode_equals_one_step_calls(tiny_llm, tiny_model, ar_output
   assert outs[1][1].outputs[0].token_ids == expected[1][:expected[1].index(stop_tok) + 1]
 
 
-def test_pipelined_decode_is_exact(tiny_llm, ar_outputs):
-  """AR calls dispatched ahead (the next call starts from the previous one's device tokens before the host reads
-  them) give the synchronous engine's streams exactly: greedy, sampled and logprobs, through stop tokens and
-  max_tokens (a request that stops wastes its row of the call in flight), and requests joining mid-run."""
+@pytest.mark.parametrize("strategy_cls", ["ar", "linear"])
+def test_pipelined_rounds_are_exact(tiny_llm, ar_outputs, strategy_cls):
+  """AR calls and LinearSS rounds dispatched ahead (the next call starts from the inputs the previous step returned
+  on the device, before the host reads it back) give the synchronous engine's streams exactly: greedy, sampled and
+  logprobs, through stop tokens and max_tokens (a request that stops wastes its row of the call in flight), and
+  requests joining mid-run."""
   prompts, expected = ar_outputs
   eng = tiny_llm.engine
+  assert eng.pipeline  # the default
   stop = expected[1][9]
   cases = [SamplingParams(max_tokens=37, temperature=0.0, ignore_eos=True, stop_token_ids=[stop], logprobs=1),
            SamplingParams(max_tokens=29, temperature=0.8, seed=3)]
+  first_kind = "decode" if strategy_cls == "ar" else "draft"
   results = {}
   for ahead in (False, True):
-    strategy = ARStrategy()
+    strategy = ARStrategy() if strategy_cls == "ar" else LinearStrategy(8)
     strategy.plans_ahead = ahead
     tiny_llm.set_policy(strategy)
     ahead_calls, streams, outs, counts = [], {}, [], {"dispatched": 0, "read": 0}
 
-    def on_execute(key, args):  # a decode dispatched while an earlier one is not read back yet: it ran ahead
-      if key.kind == "decode":
+    def on_execute(key, args):  # a round dispatched while an earlier one is not read back yet: it ran ahead
+      if key.kind == first_kind:
         ahead_calls.append(counts["dispatched"] > counts["read"])
         counts["dispatched"] += 1
 
@@ -150,7 +154,6 @@ def test_pipelined_decode_is_exact(tiny_llm, ar_outputs):
       return real(outs)
     tiny_llm.runner.before_execute = on_execute
     tiny_llm.runner.read_verify = read_verify
-    eng.pipeline = True
     try:
       for params in cases:
         eng.reset_prefix_cache()
@@ -167,11 +170,18 @@ def test_pipelined_decode_is_exact(tiny_llm, ar_outputs):
     finally:
       tiny_llm.runner.before_execute = None
       del tiny_llm.runner.read_verify
-      eng.pipeline = False
     assert any(ahead_calls) == ahead
     results[ahead] = (outs, streams)
-  assert results[True] == results[False]
-  assert results[True][0][0][1][0] == expected[1][:expected[1].index(stop) + 1]  # greedy through its stop token
+  (outs_ahead, streams_ahead), (outs_sync, streams_sync) = results[True], results[False]
+  for case_ahead, case_sync in zip(outs_ahead, outs_sync, strict=True):
+    for (ids, reason, lps, entries), (ids0, reason0, lps0, entries0) in zip(case_ahead, case_sync, strict=True):
+      assert (ids, reason) == (ids0, reason0)
+      # a row that ran ahead may have been computed in a larger padded batch than the synchronous engine's next
+      # call: the same tokens, logprobs equal to float32 rounding
+      np.testing.assert_allclose(lps, lps0, atol=1e-5)
+      assert [e["token_id"] for e in entries or ()] == [e["token_id"] for e in entries0 or ()]
+  assert {k: sum(v, []) for k, v in streams_ahead.items()} == {k: sum(v, []) for k, v in streams_sync.items()}
+  assert outs_ahead[0][1][0] == expected[1][:expected[1].index(stop) + 1]  # greedy through its stop token
 
 
 def test_multi_step_decode_waits_for_nothing_queued(tiny_llm):
@@ -325,9 +335,22 @@ def test_no_compiles_after_warmup(tiny_model):
   params = [SamplingParams(max_tokens=20, temperature=t, top_k=k, top_p=p, seed=i)
             for i, (t, k, p) in enumerate([(0, 0, 1), (1.0, 5, 1), (0.7, 0, 0.9), (0, 0, 1), (1.3, 0, 1),
                                            (0, 0, 1), (0.5, 3, 0.5)])]
+  counts = {"verify": 0, "read": 0}
+  ran_ahead = []  # a draft dispatched while the verify before it is not read back: the pipeline ran
+
+  def on_execute(key, args):
+    ran_ahead.append(key.kind == "draft" and counts["verify"] > counts["read"])
+    counts["verify"] += key.kind == "verify"
+
+  def read_verify(outs, real=llm.runner.read_verify):
+    counts["read"] += 1
+    return real(outs)
+  llm.runner.before_execute, llm.runner.read_verify = on_execute, read_verify
   llm.generate(prompts, params)
   llm.generate(prompts[:3], params[:3])
+  llm.generate(prompts[:2], params[:2])  # nothing waits: the rounds run ahead
   assert llm.runner.compiles_after_warmup == 0
+  assert any(ran_ahead)
 
 
 def _groups(sizes):

@@ -186,6 +186,25 @@ def priced_ms(forward_log, profile) -> float:
   return total
 
 
+def split_sequential_ledger(forward_log) -> list[list]:
+  """A forward ledger of requests run one after another (concurrency 1) cut into one ledger per request: each
+  starts at its prefill (one or more chunks). Per-prompt priced times are what a bootstrap over prompts resamples.
+  A forward of more than one row means requests overlapped: there is no per-request cut, ValueError."""
+  out: list[list] = []
+  last = None
+  for entry in forward_log:
+    kind, _, rows = entry
+    if rows != 1:
+      raise ValueError(f"a {kind} forward of {rows} rows: the requests did not run one after another")
+    if kind == "prefill" and last != "prefill":
+      out.append([])
+    if not out:
+      raise ValueError("the ledger does not start with a prefill")
+    out[-1].append(entry)
+    last = kind
+  return out
+
+
 VERIFICATIONS = ("verify", "gverify")  # forward kinds that verify a block; "fused*" (verify + branches) too
 
 

@@ -38,6 +38,26 @@ def paired_tau_gain(per_request: dict[int, list[tuple[int, int]]], small: int, l
   return {"diff": diff, "ci95": [lo, hi], "prompts": len(a)}
 
 
+def paired_rate_ratio(target: list[tuple[float, float]], baseline: list[tuple[float, float]], resamples: int = 2000,
+                      seed: int = 0) -> dict:
+  """Target vs baseline throughput on the same prompts: (sum tokens / sum ms) of the target over the baseline's,
+  with a 95% bootstrap interval over prompts (each prompt's (tokens, ms) of both sides resampled together). A
+  32-prompt set's ratio moves with which prompts it drew; the interval says how far."""
+  t, b = np.asarray(target, float), np.asarray(baseline, float)
+  if t.shape != b.shape or t.ndim != 2 or t.shape[1] != 2 or len(t) == 0:
+    raise ValueError("need one (tokens, ms) pair per prompt on both sides")
+
+  def ratio(t_tok, t_ms, b_tok, b_ms, axis=-1):
+    return (t_tok.sum(axis) / t_ms.sum(axis)) / (b_tok.sum(axis) / b_ms.sum(axis))
+
+  point = float(ratio(t[:, 0], t[:, 1], b[:, 0], b[:, 1]))
+  if len(t) < 2:
+    lo = hi = point
+  else:
+    lo, hi = _percentile_interval((t[:, 0], t[:, 1], b[:, 0], b[:, 1]), ratio, True, resamples, seed)
+  return {"ratio": point, "ci95": [lo, hi], "prompts": len(t)}
+
+
 def paired_wall_ratios(target_walls: list[float], baseline_walls: dict[str, list[float]]) -> list[float]:
   """Per repeat k: the best baseline's wall time in repeat k over the target's (> 1: the target was faster). Repeats
   run interleaved (A B C, A B C, ...), so a slow spell of the machine slows both sides of a pair alike; the same

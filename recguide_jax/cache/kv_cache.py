@@ -98,16 +98,22 @@ def write_block(k_pages: jax.Array, v_pages: jax.Array, k_new: jax.Array, v_new:
   or an int32 scalar, e.g. a scan's layer index): one scatter into the stacked array, updated in place when it is
   donated or loop-carried.
   """
-  page_size = k_pages.shape[-2]
+  shape = k_pages.shape
+  num_pages, page_size, width = shape[-3:]
   page, offset = _slots(page_table, positions, write, page_size)
-  k_new, v_new = fold_heads(k_new), fold_heads(v_new)
-  if layer is None:
-    idx = (page, offset)
-  else:
-    idx = (jnp.asarray(layer, jnp.int32), page, offset)
-  k_pages = k_pages.at[idx].set(to_storage(k_new, k_pages.dtype))
-  v_pages = v_pages.at[idx].set(to_storage(v_new, v_pages.dtype))
-  return k_pages, v_pages
+  row = page * page_size + offset
+  if layer is not None:
+    row = row + jnp.asarray(layer, jnp.int32) * (num_pages * page_size)
+  row = row.reshape(-1)
+
+  # a scatter of whole rows into the cache viewed as [rows, H * D] (a free reshape): indexed by (layer, page,
+  # offset) instead, XLA:TPU gave the loop-carried cache another layout at one KV head per device and copied all
+  # of it back for the attention kernel in every layer
+  def put(pages, new):
+    rows = pages.reshape(-1, width).at[row].set(to_storage(fold_heads(new), pages.dtype).reshape(-1, width))
+    return rows.reshape(shape)
+
+  return put(k_pages, k_new), put(v_pages, v_new)
 
 
 def fold_heads(x: jax.Array) -> jax.Array:

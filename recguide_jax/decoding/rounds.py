@@ -4,25 +4,10 @@ it, and none touches engine state."""
 
 from __future__ import annotations
 
-import jax
-import jax.numpy as jnp
 import numpy as np
 
 from recguide_jax.decoding.strategy import Batch, Round, RoundKind, RoundOutput
 from recguide_jax.runtime.step_key import StepKind
-
-
-@jax.jit
-def _last_tokens(tokens):
-  """An AR call's last tokens [b, 1]: the next call's seeds, on the device (one compiled dispatch, not eager ops)."""
-  return tokens[:, -1:]
-
-
-@jax.jit
-def _next_seed(tokens, accepted, prefix_len):
-  """A verification's next seeds (the last accepted token) and committed lengths, on the device."""
-  seed = jnp.take_along_axis(tokens, (accepted - 1)[:, None], axis=1)[:, 0]
-  return seed, prefix_len + accepted
 
 
 def draft_verify(runner, blk: int, batch: Batch):
@@ -54,7 +39,7 @@ class ARRound(Round):
 
   def dispatch(self, runner, batch: Batch, seed=None):
     """Dispatches the call without waiting; `seed`: the previous call's handle (its last tokens seed this one)."""
-    tokens = batch.seed[:, None] if seed is None else _last_tokens(seed[1])
+    tokens = batch.seed[:, None] if seed is None else runner.next_inputs(seed)[0]
     return runner.dispatch_decode(tokens, batch.live, batch.prefix_len, batch.page_table, batch.samp, batch.steps)
 
   def collect(self, runner, batch: Batch, handle) -> RoundOutput:
@@ -87,14 +72,13 @@ class LinearRound(Round):
     if seed is None:
       tokens, prefix = batch.seed, batch.prefix_len
     else:  # the previous round's verification, still on the device
-      prev, prev_prefix = seed[0], seed[3]
-      tokens, prefix = _next_seed(prev[1], prev[0], prev_prefix)
+      tokens, prefix = runner.next_inputs(seed[0])
     drafted, q, signals = runner.draft(tokens, prefix, batch.page_table, batch.block, batch.samp)
     outs = runner.dispatch_verify(drafted, q, batch.live, prefix, batch.page_table, batch.samp)
-    return outs, drafted, signals, prefix
+    return outs, drafted, signals
 
   def collect(self, runner, batch: Batch, handle) -> RoundOutput:
-    outs, drafted, signals, _ = handle
+    outs, drafted, signals = handle
     res = runner.read_verify(outs)
     res.draft_tokens, res.draft_signals = drafted, signals  # device arrays: only analysis reads them back
     n, blk = batch.n, batch.block

@@ -66,9 +66,9 @@ class Engine:
     self.round_log: list[RoundOutcome] | None = None  # set to [] to record every round's outcome (analysis)
     # a pipelined round dispatched ahead and not yet applied: (batch, device handle, dispatch time)
     self._pending: tuple[Batch, object, float] | None = None
-    # True: pipelined rounds run ahead (`_chain`). Off by default until the small jitted ops that compute the next
-    # call's seeds compile in the runner's warm-up (they compile on first use today, after warm-up)
-    self.pipeline = False
+    # True: pipelined rounds run ahead (`_chain`): the next call starts from the inputs the previous step function
+    # returned on the device, so running ahead compiles and dispatches nothing a synchronous engine does not
+    self.pipeline = True
     self.step_count = 0
 
   @property

@@ -118,6 +118,9 @@ class VerifyResult:
   draft_signals: np.ndarray | None = None  # [b, 3, B]
 
 
+VERIFY_RESULTS = len(dataclasses.fields(VerifyResult)) - 2  # a decode's or verify's outputs before its next inputs
+
+
 def _mesh_platform(mesh) -> str | None:
   """The platform a mesh's variants compile for; None for an AbstractMesh (it lowers for a platform named then)."""
   try:
@@ -432,7 +435,13 @@ class Runner:
   @staticmethod
   def read_verify(outs) -> VerifyResult:
     """A dispatched decode or verify's result on the host (waits for it: one device->host transfer)."""
-    return VerifyResult(*jax.device_get(outs))
+    return VerifyResult(*jax.device_get(outs[:VERIFY_RESULTS]))
+
+  @staticmethod
+  def next_inputs(outs) -> tuple:
+    """A dispatched decode or verify's (next seed, next committed lengths), still on the device: what the call
+    after it starts from (a decode's seeds are [b, 1], a verify's [b])."""
+    return outs[VERIFY_RESULTS], outs[VERIFY_RESULTS + 1]
 
   def fused(self, tokens, positions, mask, lora, write, prefix_len, page_table, samp: SamplingArrays, blk: int):
     """Greedy verify of tokens[:, :blk] plus the tree's branch drafts (qn = (1 + slots) B query tokens). Returns

@@ -158,6 +158,24 @@ class RaggedVerifyInputs:
   samp: SamplingArrays
 
 
+def with_next_inputs(fn: Callable, decode: bool = False) -> Callable:
+  """A verify or decode step that also returns the next call's inputs: its seed (the last committed token; [b, 1]
+  for a decode, which takes [b, 1] seeds, [b] for a verify, whose next call is a draft) and committed lengths. A
+  pipelined engine dispatches the next call from them before it reads this one back, with no op between the
+  two calls (nothing to compile after warm-up, no extra dispatch)."""
+
+  def chained(state, cache, tokens, *args):
+    cache, accepted, out, *rest = fn(state, cache, tokens, *args)
+    prefix_len = args[1] if decode else args[2]  # decode: (write, prefix_len, ...); verify: (q, write, prefix_len, ...)
+    if decode:
+      seed = out[:, -1:]
+    else:
+      seed = jnp.take_along_axis(out, (accepted - 1)[:, None], axis=1)[:, 0]
+    return (cache, accepted, out, *rest, seed, prefix_len + accepted)
+
+  return chained
+
+
 @dataclasses.dataclass(frozen=True)
 class StepFunctions:
   """Builds the step function of a `StepKey` for one model graph (`nnx.split`'s graphdef) and acceptance rule."""
@@ -176,9 +194,9 @@ class StepFunctions:
     if key.kind == StepKind.DRAFT:
       return self._draft(key.block)
     if key.kind == StepKind.VERIFY:
-      return self._verify(key.block)
+      return with_next_inputs(self._verify(key.block))
     if key.kind == StepKind.DECODE:
-      return self._decode(key.steps)
+      return with_next_inputs(self._decode(key.steps), decode=True)
     if key.kind in (StepKind.FUSED, StepKind.GVERIFY):
       return self._fused(key.block, key.slots)
     if key.kind == StepKind.DENOISE:
