@@ -4,6 +4,7 @@ it, and none touches engine state."""
 
 from __future__ import annotations
 
+import jax
 import numpy as np
 
 from recguide_jax.decoding.strategy import Batch, Round, RoundKind, RoundOutput

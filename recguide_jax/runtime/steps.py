@@ -164,9 +164,9 @@ def with_next_inputs(fn: Callable, decode: bool = False) -> Callable:
   pipelined engine dispatches the next call from them before it reads this one back, with no op between the
   two calls (nothing to compile after warm-up, no extra dispatch)."""
 
-  def chained(state, cache, tokens, *args):
-    cache, accepted, out, *rest = fn(state, cache, tokens, *args)
-    prefix_len = args[1] if decode else args[2]  # decode: (write, prefix_len, ...); verify: (q, write, prefix_len, ...)
+  def chained(state, cache, inputs: VerifyInputs | DecodeInputs):
+    cache, accepted, out, *rest = fn(state, cache, inputs)
+    prefix_len = inputs.prefix_len
     if decode:
       seed = out[:, -1:]
     else:
