@@ -127,7 +127,7 @@ def measure_point(llm, name: str, cfg: ContextConfig, prompts: list) -> dict:
     # runs over the prompt alone; the stats list every step of a multi-step AR call as a round of 1)
     per_round = cfg.tokens_per_round(name)
     for o in outs:
-      accepted = o.stats["accepted_lengths"]
+      accepted = o.metrics["accepted_lengths"]
       contexts.append(cfg.context + (per_round * (cfg.rounds - 1) if per_round else sum(accepted[:cfg.rounds - 1])))
   ms = [s * 1e3 for s in samples]
   return {"policy": _label(name, cfg.block_size), "concurrency": len(prompts), "round_ms": statistics.median(ms),

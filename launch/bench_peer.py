@@ -276,8 +276,9 @@ def checkpoint_twin(checkpoint_dir: str | os.PathLike):
   from flax import nnx
 
   from recguide_jax.model import checkpoint as ckpt_lib
+  from recguide_jax.model.params import flatten_params
   model = ckpt_lib.load_model(checkpoint_dir, dtype="float32")
-  flat = ckpt_lib.flatten_params(nnx.state(model, nnx.Param).to_pure_dict())
+  flat = flatten_params(nnx.state(model, nnx.Param).to_pure_dict())
   nld = model.cfg.to_hf_dict()
   twin = ministral3_model(nld)
   state = {k: torch.from_numpy(v.copy()) for k, v in export_state_dict(flat, model.cfg.num_hidden_layers).items()}
@@ -332,9 +333,9 @@ def ours_run(llm, prompts: list, new_tokens: int) -> dict:
   t0 = time.perf_counter()
   outs = llm.generate(prompts, params)
   wall = time.perf_counter() - t0
-  ttft = max(o.stats["ttft_s"] for o in outs)
-  accepted = [a for o in outs for a in o.stats["accepted_lengths"]]
-  return {"tokens": [list(o.token_ids) for o in outs], "wall_s": wall, "ttft_s": ttft,
+  ttft = max(o.metrics["ttft_s"] for o in outs)
+  accepted = [a for o in outs for a in o.metrics["accepted_lengths"]]
+  return {"tokens": [list(o.outputs[0].token_ids) for o in outs], "wall_s": wall, "ttft_s": ttft,
           "mean_accepted_length": statistics.fmean(accepted) if accepted else 0.0}
 
 

@@ -83,9 +83,9 @@ def run_once(llm, prompts, params, concurrency: int, cached: bool) -> dict:
     outs += llm.generate(prompts[i:i + concurrency], params, use_tqdm=False)
   wall = time.perf_counter() - t0
   assert alloc.num_used == 0
-  ttft = [o.stats["ttft_s"] * 1e3 for o in outs]
+  ttft = [o.metrics["ttft_s"] * 1e3 for o in outs]
   q = totals["prefix_cache_queries"] - queries
-  return {"ttft_ms": ttft, "wall_s": wall, "tokens": [o.token_ids for o in outs],
+  return {"ttft_ms": ttft, "wall_s": wall, "tokens": [o.outputs[0].token_ids for o in outs],
           "hit_rate": (totals["prefix_cache_hits"] - hits) / q if q else 0.0}
 
 

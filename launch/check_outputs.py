@@ -91,8 +91,8 @@ def main(argv):
   for mode in FLAGS.modes:
     llm.set_policy(strategy_for(mode, FLAGS.model))
     outs = llm.generate(prompts, params, use_tqdm=False)
-    result["outputs"][mode] = [list(o.token_ids) for o in outs]
-    print(f"{mode:<10} {sum(len(o.token_ids) for o in outs)} tokens", flush=True)
+    result["outputs"][mode] = [list(o.outputs[0].token_ids) for o in outs]
+    print(f"{mode:<10} {sum(len(o.outputs[0].token_ids) for o in outs)} tokens", flush=True)
   if FLAGS.output_dir:
     os.makedirs(FLAGS.output_dir, exist_ok=True)
     with open(os.path.join(FLAGS.output_dir, "check_outputs.json"), "w") as f:

@@ -52,7 +52,7 @@ def main(argv):
   from recguide_jax import SamplingParams
 
   from recguide_jax.model import checkpoint
-  from recguide_jax.attention.reference import causal_mask
+  from pallas_kernels.common import causal_mask
   from recguide_jax.model.nld import ForwardInputs
 
   ckpt = pathlib.Path(_MODEL.value)
@@ -81,14 +81,14 @@ def main(argv):
       want = ref.generate(torch.tensor([hf_ids]), max_new_tokens=_MAX_TOKENS.value, do_sample=False,
                           eos_token_id=hf_cfg.eos_token_id, suppress_tokens=[mask_id],
                           pad_token_id=hf_cfg.pad_token_id)[0, len(hf_ids):].tolist()
-    same = ours_ids == hf_ids and list(got.token_ids) == want
+    same = ours_ids == hf_ids and list(got.outputs[0].token_ids) == want
     ok &= same
     report["prompts"].append({"question": question, "prompt_ids_equal": ours_ids == hf_ids,
-                              "greedy_equal": list(got.token_ids) == want, "ours": got.text,
+                              "greedy_equal": list(got.outputs[0].token_ids) == want, "ours": got.outputs[0].text,
                               "transformers": hf_tok.decode(want, skip_special_tokens=True)})
 
   model = checkpoint.load_model(ckpt)
-  seq = np.asarray(ours_ids + list(got.token_ids), np.int32)
+  seq = np.asarray(ours_ids + list(got.outputs[0].token_ids), np.int32)
   logits, _ = model(ForwardInputs(tokens=seq[None], positions=np.arange(len(seq), dtype=np.int32)[None],
                                   block_mask=causal_mask(len(seq))))
   with torch.no_grad():

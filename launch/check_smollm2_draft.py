@@ -51,7 +51,7 @@ def measure(path: str, sets: dict, sizes: list[int]) -> tuple[dict, bool]:
   out, ok = {}, True
   for name, prompts in sets.items():
     llm.set_policy(ARStrategy())
-    ar = [list(o.token_ids) for o in llm.generate(prompts, params, use_tqdm=False)]
+    ar = [list(o.outputs[0].token_ids) for o in llm.generate(prompts, params, use_tqdm=False)]
     row = {"ar_tokens": sum(map(len, ar))}
     for blk in sizes:
       llm.set_policy(LinearStrategy(blk))

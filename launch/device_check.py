@@ -67,6 +67,7 @@ def check_kernels(on_accel: bool) -> dict:
   import jax.numpy as jnp
   import numpy as np
 
+  from pallas_kernels.common import causal_mask
   from recguide_jax.attention import dispatch as attention_dispatch
   path, variant, interpret = attention_dispatch.resolve("pallas")
   if variant == "tpu":
@@ -86,9 +87,9 @@ def check_kernels(on_accel: bool) -> dict:
   table = jnp.asarray(1 + rng.permutation(b * pages_per_seq).reshape(b, pages_per_seq), jnp.int32)
   cap = pages_per_seq * page
   prefix = jnp.asarray([cap - 3, 0] + [int(rng.integers(1, cap)) for _ in range(b - 2)], jnp.int32)
-  tree = np.tril(np.ones((q_len, q_len), bool))
+  tree = causal_mask(q_len)
   tree[q_len // 2:, : q_len // 2] = False  # a second block that sees only itself (a branch of the tree)
-  masks = {"causal": jnp.tril(jnp.ones((q_len, q_len), bool)), "full": jnp.ones((q_len, q_len), bool),
+  masks = {"causal": causal_mask(q_len), "full": jnp.ones((q_len, q_len), bool),
            "tree": jnp.asarray(tree)}
   out = {"variant": variant, "interpret": interpret, "shape": dict(b=b, q=q_len, hq=hq, hkv=hkv, d=d, page=page,
                                                                     prefix_tokens=cap)}

@@ -29,6 +29,7 @@ def heldout_ar_loss(model, tokenizer, rows, batch=16, seq_len=512):
   import jax
   import jax.numpy as jnp
   import numpy as np
+  from pallas_kernels.common import causal_mask
   from recguide_jax.model.nld import ForwardInputs
   from recguide_jax.train import data as data_lib
   docs = [tokenizer.encode(data_lib.render(data_lib.gsm8k_messages(r)))[:seq_len] for r in rows]
@@ -37,7 +38,7 @@ def heldout_ar_loss(model, tokenizer, rows, batch=16, seq_len=512):
   def ce(tokens, valid):
     n = tokens.shape[1]
     logits, _ = model(ForwardInputs(tokens=tokens, positions=jnp.broadcast_to(jnp.arange(n), tokens.shape),
-                                    block_mask=jnp.tril(jnp.ones((n, n), bool))))
+                                    block_mask=causal_mask(n)))
     lp = jax.nn.log_softmax(logits[:, :-1], -1)
     nll = -jnp.take_along_axis(lp, tokens[:, 1:, None], -1)[..., 0]
     m = valid[:, 1:]

@@ -86,7 +86,7 @@ def _generate(llm, name, prompts, tables):
   llm.set_policy(_policy(name, tables))
   outs = llm.generate(prompts, SamplingParams(max_tokens=_MAX_TOKENS.value, temperature=0.0, ignore_eos=True),
                       use_tqdm=False)
-  return [list(o.token_ids) for o in outs]
+  return [list(o.outputs[0].token_ids) for o in outs]
 
 
 def _logits_gap(model, mesh) -> float:
@@ -100,12 +100,13 @@ def _logits_gap(model, mesh) -> float:
 
   from recguide_jax.parallel import sharding
   from recguide_jax.cache.kv_cache import KVCache
+  from pallas_kernels.common import causal_mask
   from recguide_jax.model.nld import ForwardInputs, shard_model
   b, q = 2, 16
   rng = np.random.default_rng(1)
   inp = dict(tokens=rng.integers(4, model.cfg.vocab_size, (b, q)).astype(np.int32),
              positions=np.broadcast_to(np.arange(q, dtype=np.int32), (b, q)).copy(),
-             block_mask=np.tril(np.ones((q, q), bool)), prefix_len=np.zeros((b,), np.int32),
+             block_mask=causal_mask(q), prefix_len=np.zeros((b,), np.int32),
              page_table=np.asarray([[1, 2], [3, 4]], np.int32), kv_write=np.ones((b, q), bool),
              lora_mask=np.ones((b, q), bool))
 
@@ -136,14 +137,15 @@ def _restore_check(model, mesh) -> dict:
   from recguide_jax.model import checkpoint
 
   from recguide_jax.parallel import data_parallel
+  from recguide_jax.model.params import flatten_params
 
   from recguide_jax.parallel import sharding
   group = data_parallel.first_group(mesh)
   with tempfile.TemporaryDirectory() as tmp:
     checkpoint.save_model(tmp, model)
     restored = checkpoint.load_model(tmp, mesh=group)
-  ref = checkpoint.flatten_params(nnx.state(model, nnx.Param).to_pure_dict())
-  got = checkpoint.flatten_params(nnx.state(restored, nnx.Param).to_pure_dict())
+  ref = flatten_params(nnx.state(model, nnx.Param).to_pure_dict())
+  got = flatten_params(nnx.state(restored, nnx.Param).to_pure_dict())
   cfg, run_cfg = model.cfg, restored.cfg
   r = run_cfg.num_key_value_heads // cfg.num_key_value_heads
   gap, placed = 0.0, True
@@ -164,6 +166,7 @@ def _chi_square(mesh_spec: str, samples: int) -> dict:
   import jax.numpy as jnp
   import numpy as np
   from flax import nnx
+  from pallas_kernels.common import causal_mask
   from recguide_jax.benchmarks import stats as bench_stats
 
   from recguide_jax import LLM
@@ -183,7 +186,7 @@ def _chi_square(mesh_spec: str, samples: int) -> dict:
   conts = list(itertools.product([t for t in range(vocab) if t != mask], repeat=n))
   seqs = jnp.asarray([prompt + list(c) for c in conts])
   logits, _ = model(ForwardInputs(tokens=seqs, positions=jnp.broadcast_to(jnp.arange(seqs.shape[1]), seqs.shape),
-                                  block_mask=jnp.tril(jnp.ones((seqs.shape[1],) * 2, bool))))
+                                  block_mask=causal_mask(seqs.shape[1])))
   b = len(conts)
   p = np.asarray(sampling.processed_probs(logits, jnp.ones((b,)), jnp.zeros((b,), jnp.int32), jnp.ones((b,)), mask),
                  np.float64)  # float64: scipy wants the observed and expected totals equal to 1.5e-8
@@ -195,7 +198,7 @@ def _chi_square(mesh_spec: str, samples: int) -> dict:
   index = {c: i for i, c in enumerate(conts)}
   observed = np.zeros(len(conts))
   for o in outs:
-    observed[index[tuple(o.token_ids)]] += 1
+    observed[index[tuple(o.outputs[0].token_ids)]] += 1
   expected = exact / exact.sum() * samples
   pvalue = bench_stats.pooled_chisquare_pvalue(observed, expected)
   return {"mesh": mesh_spec, "samples": samples, "pvalue": pvalue, "ok": pvalue > 0.001}

@@ -38,6 +38,16 @@ def round_up(n: int, m: int) -> int:
   return -(-n // m) * m
 
 
+def causal_mask(q: int) -> np.ndarray:
+  """[q, q]: each query sees itself and the block's earlier keys (prefill, verify, AR)."""
+  return np.tril(np.ones((q, q), bool))
+
+
+def full_mask(q: int) -> np.ndarray:
+  """[q, q]: each query sees the whole block (a diffusion draft)."""
+  return np.ones((q, q), bool)
+
+
 def mask_kind_of(block_mask) -> str:
   """The kernel's mask kind: "causal"/"full" for a string or for a concrete mask equal to one (so jitted callers
   that close over `jnp.tril(...)` still get the cheap iota mask); "tree" for anything else, including traced masks."""
@@ -52,7 +62,7 @@ def mask_kind_of(block_mask) -> str:
   q = m.shape[-1]
   if m.all():
     return "full"
-  if (m == np.tril(np.ones((q, q), bool))).all():
+  if (m == causal_mask(q)).all():
     return "causal"
   return "tree"
 
@@ -60,7 +70,7 @@ def mask_kind_of(block_mask) -> str:
 def dense_mask(block_mask, b: int, q: int) -> jax.Array:
   """The [b, Q, Q] boolean mask a kind string or a [Q, Q] / [b, Q, Q] array stands for."""
   if isinstance(block_mask, str):
-    m = np.tril(np.ones((q, q), bool)) if block_mask == "causal" else np.ones((q, q), bool)
+    m = causal_mask(q) if block_mask == "causal" else full_mask(q)
     block_mask = jnp.asarray(m)
   block_mask = jnp.asarray(block_mask).astype(bool)
   return jnp.broadcast_to(block_mask, (b, q, q))

@@ -83,38 +83,25 @@ class CompletionOutput:
 
 @dataclasses.dataclass
 class RequestOutput:
-  """A finished request. vLLM code reads `out.outputs[0].text`; the flat fields (`text`, `token_ids`, `logprobs`,
-  `finish_reason`) are kept as aliases of `outputs[0]`'s for code written against the earlier, flat shape."""
+  """A finished request, shaped as vLLM's: its sequences are `outputs[i]` (`out.outputs[0].text`)."""
   request_id: str
   prompt: str | None
   prompt_token_ids: list[int]
-  token_ids: list[int]
-  text: str
-  finish_reason: str | None
-  logprobs: list[dict] | None
-  stats: dict
-  outputs: list[CompletionOutput] = dataclasses.field(default_factory=list)
   # with SamplingParams.prompt_logprobs: None for the first prompt token, then {"token_id", "logprob",
-  # "top_logprobs"} per prompt token (the entries' shape of `logprobs`)
-  prompt_logprobs: list[dict | None] | None = None
-
-  def __post_init__(self):
-    if not self.outputs:  # built from the flat fields: they are the one sequence
-      self.outputs = [CompletionOutput(0, self.text, self.token_ids, self.logprobs, self.finish_reason)]
+  # "top_logprobs"} per prompt token (the entries' shape of CompletionOutput.logprobs)
+  prompt_logprobs: list[dict | None] | None
+  outputs: list[CompletionOutput]
+  metrics: dict  # the first sample's RequestStats.as_dict()
 
   @property
   def finished(self) -> bool:
     return True  # outputs are returned only once their request has finished
 
   @classmethod
-  def from_request(cls, req: Request, prompt: str | None) -> "RequestOutput":
-    return cls.from_samples([req], prompt)
-
-  @classmethod
   def from_samples(cls, reqs: Sequence[Request], prompt: str | None, n: int | None = None) -> "RequestOutput":
     """The output of a prompt's samples: `outputs[i]` is sample i, or with `n` < len(reqs) (best_of) the n
-    samples of highest cumulative logprob, best first (vLLM's order); the flat fields are outputs[0]'s, the id
-    and the stats the first sample's."""
+    samples of highest cumulative logprob, best first (vLLM's order); the id and the metrics are the first
+    sample's."""
     outs = [CompletionOutput(i, r.text, list(r.output_ids), list(r.logprobs) if r.params.logprobs is not None
                              else None, r.finish_reason, r.cumulative_logprob, r.stop_reason)
             for i, r in enumerate(reqs)]
@@ -123,9 +110,8 @@ class RequestOutput:
       outs = [dataclasses.replace(o, index=i) for i, o in enumerate(outs)]
     first = reqs[0]
     prompt_lps = next((r.prompt_logprobs for r in reqs if r.prompt_logprobs is not None), None)
-    return cls(first.request_id, prompt, list(first.prompt_ids), outs[0].token_ids, outs[0].text,
-               outs[0].finish_reason, outs[0].logprobs, first.stats.as_dict(), outs,
-               list(prompt_lps) if prompt_lps is not None else None)
+    return cls(first.request_id, prompt, list(first.prompt_ids), list(prompt_lps) if prompt_lps is not None else None,
+               outs, first.stats.as_dict())
 
 
 class LLM:

@@ -42,10 +42,10 @@ def main(pid: int, port: int, out: str) -> int:
     return 0
   leader = distributed.lead(llm.runner)
   try:
-    tokens = llm.generate([prompt], params, use_tqdm=False)[0].token_ids
+    tokens = llm.generate([prompt], params, use_tqdm=False)[0].outputs[0].token_ids
   finally:
     leader.stop()
-  ref = LLM(model=model, **kwargs).generate([prompt], params, use_tqdm=False)[0].token_ids
+  ref = LLM(model=model, **kwargs).generate([prompt], params, use_tqdm=False)[0].outputs[0].token_ids
   with open(out, "w") as f:
     json.dump({"tokens": list(tokens), "one_device": list(ref), "steps": leader.step}, f)
   return 0

@@ -27,7 +27,7 @@ import hf_reference as ref  # noqa: E402
 from recguide_jax import SamplingParams
 
 from recguide_jax.model import checkpoint  # noqa: E402
-from recguide_jax.attention.reference import causal_mask  # noqa: E402
+from pallas_kernels.common import causal_mask  # noqa: E402
 from recguide_jax.convert.hf import convert_hf_checkpoint  # noqa: E402
 from recguide_jax.cache.kv_cache import storage_dtype  # noqa: E402
 from recguide_jax.llm import LLM  # noqa: E402
@@ -104,9 +104,9 @@ def test_bf16_serving_greedy_agrees_with_fp32_away_from_near_ties(converted):
     for _ in range(2):
       prompt = [int(t) for t in rng.randint(0, NLD["vocab_size"], size=12) if t != NLD["mask_token_id"]]
       out = llm.generate([prompt], SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True))[0]
-      seq = prompt + out.token_ids
+      seq = prompt + out.outputs[0].token_ids
       want = ref.torch_logits(torch_model, seq)[len(prompt) - 1:-1]  # the fp32 logits each output was chosen from
       want[:, NLD["mask_token_id"]] = want.min(-1)  # the engine never emits the mask token
-      choices.append(np.asarray(out.token_ids))
+      choices.append(np.asarray(out.outputs[0].token_ids))
       wants.append(want)
     _check_agreement(f"engine {policy}", np.concatenate(choices), np.concatenate(wants))

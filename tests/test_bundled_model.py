@@ -46,15 +46,15 @@ def test_bundled_greedy_speculation_equals_ar(bundled):
   convs = [[{"role": "user", "content": q}] for q in QUESTIONS]
   bundled.set_policy(ARStrategy())
   ar = bundled.chat(convs, params)
-  assert all(o.text for o in ar)
+  assert all(o.outputs[0].text for o in ar)
   for policy in (LinearStrategy(16), LinearStrategy(32), RecGuideStrategy(16, fixed_regime="overlap"),
                  RecGuideStrategy(16)):
     bundled.set_policy(policy)
     outs = bundled.chat(convs, params)
-    assert [o.token_ids for o in outs] == [o.token_ids for o in ar], policy.name
-    assert [o.text for o in outs] == [o.text for o in ar]
+    assert [o.outputs[0].token_ids for o in outs] == [o.outputs[0].token_ids for o in ar], policy.name
+    assert [o.outputs[0].text for o in outs] == [o.outputs[0].text for o in ar]
   # the trained drafter is worth speculating with: several tokens per LinearSS round on average
   bundled.set_policy(LinearStrategy(16))
   outs = bundled.chat(convs, params)
-  accepted = [a for o in outs for a in o.stats["accepted_lengths"]]
+  accepted = [a for o in outs for a in o.metrics["accepted_lengths"]]
   assert sum(accepted) / len(accepted) > 1.5

@@ -15,6 +15,7 @@ from flax import nnx
 
 from conftest import COMPILE_FLAGS, tiny_config
 from recguide_jax.model import checkpoint as ckpt_lib
+from recguide_jax.model.params import flatten_params
 from recguide_jax.model.nld import NLDModel, with_kernel_layout, with_layer_loop
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
@@ -22,7 +23,7 @@ BUNDLED = ROOT / "checkpoints" / "nld-tiny-gsm8k"
 
 
 def _flat(model) -> dict[str, np.ndarray]:
-  return {k: np.asarray(v) for k, v in ckpt_lib.flatten_params(nnx.state(model, nnx.Param).to_pure_dict()).items()}
+  return {k: np.asarray(v) for k, v in flatten_params(nnx.state(model, nnx.Param).to_pure_dict()).items()}
 
 
 def _legacy_flat(flat: dict, num_layers: int) -> dict[str, np.ndarray]:
@@ -123,22 +124,23 @@ _PORTABLE = textwrap.dedent("""
     sys.path.insert(0, sys.argv[1]); sys.path.insert(0, sys.argv[1] + "/tests")
     from conftest import tiny_config
     from recguide_jax.model import checkpoint as ckpt_lib
+    from recguide_jax.model.params import flatten_params
     from recguide_jax.model.nld import NLDModel, with_kernel_layout, with_layer_loop
     tmp = pathlib.Path(sys.argv[2])
     d0, d1 = jax.devices()[:2]
     cfg = tiny_config(lora_rank=4, lora_alpha=8.0)
     with jax.default_device(d0):
       model = NLDModel(cfg, rngs=nnx.Rngs(5))
-    flat = ckpt_lib.flatten_params(nnx.state(model, nnx.Param).to_pure_dict())
+    flat = flatten_params(nnx.state(model, nnx.Param).to_pure_dict())
     assert all(v.sharding.device_set == {d0} for v in flat.values())
     out = {}
 
     def where(m):
-      return sorted({str(d) for v in ckpt_lib.flatten_params(nnx.state(m, nnx.Param).to_pure_dict()).values()
+      return sorted({str(d) for v in flatten_params(nnx.state(m, nnx.Param).to_pure_dict()).values()
                      for d in v.sharding.device_set})
 
     def same(m):
-      got = ckpt_lib.flatten_params(nnx.state(m, nnx.Param).to_pure_dict())
+      got = flatten_params(nnx.state(m, nnx.Param).to_pure_dict())
       return all(np.array_equal(np.asarray(got[k]), np.asarray(v)) for k, v in flat.items())
 
     # 1. our save path, from arrays on device 0, restored with device 1 as the target

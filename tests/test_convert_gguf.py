@@ -27,7 +27,8 @@ from recguide_jax import LLM
 from recguide_jax import SamplingParams
 
 from recguide_jax.model import checkpoint
-from recguide_jax.attention.reference import causal_mask
+from recguide_jax.model.params import flatten_params
+from pallas_kernels.common import causal_mask
 from recguide_jax.convert.hf import ConversionError
 from recguide_jax.convert.gguf import convert_gguf_checkpoint
 from recguide_jax.model.nld import ForwardInputs
@@ -215,7 +216,7 @@ def test_engine_greedy_tokens_match_transformers(case):
             compile_cache_dir=None, warmup=False)
   prompt = llm.tokenizer.encode(llm.tokenizer.apply_chat_template([{"role": "user", "content": "Hello Tom"}]))
   got = llm.generate([prompt], SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True),
-                     use_tqdm=False)[0].token_ids
+                     use_tqdm=False)[0].outputs[0].token_ids
   seq = list(prompt)
   for _ in range(12):  # the reference's greedy choice; the engine never emits the mask token
     last = _torch_logits(case.torch_model, seq)[-1]
@@ -291,8 +292,8 @@ def test_draft_adapter_attaches_at_conversion_and_keeps_the_verifier(small_tenso
   assert "draft LoRA r=4" in proc.stdout
   base, ours = checkpoint.load_model(tmp_path / "base"), checkpoint.load_model(tmp_path / "ours")
   assert ours.cfg == cfg
-  got = checkpoint.flatten_params(nnx_state(ours))
-  want = checkpoint.flatten_params(nnx_state(base))
+  got = flatten_params(nnx_state(ours))
+  want = flatten_params(nnx_state(base))
   for name, value in got.items():
     if name in flat:
       np.testing.assert_array_equal(np.asarray(value), flat[name])
@@ -306,9 +307,9 @@ def test_draft_adapter_attaches_at_conversion_and_keeps_the_verifier(small_tenso
             prefill_chunk=16, warmup=False, compile_cache_dir=None)
   prompts = [[5, 9, 17, 33, 40, 41], [60, 61, 62, 7]]
   params = SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True)
-  spec = [o.token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+  spec = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
   llm.set_policy(ARStrategy())
-  assert [o.token_ids for o in llm.generate(prompts, params, use_tqdm=False)] == spec
+  assert [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)] == spec
 
   # only the mask token's row may be replaced: any other would change the verifier
   raw = json.loads((tmp_path / "adapter" / "adapter_config.json").read_text())

@@ -30,7 +30,8 @@ import hf_reference as ref  # noqa: E402
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS  # noqa: E402
 
 from recguide_jax.model import checkpoint  # noqa: E402
-from recguide_jax.attention.reference import causal_mask, full_mask  # noqa: E402
+from recguide_jax.model.params import flatten_params  # noqa: E402
+from pallas_kernels.common import causal_mask, full_mask  # noqa: E402
 from recguide_jax.model.config import PRESETS, ConfigError, NLDConfig  # noqa: E402
 from recguide_jax.convert.hf import ConversionError, convert_hf_checkpoint  # noqa: E402
 from recguide_jax.cache.kv_cache import TRASH_PAGE, PageAllocator  # noqa: E402
@@ -190,7 +191,7 @@ def test_rope_ramp_bounds_match_spec(name, low, high):
 # ---- parity ----------------------------------------------------------------------------------------------------
 
 def test_converted_params_equal_hf_weights(case):
-  flat = checkpoint.flatten_params(nnx.state(case.model, nnx.Param).to_pure_dict())
+  flat = flatten_params(nnx.state(case.model, nnx.Param).to_pure_dict())
   # per-layer tensors are stacked: one [L, ...] tensor per layer parameter
   assert len(flat) == 9 + 3
   assert all(v.shape[0] == case.nld["num_hidden_layers"] for n, v in flat.items() if n.startswith("layers."))

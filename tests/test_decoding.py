@@ -70,16 +70,16 @@ def test_a_registered_toy_strategy_runs_losslessly(tiny_llm):
   registry.register_strategy("toy", lambda block_size, threshold, **kw: ToyStrategy(), replace=True)
   assert "toy" in registry.strategy_names()
   tiny_llm.set_policy(ARStrategy())
-  ar = [o.token_ids for o in tiny_llm.generate(PROMPTS, PARAMS, use_tqdm=False)]
+  ar = [o.outputs[0].token_ids for o in tiny_llm.generate(PROMPTS, PARAMS, use_tqdm=False)]
   toy = registry.make_strategy("toy")
   tiny_llm.set_policy(toy)
   outs = tiny_llm.generate(PROMPTS, PARAMS, use_tqdm=False)
-  assert [o.token_ids for o in outs] == ar
-  assert toy.labels == {"linear+verify"} and toy.observed == sum(o.stats["rounds"] for o in outs)
+  assert [o.outputs[0].token_ids for o in outs] == ar
+  assert toy.labels == {"linear+verify"} and toy.observed == sum(o.metrics["rounds"] for o in outs)
   for o in outs:  # every toy round ran a draft, its verify and the extra AR decode
-    f = o.stats["forwards"]
+    f = o.metrics["forwards"]
     assert f["draft"] == f["verify"] == f["decode"] > 0
-    assert set(o.stats["block_sizes"]) == {8}
+    assert set(o.metrics["block_sizes"]) == {8}
   assert all(v.max_block >= 8 and v.decoding >= 1 for v in toy.views)
   assert tiny_llm.engine.allocator.num_used == 0
 

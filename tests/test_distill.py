@@ -13,6 +13,7 @@ from flax import nnx
 from conftest import tiny_config
 from recguide_jax.decoding.rounds import draft_signal_rows
 from recguide_jax.model import checkpoint as ckpt_lib
+from recguide_jax.model.params import flatten_params
 from recguide_jax.model.nld import ForwardInputs, NLDModel
 from recguide_jax.train import distill
 
@@ -158,9 +159,9 @@ def test_exported_adapter_checkpoint_serves_lossless(tmp_path, base_dir):
   assert llm.cfg.lora_rank == 8
   prompts = [r["prompt"] for r in _rows(4, seed=5)]
   params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
-  spec = [o.token_ids for o in llm.generate(prompts, params)]
+  spec = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
   llm.set_policy(ARStrategy())
-  ar = [o.token_ids for o in llm.generate(prompts, params)]
+  ar = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
   assert spec == ar
 
   # the adapter is trained on the doubled training sequence and served over the paged KV cache: the engine's draft
@@ -168,7 +169,7 @@ def test_exported_adapter_checkpoint_serves_lossless(tmp_path, base_dir):
   prompt = (prompts[0] * 8)[:16]  # a whole number of blocks, so the first drafted block is block-aligned
   llm.set_policy(LinearStrategy(8))
   llm.engine.round_log = []
-  served = llm.generate([prompt], params)[0].token_ids
+  served = llm.generate([prompt], params)[0].outputs[0].token_ids
   served_conf = np.asarray(draft_signal_rows(llm.engine.round_log)[0]["conf"])
   llm.engine.round_log = None
   model = ckpt_lib.load_model(out)
@@ -206,7 +207,7 @@ def test_llama_adapter_on_every_projection_with_a_trained_mask_embedding(tmp_pat
   assert raw["target_modules"] == list(LORA_TARGET_MODULES) and raw["trainable_token_indices"] == [MASK]
   read_cfg, flat, rows = peft.read_adapter(tmp_path / "adapter", cfg)
   assert read_cfg.lora_target_modules == LORA_TARGET_MODULES and read_cfg.lora_rank == 4
-  want = ckpt_lib.flatten_params(tr.params["lora"].to_pure_dict())
+  want = flatten_params(tr.params["lora"].to_pure_dict())
   assert set(flat) == set(want) and len(flat) == 2 * len(LORA_TARGET_MODULES)
   for name, value in flat.items():
     np.testing.assert_array_equal(value, np.asarray(want[name]))

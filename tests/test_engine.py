@@ -7,6 +7,7 @@ import jax
 import numpy as np
 import pytest
 
+from pallas_kernels.common import causal_mask
 from recguide_jax import SamplingParams
 from recguide_jax.decoding.builtin import ARStrategy, DiffusionStrategy, LinearStrategy
 from recguide_jax.engine.requests import RequestError
@@ -111,6 +112,7 @@ def test_multi_step_decode_equals_one_step_calls(tiny_llm, tiny_model, ar_output
         assert llm.engine.allocator.num_used == 0
         llm.engine.allocator.check()
       for one, multi in zip(*outs):
+        one, multi = one.outputs[0], multi.outputs[0]
         assert multi.token_ids == one.token_ids and multi.finish_reason == one.finish_reason
         assert (multi.logprobs is None) == (one.logprobs is None) == (params.logprobs is None)
         for a, b in zip(multi.logprobs or [], one.logprobs or [], strict=True):
@@ -119,7 +121,7 @@ def test_multi_step_decode_equals_one_step_calls(tiny_llm, tiny_model, ar_output
   finally:
     tiny_llm.runner.before_execute = None
   assert 4 in steps_seen and 1 in steps_seen  # multi-step calls ran, and single steps where fewer tokens were left
-  assert outs[1][1].token_ids == expected[1][:expected[1].index(stop_tok) + 1]
+  assert outs[1][1].outputs[0].token_ids == expected[1][:expected[1].index(stop_tok) + 1]
 
 
 @pytest.mark.parametrize("strategy_cls", ["ar", "linear"])
@@ -225,7 +227,7 @@ def test_diffusion_commit_seeds_are_ar_predictions(tiny_llm, tiny_model):
     seq = p + r.output_ids
     n = len(seq)
     logits, _ = tiny_model(ForwardInputs(tokens=jnp.asarray([seq]), positions=jnp.arange(n)[None],
-                                         block_mask=jnp.tril(jnp.ones((n, n), bool))))
+                                         block_mask=causal_mask(n)))
     ar = np.asarray(jnp.argmax(logits[0].at[:, 3].set(-jnp.inf), -1))
     # output index 0 is the prefill's token; then each round emits 7 denoised tokens + 1 committed seed
     assert r.output_ids[0] == ar[len(p) - 1]
@@ -312,14 +314,14 @@ def test_logprobs_and_stats(tiny_llm, ar_outputs):
   tiny_llm.reset_prefix_cache()  # the whole prompt is prefilled (ar_outputs ran it before)
   (out,) = tiny_llm.generate([prompts[3]], SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True,
                                                           logprobs=3))
-  assert out.token_ids == expected[3][:12]
-  assert len(out.logprobs) == 12
-  for entry, tok in zip(out.logprobs, out.token_ids):
+  assert out.outputs[0].token_ids == expected[3][:12]
+  assert len(out.outputs[0].logprobs) == 12
+  for entry, tok in zip(out.outputs[0].logprobs, out.outputs[0].token_ids):
     assert entry["token_id"] == tok and entry["logprob"] <= 0
     assert len(entry["top_logprobs"]) == 3
     # greedy: the chosen token is the most likely one
     assert max(entry["top_logprobs"].values()) == pytest.approx(entry["logprob"], abs=1e-5)
-  s = out.stats
+  s = out.metrics
   assert s["rounds"] == len(s["accepted_lengths"]) and s["ttft_s"] > 0
   assert s["forwards"]["prefill"] == -(-len(prompts[3]) // 16)  # chunked prefill, chunk 16
   assert 1 + sum(s["accepted_lengths"]) >= 12

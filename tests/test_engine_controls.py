@@ -6,6 +6,7 @@ import jax
 import numpy as np
 import pytest
 
+from pallas_kernels.common import causal_mask
 from recguide_jax import SamplingParams
 from recguide_jax.decoding.builtin import ARStrategy, DiffusionStrategy, LinearStrategy
 from recguide_jax.decoding.rounds import verified_output
@@ -38,8 +39,9 @@ def prompts():
 def ar_reference(tiny_llm, prompts):
   outs = generate(tiny_llm, ARStrategy(), prompts, GREEDY)
   plain = generate(tiny_llm, ARStrategy(), prompts, SamplingParams(max_tokens=33, temperature=0.0))
-  assert [o.token_ids for o in outs] != [o.token_ids for o in plain]  # the controls change the output
-  return [o.token_ids for o in outs]
+  tokens = [o.outputs[0].token_ids for o in outs]
+  assert tokens != [o.outputs[0].token_ids for o in plain]  # the controls change the output
+  return tokens
 
 
 @pytest.mark.parametrize("policy", ["linear8", "recguide"])  # recguide: overlap (fused) and adaptive 8/16/32
@@ -47,7 +49,7 @@ def test_greedy_output_with_controls_equals_ar(tiny_llm, prompts, ar_reference, 
   pol = {"linear8": lambda: LinearStrategy(8),
          "recguide": lambda: RecGuideStrategy(16, delta=0.6, profile=flat_profile())}[policy]()
   outs = generate(tiny_llm, pol, prompts, GREEDY)
-  assert [o.token_ids for o in outs] == ar_reference
+  assert [o.outputs[0].token_ids for o in outs] == ar_reference
 
 
 class OracleRound(Round):
@@ -72,7 +74,7 @@ class OracleRound(Round):
       kind = StepKind.VERIFY
     else:
       positions = batch.prefix_len[:, None] + np.arange(blk)[None, :]
-      mask = np.broadcast_to(np.tril(np.ones((blk, blk), bool)), (b, blk, blk)).copy()
+      mask = np.broadcast_to(causal_mask(blk), (b, blk, blk)).copy()
       res, _, _ = runner.fused(tokens, positions, mask, np.zeros((b, blk), bool),
                                np.broadcast_to(batch.live[:, None], (b, blk)).copy(), batch.prefix_len,
                                batch.page_table, batch.samp, blk)
@@ -101,9 +103,9 @@ class OracleStrategy(Strategy):
 def test_fully_accepted_blocks_process_each_position_as_ar(tiny_llm, prompts, ar_reference, path):
   reference = {tuple(p): out for p, out in zip(prompts, ar_reference)}
   outs = generate(tiny_llm, OracleStrategy(reference, path), prompts, GREEDY)
-  assert [o.token_ids for o in outs] == ar_reference
+  assert [o.outputs[0].token_ids for o in outs] == ar_reference
   for o in outs:  # every block but a request's last is accepted whole
-    assert all(a == 8 for a in o.stats["accepted_lengths"][:-1]), o.stats["accepted_lengths"]
+    assert all(a == 8 for a in o.metrics["accepted_lengths"][:-1]), o.metrics["accepted_lengths"]
 
 
 @pytest.mark.parametrize("policy", ["ar", "linear8"])
@@ -116,7 +118,7 @@ def test_min_tokens_never_ends_early(tiny_llm, policy, temperature):
     params = [SamplingParams(max_tokens=20, temperature=temperature, seed=s, min_tokens=m, stop_token_ids=list(stop_ids),
                              logit_bias=bias) for s, m in ((1, 0), (2, 1), (3, 7), (4, 20))]
     outs = generate(tiny_llm, pol, [[5, 6, 7]] * len(params), params)
-    for p, o in zip(params, outs):
+    for p, (o,) in zip(params, (out.outputs for out in outs)):
       stop = list(bias)[0]
       if p.min_tokens == p.max_tokens:
         assert len(o.token_ids) == 20 and stop not in o.token_ids and o.finish_reason == "length"

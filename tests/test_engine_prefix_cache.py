@@ -45,13 +45,14 @@ def generate(llm, prompts, params):
 def test_greedy_output_is_the_same_with_and_without_prefix_caching(tiny_llm, policy):
   tiny_llm.set_policy(POLICIES[policy]())
   with prefix_caching(tiny_llm, False) as alloc:
-    off = [o.token_ids for o in generate(tiny_llm, PROMPTS, GREEDY)]
+    off = [o.outputs[0].token_ids for o in generate(tiny_llm, PROMPTS, GREEDY)]
     assert alloc.num_cached == 0
   totals = tiny_llm.engine.totals
   with prefix_caching(tiny_llm, True) as alloc:
     hits = totals["prefix_cache_hits"]
-    first = [o.token_ids for o in generate(tiny_llm, PROMPTS, GREEDY)]  # concurrent: admitted together, few hits
-    again = [o.token_ids for o in generate(tiny_llm, PROMPTS, GREEDY)]  # every prompt's full pages are cached
+    # first concurrent (admitted together, few hits), then again with every prompt's full pages cached
+    first = [o.outputs[0].token_ids for o in generate(tiny_llm, PROMPTS, GREEDY)]
+    again = [o.outputs[0].token_ids for o in generate(tiny_llm, PROMPTS, GREEDY)]
     assert first == off and again == off
     assert alloc.num_cached > 0 and totals["prefix_cache_hits"] - hits >= 5 * 32
     alloc.reset_prefix_cache()

@@ -12,6 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from pallas_kernels.common import causal_mask
 from recguide_jax import SamplingParams
 
 from recguide_jax.decoding.builtin import ARStrategy, LinearStrategy
@@ -28,7 +29,7 @@ def reference_logprobs(model, prompt):
   """log_softmax of a plain causal forward over the whole prompt, mask token excluded (the raw distribution)."""
   n = len(prompt)
   logits, _ = model(ForwardInputs(tokens=jnp.asarray([prompt]), positions=jnp.arange(n)[None],
-                                  block_mask=jnp.tril(jnp.ones((n, n), bool))))
+                                  block_mask=causal_mask(n)))
   logits = logits[0].at[:, model.cfg.mask_token_id].set(-jnp.inf)
   return np.asarray(jax.nn.log_softmax(logits, axis=-1))
 
@@ -48,7 +49,7 @@ def test_prompt_logprobs_equal_the_reference_forward(tiny_llm, tiny_model, polic
   out = generate(tiny_llm, policy, PROMPT,
                  SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True, prompt_logprobs=3))
   assert plain.prompt_logprobs is None
-  assert out.token_ids == plain.token_ids  # scoring the prompt leaves the generated tokens alone
+  assert out.outputs[0].token_ids == plain.outputs[0].token_ids  # scoring the prompt leaves the generated tokens alone
   lps = out.prompt_logprobs
   assert len(lps) == len(PROMPT) and lps[0] is None
   for pos in range(1, len(PROMPT)):
@@ -66,7 +67,7 @@ def test_prompt_logprobs_with_recguide_and_max_tokens_zero(tiny_llm, tiny_model)
   shared = tiny_llm.engine.totals["prompt_tokens_shared"]
   out = generate(tiny_llm, make_strategy("recguide", 8), PROMPT,
                  SamplingParams(max_tokens=0, prompt_logprobs=0, n=2))
-  assert [o.token_ids for o in out.outputs] == [[], []] and out.finish_reason == "length"
+  assert [o.token_ids for o in out.outputs] == [[], []] and out.outputs[0].finish_reason == "length"
   # the second sample took the scored prompt's pages before the first finished right after its prefill
   assert tiny_llm.engine.totals["prompt_tokens_shared"] - shared == 32
   assert "top_logprobs" not in out.prompt_logprobs[1]
@@ -86,7 +87,7 @@ def test_n_greedy_samples_share_one_prefill(tiny_llm):
   delta = {k: eng.totals[k] - before.get(k, 0) for k in ("prompt_tokens", "prompt_tokens_shared",
                                                          "forwards_prefill")}
   assert [o.index for o in out.outputs] == [0, 1, 2]
-  assert all(o.token_ids == one.token_ids for o in out.outputs)
+  assert all(o.token_ids == one.outputs[0].token_ids for o in out.outputs)
   # the prompt is computed once; each sibling takes its 4 full pages (32 tokens) and computes the last 5 itself,
   # all siblings in one prefill forward after the first sample's 3 chunks
   assert delta == {"prompt_tokens": 37 + 2 * 5, "prompt_tokens_shared": 2 * 32, "forwards_prefill": 3 + 1}
@@ -98,7 +99,7 @@ def test_n_sampled_samples_use_the_per_index_seeds(tiny_llm):
   for i, sample in enumerate(out.outputs):
     alone = generate(tiny_llm, LinearStrategy(8), PROMPT,
                      SamplingParams(max_tokens=10, temperature=1.0, seed=seed_of_sample(11, i), ignore_eos=True))
-    assert sample.token_ids == alone.token_ids, i
+    assert sample.token_ids == alone.outputs[0].token_ids, i
   assert len({tuple(o.token_ids) for o in out.outputs}) > 1
   assert len(out.prompt_logprobs) == len(PROMPT)
 
@@ -123,7 +124,7 @@ def test_aborted_samples_free_only_their_own_pages(tiny_llm):
   assert eng.allocator.num_used == 0
   eng.allocator.check()
   alone = generate(tiny_llm, ARStrategy(), PROMPT, params)
-  assert third.output_ids == alone.token_ids
+  assert third.output_ids == alone.outputs[0].token_ids
   # a source aborted before its prompt is cached: the sibling prefills on its own
   tiny_llm.reset_prefix_cache()
   first = eng.add_request(PROMPT, params)
@@ -131,7 +132,7 @@ def test_aborted_samples_free_only_their_own_pages(tiny_llm):
   eng.step()
   eng.abort(first.request_id)
   eng.run_until_done()
-  assert second.output_ids == alone.token_ids and second.shared_prompt_tokens == 0
+  assert second.output_ids == alone.outputs[0].token_ids and second.shared_prompt_tokens == 0
   assert eng.allocator.num_used == 0
   eng.allocator.check()
   with pytest.raises(RequestError, match="n"):

@@ -7,6 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from pallas_kernels.common import causal_mask, full_mask
 from recguide_jax.attention import reference as attention
 
 from recguide_jax.attention import paged as live_attention
@@ -24,7 +25,7 @@ def _case(seed, b=3, nq=4, hq=4, hkv=2, d=8, num_pages=32, page_size=4, width=9,
   return q, kb, vb, kp, vp, table
 
 
-MASKS = {"causal": attention.causal_mask(4), "full": attention.full_mask(4),
+MASKS = {"causal": causal_mask(4), "full": full_mask(4),
          "tree": np.array([[1, 0, 0, 0], [1, 1, 0, 0], [1, 0, 1, 0], [1, 0, 1, 1]], bool)}
 
 

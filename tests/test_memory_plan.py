@@ -168,7 +168,7 @@ def test_llm_sizes_its_cache_from_the_plan():
   assert llm.runner_config.num_pages == plan.num_pages > 2 * plan.pages_per_seq
   assert plan.total_bytes <= 0.9 * 0.02 * GB
   out = llm.generate([[5, 6, 7]], SamplingParams(max_tokens=3, temperature=0.0))
-  assert len(out[0].token_ids) == 3
+  assert len(out[0].outputs[0].token_ids) == 3
 
 
 def test_server_refuses_a_plan_that_does_not_fit():

@@ -14,6 +14,7 @@ import pytest
 
 from conftest import tiny_config
 from flax import nnx
+from pallas_kernels.common import causal_mask
 from recguide_jax.model.nld import (ForwardInputs, KernelLayout, LayerLoop, NLDModel, kernel_layout_of,
                                     layer_loop_of, resolve_kernel_layout, resolve_layer_loop, shard_model,
                                     with_kernel_layout, with_layer_loop)
@@ -211,7 +212,7 @@ def test_out_in_kernels_compute_the_same_function(tiny_model, loop, rows_per_req
   assert 2 <= SWAPPED_MATMUL_MAX_ROWS < 80
   tokens = jnp.asarray(np.random.default_rng(0).integers(4, CFG.vocab_size, (2, rows_per_request)), jnp.int32)
   inp = ForwardInputs(tokens=tokens, positions=jnp.broadcast_to(jnp.arange(rows_per_request), tokens.shape),
-                      block_mask=jnp.tril(jnp.ones((rows_per_request,) * 2, bool)))
+                      block_mask=causal_mask(rows_per_request))
   want, _ = tiny_model(inp)
   got, _ = with_kernel_layout(with_layer_loop(tiny_model, loop), KernelLayout.OUT_IN)(inp)
   np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5)

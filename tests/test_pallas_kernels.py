@@ -296,7 +296,7 @@ def test_resolve():
 
 
 def test_mask_kind_detection():
-  assert common.mask_kind_of(jnp.tril(jnp.ones((8, 8), bool))) == "causal"
+  assert common.mask_kind_of(jnp.asarray(common.causal_mask(8))) == "causal"  # a concrete jax array too
   assert common.mask_kind_of(np.ones((4, 8, 8), bool)) == "full"
   assert common.mask_kind_of(np.eye(8, dtype=bool)) == "tree"
   assert jax.jit(lambda m: jnp.asarray(common.mask_kind_of(m) == "tree"))(np.ones((8, 8), bool))  # traced
@@ -317,7 +317,7 @@ def _model_steps(model, impl: str):
   zero = jnp.zeros((b,), jnp.int32)
   valid = jnp.arange(16)[None, :] < jnp.asarray([11, 16])[:, None]
   inp = ForwardInputs(tokens=tok(b, 16), positions=jnp.broadcast_to(jnp.arange(16), (b, 16)),
-                      block_mask=jnp.tril(jnp.ones((16, 16), bool)), prefix_len=zero, page_table=page_table,
+                      block_mask=common.causal_mask(16), prefix_len=zero, page_table=page_table,
                       kv_write=valid)
   out, cache = model(inp, cache)
   logits.append(out)
@@ -328,7 +328,7 @@ def _model_steps(model, impl: str):
                                page_table=page_table), cache)
   logits.append(out)
   verify = jnp.argmax(out, axis=-1).astype(jnp.int32)
-  out, cache = model(ForwardInputs(tokens=verify, positions=pos, block_mask=jnp.tril(jnp.ones((8, 8), bool)),
+  out, cache = model(ForwardInputs(tokens=verify, positions=pos, block_mask=common.causal_mask(8),
                                    prefix_len=prefix, page_table=page_table,
                                    kv_write=jnp.ones((b, 8), bool)), cache)
   logits.append(out)

@@ -6,6 +6,7 @@ import zlib
 import numpy as np
 import pytest
 
+from pallas_kernels.common import causal_mask
 from recguide_jax import SamplingParams
 from recguide_jax.decoding.builtin import ARStrategy
 from recguide_jax.decoding import rounds
@@ -50,7 +51,7 @@ def prompts(n, seed):
 def ar_reference(tiny_llm):
   ps = prompts(8, 5)
   tiny_llm.set_policy(ARStrategy())
-  return ps, [o.token_ids for o in tiny_llm.generate(ps, PARAMS)]
+  return ps, [o.outputs[0].token_ids for o in tiny_llm.generate(ps, PARAMS)]
 
 
 def run(llm, ps, strategy, bucketing, concurrency, params=PARAMS):
@@ -132,11 +133,11 @@ def test_ragged_sampling_keeps_the_ar_distribution():
                                               for i in range(n_samples)])
   kinds = {k for k, _, _ in llm.engine.forward_log}
   assert {"ragged_draft", "ragged_verify"} <= kinds
-  rounds = [len(o.stats["block_sizes"]) for o in outs]
+  rounds = [len(o.metrics["block_sizes"]) for o in outs]
   assert np.mean(rounds) >= 3 and min(rounds) >= 2, np.mean(rounds)
-  assert all(len(set(o.stats["block_sizes"])) > 1 for o in outs[:50])  # each request's rows switch blocks
+  assert all(len(set(o.metrics["block_sizes"])) > 1 for o in outs[:50])  # each request's rows switch blocks
   exact = _exact(model, params, n_tokens)
-  pvalue = chi_square_pvalue([o.token_ids for o in outs], exact)
+  pvalue = chi_square_pvalue([o.outputs[0].token_ids for o in outs], exact)
   assert pvalue > 0.01, f"ragged sampled continuations deviate from AR (p={pvalue:.2e})"
 
 
@@ -151,7 +152,7 @@ def _exact(model, params, n_tokens):
   seqs = jnp.asarray([PROMPT + list(c) for c in conts])
   b, n = seqs.shape
   logits, _ = model(ForwardInputs(tokens=seqs, positions=jnp.broadcast_to(jnp.arange(n), (b, n)),
-                                  block_mask=jnp.tril(jnp.ones((n, n), bool))))
+                                  block_mask=causal_mask(n)))
   p = np.asarray(sampling.processed_probs(logits, jnp.full((b,), params.temperature), jnp.full((b,), params.top_k),
                                           jnp.full((b,), params.top_p), MASK))
   rows = np.arange(b)[:, None]
@@ -291,7 +292,7 @@ def test_ragged_forward_matches_each_rows_own_forward(impl):
   cache = model.new_cache(1 + rows * pages, page_size)
   cache = type(cache)(*(jnp.asarray(rng.normal(size=x.shape), x.dtype) for x in (cache.k, cache.v)))
   tokens = rng.integers(4, cfg.vocab_size, (rows, width)).astype(np.int32)
-  causal = jnp.tril(jnp.ones((width, width), bool))[None] & (jnp.arange(width)[None, None] < row_len[:, None, None])
+  causal = causal_mask(width)[None] & (jnp.arange(width)[None, None] < row_len[:, None, None])
   write = np.arange(width)[None] < row_len[:, None]
   layout, j = ragged_layout(jnp.asarray(row_len), width, 16)
   inp = ragged_inputs(layout, j, jnp.asarray(tokens), jnp.asarray(prefix), jnp.asarray(table), causal,
@@ -303,7 +304,7 @@ def test_ragged_forward_matches_each_rows_own_forward(impl):
     if not n:
       continue
     own = ForwardInputs(tokens=jnp.asarray(tokens[r:r + 1, :n]), positions=jnp.asarray(prefix[r] + np.arange(n))[None],
-                        block_mask=jnp.tril(jnp.ones((n, n), bool)), prefix_len=jnp.asarray(prefix[r:r + 1]),
+                        block_mask=causal_mask(n), prefix_len=jnp.asarray(prefix[r:r + 1]),
                         page_table=jnp.asarray(table[r:r + 1]), kv_write=jnp.ones((1, n), bool))
     want, want_cache = model(own, cache)
     np.testing.assert_allclose(logits[r, :n], np.asarray(want[0]), rtol=2e-4, atol=2e-4)

@@ -5,6 +5,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from pallas_kernels.common import causal_mask
 from recguide_jax import SamplingParams
 from recguide_jax.model.nld import ForwardInputs
 from recguide_jax.recguide import overlap as ov
@@ -157,7 +158,7 @@ def test_tree_layout_mask_positions_lora():
   assert list(pos[:4]) == [20, 21, 22, 23] and list(pos[4:8]) == [22, 23, 24, 25] and list(pos[8:12]) == [24, 25,
                                                                                                         26, 27]
   assert list(write) == [True] * 4 + [False] * 12 and list(lora) == [False] * 4 + [True] * 8 + [False] * 4
-  np.testing.assert_array_equal(mask[:4, :4], np.tril(np.ones((4, 4), bool)))
+  np.testing.assert_array_equal(mask[:4, :4], causal_mask(4))
   assert not mask[:4, 4:].any()  # the verifier never sees branches
   for q in range(4, 8):  # correction block: verifier tokens 0..1 + own block
     assert list(np.nonzero(mask[q])[0]) == [0, 1, 4, 5, 6, 7]
@@ -215,13 +216,13 @@ def test_fused_forward_is_exact(tiny_model):
   pt = alloc.page_table_row("r", 16)
   cache = tiny_model.new_cache(64, 8)
   n = len(prompt)
-  _, cache = _forward(tiny_model, prompt, np.arange(n), np.tril(np.ones((n, n), bool)), 0, pt, cache,
+  _, cache = _forward(tiny_model, prompt, np.arange(n), causal_mask(n), 0, pt, cache,
                       write=np.ones(n, bool))
   draft = rng.integers(4, 128, blk)
   branches = [ov.Branch("correction", 3, alt=77), ov.Branch("continuation", blk)]
   tokens, pos, mask, lora, write = ov.tree_layout(blk, draft, branches, n, mask_id)
   fused_logits, fused_cache = _forward(tiny_model, tokens, pos, mask, n, pt, cache, write=write, lora=lora)
-  plain_logits, plain_cache = _forward(tiny_model, draft, n + np.arange(blk), np.tril(np.ones((blk, blk), bool)), n,
+  plain_logits, plain_cache = _forward(tiny_model, draft, n + np.arange(blk), causal_mask(blk), n,
                                        pt, cache, write=np.ones(blk, bool))
   np.testing.assert_allclose(fused_logits[0, :blk], plain_logits[0], atol=1e-5)
   for a, b in zip((fused_cache.k, fused_cache.v), (plain_cache.k, plain_cache.v)):  # [L, pages, ...]
@@ -242,7 +243,7 @@ def test_overlap_is_lossless_and_hits_save_forwards(tiny_llm):
   prompts = [[int(t) for t in np.tile(rng.integers(4, 128, 2), 12)[:int(rng.integers(3, 24))]] for _ in range(6)]
   params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
   tiny_llm.set_policy(ARStrategy())
-  ar = [o.token_ids for o in tiny_llm.generate(prompts, params)]
+  ar = [o.outputs[0].token_ids for o in tiny_llm.generate(prompts, params)]
   # delta 1.0: every position is risky, so corrections are planned whenever an alternative exists;
   # delta 0.0: nothing is risky, so every round carries a continuation branch
   for planner, slots in (("expected_hit", 5), ("expected_hit", 3), ("no_p3", 3)):  # expected_hit: every slot
@@ -251,7 +252,7 @@ def test_overlap_is_lossless_and_hits_save_forwards(tiny_llm):
       tiny_llm.set_policy(last)
       tiny_llm.engine.forward_log = []
       outs = tiny_llm.generate(prompts, params)
-      assert [o.token_ids for o in outs] == ar, (planner, delta)
+      assert [o.outputs[0].token_ids for o in outs] == ar, (planner, delta)
       assert tiny_llm.engine.allocator.num_used == 0
       assert {k for k, _, _ in tiny_llm.engine.forward_log} & {"fused3", "fused5"} == {f"fused{slots}"}
       tiny_llm.engine.forward_log = None
@@ -260,16 +261,16 @@ def test_overlap_is_lossless_and_hits_save_forwards(tiny_llm):
   tiny_llm.set_policy(strategy)
   strategy.overlap_log = []
   logged = tiny_llm.generate(prompts, params)
-  assert [o.token_ids for o in logged] == ar
+  assert [o.outputs[0].token_ids for o in logged] == ar
   rounds = strategy.overlap_log
-  assert len(rounds) == sum(o.stats["rounds"] for o in logged)
+  assert len(rounds) == sum(o.metrics["rounds"] for o in logged)
   counted = strategy.overlap_outcomes["correction_hit"]  # its overlap rounds' outcomes, over every request
   assert ovf.replay_correction_hits(rounds, 16, 4, 0.5) * len(rounds) == pytest.approx(counted)
   hits = last.overlap_outcomes["correction_hit"] + last.overlap_outcomes["continuation_hit"]  # the last sweep's
-  saved = sum(o.stats["rounds"] - o.stats["forwards"]["draft"] for o in outs)
+  saved = sum(o.metrics["rounds"] - o.metrics["forwards"]["draft"] for o in outs)
   # each consumed hit skipped exactly one draft forward (a hit in a request's last round is never consumed)
   assert 0 < saved <= hits
-  assert all(o.stats["forwards"]["verify"] == o.stats["rounds"] for o in outs)
+  assert all(o.metrics["forwards"]["verify"] == o.metrics["rounds"] for o in outs)
 
 
 def test_best_sweep_row_prices_first_then_tokens_per_forward():

@@ -45,7 +45,7 @@ def measure(pol, kind, blk, ms, rows=1, n=3):
 def ar_reference(tiny_llm):
   ps = prompts(8, 11)
   tiny_llm.set_policy(ARStrategy())
-  return ps, [o.token_ids for o in tiny_llm.generate(ps, PARAMS)]
+  return ps, [o.outputs[0].token_ids for o in tiny_llm.generate(ps, PARAMS)]
 
 
 def run_with_concurrency(llm, ps, concurrency):
@@ -149,11 +149,11 @@ def test_prefetched_branches_do_not_survive_a_regime_switch(tiny_llm):
   ps = prompts(16, 5)
   params = SamplingParams(max_tokens=64, temperature=0.0, ignore_eos=True)
   tiny_llm.set_policy(ARStrategy())
-  ar = [o.token_ids for o in tiny_llm.generate(ps, params)]
+  ar = [o.outputs[0].token_ids for o in tiny_llm.generate(ps, params)]
   pol = _AlternatingRegimes(8, delta=1.0, planner="expected_hit")
   pol.stale = 0
   tiny_llm.set_policy(pol)
-  assert [o.token_ids for o in tiny_llm.generate(ps, params)] == ar
+  assert [o.outputs[0].token_ids for o in tiny_llm.generate(ps, params)] == ar
   assert {"overlap", "ar", "linear"} <= set(pol.regime_counts)
   assert pol.saved_drafts > 0 and pol.stale == 0
   assert tiny_llm.engine.allocator.num_used == 0

@@ -136,7 +136,7 @@ def test_a_bf16_runner_on_the_cpu_keeps_its_cache_as_bits_and_never_converts_it(
   from flax import nnx
 
   from conftest import tiny_config
-  from recguide_jax.attention.reference import causal_mask
+  from pallas_kernels.common import causal_mask
   from recguide_jax.model.nld import ForwardInputs, NLDModel
   model = NLDModel(tiny_config(), dtype=jnp.bfloat16, param_dtype=jnp.bfloat16, rngs=nnx.Rngs(7))
   runner = Runner(model, RunnerConfig(num_pages=8, page_size=8, max_model_len=32, max_batch=1, block_sizes=(8,),

@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from pallas_kernels.common import causal_mask
 from recguide_jax import LLM
 
 from recguide_jax import SamplingParams
@@ -42,7 +43,7 @@ def exact_distribution(model, params: SamplingParams):
   seqs = jnp.asarray([PROMPT + list(c) for c in conts])
   b, n = seqs.shape
   logits, _ = model(ForwardInputs(tokens=seqs, positions=jnp.broadcast_to(jnp.arange(n), (b, n)),
-                                  block_mask=jnp.tril(jnp.ones((n, n), bool))))
+                                  block_mask=causal_mask(n)))
   probs = {}
   if params.has_controls:  # the controls depend on each continuation's own history: vLLM's formulas, in numpy
     logits = np.asarray(logits)
@@ -121,10 +122,10 @@ def test_speculative_sampling_matches_ar(small_vocab_model, samplers, params):
   for name, llm in samplers.items():
     plist = [SamplingParams(**{**params.__dict__, "seed": 1000 + i}) for i in range(N_SAMPLES)]
     outs = llm.generate([PROMPT] * N_SAMPLES, plist)
-    samples = [o.token_ids for o in outs]
+    samples = [o.outputs[0].token_ids for o in outs]
     assert all(len(s) == N_TOKENS for s in samples)
     results[name] = (chi_square_pvalue(samples, exact),
-                     np.mean([np.mean(o.stats["accepted_lengths"]) for o in outs]))
+                     np.mean([np.mean(o.metrics["accepted_lengths"]) for o in outs]))
   for name, (pvalue, _) in results.items():
     assert pvalue > 0.001, f"{name}: sampled continuations deviate from AR (p={pvalue:.2e})"
   # the min(1, p/q) rule accepts at least as much as the independent-sample rule

@@ -216,7 +216,7 @@ def test_openai_client_completion_chat_and_streams(client, offline_llm):
   assert resp.object == "text_completion" and resp.model == MODEL and resp.id.startswith("cmpl-")
   (choice,) = resp.choices
   assert choice.index == 0 and choice.finish_reason == "length" and choice.logprobs is None
-  assert choice.text == offline_text(offline_llm, TEXT_PROMPTS[0], 12).text
+  assert choice.text == offline_text(offline_llm, TEXT_PROMPTS[0], 12).outputs[0].text
   assert resp.usage.completion_tokens == 12
   assert resp.usage.total_tokens == resp.usage.prompt_tokens + 12
   spec = resp.model_extra["speculation"]
@@ -229,7 +229,7 @@ def test_openai_client_completion_chat_and_streams(client, offline_llm):
                                         extra_body={"ignore_eos": True})
   assert chat.object == "chat.completion" and chat.id.startswith("chatcmpl-")
   assert chat.choices[0].message.role == "assistant"
-  assert chat.choices[0].message.content == offline_text(offline_llm, CHATS[0], 10, chat=True).text
+  assert chat.choices[0].message.content == offline_text(offline_llm, CHATS[0], 10, chat=True).outputs[0].text
   assert chat.usage.completion_tokens == 10 and "speculation" in chat.model_extra
 
   chunks = list(client.completions.create(model=MODEL, prompt=TEXT_PROMPTS[0], max_tokens=12, temperature=0,
@@ -292,7 +292,7 @@ def test_stream_equals_nonstream(server, offline_llm):
       assert text == ref[:ref.find(stop)]  # cut right before the stop string, even at position 0
     else:
       prompt = body.get("messages") or body["prompt"]
-      assert text == offline_text(offline_llm, prompt, 48, chat=chat).text
+      assert text == offline_text(offline_llm, prompt, 48, chat=chat).outputs[0].text
 
 
 def test_stream_logprobs_match_nonstream(server):
@@ -490,8 +490,9 @@ def test_concurrent_streams_with_disconnects(server, offline_llm):
       continue
     text, finish, use, spec = res
     exp = expected[(json.dumps(prompt), max_tokens)]
-    assert text == exp.text and finish == exp.finish_reason
-    assert use["completion_tokens"] == len(exp.token_ids) and use["prompt_tokens"] == len(exp.prompt_token_ids)
+    assert text == exp.outputs[0].text and finish == exp.outputs[0].finish_reason
+    assert use["completion_tokens"] == len(exp.outputs[0].token_ids)
+    assert use["prompt_tokens"] == len(exp.prompt_token_ids)
     served += 1
     tokens += use["completion_tokens"]
   hangups = sum(1 for j in jobs if j[0] != "stream")

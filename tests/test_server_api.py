@@ -7,11 +7,12 @@ a disallowed origin; X-Request-Id honoured as the response id and echoed (a non-
 ignored with a logged warning (strict mode: 400 naming the field); min_p, response_format, chat_template_kwargs and
 stream_options.continuous_usage_stats; n samples (non-streamed and streamed, seeds per index, one shared
 prefill), best_of, echo with prompt logprobs (also max_tokens=0 and streamed); /tokenize and /detokenize round
-trips and their validation; /v1/models' max_model_len; the offline API's `outputs[0]` (CompletionOutput) and its
-flat aliases; `serve.py` positional checkpoint errors.
+trips and their validation; /v1/models' max_model_len; the offline API's vLLM-shaped RequestOutput (its
+CompletionOutputs, no flat fields); `serve.py` positional checkpoint errors.
 """
 
 import contextlib
+import dataclasses
 import io
 import json
 import logging
@@ -28,7 +29,7 @@ import server_fixtures as sf  # noqa: E402
 
 from recguide_jax import LLM
 
-from recguide_jax import CompletionOutput
+from recguide_jax import CompletionOutput, RequestOutput
 
 from recguide_jax import SamplingParams  # noqa: E402
 from recguide_jax.engine.thread import EngineThread  # noqa: E402
@@ -108,7 +109,7 @@ def assert_error(r: httpx.Response, status: int, param=None, code=None) -> dict:
 def test_openai_client_with_the_right_key(server, offline):
   c = client(server)
   out = c.completions.create(model=MODEL, prompt="Hello world", max_tokens=4, temperature=0)
-  assert out.choices[0].text == offline["hello"].text
+  assert out.choices[0].text == offline["hello"].outputs[0].text
   chat = c.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=3, temperature=0)
   assert chat.choices[0].finish_reason in ("length", "stop") and chat.usage.completion_tokens <= 3
   assert [m.id for m in c.models.list().data] == [MODEL]
@@ -255,8 +256,8 @@ def test_n_independent_samples(server, offline):
   # greedy: every sample is the greedy answer
   out = c.completions.create(model=MODEL, prompt="Hello world", max_tokens=4, temperature=0, n=2)
   assert [ch.index for ch in out.choices] == [0, 1]
-  assert all(ch.text == offline["hello"].text for ch in out.choices)
-  assert out.usage.completion_tokens == sum(len(offline["hello"].token_ids) for _ in range(2))
+  assert all(ch.text == offline["hello"].outputs[0].text for ch in out.choices)
+  assert out.usage.completion_tokens == sum(len(offline["hello"].outputs[0].token_ids) for _ in range(2))
   assert out.usage.prompt_tokens == len(offline["hello"].prompt_token_ids)
   # sampled with a seed: reproducible, choice 0 equals the n=1 answer with that seed, choices differ
   kw = dict(model=MODEL, prompt="The quick brown fox", max_tokens=12, temperature=1.0, seed=7,
@@ -333,14 +334,14 @@ def test_echo_with_prompt_logprobs(server, llm, offline):
   # echo with generation: the prompt, then the greedy continuation; logprobs of both in one run
   out = c.completions.create(model=MODEL, prompt=ECHO_PROMPT, max_tokens=3, echo=True, logprobs=1, temperature=0)
   (choice,) = out.choices
-  assert choice.text == ECHO_PROMPT + ref.text
-  assert len(choice.logprobs.tokens) == len(prompt_ids) + len(ref.token_ids)
+  assert choice.text == ECHO_PROMPT + ref.outputs[0].text
+  assert len(choice.logprobs.tokens) == len(prompt_ids) + len(ref.outputs[0].token_ids)
   assert choice.logprobs.token_logprobs[len(prompt_ids):] == pytest.approx(
-      [e["logprob"] for e in ref.logprobs], abs=1e-5)
+      [e["logprob"] for e in ref.outputs[0].logprobs], abs=1e-5)
   # streamed: the prompt first (with its logprobs), then the continuation
   chunks = list(c.completions.create(model=MODEL, prompt=ECHO_PROMPT, max_tokens=3, echo=True, logprobs=1,
                                      temperature=0, stream=True))
-  assert "".join(ch.choices[0].text for ch in chunks) == ECHO_PROMPT + ref.text
+  assert "".join(ch.choices[0].text for ch in chunks) == ECHO_PROMPT + ref.outputs[0].text
   assert chunks[0].choices[0].text == ECHO_PROMPT and chunks[0].choices[0].logprobs.token_logprobs[0] is None
   # echo without logprobs: the prompt's text only, nothing scored
   out = c.completions.create(model=MODEL, prompt=ECHO_PROMPT, max_tokens=2, echo=True, temperature=0)
@@ -388,17 +389,19 @@ def test_models_have_max_model_len(server):
 
 
 # ---- offline API -------------------------------------------------------------------------------------------------
-def test_completion_output_and_aliases(llm, offline):
+def test_request_output_has_vllm_shape(llm, offline):
+  """A RequestOutput's sequences are only in `outputs` (vLLM's shape): no flat text/token_ids beside them."""
+  assert [f.name for f in dataclasses.fields(RequestOutput)] == [
+      "request_id", "prompt", "prompt_token_ids", "prompt_logprobs", "outputs", "metrics"]
   for out in offline["generate"]:
     (seq,) = out.outputs
     assert isinstance(seq, CompletionOutput) and seq.index == 0
-    assert (seq.text, seq.token_ids, seq.logprobs, seq.finish_reason) == \
-        (out.text, out.token_ids, out.logprobs, out.finish_reason)
     assert len(seq.token_ids) == 5 and seq.finish_reason == "length" and len(seq.logprobs) == 5
-    assert out.finished
+    assert out.finished and out.metrics["rounds"] >= 1
+    assert not any(hasattr(out, name) for name in ("text", "token_ids", "logprobs", "finish_reason", "stats"))
   (chat,) = offline["chat"]
   prompt_ids = llm.tokenizer.encode(llm.tokenizer.apply_chat_template(CHAT))
-  assert chat.prompt_token_ids == prompt_ids and chat.outputs[0].text == chat.text
+  assert chat.prompt_token_ids == prompt_ids and chat.outputs[0].text
 
 
 def test_generate_progress_bar(offline):
@@ -455,7 +458,7 @@ def test_list_of_prompts_gives_one_choice_per_prompt_and_sample(server):
 
 def test_stop_reason(server, offline):
   ref = offline["generate"][0]  # "Hello world", 5 greedy tokens, ignore_eos
-  ids, text = ref.token_ids, ref.text
+  ids, text = ref.outputs[0].token_ids, ref.outputs[0].text
   base = {"prompt": "Hello world", "max_tokens": 5, "temperature": 0, "ignore_eos": True}
   c = client(server)
   out = c.completions.create(model=MODEL, **{k: v for k, v in base.items() if k != "ignore_eos"},

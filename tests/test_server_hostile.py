@@ -56,8 +56,8 @@ def llm(tmp_path_factory):
 def reference(llm):
   """The valid request's greedy output, run alone before the server starts: token strings and text."""
   (out,) = llm.generate([VALID_PROMPT], SamplingParams(max_tokens=VALID_TOKENS, temperature=0.0, ignore_eos=True))
-  tokens = [llm.tokenizer.decode([t], skip_special_tokens=False) for t in out.token_ids]
-  return {"text": out.text, "tokens": tokens, "finish_reason": "length"}
+  tokens = [llm.tokenizer.decode([t], skip_special_tokens=False) for t in out.outputs[0].token_ids]
+  return {"text": out.outputs[0].text, "tokens": tokens, "finish_reason": "length"}
 
 
 @pytest.fixture(scope="module")

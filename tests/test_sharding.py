@@ -18,6 +18,7 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 from conftest import COMPILE_FLAGS
+from pallas_kernels.common import causal_mask
 from recguide_jax.attention import reference as attention
 from recguide_jax.attention import dispatch as attention_dispatch
 from recguide_jax.model import checkpoint
@@ -28,7 +29,7 @@ from recguide_jax.model.config import LORA_TARGET_MODULES, PRESETS
 from recguide_jax.model.nld import abstract_model
 from recguide_jax.runtime.runner import Runner, RunnerConfig
 from recguide_jax.runtime.step_key import StepKey, StepKind
-from recguide_jax.runtime.steps import example_host_args
+from recguide_jax.runtime.steps import example_inputs
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 GB = memory_plan.GB
@@ -110,7 +111,7 @@ def test_kv_heads_replicated_in_groups_when_tp_exceeds_them():
   rng = np.random.default_rng(0)
   b, q, hq, hkv, d, r = 2, 5, 8, 2, 16, 4
   qs, ks, vs = (jnp.asarray(rng.normal(size=(b, q, h, d)), jnp.float32) for h in (hq, hkv, hkv))
-  mask = jnp.tril(jnp.ones((q, q), bool))
+  mask = causal_mask(q)
   expand = lambda x: sharding.replicate_kv_heads(x.reshape(b, q, hkv * d), hkv, d, r).reshape(b, q, hkv * r, d)
   one = attention.block_attention_ref(qs, ks, vs, mask, scale=d ** -0.5)
   rep = attention.block_attention_ref(qs, expand(ks), expand(vs), mask, scale=d ** -0.5)
@@ -141,9 +142,9 @@ def test_nld8b_step_lowers_on_a_tp_mesh(tp, platform, kernel_call):
   rc = RunnerConfig(num_pages=1100, page_size=16, max_model_len=8192, max_batch=8, block_sizes=(16,))
   runner = Runner(model, rc, mesh=amesh, cache_sharding=sharding.cache_sharding(amesh, model.cfg.num_key_value_heads))
   key = StepKey(StepKind.VERIFY, 16, 8)
-  host = example_host_args(key, rc.pages_per_seq, model.cfg.vocab_size)
+  inputs = example_inputs(key, rc.pages_per_seq, model.cfg.vocab_size)
   with attention_dispatch.target_platform(platform), sharding.mesh_context(amesh):
-    traced = runner._jit(key, host).trace(runner._state_spec, runner._cache_spec, *host)
+    traced = runner._jit(key, inputs).trace(runner._state_spec, runner._cache_spec, inputs)
   try:
     text = traced.lower(lowering_platforms=(platform,)).as_text()
   except ValueError as e:

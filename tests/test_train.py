@@ -107,4 +107,4 @@ def test_resume_reproduces_uninterrupted_run(tmp_path):
   llm = LLM(tmp_path / "export", policy="linear", block_size=8, max_num_seqs=1, max_model_len=64, page_size=8,
             prefill_chunk=16, warmup=False, compile_cache_dir=None)
   out = llm.generate("The farmer has", SamplingParams(max_tokens=5, temperature=0))
-  assert len(out[0].token_ids) >= 1 and isinstance(out[0].text, str)
+  assert len(out[0].outputs[0].token_ids) >= 1 and isinstance(out[0].outputs[0].text, str)

@@ -3,25 +3,16 @@
 Each request r brings Q query tokens. Every query sees the committed prefix [0, prefix_len[r]) (read from pages
 through the page table) and the block's own keys through an intra-block boolean mask [Q, Q]: causal (verify,
 prefill, AR), full (diffusion draft) or any tree layout (RecGuide's fused verify + branches). The pure-jnp
-reference, `block_attention_ref`, lives beside the Pallas kernels it is the twin of (`pallas_kernels.common`) and
-is re-exported here; this module adds the masks and the training attention.
+reference, `block_attention_ref`, and the masks (`causal_mask`, `full_mask`) live beside the Pallas kernels they
+serve (`pallas_kernels.common`); the reference is re-exported here, and this module adds the training attention.
 """
 
 from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from pallas_kernels.common import NEG_INF, block_attention_ref  # noqa: F401  (the model's reference path)
-
-
-def causal_mask(q: int) -> np.ndarray:
-  return np.tril(np.ones((q, q), bool))
-
-
-def full_mask(q: int) -> np.ndarray:
-  return np.ones((q, q), bool)
 
 
 def sbd_training_attention(q: jax.Array, k: jax.Array, v: jax.Array, block_size: int, scale: float) -> jax.Array:

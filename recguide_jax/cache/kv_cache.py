@@ -1,17 +1,13 @@
 """Paged KV cache: fixed-size device page arrays (a registered dataclass pytree) and the host-side page allocator.
 
-Device side: K and V arrays with every layer stacked, [num_layers, num_pages, page_size, kv_heads * head_dim] (the
-KV heads folded into the last, lane, dimension: a TPU tiles the two minor dims, so a [.., kv_heads, head_dim] cache
-would need a physical relayout of every page before the kernel's [page_size, kv_heads * head_dim] tiles could read
-it; folded, the kernel DMAs pages as they lie, and on a CPU or GPU the bytes are the same either way), so the
-scanned layer stack carries the whole cache and each layer writes and reads its own pages in place at its layer
-index (a scatter at [layer, page, offset], a gather at [layer, page_table]): no step ever slices a layer out, which
-would copy it. Page 0 (of every layer) is never handed out: it is the trash page that padded batch slots and
-uncommitted tokens write into, so a step never needs a branch on "is this slot real". A request's page table maps
-its logical page i (token positions i*page_size ..) to a physical page. On the CPU a bf16/fp16 cache holds the
-floats' bits as unsigned integers (`storage_dtype`). Host side: `PageAllocator` owns which pages are free; commit,
-crop and free only change the host's tables and per-request lengths (a crop is a length change; pages past the new
-length are returned).
+Device side: K and V arrays with every layer stacked, [num_layers, num_pages, page_size, kv_heads * head_dim]. The
+KV heads are folded into the last (lane) dimension so a TPU kernel DMAs pages as they lie, without a relayout. The
+scanned layer stack carries the whole cache and each layer scatters and gathers its own pages in place at its layer
+index: no step slices a layer out, which would copy it. Page 0 is never handed out: padded batch slots and
+uncommitted tokens write into it, so a step needs no branch on "is this slot real". A request's page table maps its
+logical page i (token positions i*page_size ..) to a physical page. On the CPU a bf16/fp16 cache holds the floats'
+bits as unsigned integers (`storage_dtype`). Host side: `PageAllocator` owns which pages are free; commit, crop and
+free only change the host's tables and per-request lengths.
 
 Automatic prefix caching (vLLM's, on by default in the engine): a full page of a prompt, once prefilled, is
 registered under the hash of its token prefix chain (sha256 of the parent page's hash and the page's tokens, so equal
@@ -139,12 +135,8 @@ def gather_prefix(pages: jax.Array, page_table: jax.Array, layer: jax.Array | in
   return from_storage(g.reshape(b, p * s, kv_heads, hd // kv_heads), dtype)
 
 
-# XLA:CPU has no gather or scatter of 16- or 8-bit floats: it converts the operand to f32 and back, i.e. the whole
-# cache of every layer, twice per layer and step (a bf16 AR step of a 26M-parameter model took 136 ms, against
-# ~11 ms in f32, >90% of it in those converts; viewing the bytes as integers only inside the step still copied the
-# cache once per step). So on the CPU the cache stores such a float's bytes as the unsigned integer of its width,
-# which XLA moves natively: writes view the new K/V as bits, reads view the gathered pages back as the float.
-# Bit-exact. Accelerators gather their narrow floats natively and keep the float itself.
+# XLA:CPU gathers and scatters 16- and 8-bit floats by converting the whole operand to f32 and back, so on the CPU
+# the cache holds their bits as unsigned integers (bit-exact; measurements: docs/cpu_tuning.md).
 _BITS = {1: np.dtype(np.uint8), 2: np.dtype(np.uint16)}
 
 

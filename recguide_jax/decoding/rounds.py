@@ -4,6 +4,7 @@ it, and none touches engine state."""
 
 from __future__ import annotations
 
+import jax
 import numpy as np
 
 from recguide_jax.decoding.strategy import Batch, Round, RoundKind, RoundOutput
@@ -122,7 +123,7 @@ def pad_rows(batch: Batch, rows: int) -> tuple:
   row count): padding rows read and write nothing (page 0 is the trash page, prefix 0, not live)."""
   b = batch.b
   grow = (lambda x: x) if b >= rows else (lambda x: np.concatenate([x, np.zeros((rows - b,) + x.shape[1:], x.dtype)]))
-  samp = batch.samp if b >= rows else type(batch.samp)(*(grow(x) for x in batch.samp.args()))
+  samp = batch.samp if b >= rows else jax.tree.map(grow, batch.samp)
   return grow(batch.page_table), grow(batch.prefix_len), grow(batch.seed), grow(batch.live), samp
 
 

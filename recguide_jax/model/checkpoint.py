@@ -27,7 +27,9 @@ import orbax.checkpoint as ocp
 from flax import nnx
 
 from recguide_jax.model.config import NLDConfig
-from recguide_jax.model.nld import KernelLayout, LayerLoop, NLDModel, with_kernel_layout, with_layer_loop
+from recguide_jax.model.nld import (KernelLayout, LayerLoop, NLDModel, model_from_params, with_kernel_layout,
+                                    with_layer_loop)
+from recguide_jax.model.params import flatten_params
 
 PARAMS_DIR = "params"
 CONFIG_FILE = "config.json"
@@ -47,25 +49,6 @@ _LEGACY_LAYER = re.compile(r"^layers\.(\d+)\.(.+)$")
 
 class CheckpointError(ValueError):
   """A checkpoint directory is incomplete or does not match its config; the message names the file or tensor."""
-
-
-def flatten_params(tree: dict, prefix: str = "") -> dict[str, object]:
-  out = {}
-  for key, value in tree.items():
-    name = f"{prefix}{key}"
-    if isinstance(value, dict):
-      out.update(flatten_params(value, name + "."))
-    else:
-      out[name] = value
-  return out
-
-
-def _unflatten_into(template: dict, flat: dict[str, object], prefix: str = "") -> dict:
-  out = {}
-  for key, value in template.items():
-    name = f"{prefix}{key}"
-    out[key] = _unflatten_into(value, flat, name + ".") if isinstance(value, dict) else flat[name]
-  return out
 
 
 def param_shapes(cfg: NLDConfig, param_dtype=jnp.float32) -> dict[str, jax.ShapeDtypeStruct]:
@@ -223,7 +206,6 @@ def load_model(directory: str | os.PathLike, *, dtype: str | None = None,
     if sharding is not None:
       raise ValueError("load_model: pass `sharding` or `mesh`, not both")
     from recguide_jax.parallel import sharding as sharding_lib
-    from recguide_jax.model.nld import model_from_params
     directory = pathlib.Path(directory)
     if not (directory / CONFIG_FILE).exists():
       raise CheckpointError(f"{directory} has no {CONFIG_FILE}")
@@ -246,11 +228,6 @@ def load_model(directory: str | os.PathLike, *, dtype: str | None = None,
   cfg = NLDConfig.from_json_file(directory / CONFIG_FILE)
   flat = load_params(directory, cfg, sharding=sharding)
   target = jnp.dtype(DTYPES[dtype]) if dtype else jnp.dtype(next(iter(flat.values())).dtype)
-  model = nnx.eval_shape(lambda: NLDModel(cfg, dtype=target, param_dtype=target))
-  state = nnx.state(model, nnx.Param)
   # the cast runs where each tensor already lives (astype keeps the sharding)
-  pure = _unflatten_into(state.to_pure_dict(), {k: v if v.dtype == target else v.astype(target)
-                                                for k, v in flat.items()})
-  nnx.replace_by_pure_dict(state, pure)
-  nnx.update(model, state)
-  return model
+  return model_from_params(cfg, {k: v if v.dtype == target else v.astype(target) for k, v in flat.items()},
+                           dtype=target)

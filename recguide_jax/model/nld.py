@@ -36,6 +36,7 @@ from recguide_jax.parallel import sharding
 from recguide_jax.model.config import NLDConfig
 from recguide_jax.cache.kv_cache import KVCache, write_block
 from recguide_jax.model import rope
+from recguide_jax.model.params import flatten_params, unflatten_params
 
 
 class _WeightArrangement(enum.Enum):
@@ -57,15 +58,12 @@ class LayerLoop(_WeightArrangement):
   """How a forward runs the decoder layers.
 
   SCAN: one module whose weights are stacked [L, ...], run by `lax.scan`: a layer is compiled once whatever the
-  depth. On GPU and TPU the scan's per-layer slice of a stacked weight feeds the matmul where it lies.
-  UNROLLED: one module per layer, each with its own weight buffers, run by a Python loop. XLA:CPU materialises
-  every dynamic slice a scan takes of the stacked weights, i.e. it copies every weight on every step. Weights
-  larger than the last-level cache make that copy a second trip to memory: an AR decode step of a 26M-parameter
-  fp32 model (106 MB, 32 MB cache) ran 1.1-1.8x faster unrolled; the bundled 4M model (16 MB) ran 7-21% slower.
-  It compiles every layer separately (start-up grows with depth).
+  depth.
+  UNROLLED: one module per layer with its own weight buffers, run by a Python loop, each layer compiled apart:
+  XLA:CPU copies every weight slice a scan takes on every step, a second trip to memory for weights larger than
+  the last-level cache (measurements: docs/cpu_tuning.md).
   AUTO: UNROLLED for concrete weights on a CPU device without a mesh whose bytes exceed the host's last-level
-  cache; SCAN otherwise (accelerators, meshes, models that fit the cache, and the abstract weights that lower or
-  plan programs for other devices).
+  cache; SCAN otherwise (accelerators, meshes, models that fit the cache, abstract weights).
   """
   AUTO = "auto"
   SCAN = "scan"
@@ -76,14 +74,9 @@ class KernelLayout(_WeightArrangement):
   """How the dense layers hold their kernels.
 
   IN_OUT: [in, out] (nnx.Linear's), what checkpoints, sharding rules, training and accelerators see.
-  OUT_IN: [out, in] (HF's), and a matmul of at most `SWAPPED_MATMUL_MAX_ROWS` rows computes kernel @ x^T (then
-  transposes the small result). XLA:CPU's GEMMs fill register panels of many rows of their LEFT operand: with a
-  decode's few activation rows on the left most of each panel is idle and the dots run compute-bound. With the
-  weight on the left the dots of the peer benchmark's 26.5M model (6 layers and the head, 8 rows, XLA's default
-  YNNPACK dots) took 10.6 instead of 22.6 ms, and a whole AR decode step at batch 8 16.6 instead of 22.2 ms (at
-  batch 32 35.5 vs 40.1, at batch 1 equal; runtime/compilation.py picks the dot library per variant). From about
-  96 rows on the weight on the left was slower, so larger matmuls keep x @ kernel^T.
-  Its dots also ask for an f32 result and round it to the layer's dtype (see Dense: XLA:CPU's bf16 matmuls).
+  OUT_IN: [out, in] (HF's), and a matmul of at most `SWAPPED_MATMUL_MAX_ROWS` rows computes kernel @ x^T: XLA:CPU's
+  GEMMs fill register panels from their left operand, which a decode's few activation rows leave mostly idle
+  (measurements: docs/cpu_tuning.md). Its dots ask for an f32 result rounded to the layer's dtype (`matmul_out_in`).
   AUTO: OUT_IN for concrete weights on a CPU device without a mesh, IN_OUT otherwise.
   """
   AUTO = "auto"
@@ -91,8 +84,7 @@ class KernelLayout(_WeightArrangement):
   OUT_IN = "out_in"
 
 
-# Rows up to which an OUT_IN matmul puts the weight on the left (XLA:CPU, the peer model's dots: 64 rows 5% faster
-# with the weight on the left, 96 rows 10% slower; see KernelLayout).
+# Rows up to which an OUT_IN matmul puts the weight on the left; past it x @ kernel^T is faster (docs/cpu_tuning.md).
 SWAPPED_MATMUL_MAX_ROWS = 64
 
 
@@ -163,14 +155,11 @@ def matmul_out_in(x: jax.Array, w: jax.Array, precision=None) -> jax.Array:
   lead, rows = x.shape[:-1], math.prod(x.shape[:-1])
   x2 = x.reshape(rows, x.shape[-1])
   contract = (((1,), (1,)), ((), ()))
-  # f32 accumulation and the result rounded to the layer's dtype, as any bf16 matmul computes, but said: XLA:CPU
-  # asked for a bf16 product converts both operands to f32 in memory first (the weights, every step), while its
-  # YNNPACK dots read bf16 operands as they are when the result is f32 (a bf16 AR step of the peer model at
-  # batch 8 took 1.65x less time). A no-op in f32.
+  # an f32 result rounded to the layer's dtype (what a bf16 matmul computes anyway): asked for a bf16 product,
+  # XLA:CPU converts both operands to f32 in memory on every step (docs/cpu_tuning.md)
   acc = jnp.float32 if jnp.issubdtype(x.dtype, jnp.floating) else None
   if rows <= SWAPPED_MATMUL_MAX_ROWS:
-    # A narrow float's one row is computed as two: XLA:CPU sends a matrix-vector product to no YNNPACK dot and
-    # converts its weight to f32 (a bf16 AR step at batch 1 took 1.6x longer than with the row twice).
+    # a narrow float's one row is computed as two: XLA:CPU's matrix-vector product converts its weight to f32
     narrow = rows == 1 and acc is not None and jnp.dtype(x.dtype).itemsize < 4
     rhs = jnp.concatenate([x2, x2]) if narrow else x2
     # the barrier keeps XLA from folding the transpose into the dot's output layout, which would swap the
@@ -229,9 +218,8 @@ class Attention(nnx.Module):
       rows = lambda x: x[0][inp.ragged.token]
       q, k, v, positions = rows(q), rows(k), rows(v), rows(positions)
     if inp.kv_write is not None:
-      # Commit first, then attend: the new entries sit at positions >= prefix_len, which the prefix read masks,
-      # so the result is the same, and writing before reading lets XLA update the carried pages in place (a
-      # read-then-write order made it copy the cache).
+      # commit, then attend (the prefix read masks positions >= prefix_len): writing first lets XLA update the
+      # carried pages in place, where read-then-write made it copy the cache
       cache = KVCache(*write_block(cache.k, cache.v, k, v, inp.page_table, positions, inp.kv_write, layer,
                                    as_rows=attention_dispatch.tracing_platform() == "tpu"))
     if inp.train_block_size:
@@ -439,12 +427,7 @@ def model_from_params(cfg: NLDConfig, flat: dict, *, dtype, attention_impl: str 
   their mesh shards); `dtype` is the compute dtype."""
   model = nnx.eval_shape(lambda: NLDModel(cfg, dtype=dtype, param_dtype=dtype))
   state = nnx.state(model, nnx.Param)
-  pure = state.to_pure_dict()
-
-  def fill(tree, prefix=""):
-    return {k: fill(v, f"{prefix}{k}.") if isinstance(v, dict) else flat[f"{prefix}{k}"] for k, v in tree.items()}
-
-  nnx.replace_by_pure_dict(state, fill(pure))
+  nnx.replace_by_pure_dict(state, unflatten_params(state.to_pure_dict(), flat))
   nnx.update(model, state)
   if attention_impl is not None:
     model.layers.self_attn.attention_impl = attention_impl
@@ -457,15 +440,7 @@ def shard_model(model: NLDModel, mesh: jax.sharding.Mesh) -> NLDModel:
   kept."""
   # the sharding rules name the stacked weights, [in, out]
   model = with_kernel_layout(with_layer_loop(model, LayerLoop.SCAN), KernelLayout.IN_OUT)
-  pure = nnx.state(model, nnx.Param).to_pure_dict()
-
-  def flatten(tree, prefix=""):
-    out = {}
-    for k, v in tree.items():
-      out.update(flatten(v, f"{prefix}{k}.") if isinstance(v, dict) else {f"{prefix}{k}": v})
-    return out
-
-  run_cfg, placed = sharding.place_params(flatten(pure), model.cfg, mesh)
+  run_cfg, placed = sharding.place_params(flatten_params(nnx.state(model, nnx.Param).to_pure_dict()), model.cfg, mesh)
   return model_from_params(run_cfg, placed, dtype=model.embed_tokens.dtype,
                            attention_impl=getattr(model.layers.self_attn, "attention_impl", None))
 

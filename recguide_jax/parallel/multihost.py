@@ -176,16 +176,16 @@ class Leader:
     runner.before_execute = None  # published by `execute` below, which knows the step number of the outputs
     runner.execute = self.execute
 
-  def execute(self, key, host_args):
+  def execute(self, key, inputs):
     import jax
     with self._lock:  # one step at a time in publication order (dp groups step from threads)
       n = self.step
-      args = tuple(self._ref(a) for a in host_args)
+      args = jax.tree.map(self._ref, inputs)
       self.client.key_value_set_bytes(f"{STEP_PREFIX}/{n}", pickle.dumps((key, args)))
       if n >= KEEP_STEPS:
         self.client.key_value_delete(f"{STEP_PREFIX}/{n - KEEP_STEPS}")
       self.step += 1
-      outs = self._execute(key, host_args)
+      outs = self._execute(key, inputs)
       self._outputs = {k: v for k, v in self._outputs.items() if v[0] > n - OUTPUT_WINDOW}
       for i, out in enumerate(outs):
         if isinstance(out, jax.Array):
@@ -217,6 +217,7 @@ def lead(runner) -> Leader:
 
 def follow(runner, timeout_s: float = 24 * 3600.0, client=None) -> int:
   """Runs every step the leader publishes, in order, until it stops; returns the number of steps run."""
+  import jax
   client = client or _client()
   outputs: dict[int, tuple] = {}
   n = 0
@@ -225,7 +226,7 @@ def follow(runner, timeout_s: float = 24 * 3600.0, client=None) -> int:
     if msg == STOP:
       return n
     key, args = msg
-    args = tuple(outputs[a.step][a.index] if isinstance(a, OutputRef) else a for a in args)
+    args = jax.tree.map(lambda a: outputs[a.step][a.index] if isinstance(a, OutputRef) else a, args)
     outputs[n] = runner.execute(key, args)
     outputs.pop(n - OUTPUT_WINDOW, None)
     n += 1

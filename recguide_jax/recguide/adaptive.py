@@ -153,9 +153,8 @@ class RecGuideTables:
   overlap_slots: int | None = None  # branch slots of the fused tree (launch/fit_delta.py); None: the paper's 3
   # the expected-hit planner's prefix exponent gamma (launch/fit_delta.py); None: the plain product (1.0)
   overlap_prefix_exponent: float | None = None
-  # what the fitted planner measured (launch/fit_delta.py): the share of planned overlap rounds whose branch was
-  # reused, the controller's prior for it (None: a generic prior). Overlap's accepted length is the value model's
-  # for its block: an overlap round verifies a block of that B as LinearSS does
+  # the share of planned overlap rounds whose branch was reused, as the fitted planner measured it
+  # (launch/fit_delta.py): the controller's prior for it (None: a generic prior)
   overlap_hit_rate: float | None = None
 
   def __post_init__(self):

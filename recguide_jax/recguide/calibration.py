@@ -14,10 +14,9 @@ rows), and `CalibratedCosts` answers cost queries with
 So a regime the profile flatters gets tried, measured and dropped if it really loses, and the comparison with
 regimes not run lately stays in one unit.
 
-A shared machine drifts (the same round can take 1.3x as long a few seconds later), and a median measured in a
-slow spell would keep a regime that stopped running looking slow forever. So a key whose last round is older than
-`stale_after_s` starts afresh when it runs again, and `age` lets the switch see which comparisons are stale and
-re-measure the runner-up (`RecGuideStrategy.regime`).
+A shared machine drifts, and a median measured in a slow spell would keep a regime that stopped running looking
+slow forever (docs/recguide.md, "Drift"). So a key whose last round is older than `stale_after_s` starts afresh
+when it runs again, and `age` lets the switch see which comparisons are stale and re-measure the runner-up.
 
 Prices on a foreign profile (what a run would cost on a B200) must not be calibrated with this machine's clock:
 policies that price for another device turn calibration off.

@@ -21,10 +21,8 @@ class Regime(enum.StrEnum):
 
 
 HISTORY = 4  # verification rounds a request's history keeps (the signals read the last two)
-# how much more tokens per unit time a plan must be priced at to replace a cheaper one (`price_step`): its values are
-# estimates, and a gain below their error is a coin flip that can only add variance against the fixed plan. The
-# bundled value model's per-B mean error on GSM8K test prompts was -4% to +3% (docs/bench_recguide_priced.md), so a
-# priced gain under 1% is no gain; giving it up costs at most 1% on the steps where it applies.
+# how much more tokens per unit time a plan must be priced at to replace a cheaper one (`price_step`): a gain
+# below the values' estimation error is a coin flip (docs/recguide.md, "Priced as a batch" (5))
 TIE_MARGIN = 0.01
 PAPER_DELTA = 0.5  # risky-position margin threshold of the paper (NLD-8B)
 

@@ -125,9 +125,8 @@ class RecGuideStrategy(AdaptiveRule, RegimeSwitch, CostModel, Strategy):
     (`price_step`)."""
     reqs = view.requests
     concurrency = len(reqs)
-    # the regime lasts beyond this step (overlap pays a draft to enter, its branches pay off in later rounds), so
-    # it is chosen for the load in flight: a step where some requests still prefill is not a lighter load (in a
-    # closed loop of 8 such steps ran overlap at 3-7 decoding rows and paid a fresh draft each time)
+    # chosen for the load in flight, not this step's decoding rows: the regime outlasts the step, and a step where
+    # some requests still prefill is no lighter load (docs/recguide.md, "Priced as a batch" (4))
     load = max(concurrency, view.running)
     self._eos = view.eos_token_ids
     self.ragged_steps = view.ragged_steps
@@ -184,10 +183,8 @@ class RecGuideStrategy(AdaptiveRule, RegimeSwitch, CostModel, Strategy):
     # of whatever kind, moves the committed state past it (an overlap round's new one is stored after this)
     state.prefetched = None
     if block_size <= 1:
-      # an AR round is a round without a speculative verification: it carries no signal (s averages the entropies
-      # of the last rounds that have one, z is unknown after it), so two AR rounds in a row return the request to
-      # the value model's unconditional values, its prior. Without this a request that looked unsure once would be
-      # priced out of speculation for good (AR rounds would leave its history as it was).
+      # an AR round carries no signal, so two in a row return the request to the value model's prior: otherwise a
+      # request that looked unsure once would be priced out of speculation for good
       if self.batch_priced:
         state.history.append(signals.RoundRecord(1, 1, None))
         if len(state.history) > HISTORY:
@@ -198,7 +195,7 @@ class RecGuideStrategy(AdaptiveRule, RegimeSwitch, CostModel, Strategy):
       predicted = self._model_values(req, self._remaining(req) if left is None else left)[block_size]
       self.value_calibration.observe(block_size, predicted, accepted)
     cap = self.tables.head_cap if self.tables is not None else self.entropy_head_cap
-    # a set test on a short list: np.isin took ~0.1 ms per request and round, ~2% of a C = 1 round on a CPU
+    # a set test on a short list: cheaper per request and round than np.isin
     eos = not self._eos.isdisjoint(result.tokens[row, :accepted].tolist())
     state.history.append(signals.make_record(result.entropy[row], accepted, block_size, eos=eos, head_cap=cap))
     if len(state.history) > HISTORY:

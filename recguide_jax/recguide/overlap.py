@@ -25,6 +25,8 @@ from typing import Sequence
 
 import numpy as np
 
+from pallas_kernels.common import causal_mask
+
 MAX_BRANCHES = 3  # the paper's tree: up to P1, P2 and the continuation (the default number of branch slots)
 MAX_SLOTS = 8  # the widest fused tree offered: 9B query tokens per request
 PLANNERS = ("no_p3", "expected_hit")  # the paper's final rule (default), our slot-filling alternative
@@ -92,9 +94,7 @@ def plan_expected_hit(signals: np.ndarray, block: int, *, generated: int, commit
   has a fixed shape of (1 + slots) * B query tokens, so an empty slot costs as much as a used one; the paper's
   rule leaves slots empty because its padded dense rows did cost compute (docs/spec/recguide.md §4.7). How many
   slots pay off (wider trees hit more often but cost more query tokens) is fitted per model and device
-  (launch/fit_delta.py). Same boundary
-  filters as the paper's rule. (Rank-3 alternatives as extra candidates were measured too: no gain on the
-  bundled model, they only displaced corrections at other positions.)
+  (launch/fit_delta.py). Same boundary filters as the paper's rule.
 
   `prefix_exponent` gamma scores the prefix as (prod_{j<p} C_j)^gamma. The plain product (gamma = 1) treats the
   positions' acceptances as independent, but they are positively correlated (a draft that is right at j is
@@ -134,7 +134,7 @@ def tree_layout(block: int, draft: np.ndarray, branches: Sequence[Branch], commi
   write = np.zeros((q,), bool)
   tokens[:block] = draft
   positions[:block] = committed + np.arange(block)
-  mask[:block, :block] = np.tril(np.ones((block, block), bool))
+  mask[:block, :block] = causal_mask(block)
   write[:block] = True
   for k in range(slots):
     lo = (k + 1) * block

@@ -59,9 +59,8 @@ class AdaptiveRule:
     if costs is None:
       costs = self._linear_costs(c)
     if self.tables is not None:
-      # tables priced for other hardware (the bundled ones: the B200 table) keep the rule's fitted form V - rho T on
-      # this policy's own (calibrated) costs, rho carried into their time unit (`pricing.rescaled_rho`): the ratio
-      # V / T, a different rule, is what the paper's own search rejected
+      # tables of other hardware keep the fitted rule V - rho T on this policy's own costs, rho rescaled to their
+      # time unit (`pricing.rescaled_rho`): V / T is a different rule, one the paper's search rejected
       if not self.state(req).history:
         return self.tables.level(c).cold_start_block
       return pricing.decide_rescaled(values, self.tables.rho_for(c), self.tables.costs_for(c), costs)
@@ -78,9 +77,8 @@ class AdaptiveRule:
     (`grouping.plan_cost`, as the engine's "auto" grouping does), every round priced by this strategy's cost model
     (`round_cost`). The step runs the plan with the most tokens per unit time; a near-tie keeps the plan listed
     first (AR, then B ascending, then the rule: the cheaper round, and a fixed plan before the mixed one): a later
-    plan replaces the best so far only when priced more than `tie_margin` above it. In a closed loop of 32 on the
-    B200 table, a step of 3 drain requests priced B = 16 0.2% above B = 8 on the value model's estimates; the
-    round gave the tokens B = 8 would have for 6.7% more time, and left RecGuide behind fixed B = 8 for the run."""
+    plan replaces the best so far only when priced more than `tie_margin` above it (docs/recguide.md, "Priced as a
+    batch" (5))."""
     c = max(concurrency, 1)
     costs = self._linear_costs(c)
     rule = [self._adaptive_block(r, c, costs) for r in reqs]

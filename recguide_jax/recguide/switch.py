@@ -46,14 +46,10 @@ class RegimeSwitch:
     (`_values`, in `batch` order), when known, else the engine-wide running estimates.
 
     Every regime's tokens come from one estimate of the same thing, so that only costs and the branch reuse rate
-    tell overlap from LinearSS at its B: priced on a running accepted length of its own that only its rounds moved,
-    overlap froze low after a hard spell and stayed off on prompts unlike the fitting set where it paid
-    (docs/recguide.md, "Priced as a batch" (2)).
-
-    The regimes are compared over the same requests: overlap's value is the mean V_B over the whole batch too (a
-    request that would not overlap runs LinearSS and is worth about its V_B either way), and the requests that
-    would not overlap (sampled, or finishing this round) cost overlap a LinearSS round of their own beside the
-    fused one; left out, drain steps of a closed loop took overlap for the few requests not near their end."""
+    tell overlap from LinearSS at its B. The regimes are compared over the same requests: overlap's value is the
+    mean V_B over the whole batch too, and the requests that would not overlap (sampled, or finishing this round)
+    cost overlap a LinearSS round of their own beside the fused one (why: docs/recguide.md, "Priced as a batch"
+    (2))."""
     shares = tuple(self.overlap_draft_shares(batch)) if batch and self.overlap else ()
     share = sum(shares) / len(shares) if shares else 1.0 - self.stats.overlap_hit
     left_out = sum(not self._overlaps(r) for r in batch) if batch and self.overlap else 0
@@ -74,9 +70,7 @@ class RegimeSwitch:
     draft). A request that holds no prefetched branch (entering overlap, or after a miss) drafts in this round for
     sure, and a branch pays off only in a round that follows: over its R = left / accepted remaining rounds it
     drafts 1 + (R - 1)(1 - hit) times, so entering is worth it only when enough rounds are left to recover the
-    draft. Priced in the steady state alone, a request with a round or two left entered overlap at the end of a
-    run (B200 table, C = 32: the last request's one overlap round cost a draft and a 5-block fused forward for
-    the tokens a B = 8 round gave). A request holding a branch drafts 1 - hit per round less than that."""
+    draft (docs/recguide.md, "Priced as a batch" (6)). A request holding a branch drafts 1 - hit per round less."""
     hit, accepted = self.stats.overlap_hit, max(self.stats.accepted[self.block_size], 1.0)
     shares = []
     for req in batch:
@@ -123,9 +117,8 @@ class RegimeSwitch:
         basis[name] = key
     ranked = sorted(basis, key=lambda name: -rates[basis[name]])
     if ranked[0] == Regime.AR and self._ar_per_step and Regime.ADAPTIVE in basis:
-      # AR is priced per step against the requests' own values (`plan_step`), which AR rounds return to the prior
-      # (`observe`); here AR would rest on engine-wide acceptance estimates that only speculative rounds update, and
-      # with nothing to re-measure them (no calibration probes) one unlucky spell would keep every later step in AR
+      # AR is priced per step against the requests' own values (`plan_step`); here it would rest on engine-wide
+      # estimates only speculative rounds update, and one unlucky spell would keep every later step in AR
       return Regime.ADAPTIVE
     if not self.calibrate or len(ranked) < 2:
       return ranked[0]
@@ -151,19 +144,14 @@ class RegimeSwitch:
     """Re-measures a stale runner-up: when the best regime's cost was measured just now but the runner-up's is
     stale (or was never measured) and the runner-up is estimated close enough to matter (>= `probe_margin` of the
     best's rate), the runner-up runs for `min_samples` steps, so the two are compared in one state of the
-    machine. Without this a regime measured in a slow spell of a shared machine can lose the switch for good.
-    Probes are spaced so that they take at most `probe_budget` of the time (under high load a round of the
-    runner-up is long, so it is probed rarely). The margin test prices the runner-up also from fresh rounds only
-    (`CalibratedCosts.fresh_cost`) and takes the more promising price: a stale median from a cold start or a slow
-    spell must not keep a close regime from being re-measured.
+    machine: a regime measured in a slow spell of a shared machine must not lose the switch for good. Probes take
+    at most `probe_budget` of the time. The margin test prices the runner-up also from fresh rounds only
+    (`CalibratedCosts.fresh_cost`) and takes the more promising price.
 
     A regime none of whose round kinds has ever run here, ranked anywhere below the best, is probed when its
-    estimate is within `explore_margin` of the best's: that estimate is the profile's cost ratio between kinds,
-    and a profile of other hardware, or none, can be off several-fold. Without a profile on this CPU the generic
-    costs priced an AR step at 3x what it took, the `probe_margin` never let AR run, and RecGuide held 0.67x AR's
-    throughput at C = 16. Such a first measurement, one per kind, has its own budget (`explore_budget`) and is
-    spaced from the first decision too, not only from the last probe, so that a long one is no large share of a
-    short run either."""
+    estimate is within `explore_margin` of the best's: that estimate is the profile's cost ratio between kinds, and
+    a profile of other hardware, or none, can be off several-fold. Such a first measurement, one per kind, has its
+    own budget (`explore_budget`) and is spaced from the first decision too (docs/recguide.md, "Drift")."""
     if self._probe is not None:
       regime, left, first_of = self._probe
       if first_of is None or self._never_measured(first_of):

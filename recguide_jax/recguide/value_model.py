@@ -53,8 +53,8 @@ class SurvivalTable:
     # V per bin, precomputed once so the runtime lookup and the rho search use the very same floats
     object.__setattr__(self, "_bin_values", {b: _frozen(v.sum(1)) for b, v in self.survival.items()})
     object.__setattr__(self, "_uncond_values", {b: float(v.sum()) for b, v in self.unconditional.items()})
-    # the same numbers as Python floats for the per-request runtime lookup (a bisect over a tuple is several times
-    # cheaper than a numpy call on a few floats, and the lookup runs for every request and round)
+    # the same numbers as Python floats: the lookup runs per request and round, where a bisect over a tuple beats
+    # a numpy call on a few floats
     object.__setattr__(self, "_edge_floats", tuple(float(e) for e in self.edges))
     object.__setattr__(self, "_bin_value_floats", {b: tuple(float(x) for x in v) for b, v in self._bin_values.items()})
 

@@ -41,7 +41,9 @@ from recguide_jax.runtime.compilation import (BackgroundCompiler, CompileCounter
                                               enable_compile_cache, variant_compiler_options)
 from recguide_jax.runtime.step_key import (BLOCK_SIZES, StepKey, StepKind, batch_buckets, fused_kind,  # noqa: F401
                                            fused_slots, parse_kind_label, ragged_token_buckets)
-from recguide_jax.runtime.steps import SamplingArrays, StepFunctions, example_host_args
+from recguide_jax.runtime.steps import (DecodeInputs, DenoiseInputs, DraftInputs, FusedInputs, PrefillInputs,
+                                        RaggedDraftInputs, RaggedVerifyInputs, SamplingArrays, StepFunctions,
+                                        VerifyInputs, example_inputs)
 
 MAX_COMPILE_WORKERS = 8  # default bound on concurrent variant compiles in `Runner.warmup`
 
@@ -180,7 +182,7 @@ class Runner:
     self._ready_buckets: set[int] = set(self.buckets)
     self._background: BackgroundCompiler | None = None
     self._compiles_at_warmup: int | None = None
-    self.before_execute: Callable[[StepKey, tuple], None] | None = None  # multi-host leader: mirror each call
+    self.before_execute: Callable[[StepKey, Any], None] | None = None  # multi-host leader: mirror each call
     self.lock = threading.Lock()
 
   @classmethod
@@ -225,7 +227,7 @@ class Runner:
       self._background.shutdown()
 
   # ---- compilation -------------------------------------------------------------------------------------------------
-  def _jit(self, key: StepKey, host_args: tuple):
+  def _jit(self, key: StepKey, inputs):
     fn = self.steps.build(key)
     donate = (1,) if key.kind.writes_cache else ()
     if self.mesh is None:
@@ -235,9 +237,9 @@ class Runner:
     state_sh = jax.tree.map(placed, self._state_spec)
     cache_sh = jax.tree.map(placed, self._cache_spec)
     io = lambda x: sharding.step_io_sharding(self.mesh, x.shape, self.cfg.vocab_size)
-    in_sh = (state_sh, cache_sh) + tuple(io(x) for x in host_args)
+    in_sh = (state_sh, cache_sh, jax.tree.map(io, inputs))
     with sharding.mesh_context(self.mesh):
-      outs = jax.eval_shape(fn, self._state_spec, self._cache_spec, *host_args)
+      outs = jax.eval_shape(fn, self._state_spec, self._cache_spec, inputs)
     out_sh = jax.tree.map(io, outs)
     if key.kind.writes_cache:
       out_sh = (cache_sh,) + tuple(out_sh[1:])
@@ -245,10 +247,10 @@ class Runner:
 
   def lower(self, key: StepKey):
     """The lowered (not yet compiled) variant: its HLO and, once compiled, its memory analysis."""
-    host = example_host_args(key, self.config.pages_per_seq, self.cfg.vocab_size)
-    jitted = self._jit(key, host)
+    inputs = example_inputs(key, self.config.pages_per_seq, self.cfg.vocab_size)
+    jitted = self._jit(key, inputs)
     with sharding.mesh_context(self.mesh):  # traced inside the mesh: activation constraints, per-shard kernels
-      return jitted.lower(self._state_spec, self._cache_spec, *host)
+      return jitted.lower(self._state_spec, self._cache_spec, inputs)
 
   def compiled(self, key: StepKey):
     fn = self._compiled.get(key)
@@ -371,14 +373,14 @@ class Runner:
     return seconds
 
   # ---- execution -------------------------------------------------------------------------------------------------
-  def execute(self, key: StepKey, host_args: tuple) -> tuple:
-    """Runs variant `key` on (state, cache, *host_args); a step that writes K/V replaces the cache (the old one
-    is donated). Returns the step's other outputs as device arrays. `host_args` are numpy arrays, except the
-    draft distributions a VERIFY takes, which a DRAFT returned on the device."""
+  def execute(self, key: StepKey, inputs) -> tuple:
+    """Runs variant `key` on (state, cache, inputs), `inputs` the kind's typed inputs (steps.py); a step that writes
+    K/V replaces the cache (the old one is donated). Returns the step's other outputs as device arrays. The inputs
+    are numpy arrays, except the draft distributions a VERIFY takes, which a DRAFT returned on the device."""
     if self.before_execute is not None:
-      self.before_execute(key, host_args)
+      self.before_execute(key, inputs)
     fn = self.compiled(key)
-    outs = fn(self.state, self.cache, *host_args)
+    outs = fn(self.state, self.cache, inputs)
     if key.kind.writes_cache:
       self.cache, outs = outs[0], outs[1:]
     return tuple(outs)
@@ -391,19 +393,16 @@ class Runner:
     warmed up unless asked for (`warmup(kinds=(..., "score"))`): its first use compiles it, and counts in
     `compiles_after_warmup`, since that request did wait for it."""
     b, chunk = tokens.shape
-    if targets is None:
-      key, args = StepKey(StepKind.PREFILL, chunk, b, controls=samp.controls_len), (tokens, valid, prefix_len,
-                                                                                      page_table, last_idx)
-    else:
-      key, args = (StepKey(StepKind.SCORE, chunk, b, controls=samp.controls_len),
-                   (tokens, valid, prefix_len, page_table, last_idx, targets))
-    return jax.device_get(self.execute(key, args + samp.args()))  # one device->host transfer for all results
+    kind = StepKind.PREFILL if targets is None else StepKind.SCORE
+    inputs = PrefillInputs(tokens, valid, prefix_len, page_table, last_idx, samp, targets)
+    # one device->host transfer for all results
+    return jax.device_get(self.execute(StepKey(kind, chunk, b, controls=samp.controls_len), inputs))
 
   def draft(self, seed, prefix_len, page_table, blk: int, samp: SamplingArrays):
     """Returns device arrays: draft tokens [b, B], their distributions [b, B, V] (for `verify`) and the draft
     signals [b, 3, B] (confidence, top-1/top-2 margin, runner-up token)."""
     return self.execute(StepKey(StepKind.DRAFT, blk, seed.shape[0], controls=samp.controls_len),
-                        (seed, prefix_len, page_table) + samp.args())
+                        DraftInputs(seed, prefix_len, page_table, samp))
 
   def verify(self, tokens, q, write, prefix_len, page_table, samp: SamplingArrays, steps: int = 1) -> VerifyResult:
     """A verify of `tokens` [b, B] against the draft distributions `q`, or with `q` None an AR decode of the seed
@@ -422,7 +421,7 @@ class Runner:
     of a `VerifyResult`. `prefix_len` may be a device array (a pipelined round's, from the verify before it)."""
     b, blk = tokens.shape
     return self.execute(StepKey(StepKind.VERIFY, blk, b, controls=samp.controls_len),
-                        (tokens, q, write, prefix_len, page_table) + samp.args())
+                        VerifyInputs(tokens, q, write, prefix_len, page_table, samp))
 
   def dispatch_decode(self, tokens, write, prefix_len, page_table, samp: SamplingArrays, steps: int = 1) -> tuple:
     """An AR decode of the seed tokens [b, 1] (numpy, or the device tokens of the call before it) for `steps` steps,
@@ -431,7 +430,7 @@ class Runner:
     if blk != 1:
       raise ValueError("verify without draft distributions is only AR decode (block of 1)")
     return self.execute(StepKey(StepKind.DECODE, 1, b, steps=steps, controls=samp.controls_len),
-                        (tokens, write, prefix_len, page_table) + samp.args())
+                        DecodeInputs(tokens, write, prefix_len, page_table, samp))
 
   @staticmethod
   def read_verify(outs) -> VerifyResult:
@@ -452,7 +451,7 @@ class Runner:
       raise ValueError(f"a fused tree holds whole blocks: {qn} query tokens at block {blk}")
     slots = qn // blk - 1
     key = StepKey(StepKind.FUSED if slots else StepKind.GVERIFY, blk, b, slots, controls=samp.controls_len)
-    outs = self.execute(key, (tokens, positions, mask, lora, write, prefix_len, page_table) + samp.args())
+    outs = self.execute(key, FusedInputs(tokens, positions, mask, lora, write, prefix_len, page_table, samp))
     host = jax.device_get(outs)
     res = VerifyResult(*host[:6])
     if not slots:
@@ -464,18 +463,18 @@ class Runner:
     device arrays in the row layout: tokens [R, W], distributions [R, W, V], signals [R, 3, W] (W the largest
     block)."""
     key = self.ragged_key(StepKind.RAGGED_DRAFT, int(np.sum(row_len)))
-    return self.execute(key, (seed, row_len, prefix_len, page_table) + samp.args())
+    return self.execute(key, RaggedDraftInputs(seed, row_len, prefix_len, page_table, samp))
 
   def ragged_verify(self, drafted, q, seed, row_len, write, prefix_len, page_table, samp: SamplingArrays
                     ) -> VerifyResult:
     """Verifies every row at its own block row_len [R] in one forward: LinearSS rows their draft (`drafted`, `q`
     from `ragged_draft`), AR rows (row_len 1) decode their seed. Results [R, W] as `verify`'s."""
     key = self.ragged_key(StepKind.RAGGED_VERIFY, int(np.sum(row_len)))
-    outs = self.execute(key, (drafted, q, seed, row_len, write, prefix_len, page_table) + samp.args())
+    outs = self.execute(key, RaggedVerifyInputs(drafted, q, seed, row_len, write, prefix_len, page_table, samp))
     return VerifyResult(*jax.device_get(outs))
 
   def denoise(self, seed, prefix_len, page_table, threshold, blk: int, samp: SamplingArrays, active):
     outs = self.execute(StepKey(StepKind.DENOISE, blk, seed.shape[0], controls=samp.controls_len),
-                        (seed, prefix_len, page_table, threshold) + samp.args() + (active,))
+                        DenoiseInputs(seed, prefix_len, page_table, threshold, samp, active))
     return jax.device_get(outs)
 

@@ -1,7 +1,7 @@
-"""The pure step functions over (model state, paged KV cache, small per-request arrays), one per `StepKind`, and
-the example host arguments each variant is lowered with.
+"""The pure step functions over (model state, paged KV cache, small per-request arrays), one per `StepKind`, their
+typed inputs (one registered-dataclass pytree per kind) and the example inputs each variant is lowered with.
 
-Every function takes `(state, cache, *host_args)`; kinds that write K/V return the new cache first (the runner
+Every function takes `(state, cache, inputs)`; kinds that write K/V return the new cache first (the runner
 donates the old one), and everything else they return is small ([b], [b, B], [b, B, K]) except the draft
 distributions, which stay on the device until the verify that consumes them.
 """
@@ -17,6 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from pallas_kernels.common import causal_mask
 from recguide_jax.model.nld import ForwardInputs, NLDModel, RaggedLayout
 from recguide_jax.parallel import sharding
 from recguide_jax.runtime import sampling
@@ -24,9 +25,10 @@ from recguide_jax.runtime.step_key import StepKey, StepKind
 from recguide_jax.runtime.uncertainty import draft_signals, verifier_entropy
 
 
+@jax.tree_util.register_dataclass
 @dataclasses.dataclass
 class SamplingArrays:
-  """Per-row sampling parameters of a padded batch (numpy, host side)."""
+  """Per-row sampling parameters of a padded batch (numpy on the host; a pytree, so a step takes it whole)."""
   temperature: np.ndarray  # [b] float32
   top_k: np.ndarray  # [b] int32
   top_p: np.ndarray  # [b] float32
@@ -47,10 +49,6 @@ class SamplingArrays:
     """The StepKey's `controls`: each row's control list length (0 without controls)."""
     return 0 if self.controls is None else int(self.controls.ids.shape[1])
 
-  def args(self):
-    return (self.temperature, self.top_k, self.top_p, self.keys, self.top_logprobs) + (
-        tuple(self.controls) if self.controls is not None else ())
-
 
 def empty_controls(b: int, length: int, vocab_size: int) -> sampling.Controls:
   """Neutral controls of b rows with `length` padding entries each (ids = vocab_size, which the scatters drop)."""
@@ -60,10 +58,104 @@ def empty_controls(b: int, length: int, vocab_size: int) -> sampling.Controls:
                            np.zeros((b, length), bool), np.zeros((b, length), np.float32), np.zeros((b, length), bool))
 
 
-def unpack_sampling(args: tuple):
-  """A step's trailing sampling arguments -> (temperature, top_k, top_p, keys, top_logprobs, controls or None)."""
-  controls = sampling.Controls(*args[5:]) if len(args) > 5 else None
-  return tuple(args[:5]) + (controls,)
+def unpack_sampling(samp: SamplingArrays):
+  """-> (temperature, top_k, top_p, keys, top_logprobs, controls or None)."""
+  return samp.temperature, samp.top_k, samp.top_p, samp.keys, samp.top_logprobs, samp.controls
+
+
+# ---- typed step inputs: one pytree per step kind (after the model state and the cache) ----------------------------
+# [b] rows unless noted; P = pages per sequence. Field order is the order the compiled program takes its leaves in.
+def _step_inputs(cls):
+  return jax.tree_util.register_dataclass(dataclasses.dataclass(frozen=True)(cls))
+
+
+@_step_inputs
+class PrefillInputs:
+  """PREFILL (and SCORE, with `targets`): a prompt chunk."""
+  tokens: Any  # [b, chunk] int32
+  valid: Any  # [b, chunk] bool: the chunk's real tokens (their K/V are written)
+  prefix_len: Any  # int32: tokens already in the cache
+  page_table: Any  # [b, P] int32
+  last_idx: Any  # int32: each row's last valid token, whose next token is sampled
+  samp: SamplingArrays
+  targets: Any = None  # SCORE: [b, chunk] int32, the prompt token after each position
+
+
+@_step_inputs
+class DraftInputs:
+  """DRAFT: a block of B from each row's seed token."""
+  seed: Any  # int32
+  prefix_len: Any
+  page_table: Any
+  samp: SamplingArrays
+
+
+@_step_inputs
+class VerifyInputs:
+  """VERIFY: the drafted blocks against their draft distributions."""
+  tokens: Any  # [b, B] int32
+  q: Any  # [b, B, V] float32, a DRAFT's output (on the device)
+  write: Any  # bool: rows whose K/V are written
+  prefix_len: Any
+  page_table: Any
+  samp: SamplingArrays
+
+
+@_step_inputs
+class DecodeInputs:
+  """DECODE: AR steps from each row's seed token."""
+  tokens: Any  # [b, 1] int32
+  write: Any
+  prefix_len: Any
+  page_table: Any
+  samp: SamplingArrays
+
+
+@_step_inputs
+class FusedInputs:
+  """FUSED and GVERIFY: a greedy verify of tokens[:, :B] plus the tree's branch blocks, qn = (1 + slots) B."""
+  tokens: Any  # [b, qn] int32
+  positions: Any  # [b, qn] int32
+  mask: Any  # [b, qn, qn] bool
+  lora: Any  # [b, qn] bool: the draft adapter's tokens
+  write: Any  # [b, qn] bool
+  prefix_len: Any
+  page_table: Any
+  samp: SamplingArrays
+
+
+@_step_inputs
+class DenoiseInputs:
+  """DENOISE: NLD block diffusion of a block from each row's seed token."""
+  seed: Any
+  prefix_len: Any
+  page_table: Any
+  threshold: Any  # float32
+  samp: SamplingArrays
+  active: Any  # bool: rows that denoise
+
+
+@_step_inputs
+class RaggedDraftInputs:
+  """RAGGED_DRAFT: each row's draft at its own block row_len (0: none)."""
+  seed: Any
+  row_len: Any  # int32
+  prefix_len: Any
+  page_table: Any
+  samp: SamplingArrays
+
+
+@_step_inputs
+class RaggedVerifyInputs:
+  """RAGGED_VERIFY: each row's block at its own length row_len, in the row layout [R, W]."""
+  drafted: Any  # [R, W] int32
+  q: Any  # [R, W, V] float32
+  seed: Any
+  row_len: Any
+  write: Any
+  prefix_len: Any
+  page_table: Any
+  samp: SamplingArrays
 
 
 def with_next_inputs(fn: Callable, decode: bool = False) -> Callable:
@@ -72,9 +164,9 @@ def with_next_inputs(fn: Callable, decode: bool = False) -> Callable:
   pipelined engine dispatches the next call from them before it reads this one back, with no op between the
   two calls (nothing to compile after warm-up, no extra dispatch)."""
 
-  def chained(state, cache, tokens, *args):
-    cache, accepted, out, *rest = fn(state, cache, tokens, *args)
-    prefix_len = args[1] if decode else args[2]  # decode: (write, prefix_len, ...); verify: (q, write, prefix_len, ...)
+  def chained(state, cache, inputs: VerifyInputs | DecodeInputs):
+    cache, accepted, out, *rest = fn(state, cache, inputs)
+    prefix_len = inputs.prefix_len
     if decode:
       seed = out[:, -1:]
     else:
@@ -123,11 +215,12 @@ class StepFunctions:
     of SCORE_SLICE positions, so the step's peak holds [b, SCORE_SLICE, V] logits, and only the small results
     leave the device."""
     cfg = self.cfg
-    mask = jnp.tril(jnp.ones((chunk, chunk), bool))
+    mask = jnp.asarray(causal_mask(chunk))
 
-    def fn(state, cache, tokens, valid, prefix_len, page_table, last_idx, *rest):
-      targets, samp = (rest[0], rest[1:]) if score else (None, rest)
-      temperature, top_k, top_p, keys, top_logprobs, controls = unpack_sampling(samp)
+    def fn(state, cache, inputs: PrefillInputs):
+      tokens, valid, prefix_len, page_table, last_idx = (inputs.tokens, inputs.valid, inputs.prefix_len,
+                                                         inputs.page_table, inputs.last_idx)
+      temperature, top_k, top_p, keys, top_logprobs, controls = unpack_sampling(inputs.samp)
       positions = prefix_len[:, None] + jnp.arange(chunk)[None, :]
       inp = ForwardInputs(tokens=tokens, positions=positions, block_mask=mask, prefix_len=prefix_len,
                           page_table=page_table, kv_write=valid)
@@ -141,7 +234,7 @@ class StepFunctions:
       out = (cache, tok[:, 0], lp[:, 0], top_lp[:, 0], top_ids[:, 0])
       if not score:
         return out
-      return out + score_chunk(model, h, targets, cfg.mask_token_id)
+      return out + score_chunk(model, h, inputs.targets, cfg.mask_token_id)
 
     return fn
 
@@ -149,8 +242,9 @@ class StepFunctions:
     cfg = self.cfg
     mask = jnp.ones((blk, blk), bool)
 
-    def fn(state, cache, seed, prefix_len, page_table, *samp):
-      temperature, top_k, top_p, keys, _, controls = unpack_sampling(samp)  # a draft reports no logprobs
+    def fn(state, cache, inputs: DraftInputs):
+      seed, prefix_len, page_table = inputs.seed, inputs.prefix_len, inputs.page_table
+      temperature, top_k, top_p, keys, _, controls = unpack_sampling(inputs.samp)  # a draft reports no logprobs
       b = seed.shape[0]
       tokens = jnp.full((b, blk), cfg.mask_token_id, jnp.int32).at[:, 0].set(seed)
       positions = prefix_len[:, None] + jnp.arange(blk)[None, :]
@@ -167,11 +261,12 @@ class StepFunctions:
 
     return fn
 
-  def _verify(self, blk: int):
+  def _verify_body(self, blk: int):
+    """VERIFY's computation on unpacked arguments (DECODE runs it per step with its own keys and tokens)."""
     cfg, rule = self.cfg, self.rule
-    mask = jnp.tril(jnp.ones((blk, blk), bool))
+    mask = jnp.asarray(causal_mask(blk))
 
-    def fn(state, cache, tokens, q, write, prefix_len, page_table, *samp, extra=None, offset=0):
+    def body(state, cache, tokens, q, write, prefix_len, page_table, samp, extra=None, offset=0):
       temperature, top_k, top_p, keys, top_logprobs, controls = unpack_sampling(samp)
       positions = prefix_len[:, None] + jnp.arange(blk)[None, :]
       inp = ForwardInputs(tokens=tokens, positions=positions, block_mask=mask, prefix_len=prefix_len,
@@ -186,7 +281,12 @@ class StepFunctions:
       lp, top_lp, top_ids = sampling.raw_logprobs(logits, out, cfg.mask_token_id, top_logprobs)
       return cache, accepted, out, lp, top_lp, top_ids, verifier_entropy(logits, cfg)
 
-    return fn
+    return body
+
+  def _verify(self, blk: int):
+    body = self._verify_body(blk)
+    return lambda state, cache, inputs: body(state, cache, inputs.tokens, inputs.q, inputs.write, inputs.prefix_len,
+                                             inputs.page_table, inputs.samp)
 
   def _decode(self, steps: int = 1):
     """`steps` AR decode forwards in one call: each writes its input token's K/V and samples the next one, which
@@ -194,19 +294,21 @@ class StepFunctions:
     those of `steps` single-step calls whose counters advance by one (sampled or greedy). Results are [b, steps]
     (top entries [b, steps, K]); `accepted` is `steps` for every row (the host stops each request at its own stop
     condition and drops what the later steps wrote)."""
-    verify = self._verify(1)
+    verify = self._verify_body(1)
 
-    def fn(state, cache, tokens, write, prefix_len, page_table, *samp):
+    def fn(state, cache, inputs: DecodeInputs):
+      tokens, write, prefix_len, page_table, samp = (inputs.tokens, inputs.write, inputs.prefix_len,
+                                                     inputs.page_table, inputs.samp)
       if steps == 1:
-        return verify(state, cache, tokens, None, write, prefix_len, page_table, *samp)
-      keys = samp[3]
+        return verify(state, cache, tokens, None, write, prefix_len, page_table, samp)
+      keys = samp.keys
 
       def step(carry, s):
         cache, tok, sampled = carry
-        step_samp = samp[:3] + (keys.at[:, 1].add(s.astype(keys.dtype)),) + samp[4:]
+        step_samp = dataclasses.replace(samp, keys=keys.at[:, 1].add(s.astype(keys.dtype)))
         # the controls of step s count the s tokens earlier steps sampled
         cache, _, out, lp, top_lp, top_ids, ent = verify(state, cache, tok, None, write, prefix_len + s, page_table,
-                                                         *step_samp, extra=sampled, offset=s)
+                                                         step_samp, extra=sampled, offset=s)
         sampled = jax.lax.dynamic_update_slice_in_dim(sampled, out, s, axis=1)
         return (cache, out, sampled), (out[:, 0], lp[:, 0], top_lp[:, 0], top_ids[:, 0], ent[:, 0])
 
@@ -224,8 +326,10 @@ class StepFunctions:
     branches = 0 this is a greedy verify of host-provided draft tokens (GVERIFY)."""
     cfg = self.cfg
 
-    def fn(state, cache, tokens, positions, mask, lora, write, prefix_len, page_table, *samp):
-      temperature, top_k, top_p, keys, top_logprobs, controls = unpack_sampling(samp)
+    def fn(state, cache, inputs: FusedInputs):
+      tokens, positions, mask, lora, write = inputs.tokens, inputs.positions, inputs.mask, inputs.lora, inputs.write
+      prefix_len, page_table = inputs.prefix_len, inputs.page_table
+      temperature, top_k, top_p, keys, top_logprobs, controls = unpack_sampling(inputs.samp)
       b = tokens.shape[0]
       inp = ForwardInputs(tokens=tokens, positions=positions, block_mask=mask, prefix_len=prefix_len,
                           page_table=page_table, kv_write=write, lora_mask=lora if cfg.lora_rank else None)
@@ -276,10 +380,11 @@ class StepFunctions:
     mask = jnp.ones((blk, blk), bool)
     eos = jnp.asarray(cfg.eos_token_ids, jnp.int32)
 
-    def fn(state, cache, seed, prefix_len, page_table, threshold, *rest):
+    def fn(state, cache, inputs: DenoiseInputs):
+      seed, prefix_len, page_table, threshold, active = (inputs.seed, inputs.prefix_len, inputs.page_table,
+                                                         inputs.threshold, inputs.active)
       # diffusion decoding reports no logprobs; the engine refuses sampling controls for it (no AR distribution)
-      temperature, top_k, top_p, keys, _, _ = unpack_sampling(rest[:-1])
-      active = rest[-1]
+      temperature, top_k, top_p, keys, _, _ = unpack_sampling(inputs.samp)
       b = seed.shape[0]
       model = self._model(state)
       positions = prefix_len[:, None] + jnp.arange(blk)[None, :]
@@ -330,8 +435,9 @@ class StepFunctions:
     reads."""
     cfg = self.cfg
 
-    def fn(state, cache, seed, row_len, prefix_len, page_table, temperature, top_k, top_p, keys, top_logprobs):
-      del top_logprobs
+    def fn(state, cache, inputs: RaggedDraftInputs):
+      seed, row_len, prefix_len, page_table = inputs.seed, inputs.row_len, inputs.prefix_len, inputs.page_table
+      temperature, top_k, top_p, keys, _, _ = unpack_sampling(inputs.samp)  # no logprobs, no controls
       rows = seed.shape[0]
       layout, j = ragged_layout(row_len, width, total)
       prefix_len = jnp.where(row_len > 0, prefix_len, 0)  # a row with no draft reads no prefix
@@ -355,13 +461,14 @@ class StepFunctions:
     decodes its seed token. Writes the K/V of the live rows' tokens. Results as VERIFY's, [R, width]."""
     cfg, rule = self.cfg, self.rule
 
-    def fn(state, cache, drafted, q, seed, row_len, write, prefix_len, page_table, temperature, top_k, top_p, keys,
-           top_logprobs):
+    def fn(state, cache, inputs: RaggedVerifyInputs):
+      drafted, q, seed, row_len, write = inputs.drafted, inputs.q, inputs.seed, inputs.row_len, inputs.write
+      prefix_len, page_table = inputs.prefix_len, inputs.page_table
+      temperature, top_k, top_p, keys, top_logprobs, _ = unpack_sampling(inputs.samp)  # no controls
       layout, j = ragged_layout(row_len, width, total)
       prefix_len = jnp.where(row_len > 0, prefix_len, 0)
       tokens = drafted.at[:, 0].set(seed)
-      mask = jnp.tril(jnp.ones((width, width), bool))[None] & (jnp.arange(width)[None, None, :] <
-                                                               row_len[:, None, None])
+      mask = jnp.asarray(causal_mask(width))[None] & (jnp.arange(width)[None, None, :] < row_len[:, None, None])
       kv_write = write[:, None] & (jnp.arange(width)[None, :] < row_len[:, None])
       inp = ragged_inputs(layout, j, tokens, prefix_len, page_table, mask, kv_write, None)
       model = self._model(state)
@@ -460,34 +567,33 @@ def score_chunk(model: NLDModel, h: jax.Array, targets: jax.Array, mask_token_id
   return unslice(lp), unslice(top_lp), unslice(top_ids)
 
 
-def example_host_args(key: StepKey, pages_per_seq: int, vocab_size: int) -> tuple:
-  """The host arguments (after state and cache) a variant is called with, as zeros of their shapes and dtypes
-  (the draft distributions of VERIFY as a `ShapeDtypeStruct`: they arrive from the device)."""
+def example_inputs(key: StepKey, pages_per_seq: int, vocab_size: int):
+  """The typed inputs a variant is called with (after state and cache), as zeros of their shapes and dtypes (the
+  draft distributions of VERIFY as a `ShapeDtypeStruct`: they arrive from the device)."""
   b, blk, P = key.batch, key.block, pages_per_seq
   i32 = lambda *s: np.zeros(s, np.int32)
-  samp = SamplingArrays.greedy(b).args()
+  samp = SamplingArrays.greedy(b)
   if key.controls:
-    samp += tuple(empty_controls(b, key.controls, vocab_size))
-  if key.kind == StepKind.PREFILL:
-    return (i32(b, blk), np.zeros((b, blk), bool), i32(b), i32(b, P), i32(b)) + samp
-  if key.kind == StepKind.SCORE:
-    return (i32(b, blk), np.zeros((b, blk), bool), i32(b), i32(b, P), i32(b), i32(b, blk)) + samp
+    samp.controls = empty_controls(b, key.controls, vocab_size)
+  if key.kind in (StepKind.PREFILL, StepKind.SCORE):
+    return PrefillInputs(i32(b, blk), np.zeros((b, blk), bool), i32(b), i32(b, P), i32(b), samp,
+                         i32(b, blk) if key.kind == StepKind.SCORE else None)
   if key.kind == StepKind.DRAFT:
-    return (i32(b), i32(b), i32(b, P)) + samp
+    return DraftInputs(i32(b), i32(b), i32(b, P), samp)
   if key.kind == StepKind.DECODE:
-    return (i32(b, 1), np.zeros((b,), bool), i32(b), i32(b, P)) + samp
+    return DecodeInputs(i32(b, 1), np.zeros((b,), bool), i32(b), i32(b, P), samp)
   if key.kind == StepKind.VERIFY:
     q = jax.ShapeDtypeStruct((b, blk, vocab_size), jnp.float32)
-    return (i32(b, blk), q, np.zeros((b,), bool), i32(b), i32(b, P)) + samp
+    return VerifyInputs(i32(b, blk), q, np.zeros((b,), bool), i32(b), i32(b, P), samp)
   if key.kind in (StepKind.FUSED, StepKind.GVERIFY):
     qn = key.query_tokens
-    return (i32(b, qn), i32(b, qn), np.zeros((b, qn, qn), bool), np.zeros((b, qn), bool), np.zeros((b, qn), bool),
-            i32(b), i32(b, P)) + samp
+    return FusedInputs(i32(b, qn), i32(b, qn), np.zeros((b, qn, qn), bool), np.zeros((b, qn), bool),
+                       np.zeros((b, qn), bool), i32(b), i32(b, P), samp)
   if key.kind == StepKind.DENOISE:
-    return (i32(b), i32(b), i32(b, P), np.zeros(b, np.float32)) + samp + (np.zeros(b, bool),)
+    return DenoiseInputs(i32(b), i32(b), i32(b, P), np.zeros(b, np.float32), samp, np.zeros(b, bool))
   if key.kind == StepKind.RAGGED_DRAFT:
-    return (i32(b), i32(b), i32(b), i32(b, P)) + samp
+    return RaggedDraftInputs(i32(b), i32(b), i32(b), i32(b, P), samp)
   if key.kind == StepKind.RAGGED_VERIFY:
     q = jax.ShapeDtypeStruct((b, blk, vocab_size), jnp.float32)
-    return (i32(b, blk), q, i32(b), i32(b), np.zeros((b,), bool), i32(b), i32(b, P)) + samp
-  raise ValueError(f"no host arguments for {key}")
+    return RaggedVerifyInputs(i32(b, blk), q, i32(b), i32(b), np.zeros((b,), bool), i32(b), i32(b, P), samp)
+  raise ValueError(f"no inputs for {key}")

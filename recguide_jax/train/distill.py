@@ -30,6 +30,7 @@ import optax
 from flax import nnx
 
 from recguide_jax.model import checkpoint as ckpt_lib
+from recguide_jax.model.params import flatten_params, unflatten_params
 from recguide_jax.model.nld import ForwardInputs, NLDModel
 from recguide_jax.train import data as data_lib
 from recguide_jax.train.data import PackedBatches
@@ -207,11 +208,11 @@ def with_fresh_lora(base, rank: int, alpha: float, seed: int, target_modules: tu
   cfg = base.cfg.replace(lora_rank=rank, lora_alpha=alpha, lora_target_modules=tuple(target_modules))
   param_dtype = jax.tree.leaves(nnx.state(base, nnx.Param))[0].dtype
   model = NLDModel(cfg, rngs=nnx.Rngs(seed), dtype=param_dtype, param_dtype=param_dtype)
-  base_flat = {k: v for k, v in ckpt_lib.flatten_params(nnx.state(base, nnx.Param).to_pure_dict()).items()
+  base_flat = {k: v for k, v in flatten_params(nnx.state(base, nnx.Param).to_pure_dict()).items()
                if not k.endswith(("lora_a", "lora_b"))}
   state = nnx.state(model, nnx.Param)
-  flat = ckpt_lib.flatten_params(state.to_pure_dict()) | base_flat
-  nnx.replace_by_pure_dict(state, ckpt_lib._unflatten_into(state.to_pure_dict(), flat))
+  flat = flatten_params(state.to_pure_dict()) | base_flat
+  nnx.replace_by_pure_dict(state, unflatten_params(state.to_pure_dict(), flat))
   nnx.update(model, state)
   return model
 
@@ -348,7 +349,7 @@ class DraftLoraTrainer(Trainer):
   def export_adapter(self, directory: str | pathlib.Path, dtype: str = "bfloat16") -> None:
     """Writes the adapter alone as a PEFT directory (convert/peft.py), attached to the base at conversion."""
     from recguide_jax.convert import peft
-    flat = {k: np.asarray(v) for k, v in ckpt_lib.flatten_params(self.params["lora"].to_pure_dict()).items()}
+    flat = {k: np.asarray(v) for k, v in flatten_params(self.params["lora"].to_pure_dict()).items()}
     mask = self.params.get("mask_embed")
     peft.write_adapter(directory, self.cfg, flat, None if mask is None else np.asarray(mask), dtype=dtype)
 

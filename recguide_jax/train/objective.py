@@ -14,6 +14,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from pallas_kernels.common import causal_mask
 from recguide_jax.model.nld import ForwardInputs
 
 EPS = 1e-3
@@ -75,7 +76,7 @@ def ar_loss(model, x0: jax.Array):
   """Stage 1 (AR-only warm-up): plain next-token loss on a causal forward."""
   b, n = x0.shape
   inp = ForwardInputs(tokens=x0, positions=jnp.broadcast_to(jnp.arange(n), (b, n)),
-                      block_mask=jnp.tril(jnp.ones((n, n), bool)))
+                      block_mask=causal_mask(n))
   logits, _ = model(inp)
   ce = _ce(logits[:, :-1], x0[:, 1:])
   loss = jnp.mean(ce)
