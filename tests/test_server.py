@@ -127,7 +127,8 @@ def metrics(base) -> dict:
 
 
 def m(snapshot, name, **labels):
-  return snapshot.get((name, frozenset(labels.items())), 0.0)
+  """A series' value; every series carries the served model's name (vLLM's model_name label)."""
+  return snapshot.get((name, frozenset({"model_name": MODEL, **labels}.items())), 0.0)
 
 
 async def wait_idle(base, timeout=60.0):
@@ -135,8 +136,8 @@ async def wait_idle(base, timeout=60.0):
   deadline = asyncio.get_running_loop().time() + timeout
   while True:
     snap = metrics(base)
-    if (m(snap, "recguide_running_requests") == 0 and m(snap, "recguide_queue_depth") == 0
-        and m(snap, "recguide_kv_pages_in_use") == 0):
+    if (m(snap, "recguide:num_requests_running") == 0 and m(snap, "recguide:num_requests_waiting") == 0
+        and m(snap, "recguide:kv_cache_pages_used") == 0):
       return snap
     assert asyncio.get_running_loop().time() < deadline, "server did not go idle"
     await asyncio.sleep(0.2)
@@ -204,10 +205,10 @@ def test_models_health_and_metrics_format(server):
   models = httpx.get(server.base + "/v1/models").json()
   assert models["object"] == "list" and [d["id"] for d in models["data"]] == [MODEL]
   snap = metrics(server.base)
-  assert m(snap, "recguide_compilations_after_warmup") == 0
-  assert m(snap, "recguide_kv_pages_total") > 0
+  assert m(snap, "recguide:compilations_after_warmup") == 0
+  assert m(snap, "recguide:kv_cache_pages_total") > 0
   for status in ("stop", "length", "abort", "error"):
-    assert ("recguide_requests_total", frozenset({("status", status)})) in snap
+    assert ("recguide:request_success_total", frozenset({("model_name", MODEL), ("finished_reason", status)})) in snap
 
 
 def test_openai_client_completion_chat_and_streams(client, offline_llm):
@@ -402,7 +403,7 @@ def test_bad_requests_get_openai_errors_and_server_keeps_serving(server, client)
   assert resp.usage.completion_tokens == 5
   assert httpx.get(base + "/health").status_code == 200
   snap = metrics(base)
-  assert m(snap, "recguide_http_errors_total", code="400") >= len(COMPLETION_ERRORS) - 4
+  assert m(snap, "recguide:http_errors_total", code="400") >= len(COMPLETION_ERRORS) - 4
 
 
 def test_queue_full_gives_429(server):
@@ -496,16 +497,16 @@ def test_concurrent_streams_with_disconnects(server, offline_llm):
     served += 1
     tokens += use["completion_tokens"]
   hangups = sum(1 for j in jobs if j[0] != "stream")
-  delta = {s: m(after, "recguide_requests_total", status=s) - m(before, "recguide_requests_total", status=s)
+  delta = {s: m(after, "recguide:request_success_total", finished_reason=s) - m(before, "recguide:request_success_total", finished_reason=s)
            for s in ("stop", "length", "abort", "error")}
   assert delta["error"] == 0
   assert delta["stop"] + delta["length"] + delta["abort"] == len(jobs)  # no request lost
   assert delta["abort"] == hangups
-  assert m(after, "recguide_kv_pages_in_use") == 0 and m(after, "recguide_running_requests") == 0
-  assert m(after, "recguide_queue_depth") == 0
-  assert m(after, "recguide_compilations_after_warmup") == 0
+  assert m(after, "recguide:kv_cache_pages_used") == 0 and m(after, "recguide:num_requests_running") == 0
+  assert m(after, "recguide:num_requests_waiting") == 0
+  assert m(after, "recguide:compilations_after_warmup") == 0
   # the aborted requests' tokens count too, so served tokens are a lower bound here; exact check below
-  gen = m(after, "recguide_generation_tokens_total") - m(before, "recguide_generation_tokens_total")
+  gen = m(after, "recguide:generation_tokens_total") - m(before, "recguide:generation_tokens_total")
   assert gen >= tokens and served == len(jobs) - hangups
 
 
@@ -528,22 +529,23 @@ def test_metrics_agree_with_responses(server):
     return m(after, name, **labels) - m(before, name, **labels)
 
   for status in ("stop", "length"):
-    assert d("recguide_requests_total", status=status) == sum(
+    assert d("recguide:request_success_total", finished_reason=status) == sum(
         a["choices"][0]["finish_reason"] == status for a in answers)
-  assert d("recguide_generation_tokens_total") == sum(a["usage"]["completion_tokens"] for a in answers)
-  assert d("recguide_prompt_tokens_total") == sum(a["usage"]["prompt_tokens"] for a in answers)
-  assert d("recguide_e2e_request_latency_seconds_count") == len(answers)
-  assert d("recguide_time_to_first_token_seconds_count") == len(answers)
+  assert d("recguide:generation_tokens_total") == sum(a["usage"]["completion_tokens"] for a in answers)
+  assert d("recguide:prompt_tokens_total") == sum(a["usage"]["prompt_tokens"] for a in answers)
+  assert d("recguide:e2e_request_latency_seconds_count") == len(answers)
+  assert d("recguide:time_to_first_token_seconds_count") == len(answers)
   specs = [a["speculation"] for a in answers]
   rounds = sum(s["rounds"] for s in specs)
-  assert d("recguide_block_size_choices_total", block_size="16") == rounds
-  assert d("recguide_draft_tokens_total") == sum(s["draft_tokens"] for s in specs)
-  assert d("recguide_accepted_draft_tokens_total") == sum(s["accepted_draft_tokens"] for s in specs)
-  accepted_positions = sum(d("recguide_accepted_tokens_per_position_total", position=str(p)) for p in range(1, 16))
+  assert d("recguide:block_size_rounds_total", block_size="16") == rounds
+  assert d("recguide:spec_decode_num_draft_tokens_total") == sum(s["draft_tokens"] for s in specs)
+  assert d("recguide:spec_decode_num_accepted_tokens_total") == sum(s["accepted_draft_tokens"] for s in specs)
+  assert d("recguide:spec_decode_num_drafts_total") == rounds
+  accepted_positions = sum(d("recguide:spec_decode_num_accepted_tokens_per_pos_total", position=str(p))
+                           for p in range(15))
   assert accepted_positions == sum(s["accepted_draft_tokens"] for s in specs)
-  assert d("recguide_forwards_total", kind="prefill") >= 1 and d("recguide_forwards_total", kind="verify") >= 1
-  assert m(after, "recguide_overlap_hits_total") == 0 and m(after, "recguide_overlap_misses_total") == 0
-  assert m(after, "recguide_mean_acceptance_length") >= 1
+  assert d("recguide:forwards_total", kind="prefill") >= 1 and d("recguide:forwards_total", kind="verify") >= 1
+  assert not any(name.startswith("recguide:overlap") for name, _ in after)  # LinearSS exports no RecGuide series
 
 
 # ---- in-process app: engine failures, several apps per process ----------------------------------------------------
@@ -556,7 +558,7 @@ def test_engine_failure_is_500_and_error_event(offline_llm):
   thread = EngineThread(offline_llm.engine).start()
   app = create_app(thread, offline_llm.tokenizer, "inproc")
   other = create_app(thread, offline_llm.tokenizer, "other", shutdown_engine=False)  # own registry: no clash
-  assert b"recguide_requests_total" in other.state.metrics.render()
+  assert b"recguide:request_success_total" in other.state.metrics.render()
   runner = offline_llm.runner  # every AR or LinearSS round reads its verification back through read_verify
 
   def boom(*args, **kwargs):
@@ -581,9 +583,9 @@ def test_engine_failure_is_500_and_error_event(offline_llm):
     assert tc.get("/health").status_code == 200
     snap = {(s.name, frozenset(s.labels.items())): s.value
             for f in text_string_to_metric_families(tc.get("/metrics").text) for s in f.samples}
-    assert m(snap, "recguide_requests_total", status="error") == 2
-    assert m(snap, "recguide_http_errors_total", code="500") == 2
-    assert m(snap, "recguide_kv_pages_in_use") == 0
+    assert m(snap, "recguide:request_success_total", finished_reason="error") == 2
+    assert m(snap, "recguide:http_errors_total", code="500") == 2
+    assert m(snap, "recguide:kv_cache_pages_used") == 0
   assert not thread._thread.is_alive()  # the app's shutdown stopped the engine thread
   assert offline_llm.engine.allocator.num_used == 0
 

@@ -518,7 +518,7 @@ def test_engine_device_failure_fails_all_logged(tiny_llm, caplog, monkeypatch):
   def device_error(*args, **kwargs):
     raise jax.errors.JaxRuntimeError("INTERNAL: injected device failure")
 
-  monkeypatch.setattr(eng.runner, "verify", device_error)
+  monkeypatch.setattr(eng.runner, "read_verify", device_error)  # every AR or LinearSS round reads back through it
   thread = EngineThread(eng).start()
   done = threading.Event()
   finished = []

@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 
 from recguide_jax.attention.reference import block_attention_ref, sbd_training_attention
+from recguide_jax.model.nld import ForwardInputs
 from recguide_jax.train import data as data_lib
 from recguide_jax.train import objective
 from recguide_jax.train.trainer import TrainConfig, Trainer
@@ -54,7 +55,7 @@ def test_noise_rate_and_loss_normalisation(tiny_model):
   # recompute the global average by hand from the two CE terms
   n_masked = float(np.sum(np.asarray(masked)))
   n_ar = 3 * 15
-  logits, _ = tiny_model(__import__("recguide_jax.model", fromlist=["ForwardInputs"]).ForwardInputs(
+  logits, _ = tiny_model(ForwardInputs(
       tokens=jnp.concatenate([xt, x0], 1), positions=jnp.tile(jnp.concatenate([jnp.arange(16)] * 2), (3, 1)),
       block_mask=jnp.asarray(objective.sbd_block_diff_mask(16, 8)),
       scale_positions=jnp.tile(jnp.arange(32), (3, 1))))
