@@ -183,19 +183,24 @@ print("RESULT" + json.dumps(out))
 """
 
 
+def _tpu_probe(tmp_path, probe: str) -> dict:
+  """Runs a probe script (compiles for a TPU with libtpu) over the small lane-dense model; its RESULT json."""
+  why = targets.missing_compiler(targets.Platform.TPU)
+  if why:
+    pytest.skip(why)
+  model = _small_lane_dense_model(tmp_path)
+  proc = subprocess.run([sys.executable, "-c", probe.format(root=ROOT, model=model)],
+                        env={**os.environ, "PYTHONPATH": ROOT}, capture_output=True, text=True, timeout=1200)
+  assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+  return json.loads(proc.stdout.split("RESULT", 1)[1])
+
+
 def test_a_cache_write_at_one_kv_head_per_device_copies_no_cache_on_a_tpu(tmp_path):
   """At one KV head per device (NLD's 8 KV heads at tp=8), a cache write indexed by (layer, page, offset) made
   libtpu give the loop-carried cache another layout and copy all of it back for the attention kernel in every
   layer: temporaries as large as the cache (541 MB at 32768 pages of this model). Written as whole rows they stay
   a few MB whatever the cache size."""
-  why = targets.missing_compiler(targets.Platform.TPU)
-  if why:
-    pytest.skip(why)
-  model = _small_lane_dense_model(tmp_path)
-  proc = subprocess.run([sys.executable, "-c", _CACHE_WRITE_PROBE.format(root=ROOT, model=model)],
-                        env={**os.environ, "PYTHONPATH": ROOT}, capture_output=True, text=True, timeout=1200)
-  assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-  out = json.loads(proc.stdout.split("RESULT", 1)[1])
+  out = _tpu_probe(tmp_path, _CACHE_WRITE_PROBE)
   for name, found in out.items():
     assert found["temp"] < 0.05 * found["cache"] and not found["copies"], (name, found)
 
@@ -204,14 +209,7 @@ def test_recguide_logits_stay_vocab_sharded_and_sliced_on_a_tpu(tmp_path):
   """Issue 33: the fused step held [b, 4B, V] float32 logits (1.9 GB per v5e chip for NLD-8B) and the draft gathered
   its [b, B, V] distributions onto every device. Compiled by libtpu at tp=2 with a slice budget of one block: no
   float32 array spans the whole vocabulary, and no logits array spans more than one block of positions."""
-  why = targets.missing_compiler(targets.Platform.TPU)
-  if why:
-    pytest.skip(why)
-  model = _small_lane_dense_model(tmp_path)
-  proc = subprocess.run([sys.executable, "-c", _LOGITS_PROBE.format(root=ROOT, model=model)],
-                        env={**os.environ, "PYTHONPATH": ROOT}, capture_output=True, text=True, timeout=1200)
-  assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-  out = json.loads(proc.stdout.split("RESULT", 1)[1])
+  out = _tpu_probe(tmp_path, _LOGITS_PROBE)
   vocab, b, blk = 2048, 4, 8
   for name, found in out.items():
     logits = [dims for dims in found["f32"] if dims[-1] in (vocab, vocab // 2)]
