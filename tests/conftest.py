@@ -56,7 +56,13 @@ FAST_COMPILE_FLAGS = ("--xla_backend_optimization_level=0 --xla_llvm_disable_exp
 COMPILE_FLAGS = (FAST_COMPILE_FLAGS if _cpu_only_jax() and os.environ.get("RECGUIDE_TEST_XLA_DEFAULTS", "") in ("", "0")
                  else "")
 
+import jax  # noqa: E402
 from flax import nnx  # noqa: E402
+
+# In this process the persistent cache stays off: XLA:CPU's executable serialization segfaulted twice inside the
+# suite (writing and reading an entry in test_runtime, fresh cache or warm), never in a test alone. The servers
+# and scripts the tests start keep the session's cache above.
+jax.config.update("jax_enable_compilation_cache", False)
 
 from recguide_jax.model.config import NLDConfig  # noqa: E402
 from recguide_jax.model.nld import NLDModel  # noqa: E402
