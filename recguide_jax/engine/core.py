@@ -321,6 +321,7 @@ class Engine:
     most, fewest, keys = batch.round.ahead(batch)
     if not (self.pipeline and self.strategy.plans_ahead and not self.waiting and len(self.running) == batch.n
             and self.runner.mesh is None  # a device array between calls keeps the single device's placement
+            and batch.samp.controls is None  # penalties and min_tokens read the tokens the pending call commits
             and (batch.planned == batch.block).all() and not any(r.finished for r in batch.reqs)):
       return None
     left = max(r.params.max_tokens - len(r.output_ids) for r in batch.reqs) - fewest
