@@ -126,9 +126,9 @@ def metrics(base) -> dict:
   return out
 
 
-def m(snapshot, name, **labels):
+def m(snapshot, name, model_name=MODEL, **labels):
   """A series' value; every series carries the served model's name (vLLM's model_name label)."""
-  return snapshot.get((name, frozenset({"model_name": MODEL, **labels}.items())), 0.0)
+  return snapshot.get((name, frozenset({"model_name": model_name, **labels}.items())), 0.0)
 
 
 async def wait_idle(base, timeout=60.0):
@@ -276,6 +276,7 @@ def test_stream_equals_nonstream(server, offline_llm):
   assert stop_cases >= 3
   for path, body, chat in cases:
     full = httpx.post(server.base + path, json=body, timeout=60).json()
+    assert "choices" in full, (path, body, full)
     choice = full["choices"][0]
     text = choice["message"]["content"] if chat else choice["text"]
     events = post_stream(server.base, path, {**body, "stream_options": {"include_usage": True}})
@@ -583,9 +584,9 @@ def test_engine_failure_is_500_and_error_event(offline_llm):
     assert tc.get("/health").status_code == 200
     snap = {(s.name, frozenset(s.labels.items())): s.value
             for f in text_string_to_metric_families(tc.get("/metrics").text) for s in f.samples}
-    assert m(snap, "recguide:request_success_total", finished_reason="error") == 2
-    assert m(snap, "recguide:http_errors_total", code="500") == 2
-    assert m(snap, "recguide:kv_cache_pages_used") == 0
+    assert m(snap, "recguide:request_success_total", "inproc", finished_reason="error") == 2
+    assert m(snap, "recguide:http_errors_total", "inproc", code="500") == 2
+    assert m(snap, "recguide:kv_cache_pages_used", "inproc") == 0
   assert not thread._thread.is_alive()  # the app's shutdown stopped the engine thread
   assert offline_llm.engine.allocator.num_used == 0
 

@@ -67,8 +67,9 @@ class Engine:
     # a pipelined round dispatched ahead and not yet applied: (batch, device handle, dispatch time)
     self._pending: tuple[Batch, object, float] | None = None
     # True: pipelined rounds run ahead (`_chain`): the next call starts from the inputs the previous step function
-    # returned on the device, so running ahead compiles and dispatches nothing a synchronous engine does not
-    self.pipeline = True
+    # returned on the device. Off by default: through the server a call run ahead reached a variant of another
+    # batch bucket (its sampling keys [1, 2] against [8, 2]), not understood yet
+    self.pipeline = False
     self.step_count = 0
 
   @property
