@@ -153,7 +153,7 @@ def test_pipelined_rounds_are_exact(tiny_llm, ar_outputs, strategy_cls):
       return real(outs)
     tiny_llm.runner.before_execute = on_execute
     tiny_llm.runner.read_verify = read_verify
-    eng.pipeline = True
+    was, eng.pipeline = eng.pipeline, True
     try:
       for params in cases:
         eng.reset_prefix_cache()
@@ -170,7 +170,7 @@ def test_pipelined_rounds_are_exact(tiny_llm, ar_outputs, strategy_cls):
     finally:
       tiny_llm.runner.before_execute = None
       del tiny_llm.runner.read_verify
-      eng.pipeline = False
+      eng.pipeline = was
     assert any(ahead_calls) == ahead
     results[ahead] = (outs, streams)
   (outs_ahead, streams_ahead), (outs_sync, streams_sync) = results[True], results[False]

@@ -67,9 +67,8 @@ class Engine:
     # a pipelined round dispatched ahead and not yet applied: (batch, device handle, dispatch time)
     self._pending: tuple[Batch, object, float] | None = None
     # True: pipelined rounds run ahead (`_chain`): the next call starts from the inputs the previous step function
-    # returned on the device. Off by default: through the server a call run ahead reached a variant of another
-    # batch bucket (its sampling keys [1, 2] against [8, 2]), not understood yet
-    self.pipeline = False
+    # returned on the device, so running ahead compiles and dispatches nothing a synchronous engine does not
+    self.pipeline = True
     self.step_count = 0
 
   @property
@@ -332,12 +331,14 @@ class Engine:
     nxt = Batch(batch.round, batch.block, batch.reqs, batch.planned, steps=n if 1 < n <= left else 1)
     t0 = time.perf_counter()
     ok, handle2 = self._isolated(batch.reqs, f"{batch.round.kind} round (ahead)", self._dispatch_ahead, nxt,
-                                 handle, most, keys)
+                                 handle, most, keys, batch.b)
     return (nxt, handle2, t0) if ok else None
 
-  def _dispatch_ahead(self, batch: Batch, prev, most: int, keys: int):
+  def _dispatch_ahead(self, batch: Batch, prev, most: int, keys: int, prev_bucket: int):
     self._reserve(batch, most)
-    self._fill(batch, most, keys)  # committed lengths: the round takes its own from `prev` where they vary
+    # committed lengths: the round takes its own from `prev` where they vary; the bucket stays `prev`'s, whose
+    # device seeds it starts from (a background compile may have made a smaller bucket routable meanwhile)
+    self._fill(batch, most, keys, bucket=prev_bucket)
     return batch.round.dispatch(self.runner, batch, seed=prev)
 
   def _advance_pipeline(self) -> bool:
@@ -358,14 +359,14 @@ class Engine:
     if self._pending is not None and all(r.finished for r in self._pending[0].reqs):
       self.drain()
 
-  def _fill(self, batch: Batch, ahead: int = 0, keys_ahead: int = 0) -> None:
+  def _fill(self, batch: Batch, ahead: int = 0, keys_ahead: int = 0, bucket: int | None = None) -> None:
     """The batch's padded arrays: page table, committed lengths, sampling rows and keys, seed tokens (each a copy of
     rows kept per request, not rebuilt element by element). `ahead` tokens and `keys_ahead` sampling-key rounds: what
     a call in flight before this one will have committed and used."""
     reqs, n = batch.reqs, len(batch.reqs)
     alloc = self.allocator
     ids = [r.request_id for r in reqs]
-    b = batch.b = self.runner.bucket_for(n)
+    b = batch.b = bucket or self.runner.bucket_for(n)
     batch.bucket_for = self.runner.bucket_for
     batch.page_table = np.zeros((b, self.rc.pages_per_seq), np.int32)  # zeros: TRASH_PAGE
     alloc.write_page_table(ids, batch.page_table)
