@@ -2,6 +2,7 @@
 the slow part on CPU, so tests reuse runners and compile lazily), and the XLA:CPU compile options of the session."""
 
 import atexit
+import gc
 import importlib.metadata
 import importlib.util
 import os
@@ -59,11 +60,6 @@ COMPILE_FLAGS = (FAST_COMPILE_FLAGS if _cpu_only_jax() and os.environ.get("RECGU
 import jax  # noqa: E402
 from flax import nnx  # noqa: E402
 
-# In this process the persistent cache stays off: XLA:CPU's executable serialization segfaulted twice inside the
-# suite (writing and reading an entry in test_runtime, fresh cache or warm), never in a test alone. The servers
-# and scripts the tests start keep the session's cache above.
-jax.config.update("jax_enable_compilation_cache", False)
-
 from recguide_jax.model.config import NLDConfig  # noqa: E402
 from recguide_jax.model.nld import NLDModel  # noqa: E402
 
@@ -74,6 +70,16 @@ def tiny_config(**overrides) -> NLDConfig:
               original_max_position_embeddings=64, rope_factor=4.0, block_size=8)
   base.update(overrides)
   return NLDConfig(**base)
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _release_executables():
+  """Drops each module's compiled programs once it is done. XLA:CPU maps every executable's machine code into a few
+  memory mappings of its own, and the whole suite's executables alive in one process pass Linux's limit of 65530
+  mappings (vm.max_map_count): compilation then crashes the process (SIGSEGV or SIGABRT inside XLA)."""
+  yield
+  jax.clear_caches()
+  gc.collect()
 
 
 @pytest.fixture(scope="session")
