@@ -76,10 +76,17 @@ def tiny_config(**overrides) -> NLDConfig:
 def _release_executables():
   """Drops each module's compiled programs once it is done. XLA:CPU maps every executable's machine code into a few
   memory mappings of its own, and the whole suite's executables alive in one process pass Linux's limit of 65530
-  mappings (vm.max_map_count): compilation then crashes the process (SIGSEGV or SIGABRT inside XLA)."""
+  mappings (vm.max_map_count): compilation then crashes the process (SIGSEGV or SIGABRT inside XLA). A variant of
+  the tiny model takes ~370 mappings, so the session's shared LLM drops its variants too (the next module that uses
+  it compiles what it calls)."""
   yield
+  for llm in _SESSION_LLMS:
+    llm.runner._compiled.clear()
   jax.clear_caches()
   gc.collect()
+
+
+_SESSION_LLMS: list = []
 
 
 @pytest.fixture(scope="session")
@@ -91,5 +98,7 @@ def tiny_model() -> NLDModel:
 def tiny_llm(tiny_model):
   """One LLM (runner + engine) over the tiny model for all engine tests; variants compile on first use."""
   from recguide_jax import LLM
-  return LLM(model=tiny_model, policy="ar", max_num_seqs=8, max_model_len=256, page_size=8, prefill_chunk=16,
-             block_sizes=(8, 16, 32), warmup=False, compile_cache_dir=None)
+  llm = LLM(model=tiny_model, policy="ar", max_num_seqs=8, max_model_len=256, page_size=8, prefill_chunk=16,
+            block_sizes=(8, 16, 32), warmup=False, compile_cache_dir=None)
+  _SESSION_LLMS.append(llm)
+  return llm
