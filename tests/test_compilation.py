@@ -39,3 +39,28 @@ def test_a_cached_cpu_executable_lands_in_this_hosts_directory_and_is_read_back(
   entries = os.listdir(compile_cache_path(tmp_path, "cpu"))
   assert any(e.endswith("-cache") for e in entries), entries
   assert sorted(os.listdir(tmp_path)) == [f"cpu-{host_cpu_fingerprint()}"]
+
+
+def test_a_compile_near_the_memory_mapping_limit_is_refused_with_the_remedy(tmp_path, monkeypatch):
+  import pytest
+  from recguide_jax.runtime import compilation
+  maps, limit = tmp_path / "maps", tmp_path / "max_map_count"
+  limit.write_text("65530\n")
+  maps.write_text("m\n" * 1000)
+  compilation.check_mapping_headroom(str(maps), str(limit))  # far from the limit: nothing
+  maps.write_text("m\n" * 60000)
+  with pytest.raises(compilation.MappingLimitError, match=r"60000 memory mappings of the 65530.*vm.max_map_count"):
+    compilation.check_mapping_headroom(str(maps), str(limit))
+  compilation.check_mapping_headroom(str(tmp_path / "absent"), str(limit))  # off Linux: nothing to check
+
+  # the runner checks before every XLA:CPU compile, so an engine gets the error, not a crash inside XLA
+  from conftest import tiny_config
+  from flax import nnx
+  from recguide_jax.model.nld import NLDModel
+  from recguide_jax.runtime.runner import Runner, RunnerConfig
+  from recguide_jax.runtime.step_key import StepKey, StepKind
+  runner = Runner(NLDModel(tiny_config(), rngs=nnx.Rngs(0)), RunnerConfig(max_batch=1, max_model_len=64, page_size=8))
+  monkeypatch.setattr(compilation, "MAPPINGS", str(maps))
+  monkeypatch.setattr(compilation, "MAX_MAP_COUNT", str(limit))
+  with pytest.raises(compilation.MappingLimitError):
+    runner.compiled(StepKey(StepKind.DECODE, 1, 1))

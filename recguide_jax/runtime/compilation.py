@@ -66,6 +66,34 @@ def compile_with_options(lowered, options: Mapping[str, Any], configured: Mappin
       opts.pop(unknown[0])
 
 
+class MappingLimitError(RuntimeError):
+  """A compile refused because the process is near Linux's limit on memory mappings."""
+
+
+MAPPINGS = "/proc/self/maps"
+MAX_MAP_COUNT = "/proc/sys/vm/max_map_count"
+
+
+def check_mapping_headroom(maps: str | None = None, limit: str | None = None) -> None:
+  """Raises MappingLimitError when this process holds within 10% (at least 4096) of the memory mappings Linux allows
+  it (`vm.max_map_count`, 65530 by default). XLA:CPU maps every executable's machine code into a few mappings per
+  kernel (a few hundred per step variant of a small model), and a compile past the limit crashes the process
+  inside XLA: a server that holds very many variants gets this error instead. Nothing to check off Linux."""
+  try:
+    with open(limit or MAX_MAP_COUNT) as f:
+      allowed = int(f.read().split()[0])
+    with open(maps or MAPPINGS, "rb") as f:
+      used = sum(1 for _ in f)
+  except (OSError, ValueError, IndexError):
+    return
+  if used + max(allowed // 10, 4096) > allowed:
+    raise MappingLimitError(
+        f"this process holds {used} memory mappings of the {allowed} Linux allows one (vm.max_map_count), and "
+        "XLA:CPU maps each compiled step variant's code into a few hundred more: compiling another could crash the "
+        "process. Serve fewer variants (a smaller --max_num_seqs: fewer batch buckets) or raise the limit "
+        "(sysctl -w vm.max_map_count=262144)")
+
+
 class CompileCounter:
   """Counts backend compilations process-wide, except those on a background compiler's thread."""
 

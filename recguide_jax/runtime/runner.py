@@ -37,8 +37,8 @@ from recguide_jax.parallel import sharding
 from recguide_jax.cache.kv_cache import KVCache, pages_per_seq, storage_dtype
 from recguide_jax.model.nld import (KernelLayout, LayerLoop, NLDModel, resolve_kernel_layout, resolve_layer_loop,
                                     weights_platform, with_kernel_layout, with_layer_loop)
-from recguide_jax.runtime.compilation import (BackgroundCompiler, CompileCounter, compile_with_options,
-                                              enable_compile_cache, variant_compiler_options)
+from recguide_jax.runtime.compilation import (BackgroundCompiler, CompileCounter, check_mapping_headroom,
+                                              compile_with_options, enable_compile_cache, variant_compiler_options)
 from recguide_jax.runtime.step_key import (BLOCK_SIZES, StepKey, StepKind, batch_buckets, fused_kind,  # noqa: F401
                                            fused_slots, parse_kind_label, ragged_token_buckets)
 from recguide_jax.runtime.steps import (DecodeInputs, DenoiseInputs, DraftInputs, FusedInputs, PrefillInputs,
@@ -267,6 +267,8 @@ class Runner:
                                     narrow_weights=jnp.dtype(self._weight_dtype).itemsize < 4)
 
   def _compile(self, key: StepKey):
+    if self.platform == "cpu":
+      check_mapping_headroom()
     return compile_with_options(self.lower(key), self.compiler_options(key), dict(self.config.compiler_options))
 
   def variants(self, kinds: Sequence[str | StepKind], block_sizes: tuple[int, ...] | None = None) -> list[StepKey]:
