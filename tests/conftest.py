@@ -1,5 +1,6 @@
 """Shared fixtures: tiny random NLD models and engines built once per test session (compiling step variants is
-the slow part on CPU, so tests reuse runners and compile lazily), and the XLA:CPU compile options of the session."""
+the slow part on CPU, so tests reuse runners and compile lazily; each module's variants are dropped when it ends),
+and the XLA:CPU compile options of the session."""
 
 import atexit
 import gc

@@ -132,6 +132,7 @@ def test_pipelined_rounds_are_exact(tiny_llm, ar_outputs, strategy_cls):
   requests joining mid-run."""
   prompts, expected = ar_outputs
   eng = tiny_llm.engine
+  assert eng.pipeline  # the default
   stop = expected[1][9]
   cases = [SamplingParams(max_tokens=37, temperature=0.0, ignore_eos=True, stop_token_ids=[stop], logprobs=1),
            SamplingParams(max_tokens=29, temperature=0.8, seed=3)]
@@ -153,7 +154,6 @@ def test_pipelined_rounds_are_exact(tiny_llm, ar_outputs, strategy_cls):
       return real(outs)
     tiny_llm.runner.before_execute = on_execute
     tiny_llm.runner.read_verify = read_verify
-    was, eng.pipeline = eng.pipeline, True
     try:
       for params in cases:
         eng.reset_prefix_cache()
@@ -170,7 +170,6 @@ def test_pipelined_rounds_are_exact(tiny_llm, ar_outputs, strategy_cls):
     finally:
       tiny_llm.runner.before_execute = None
       del tiny_llm.runner.read_verify
-      eng.pipeline = was
     assert any(ahead_calls) == ahead
     results[ahead] = (outs, streams)
   (outs_ahead, streams_ahead), (outs_sync, streams_sync) = results[True], results[False]
@@ -347,7 +346,6 @@ def test_no_compiles_after_warmup(tiny_model):
     counts["read"] += 1
     return real(outs)
   llm.runner.before_execute, llm.runner.read_verify = on_execute, read_verify
-  llm.engine.pipeline = True
   llm.generate(prompts, params)
   llm.generate(prompts[:3], params[:3])
   llm.generate(prompts[:2], params[:2])  # nothing waits: the rounds run ahead
