@@ -55,6 +55,51 @@ def test_page_accounting_property(ops):
   assert alloc.num_free == 23 and alloc.num_used == 0
 
 
+@settings(max_examples=100, deadline=None)
+@given(st.lists(st.tuples(st.sampled_from(["reserve", "commit", "trim"]),
+                          st.lists(st.tuples(st.integers(0, 5), st.integers(0, 90)), min_size=1, max_size=6,
+                                   unique_by=lambda t: t[0]),
+                          st.integers(0, 20)), max_size=30))
+def test_batched_operations_match_one_request_at_a_time(ops):
+  """reserve_rows / commit_rows / trim_rows leave the same tables as the per-request calls in batch order (a
+  batched reserve that cannot be met changes nothing)."""
+  batched = PageAllocator(num_pages=40, page_size=8, max_pages_per_seq=10)
+  single = PageAllocator(num_pages=40, page_size=8, max_pages_per_seq=10)
+  for alloc in (batched, single):
+    for seq in range(6):
+      alloc.add(seq)
+  for op, rows, keep in ops:
+    seqs = [seq for seq, _ in rows]
+    n = np.array([v for _, v in rows], np.int64)
+    rows = batched.table_rows(seqs)
+    if op == "reserve":
+      before = [batched.pages(s) for s in range(6)], batched.num_free
+      try:
+        batched.reserve_rows(rows, n)
+      except OutOfPages:
+        assert ([batched.pages(s) for s in range(6)], batched.num_free) == before
+        continue
+      for seq, v in zip(seqs, n.tolist()):
+        single.reserve(seq, v)
+    elif op == "commit":
+      n = np.minimum(n, [len(batched.pages(s)) * 8 for s in seqs])
+      batched.commit_rows(rows, n)
+      for seq, v in zip(seqs, n.tolist()):
+        single.commit(seq, v)
+    else:
+      batched.trim_rows(rows, keep)
+      for seq in seqs:
+        single.trim(seq, keep)
+    for alloc in (batched, single):
+      alloc.check()
+    assert [batched.pages(s) for s in range(6)] == [single.pages(s) for s in range(6)]
+    assert [batched.length(s) for s in range(6)] == [single.length(s) for s in range(6)]
+    table = np.zeros((len(seqs), 10), np.int32)
+    batched.write_page_rows(rows, table)
+    for row, seq in zip(table, seqs):
+      assert row[:len(batched.pages(seq))].tolist() == batched.pages(seq) and not row[len(batched.pages(seq)):].any()
+
+
 def test_trash_page_never_allocated():
   alloc = PageAllocator(num_pages=4, page_size=2, max_pages_per_seq=8)
   alloc.add("a")

@@ -177,6 +177,11 @@ class OutOfPages(RuntimeError):
 class PageAllocator:
   """Host-side owner of the physical pages and of each request's page list and committed length.
 
+  Each request holds a row of the allocator's page table (its pages in logical order, TRASH_PAGE past them) with its
+  page count and committed length beside it (`table_rows`). A batch's page table and lengths are then one gather of
+  its requests' rows, and its reserve, commit and trim are array operations that loop only over the rows whose page
+  lists change.
+
   Invariant (checked by `check`): every page except the trash page is either free or owned by at least one
   request, a page owned by k requests has reference count k (k > 1 only for the full prompt pages `fork` shares),
   and each request's committed length fits the pages it owns.
@@ -192,8 +197,11 @@ class PageAllocator:
     self.max_pages_per_seq = max_pages_per_seq
     # LIFO free list: recently freed pages are reused first (warm in cache).
     self._free: list[int] = list(range(num_pages - 1, 0, -1))
-    self._pages: dict[object, list[int]] = {}
-    self._length: dict[object, int] = {}
+    self._row: dict[object, int] = {}  # request -> its row (row of the arrays below)
+    self._free_rows: list[int] = []
+    self._table = np.zeros((0, max_pages_per_seq), np.int32)  # [rows, max_pages_per_seq]
+    self._num_pages_of = np.zeros((0,), np.int64)  # [rows] pages each row holds
+    self._lengths = np.zeros((0,), np.int64)  # [rows] committed tokens
     self._refs: dict[int, int] = {}  # owners of each page held by more than one request (absent: one owner)
     self.enable_prefix_caching = enable_prefix_caching
     self._cached: dict[bytes, int] = {}  # prefix chain hash -> the page holding that prefix's last page of K/V
@@ -221,18 +229,28 @@ class PageAllocator:
     return -(-num_tokens // self.page_size)
 
   def can_hold(self, seq_id, num_tokens: int) -> bool:
-    have = len(self._pages.get(seq_id, ()))
+    have = int(self._num_pages_of[self._row[seq_id]]) if seq_id in self._row else 0
     need = self.pages_for(num_tokens)
     return need <= self.max_pages_per_seq and need - have <= self.num_free
 
   def length(self, seq_id) -> int:
-    return self._length[seq_id]
+    return int(self._lengths[self._row[seq_id]])
 
   def pages(self, seq_id) -> list[int]:
-    return list(self._pages[seq_id])
+    s = self._row[seq_id]
+    return self._table[s, :self._num_pages_of[s]].tolist()
 
   def owners(self) -> Iterable[object]:
-    return self._pages.keys()
+    return self._row.keys()
+
+  def table_rows(self, seq_ids: Sequence[object]) -> np.ndarray:
+    """The table rows of `seq_ids` (for the batched operations below)."""
+    row = self._row
+    return np.fromiter((row[s] for s in seq_ids), np.int64, len(seq_ids))
+
+  def lengths(self, rows: np.ndarray) -> np.ndarray:
+    """The committed lengths of `rows`."""
+    return self._lengths[rows]
 
   @property
   def num_shared(self) -> int:
@@ -246,24 +264,47 @@ class PageAllocator:
 
   # -- mutations --
   def add(self, seq_id) -> None:
-    if seq_id in self._pages:
+    if seq_id in self._row:
       raise KeyError(f"sequence {seq_id!r} already has pages")
-    self._pages[seq_id] = []
-    self._length[seq_id] = 0
+    if not self._free_rows:  # grow the row arrays (doubling)
+      old = len(self._lengths)
+      new = max(8, 2 * old)
+      self._table = np.concatenate([self._table, np.zeros((new - old, self.max_pages_per_seq), np.int32)])
+      self._num_pages_of = np.concatenate([self._num_pages_of, np.zeros((new - old,), np.int64)])
+      self._lengths = np.concatenate([self._lengths, np.zeros((new - old,), np.int64)])
+      self._free_rows = list(range(new - 1, old - 1, -1))
+    self._row[seq_id] = self._free_rows.pop()
+
+  def _append(self, s: int, pages: Sequence[int]) -> None:
+    k = int(self._num_pages_of[s])
+    self._table[s, k:k + len(pages)] = pages
+    self._num_pages_of[s] = k + len(pages)
+
+  def _drop_to(self, s: int, keep: int) -> None:
+    """Releases row `s`'s pages past its first `keep`, last first."""
+    k = int(self._num_pages_of[s])
+    if k <= keep:
+      return
+    dropped = self._table[s, keep:k].tolist()
+    self._table[s, keep:k] = TRASH_PAGE
+    self._num_pages_of[s] = keep
+    for p in reversed(dropped):
+      self._release(p)
 
   def fork(self, src, dst, num_tokens: int) -> int:
     """Gives `dst` (added, holding no pages) the pages of `src` that hold its first `num_tokens` committed tokens,
     whole pages only (rounded down), shared by reference; returns the tokens shared (dst's committed length)."""
-    if self._pages[dst]:
+    d = self._row[dst]
+    if self._num_pages_of[d]:
       raise ValueError(f"fork into {dst!r}, which already holds pages")
-    if num_tokens > self._length[src]:
-      raise ValueError(f"fork of {num_tokens} tokens > committed length {self._length[src]} of {src!r}")
-    shared = self._pages[src][:num_tokens // self.page_size]
+    if num_tokens > self.length(src):
+      raise ValueError(f"fork of {num_tokens} tokens > committed length {self.length(src)} of {src!r}")
+    shared = self.pages(src)[:num_tokens // self.page_size]
     for p in shared:
       self._refs[p] = self._refs.get(p, 1) + 1
-    self._pages[dst] = list(shared)
-    self._length[dst] = len(shared) * self.page_size
-    return self._length[dst]
+    self._append(d, shared)
+    self._lengths[d] = len(shared) * self.page_size
+    return int(self._lengths[d])
 
   def _release(self, page: int) -> None:
     """Drops one owner of `page`; the last one returns it to the free list (a cached page: to the evictable ones,
@@ -278,13 +319,17 @@ class PageAllocator:
     else:
       self._free.append(page)
 
-  def _take(self) -> int:
-    """A page for a request: from the free list, else the least recently used unowned cached page (evicted)."""
-    if self._free:
-      return self._free.pop()
-    page, _ = self._evictable.popitem(last=False)
-    del self._cached[self._page_hash.pop(page)]
-    return page
+  def _take(self, k: int) -> list[int]:
+    """`k` pages for a request: from the free list (the most recently freed first), then the least recently used
+    unowned cached pages (evicted). The caller checked that `k` are there."""
+    n = min(k, len(self._free))
+    out = self._free[len(self._free) - n:][::-1]
+    del self._free[len(self._free) - n:]
+    for _ in range(k - n):
+      page, _ = self._evictable.popitem(last=False)
+      del self._cached[self._page_hash.pop(page)]
+      out.append(page)
+    return out
 
   # -- prefix caching --
   def prompt_hashes(self, prompt_ids: Sequence[int]) -> list[bytes]:
@@ -303,10 +348,11 @@ class PageAllocator:
     committed length); 0 with prefix caching off."""
     if not self.enable_prefix_caching:
       return 0
-    if self._pages[seq_id]:
+    s = self._row[seq_id]
+    if self._num_pages_of[s]:
       raise ValueError(f"prefix match into {seq_id!r}, which already holds pages")
     hashes = self._prompt_hashes[seq_id] = self.prompt_hashes(prompt_ids)
-    pages = self._pages[seq_id]
+    pages = []
     for h in hashes[:self.shareable_tokens(len(prompt_ids)) // self.page_size if match else 0]:
       page = self._cached.get(h)
       if page is None:
@@ -316,8 +362,9 @@ class PageAllocator:
       else:
         self._refs[page] = self._refs.get(page, 1) + 1
       pages.append(page)
-    self._length[seq_id] = len(pages) * self.page_size
-    return self._length[seq_id]
+    self._append(s, pages)
+    self._lengths[s] = len(pages) * self.page_size
+    return int(self._lengths[s])
 
   def register_prefix(self, seq_id) -> None:
     """Registers `seq_id`'s full prompt pages below its committed length in the prefix cache (a prefix some other
@@ -325,8 +372,8 @@ class PageAllocator:
     hashes = self._prompt_hashes.get(seq_id)
     if not hashes:
       return
-    pages = self._pages[seq_id]
-    for i in range(min(len(hashes), self._length[seq_id] // self.page_size)):
+    pages = self.pages(seq_id)
+    for i in range(min(len(hashes), self.length(seq_id) // self.page_size)):
       h, page = hashes[i], pages[i]
       if h not in self._cached and page not in self._page_hash:
         self._cached[h] = page
@@ -343,60 +390,88 @@ class PageAllocator:
   def reserve(self, seq_id, num_tokens: int) -> None:
     """Makes sure the sequence has pages for positions [0, num_tokens); raises OutOfPages and changes nothing
     when that is impossible."""
-    pages = self._pages[seq_id]
-    need = self.pages_for(num_tokens)
-    if need > self.max_pages_per_seq:
-      raise OutOfPages(f"{num_tokens} tokens exceed the per-sequence limit of "
+    self.reserve_rows(self.table_rows((seq_id,)), np.array([num_tokens], np.int64))
+
+  def reserve_rows(self, rows: np.ndarray, num_tokens: np.ndarray) -> None:
+    """`reserve` for a batch's table rows at once (`rows[i]` up to `num_tokens[i]` tokens): all or nothing."""
+    need = -(-np.asarray(num_tokens, np.int64) // self.page_size)
+    if len(need) and need.max() > self.max_pages_per_seq:
+      raise OutOfPages(f"{int(np.asarray(num_tokens).max())} tokens exceed the per-sequence limit of "
                        f"{self.max_pages_per_seq * self.page_size}")
-    extra = need - len(pages)
-    if extra > self.num_free:
-      raise OutOfPages(f"need {extra} more KV pages, {self.num_free} free")
-    for _ in range(max(extra, 0)):
-      pages.append(self._take())
+    extra = np.maximum(need - self._num_pages_of[rows], 0)
+    total = int(extra.sum())
+    if not total:
+      return
+    if total > self.num_free:
+      raise OutOfPages(f"need {total} more KV pages, {self.num_free} free")
+    grow = rows[extra > 0]
+    rep = extra[extra > 0]
+    taken = np.asarray(self._take(total), np.int32)
+    # the (row, column) of each taken page, row by row in the batch's order
+    start = self._num_pages_of[grow]
+    cols = np.arange(total) - np.repeat(np.cumsum(rep) - rep, rep) + np.repeat(start, rep)
+    self._table[np.repeat(grow, rep), cols] = taken
+    self._num_pages_of[grow] = start + rep
 
   def commit(self, seq_id, length: int) -> None:
     """Sets the committed length (after a verify/prefill wrote K/V); pages must already be reserved."""
-    if length > len(self._pages[seq_id]) * self.page_size:
-      raise ValueError(f"commit to {length} beyond reserved capacity of {seq_id!r}")
-    self._length[seq_id] = length
+    self.commit_rows(self.table_rows((seq_id,)), np.array([length], np.int64))
+
+  def commit_rows(self, rows: np.ndarray, lengths: np.ndarray) -> None:
+    """`commit` for a batch's table rows at once."""
+    over = lengths > self._num_pages_of[rows] * self.page_size
+    if over.any():
+      i = int(over.argmax())
+      who = next(seq_id for seq_id, row in self._row.items() if row == rows[i])
+      raise ValueError(f"commit to {int(lengths[i])} beyond reserved capacity of {who!r}")
+    self._lengths[rows] = lengths
 
   def crop(self, seq_id, length: int) -> None:
     """Truncates to `length` committed tokens and returns pages past it to the free list."""
-    if length > self._length[seq_id]:
-      raise ValueError(f"crop to {length} > committed length {self._length[seq_id]}")
-    pages = self._pages[seq_id]
+    s = self._row[seq_id]
+    if length > self._lengths[s]:
+      raise ValueError(f"crop to {length} > committed length {int(self._lengths[s])}")
     keep = self.pages_for(length)
-    if length % self.page_size and keep <= len(pages):
-      last = pages[keep - 1]  # kept partly: the next step writes into it
+    if length % self.page_size and keep <= self._num_pages_of[s]:
+      last = int(self._table[s, keep - 1])  # kept partly: the next step writes into it
       if last in self._page_hash or last in self._refs:
         raise ValueError(f"crop of {seq_id!r} to {length} would have it write into a shared page (copy-on-write "
                          "is not implemented: only whole committed prompt pages are shared)")
-    self._length[seq_id] = length
-    while len(pages) > keep:
-      self._release(pages.pop())
+    self._lengths[s] = length
+    self._drop_to(s, keep)
 
   def trim(self, seq_id, keep: int = 0) -> None:
     """Returns reserved-but-uncommitted pages (after a verify that accepted less than it reserved), but those of the
     `keep` tokens past the committed length (a call already dispatched writes there)."""
-    if not keep:
-      return self.crop(seq_id, self._length[seq_id])
-    pages, need = self._pages[seq_id], self.pages_for(self._length[seq_id] + keep)
-    while len(pages) > need:
-      self._release(pages.pop())
+    self.trim_rows(self.table_rows((seq_id,)), keep)
+
+  def trim_rows(self, rows: np.ndarray, keep: int = 0) -> None:
+    """`trim` for every row of a batch at once. The committed length does not move, so no shared page can become
+    writable (a trim never cuts below what the request already wrote)."""
+    need = -(-(self._lengths[rows] + keep) // self.page_size)
+    for i in np.flatnonzero(self._num_pages_of[rows] > need).tolist():
+      self._drop_to(int(rows[i]), int(need[i]))
 
   def free(self, seq_id) -> None:
-    pages = self._pages.pop(seq_id, None)
-    self._length.pop(seq_id, None)
+    s = self._row.pop(seq_id, None)
     self._prompt_hashes.pop(seq_id, None)
-    for p in reversed(pages or ()):
-      self._release(p)
+    if s is None:
+      return
+    self._drop_to(s, 0)
+    self._lengths[s] = 0
+    self._free_rows.append(s)
 
   def write_page_table(self, seq_ids: Sequence[object], out: np.ndarray) -> None:
-    """Writes the page-table rows of `seq_ids` into the first rows of `out`, which must hold TRASH_PAGE (zeros)
-    past each one's pages: a batch's table is filled in place, each row a slice copy of its page list."""
-    for row, seq_id in zip(out, seq_ids):
-      pages = self._pages[seq_id]
-      row[:len(pages)] = pages
+    """Writes the page-table rows of `seq_ids` into the first rows of `out` (TRASH_PAGE past each one's pages)."""
+    self.write_page_rows(self.table_rows(seq_ids), out)
+
+  def write_page_rows(self, rows: np.ndarray, out: np.ndarray) -> None:
+    """`write_page_table` by table rows: one gather."""
+    width = out.shape[1]
+    if width < self.max_pages_per_seq and len(rows) and self._num_pages_of[rows].max() > width:
+      raise ValueError(f"a page table {width} pages wide cannot hold "
+                       f"{int(self._num_pages_of[rows].max())} pages")
+    out[:len(rows)] = self._table[rows, :width]
 
   def page_table_row(self, seq_id, width: int | None = None) -> np.ndarray:
     row = np.full((width or self.max_pages_per_seq,), TRASH_PAGE, np.int32)
@@ -412,13 +487,17 @@ class PageAllocator:
     assert {self._cached[h] for h in self._page_hash.values()} == set(self._page_hash), "cache tables disagree"
     seen |= set(self._evictable)
     assert TRASH_PAGE not in seen, "trash page on the free list"
+    assert len(set(self._row.values())) == len(self._row), "a row held twice"
+    assert not set(self._row.values()) & set(self._free_rows), "a row both free and held"
     owners: dict[int, int] = {}
-    for seq_id, pages in self._pages.items():
+    for seq_id, s in self._row.items():
+      pages = self.pages(seq_id)
+      assert not self._table[s, len(pages):].any(), f"a page past the page count of {seq_id!r}"
       assert len(set(pages)) == len(pages), f"a page twice in the table of {seq_id!r}"
       for p in pages:
         assert p != TRASH_PAGE and p not in seen, f"page {p} both free and owned ({seq_id!r})"
         owners[p] = owners.get(p, 0) + 1
-      assert self._length[seq_id] <= len(pages) * self.page_size, f"length past capacity for {seq_id!r}"
+      assert self.length(seq_id) <= len(pages) * self.page_size, f"length past capacity for {seq_id!r}"
     for p, k in owners.items():
       assert self._refs.get(p, 1) == k, f"page {p} has {k} owners but reference count {self._refs.get(p, 1)}"
     assert set(self._refs) <= set(owners), "reference count of a page nobody owns"

@@ -93,6 +93,7 @@ class Batch:
   live: np.ndarray | None = None  # [b] real rows
   steps: int = 1
   bucket_for: Any = None  # n -> the batch bucket of n rows (sub-batches)
+  request_rows: Any = None  # the engine's per-request rows of `reqs` (`engine.batch_rows.BatchRows`)
 
   @property
   def n(self) -> int:

@@ -27,6 +27,7 @@ import numpy as np
 
 from recguide_jax.decoding.strategy import Batch, RoundOutcome, RoundOutput, RoundPlan, StepView, Strategy
 from recguide_jax.engine import output, prefill
+from recguide_jax.engine.batch_rows import BatchRows, RowCache, gather_rows
 from recguide_jax.cache.kv_cache import PageAllocator
 from recguide_jax.engine.requests import (NEUTRAL_CONTROLS, Request, RequestError, SamplingParams,
                                           fold_seed, sampling_row)
@@ -70,6 +71,7 @@ class Engine:
     # returned on the device, so running ahead compiles and dispatches nothing a synchronous engine does not
     self.pipeline = True
     self.step_count = 0
+    self._rows = RowCache()
 
   @property
   def strategy(self) -> Strategy:
@@ -292,10 +294,16 @@ class Engine:
     if not done_before:
       self._isolated([r for r in batch.reqs if not r.finished], f"observing a {what}", self.strategy.observe, outcome)
 
+  def batch_rows(self, reqs: Sequence[Request]) -> BatchRows:
+    """The per-request rows of a batch of `reqs` (cached per composition: `batch_rows.RowCache`)."""
+    return self._rows.get(reqs, lambda: gather_rows(reqs, self.allocator.table_rows([r.request_id for r in reqs]),
+                                                    self.tokenizer))
+
   def _reserve(self, batch: Batch, ahead: int = 0) -> None:
-    need = ahead + batch.round.reserve(batch.block, batch.steps)
-    for r in batch.reqs:
-      self.allocator.reserve(r.request_id, self.allocator.length(r.request_id) + need)
+    alloc = self.allocator
+    rows = batch.request_rows = self.batch_rows(batch.reqs)
+    alloc.reserve_rows(rows.table_rows, alloc.lengths(rows.table_rows) + ahead
+                       + batch.round.reserve(batch.block, batch.steps))
 
   def _run(self, batch: Batch) -> RoundOutput:
     batch.steps = self.decode_steps(batch.reqs) if batch.round.multi_step else 1
@@ -322,9 +330,9 @@ class Engine:
     if not (self.pipeline and self.strategy.plans_ahead and not self.waiting and len(self.running) == batch.n
             and self.runner.mesh is None  # a device array between calls keeps the single device's placement
             and batch.samp.controls is None  # penalties and min_tokens read the tokens the pending call commits
-            and (batch.planned == batch.block).all() and not any(r.finished for r in batch.reqs)):
+            and (batch.planned == batch.block).all() and not any(r.finish_reason for r in batch.reqs)):
       return None
-    left = max(r.params.max_tokens - len(r.output_ids) for r in batch.reqs) - fewest
+    left = self._most_tokens_left(batch.reqs, batch.request_rows) - fewest
     if left < 1:
       return None  # every request ends within `batch`'s call
     n = self.rc.decode_steps if batch.round.multi_step else 1
@@ -347,8 +355,7 @@ class Engine:
     goes on as usual."""
     batch, handle, t0 = self._pending
     self._pending = None
-    live = [r for r in batch.reqs if not r.finished]
-    if len(live) == batch.n and not any(self.prefilled(r) < len(r.prompt_ids) for r in self.running):
+    if not any(r.finish_reason for r in batch.reqs) and not self._any_prefilling():
       self._pending = self._chain(batch, handle)
     self._finish_round(batch, lambda: batch.round.collect(self.runner, batch, handle), t0)
     self._drain_if_idle()
@@ -365,37 +372,46 @@ class Engine:
     a call in flight before this one will have committed and used."""
     reqs, n = batch.reqs, len(batch.reqs)
     alloc = self.allocator
-    ids = [r.request_id for r in reqs]
     b = batch.b = bucket or self.runner.bucket_for(n)
     batch.bucket_for = self.runner.bucket_for
     batch.page_table = np.zeros((b, self.rc.pages_per_seq), np.int32)  # zeros: TRASH_PAGE
-    alloc.write_page_table(ids, batch.page_table)
+    rows = batch.request_rows
+    alloc.write_page_rows(rows.table_rows, batch.page_table)
     batch.prefix_len = np.zeros((b,), np.int32)
-    batch.prefix_len[:n] = [alloc.length(rid) + ahead for rid in ids]
+    batch.prefix_len[:n] = alloc.lengths(rows.table_rows) + ahead
     batch.seed = np.zeros((b,), np.int32)
     batch.seed[:n] = [r.seed_token for r in reqs]
     batch.live = np.zeros((b,), bool)
     batch.live[:n] = True
-    batch.samp = self.sampling_arrays(reqs, b, keys_ahead)
+    batch.samp = self.sampling_arrays(reqs, b, keys_ahead, rows)
 
   def apply(self, batch: Batch, out: RoundOutput) -> None:
     """Commits a round's output: pages (each row's committed tokens, what the round wrote past them dropped), the
     forward ledger and counters, the requests' stats, the sampling keys, then emission and stop conditions."""
-    reqs, rounds = batch.reqs, out.rounds
+    reqs, rounds, req_rows = batch.reqs, out.rounds, batch.request_rows
     totals = self.totals
-    for kind, blk, rows in out.forwards:
+    for kind, blk, n in out.forwards:
       totals[f"forwards_{kind}"] += 1
       if self.forward_log is not None:
-        self.forward_log.append((str(kind), blk, rows))
-    # engine-wide counters over the batch at once (a pipelined call's rows of requests that stopped before it was
-    # applied are not part of its output)
-    live = np.array([not r.finished for r in reqs])
-    blocks, accepted, commit = out.block.tolist(), out.accepted.tolist(), out.commit.tolist()
-    for blk, count in collections.Counter(np.asarray(out.block)[live].tolist()).items():
-      self.block_size_choices[blk] += count * rounds
-    spec = (np.asarray(out.block) > 1) & live if out.speculative else np.zeros(len(blocks), bool)
+        self.forward_log.append((str(kind), blk, n))
+    # a pipelined call's rows of requests that stopped before it was applied are not part of its output
+    live = np.fromiter((r.finish_reason is None for r in reqs), bool, len(reqs))
+    rows = np.flatnonzero(live)
+    block, accepted = np.asarray(out.block), np.asarray(out.accepted)
+    alloc = self.allocator
+    table_rows = req_rows.table_rows[rows]
+    alloc.commit_rows(table_rows, alloc.lengths(table_rows) + np.asarray(out.commit)[rows])
+    if out.trim:
+      # the pages of the call dispatched after this one (pipelined: it writes past what this one commits) stay
+      pending = self._pending[0] if self._pending is not None and self._pending[0].reqs is reqs else None
+      alloc.trim_rows(table_rows, pending.round.reserve(pending.block, pending.steps) if pending is not None else 0)
+    # engine-wide counters over the batch at once
+    choices = np.bincount(block[rows])
+    for blk in np.flatnonzero(choices).tolist():
+      self.block_size_choices[blk] += int(choices[blk]) * rounds
+    spec = (block > 1) & live if out.speculative else np.zeros(len(reqs), bool)
     if spec.any():
-      blk_arr, acc_arr = np.asarray(out.block)[spec], np.asarray(out.accepted)[spec]
+      blk_arr, acc_arr = block[spec], accepted[spec]
       totals["drafts"] += int(spec.sum())  # verified drafts (vLLM's spec_decode_num_drafts)
       totals["draft_tokens"] += int((blk_arr - 1).sum())
       totals["accepted_draft_tokens"] += int((acc_arr - 1).sum())
@@ -403,24 +419,17 @@ class Engine:
       reach = np.cumsum(per_pos[::-1])[::-1]  # rows that accepted at least k
       for pos in range(1, len(reach)):
         self.accepted_per_position[pos] += int(reach[pos])
+    # each request's own books: one pass over the live rows
     row_forwards = [(kind, counts.tolist()) for kind, counts in out.row_forwards.items()]
-    spec = spec.tolist()
-    alloc, key_rounds = self.allocator, out.key_rounds
-    # the pages of the call dispatched after this one (pipelined: it writes past what this one commits) stay
-    pending = self._pending[0] if self._pending is not None and self._pending[0].reqs is reqs else None
-    keep = pending.round.reserve(pending.block, pending.steps) if pending is not None else 0
-    for i, r in enumerate(reqs):
-      if r.finished:  # stopped (or aborted) before this call was applied: its row is not part of the output
-        continue
-      rid = r.request_id
-      alloc.commit(rid, alloc.length(rid) + commit[i])
-      if out.trim:
-        alloc.trim(rid, keep)
+    blocks, accepts, spec, key_rounds = block.tolist(), accepted.tolist(), spec.tolist(), out.key_rounds
+    for i in rows.tolist():
+      r = reqs[i]
       r.round_counter += key_rounds
       st = r.stats
+      fw = st.forwards
       for kind, counts in row_forwards:
-        st.forwards[kind] += counts[i]
-      blk, acc = blocks[i], accepted[i]
+        fw[kind] += counts[i]
+      blk, acc = blocks[i], accepts[i]
       st.rounds += rounds
       if rounds == 1:
         st.accepted_lengths.append(acc)
@@ -431,48 +440,64 @@ class Engine:
       if spec[i]:
         st.draft_tokens += blk - 1
         st.accepted_draft_tokens += acc - 1
-    self._emit_batch(reqs, out)
+    self._emit_batch(reqs, out, rows, req_rows)
 
-  def _emit_batch(self, reqs: Sequence[Request], out: RoundOutput) -> None:
-    """Emits every row's tokens. The EOS check runs once over the batch's token array; a request with no logprobs,
-    stop token ids or stop strings then needs no per-token work (`output.append_plain`)."""
-    emit = out.emit.tolist()
-    tokens, logprobs = out.tokens, out.logprobs
+  def _emit_batch(self, reqs: Sequence[Request], out: RoundOutput, rows: np.ndarray, req_rows: BatchRows) -> None:
+    """Emits the tokens of `rows` (the live ones). Each row's stop (its first EOS, or its max_tokens) is found over
+    the batch's arrays at once; a `plain` request then needs no per-token work."""
+    tokens, logprobs, emit = out.tokens, out.logprobs, np.asarray(out.emit)
+    width = tokens.shape[1]
     # a few EOS ids: compared directly (np.isin sorts, ~10x slower on a step's small array)
     eos = (tokens[:, :, None] == self._eos_array).any(axis=2)
-    eos &= np.arange(tokens.shape[1])[None, :] < out.emit[:, None]
-    first = np.where(eos.any(axis=1), eos.argmax(axis=1), tokens.shape[1]).tolist()
+    eos &= np.arange(width)[None, :] < emit[:, None]
+    eos[req_rows.ignore_eos] = False
+    first = np.where(eos.any(axis=1), eos.argmax(axis=1), width)
+    left = req_rows.max_tokens - np.fromiter((len(r.output_ids) for r in reqs), np.int64, len(reqs))
+    # a plain row keeps its tokens up to its first EOS ("stop") or to its budget ("length"), whichever comes first
+    stop = (first < emit) & (first < left)
+    keep = np.where(stop, first + 1, np.minimum(emit, np.maximum(left, 0)))
+    ends = np.where(stop, 1, np.where(left <= emit, 2, 0)).tolist()
+    keep, emit_l, plain = keep.tolist(), emit.tolist(), req_rows.plain.tolist()
     tok_rows, lp_rows = tokens.tolist(), logprobs.tolist()
     top_lp, top_ids = out.top_logprobs, out.top_ids
-    for i, r in enumerate(reqs):
-      k = emit[i]
-      if not k or r.finished:
+    generated = 0
+    for i in rows.tolist():
+      r = reqs[i]
+      if not emit_l[i] or r.finish_reason is not None:
         continue
-      if output.plain(r, self.tokenizer):
-        self._emit_plain(r, tok_rows[i][:k], lp_rows[i][:k], k if r.params.ignore_eos else first[i])
-      else:
+      if not plain[i]:
+        k = emit_l[i]
         self.emit(r, tok_rows[i][:k], lp_rows[i][:k], None if top_lp is None else top_lp[i, :k],
                   None if top_ids is None else top_ids[i, :k])
+        continue
+      n = keep[i]
+      new = tok_rows[i][:n]
+      r.output_ids.extend(new)
+      r.token_logprobs.extend(lp_rows[i][:n])
+      if new:
+        r.seed_token = new[-1]
+      generated += n
+      if r.on_update is not None and not self._notify(r, new):
+        self.finish(r, "error", "engine error: the request's update callback failed")
+      elif ends[i]:
+        self.finish(r, "stop" if ends[i] == 1 else "length")
+    self.totals["generated_tokens"] += generated
 
-  def _emit_plain(self, r: Request, toks: list[int], lps: list[float], first_stop: int) -> None:
-    try:
-      self._deliver(r, *output.append_plain(r, toks, lps, first_stop))
-    except Exception as e:
-      self.fail_request(r, "emitting its tokens", e)
-
-  def sampling_arrays(self, reqs: Sequence[Request], b: int, ahead: int = 0) -> SamplingArrays:
-    """The padded batch's sampling rows; each row's key is (seed, its round counter + `ahead`)."""
+  def sampling_arrays(self, reqs: Sequence[Request], b: int, ahead: int = 0, rows: BatchRows | None = None
+                      ) -> SamplingArrays:
+    """The padded batch's sampling rows (from `rows`, the batch's cached ones, when given); each row's key is (seed,
+    its round counter + `ahead`)."""
     samp = SamplingArrays.greedy(b)
     n = len(reqs)
     if n:
-      rows = [r.sampling for r in reqs]  # converted when the request was added (or before it joined a batch)
-      samp.temperature[:n] = [row.temperature for row in rows]
-      samp.top_k[:n] = [row.top_k for row in rows]
-      samp.top_p[:n] = [row.top_p for row in rows]
-      samp.keys[:n, 0] = [row.seed for row in rows]
-      samp.keys[:n, 1] = [(r.round_counter + ahead) & 0xFFFFFFFF for r in reqs]
-      samp.top_logprobs[:n] = [r.params.logprobs or 0 for r in reqs]
-      if any(r.sampling.controls is not None for r in reqs):
+      rows = rows or gather_rows(reqs, np.zeros(n, np.int64), self.tokenizer)
+      samp.temperature[:n] = rows.temperature
+      samp.top_k[:n] = rows.top_k
+      samp.top_p[:n] = rows.top_p
+      samp.keys[:n, 0] = rows.seed
+      samp.keys[:n, 1] = np.fromiter((r.round_counter + ahead for r in reqs), np.int64, n) & 0xFFFFFFFF
+      samp.top_logprobs[:n] = rows.top_logprobs
+      if rows.has_controls:
         samp.controls = control_arrays(reqs, b, self.cfg.vocab_size)
     return samp
 
@@ -487,9 +512,22 @@ class Engine:
     admitted or prefilled (a multi-step call would hold either back for its length) and some request of `reqs` has
     that many tokens left to generate, else 1."""
     n = self.rc.decode_steps
-    if n <= 1 or self.waiting or any(not r.finished and self.prefilled(r) < len(r.prompt_ids) for r in self.running):
+    if n <= 1 or self.waiting or self._any_prefilling():
       return 1
-    return n if max(r.params.max_tokens - len(r.output_ids) for r in reqs) >= n else 1
+    return n if self._most_tokens_left(reqs) >= n else 1
+
+  def _any_prefilling(self) -> bool:
+    """Whether a running request's prompt is not fully cached yet (one with a seed token has it all)."""
+    return any(r.seed_token is None and not r.finished and self.prefilled(r) < len(r.prompt_ids)
+               for r in self.running)
+
+  @staticmethod
+  def _most_tokens_left(reqs: Sequence[Request], rows: BatchRows | None = None) -> int:
+    """The most tokens any of `reqs` may still generate (`rows`: their cached rows, for their budgets)."""
+    lens = np.fromiter((len(r.output_ids) for r in reqs), np.int64, len(reqs))
+    budgets = rows.max_tokens if rows is not None else np.fromiter((r.params.max_tokens for r in reqs), np.int64,
+                                                                   len(reqs))
+    return int((budgets - lens).max())
 
   # ---- request isolation -----------------------------------------------------------------------------------------
   # Per-request values are converted to their host array types when a request is added (`sampling_row`), so a bad

@@ -76,24 +76,10 @@ def append_tokens(r: Request, toks: list[int], lps, top_lp, top_ids, eos: frozen
 
 
 def plain(r: Request, tokenizer) -> bool:
-  """Whether `r`'s emission needs no per-token work beyond its stop tokens and budget (`append_plain`): no logprobs
-  entries, no stop token ids of its own, no stop strings to search."""
+  """Whether `r`'s emission needs no per-token work beyond its EOS and budget (the engine checks those over the
+  batch): no logprobs entries, no stop token ids of its own, no stop strings to search."""
   p = r.params
   return p.logprobs is None and not p.stop_token_ids and not (p.stop and tokenizer is not None)
-
-
-def append_plain(r: Request, toks: list[int], lps: list[float], first_stop: int) -> tuple[list[int], str | None]:
-  """`append_tokens` for a `plain` request whose first EOS in `toks` (the batch's vectorized check) is at
-  `first_stop` (len(toks) or more: none)."""
-  n, left, reason = len(toks), r.params.max_tokens - len(r.output_ids), None
-  if first_stop < n and first_stop < left:
-    n, reason = first_stop + 1, "stop"
-  elif left <= n:
-    n, reason = left, "length"
-  new = toks[:n] if n < len(toks) else toks
-  r.output_ids.extend(new)
-  r.token_logprobs.extend(lps[:n])
-  return new, reason
 
 
 def append_prompt_logprobs(r: Request, lps, top_lp, top_ids, num_valid: int, start: int) -> None:
