@@ -1,6 +1,8 @@
 """The RecGuide controller end to end: lossless at every load and regime, bucketing on and off, fitted tables in
 the loop, and the load/hardware-aware switch choosing AR where speculation would lose."""
 
+import collections
+
 import numpy as np
 import pytest
 
@@ -136,8 +138,10 @@ class _AlternatingRegimes(RecGuideStrategy):
   def plan_step(self, view):
     plans = []
     for req in view.requests:
-      k = req.stats.rounds % len(self.SCHEDULE)
-      if req.stats.rounds and k in (3, 0):  # the previous round of this request was AR / LinearSS
+      done = self.planned_rounds[req.request_id]
+      self.planned_rounds[req.request_id] += 1
+      k = done % len(self.SCHEDULE)
+      if done and k in (3, 0):  # the previous round of this request was AR / LinearSS
         self.stale += self.state(req).prefetched is not None
       kind = self.SCHEDULE[k]
       self.regime_counts[kind] += 1
@@ -152,6 +156,7 @@ def test_prefetched_branches_do_not_survive_a_regime_switch(tiny_llm):
   ar = [o.outputs[0].token_ids for o in tiny_llm.generate(ps, params)]
   pol = _AlternatingRegimes(8, delta=1.0, planner="expected_hit")
   pol.stale = 0
+  pol.planned_rounds = collections.Counter()
   tiny_llm.set_policy(pol)
   assert [o.outputs[0].token_ids for o in tiny_llm.generate(ps, params)] == ar
   assert {"overlap", "ar", "linear"} <= set(pol.regime_counts)

@@ -28,6 +28,7 @@ import numpy as np
 from recguide_jax.decoding.strategy import Batch, RoundOutcome, RoundOutput, RoundPlan, StepView, Strategy
 from recguide_jax.engine import output, prefill
 from recguide_jax.engine.batch_rows import BatchRows, RowCache, gather_rows
+from recguide_jax.engine.books import DecodeBooks
 from recguide_jax.cache.kv_cache import PageAllocator
 from recguide_jax.engine.requests import (NEUTRAL_CONTROLS, Request, RequestError, SamplingParams,
                                           fold_seed, sampling_row)
@@ -72,6 +73,7 @@ class Engine:
     self.pipeline = True
     self.step_count = 0
     self._rows = RowCache()
+    self.books = DecodeBooks()  # running requests' decode stats (written to Request.stats when each finishes)
 
   @property
   def strategy(self) -> Strategy:
@@ -419,32 +421,14 @@ class Engine:
       reach = np.cumsum(per_pos[::-1])[::-1]  # rows that accepted at least k
       for pos in range(1, len(reach)):
         self.accepted_per_position[pos] += int(reach[pos])
-    # each request's own books: one pass over the live rows
-    row_forwards = [(kind, counts.tolist()) for kind, counts in out.row_forwards.items()]
-    blocks, accepts, spec, key_rounds = block.tolist(), accepted.tolist(), spec.tolist(), out.key_rounds
-    for i in rows.tolist():
-      r = reqs[i]
-      r.round_counter += key_rounds
-      st = r.stats
-      fw = st.forwards
-      for kind, counts in row_forwards:
-        fw[kind] += counts[i]
-      blk, acc = blocks[i], accepts[i]
-      st.rounds += rounds
-      if rounds == 1:
-        st.accepted_lengths.append(acc)
-        st.block_sizes.append(blk)
-      else:
-        st.accepted_lengths.extend([acc] * rounds)
-        st.block_sizes.extend([blk] * rounds)
-      if spec[i]:
-        st.draft_tokens += blk - 1
-        st.accepted_draft_tokens += acc - 1
+    # each request's own books, by its page-table row
+    self.books.record(table_rows, block[rows], accepted[rows], rounds,
+                      {kind: np.asarray(counts)[rows] for kind, counts in out.row_forwards.items()}, spec[rows])
     self._emit_batch(reqs, out, rows, req_rows)
 
   def _emit_batch(self, reqs: Sequence[Request], out: RoundOutput, rows: np.ndarray, req_rows: BatchRows) -> None:
-    """Emits the tokens of `rows` (the live ones). Each row's stop (its first EOS, or its max_tokens) is found over
-    the batch's arrays at once; a `plain` request then needs no per-token work."""
+    """Advances the sampling keys of `rows` (the live ones) and emits their tokens. Each row's stop (its first EOS,
+    or its max_tokens) is found over the batch's arrays at once; a `plain` request then needs no per-token work."""
     tokens, logprobs, emit = out.tokens, out.logprobs, np.asarray(out.emit)
     width = tokens.shape[1]
     # a few EOS ids: compared directly (np.isin sorts, ~10x slower on a step's small array)
@@ -460,9 +444,10 @@ class Engine:
     keep, emit_l, plain = keep.tolist(), emit.tolist(), req_rows.plain.tolist()
     tok_rows, lp_rows = tokens.tolist(), logprobs.tolist()
     top_lp, top_ids = out.top_logprobs, out.top_ids
-    generated = 0
+    generated, key_rounds = 0, out.key_rounds
     for i in rows.tolist():
       r = reqs[i]
+      r.round_counter += key_rounds
       if not emit_l[i] or r.finish_reason is not None:
         continue
       if not plain[i]:
@@ -623,6 +608,8 @@ class Engine:
     r.stop_text = None
     if self.scheduler.release(r):
       try:
+        if r.request_id in self.allocator.owners():
+          self.books.close(int(self.allocator.table_rows((r.request_id,))[0]), r.stats)
         self.allocator.free(r.request_id)
       except Exception:
         log.exception("freeing the KV pages of request %s failed", r.request_id)

@@ -316,6 +316,9 @@ class SamplingParams:
 
 @dataclasses.dataclass
 class RequestStats:
+  """A request's speculation and timing figures. The decode-round fields (rounds, the accepted-length and block-size
+  histories, decode forwards, draft tokens) are kept by the engine as arrays while the request runs
+  (`engine.books.DecodeBooks`) and written here when it finishes."""
   rounds: int = 0
   accepted_lengths: list[int] = dataclasses.field(default_factory=list)
   block_sizes: list[int] = dataclasses.field(default_factory=list)
