@@ -446,11 +446,25 @@ class PageAllocator:
     self.trim_rows(self.table_rows((seq_id,)), keep)
 
   def trim_rows(self, rows: np.ndarray, keep: int = 0) -> None:
-    """`trim` for every row of a batch at once. The committed length does not move, so no shared page can become
+    """`trim` for a batch's table rows at once. The committed length does not move, so no shared page can become
     writable (a trim never cuts below what the request already wrote)."""
     need = -(-(self._lengths[rows] + keep) // self.page_size)
-    for i in np.flatnonzero(self._num_pages_of[rows] > need).tolist():
-      self._drop_to(int(rows[i]), int(need[i]))
+    excess = self._num_pages_of[rows] - need
+    cut = excess > 0
+    if not cut.any():
+      return
+    rows, need, count = rows[cut], need[cut], excess[cut]
+    # each row's pages past `need`, last first, row by row (the order one `trim` per row releases them in)
+    within = np.arange(int(count.sum())) - np.repeat(np.cumsum(count) - count, count)
+    at = (np.repeat(rows, count), np.repeat(need + count - 1, count) - within)
+    dropped = self._table[at].tolist()
+    self._table[at] = TRASH_PAGE
+    self._num_pages_of[rows] = need
+    if self._refs.keys().isdisjoint(dropped) and self._page_hash.keys().isdisjoint(dropped):
+      self._free.extend(dropped)  # each page's only owner let go of it: straight to the free list
+    else:
+      for p in dropped:
+        self._release(p)
 
   def free(self, seq_id) -> None:
     s = self._row.pop(seq_id, None)
