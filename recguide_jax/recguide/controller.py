@@ -26,6 +26,9 @@ from recguide_jax.recguide.rule import AdaptiveRule
 from recguide_jax.recguide.switch import RegimeSwitch
 
 
+# an AR round's record in a request's history (no signal: see `observe_verification`)
+AR_RECORD = signals.RoundRecord(1, 1, None)
+
 class RecGuideStrategy(AdaptiveRule, RegimeSwitch, CostModel, Strategy):
   name = "recguide"
   plans_ar = True
@@ -165,19 +168,21 @@ class RecGuideStrategy(AdaptiveRule, RegimeSwitch, CostModel, Strategy):
     batch, out = outcome.batch, outcome.output
     res = out.verify
     if res is not None:
+      blocks, accepted = np.asarray(out.block).tolist(), np.asarray(out.accepted).tolist()
+      before = np.asarray(outcome.generated_before).tolist()
       for i, r in enumerate(batch.reqs):
-        left = r.params.max_tokens - int(outcome.generated_before[i])  # its budget before this round emitted
-        for _ in range(out.rounds):
-          self.observe_verification(r, int(out.block[i]), int(out.accepted[i]), res, i, left)
+        left = r.params.max_tokens - before[i]  # its budget before this round emitted
+        self.observe_verification(r, blocks[i], accepted[i], res, i, left, rounds=out.rounds)
     if isinstance(out.extra, OverlapResult):
       self._observe_overlap(batch, out, out.extra)
     self.observe_round(out.label, batch.block, batch.n, outcome.seconds / out.rounds)
 
 
-  def observe_verification(self, req, block_size: int, accepted: int, result, row: int, left: int | None = None
-                           ) -> None:
-    """One verification of `req` (`result` row `row`) of `block_size` that accepted `accepted`; `left`: the tokens
-    it could still emit before it (default: what it can emit now)."""
+  def observe_verification(self, req, block_size: int, accepted: int, result, row: int, left: int | None = None,
+                           rounds: int = 1) -> None:
+    """`rounds` verifications of `req` (`result` row `row`) of `block_size` that accepted `accepted` each (a
+    multi-step AR call's steps); `left`: the tokens it could still emit before them (default: what it can emit
+    now)."""
     state = self.state(req)
     # a prefetched overlap branch is a draft for the round right after the one that made it: any verification,
     # of whatever kind, moves the committed state past it (an overlap round's new one is stored after this)
@@ -186,10 +191,14 @@ class RecGuideStrategy(AdaptiveRule, RegimeSwitch, CostModel, Strategy):
       # an AR round carries no signal, so two in a row return the request to the value model's prior: otherwise a
       # request that looked unsure once would be priced out of speculation for good
       if self.batch_priced:
-        state.history.append(signals.RoundRecord(1, 1, None))
-        if len(state.history) > HISTORY:
-          del state.history[0]
+        state.history.extend([AR_RECORD] * min(rounds, HISTORY))
+        del state.history[:-HISTORY]
       return
+    for _ in range(rounds):
+      self._observe_block(req, state, block_size, accepted, result, row, left)
+
+  def _observe_block(self, req, state, block_size: int, accepted: int, result, row: int, left: int | None) -> None:
+    """One verification of a drafted block (`observe_verification`)."""
     if self.calibrate and self.tables is not None and block_size in BLOCK_SIZES:
       # what the value model predicted for this round (the history before it) against what it returned
       predicted = self._model_values(req, self._remaining(req) if left is None else left)[block_size]
