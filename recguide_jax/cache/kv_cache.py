@@ -280,16 +280,24 @@ class PageAllocator:
     self._table[s, k:k + len(pages)] = pages
     self._num_pages_of[s] = k + len(pages)
 
-  def _drop_to(self, s: int, keep: int) -> None:
-    """Releases row `s`'s pages past its first `keep`, last first."""
-    k = int(self._num_pages_of[s])
-    if k <= keep:
+  def _drop_rows(self, rows: np.ndarray, keep: np.ndarray) -> None:
+    """Releases the pages of table rows `rows` past their first `keep[i]` (rows holding no more are left alone):
+    each row's last first, row by row."""
+    count = self._num_pages_of[rows] - keep
+    cut = count > 0
+    if not cut.any():
       return
-    dropped = self._table[s, keep:k].tolist()
-    self._table[s, keep:k] = TRASH_PAGE
-    self._num_pages_of[s] = keep
-    for p in reversed(dropped):
-      self._release(p)
+    rows, keep, count = rows[cut], keep[cut], count[cut]
+    within = np.arange(int(count.sum())) - np.repeat(np.cumsum(count) - count, count)
+    at = (np.repeat(rows, count), np.repeat(keep + count - 1, count) - within)
+    dropped = self._table[at].tolist()
+    self._table[at] = TRASH_PAGE
+    self._num_pages_of[rows] = keep
+    if self._refs.keys().isdisjoint(dropped) and self._page_hash.keys().isdisjoint(dropped):
+      self._free.extend(dropped)  # each page's only owner let go of it: straight to the free list
+    else:
+      for p in dropped:
+        self._release(p)
 
   def fork(self, src, dst, num_tokens: int) -> int:
     """Gives `dst` (added, holding no pages) the pages of `src` that hold its first `num_tokens` committed tokens,
@@ -438,7 +446,7 @@ class PageAllocator:
         raise ValueError(f"crop of {seq_id!r} to {length} would have it write into a shared page (copy-on-write "
                          "is not implemented: only whole committed prompt pages are shared)")
     self._lengths[s] = length
-    self._drop_to(s, keep)
+    self._drop_rows(np.array([s]), np.array([keep]))
 
   def trim(self, seq_id, keep: int = 0) -> None:
     """Returns reserved-but-uncommitted pages (after a verify that accepted less than it reserved), but those of the
@@ -448,30 +456,14 @@ class PageAllocator:
   def trim_rows(self, rows: np.ndarray, keep: int = 0) -> None:
     """`trim` for a batch's table rows at once. The committed length does not move, so no shared page can become
     writable (a trim never cuts below what the request already wrote)."""
-    need = -(-(self._lengths[rows] + keep) // self.page_size)
-    excess = self._num_pages_of[rows] - need
-    cut = excess > 0
-    if not cut.any():
-      return
-    rows, need, count = rows[cut], need[cut], excess[cut]
-    # each row's pages past `need`, last first, row by row (the order one `trim` per row releases them in)
-    within = np.arange(int(count.sum())) - np.repeat(np.cumsum(count) - count, count)
-    at = (np.repeat(rows, count), np.repeat(need + count - 1, count) - within)
-    dropped = self._table[at].tolist()
-    self._table[at] = TRASH_PAGE
-    self._num_pages_of[rows] = need
-    if self._refs.keys().isdisjoint(dropped) and self._page_hash.keys().isdisjoint(dropped):
-      self._free.extend(dropped)  # each page's only owner let go of it: straight to the free list
-    else:
-      for p in dropped:
-        self._release(p)
+    self._drop_rows(rows, -(-(self._lengths[rows] + keep) // self.page_size))
 
   def free(self, seq_id) -> None:
     s = self._row.pop(seq_id, None)
     self._prompt_hashes.pop(seq_id, None)
     if s is None:
       return
-    self._drop_to(s, 0)
+    self._drop_rows(np.array([s]), np.zeros(1, np.int64))
     self._lengths[s] = 0
     self._free_rows.append(s)
 

@@ -21,23 +21,20 @@ class DecodeBooks:
   while no request holds it: `close` writes them to the finishing request's stats and clears them."""
 
   def __init__(self):
-    self._rows = 0
-    self.rounds = np.zeros((0,), np.int64)
     self.draft_tokens = np.zeros((0,), np.int64)
     self.accepted_draft_tokens = np.zeros((0,), np.int64)
     self.forwards: dict[str, np.ndarray] = {}  # kind -> [rows]
-    self.history_len = np.zeros((0,), np.int64)  # entries of each row's histories
+    self.history_len = np.zeros((0,), np.int64)  # entries of each row's histories: its rounds
     self.accepted = np.zeros((0, 0), np.int32)  # [rows, H] each round's accepted tokens
     self.blocks = np.zeros((0, 0), np.int32)  # [rows, H] each round's block size
 
   def _grow_rows(self, rows: int) -> None:
-    new = max(rows, 2 * self._rows, 8)
+    new = max(rows, 2 * len(self.history_len), 8)
     pad = lambda a: np.concatenate([a, np.zeros((new - len(a),) + a.shape[1:], a.dtype)])
-    self.rounds, self.draft_tokens, self.accepted_draft_tokens, self.history_len = map(
-        pad, (self.rounds, self.draft_tokens, self.accepted_draft_tokens, self.history_len))
+    self.draft_tokens, self.accepted_draft_tokens, self.history_len = map(
+        pad, (self.draft_tokens, self.accepted_draft_tokens, self.history_len))
     self.accepted, self.blocks = pad(self.accepted), pad(self.blocks)
     self.forwards = {k: pad(v) for k, v in self.forwards.items()}
-    self._rows = new
 
   def _grow_history(self, width: int) -> None:
     new = max(width, 2 * self.accepted.shape[1], 64)
@@ -50,16 +47,15 @@ class DecodeBooks:
     `accepted` tokens each (`speculative`: its rounds verified drafts), and `row_forwards[kind]` forwards."""
     if not len(rows):
       return
-    if int(rows.max()) >= self._rows:
+    if int(rows.max()) >= len(self.history_len):
       self._grow_rows(int(rows.max()) + 1)
     start = self.history_len[rows]
     end = start + rounds
     if int(end.max()) > self.accepted.shape[1]:
       self._grow_history(int(end.max()))
-    self.rounds[rows] += rounds
     for kind, counts in row_forwards.items():
       if kind not in self.forwards:
-        self.forwards[kind] = np.zeros((self._rows,), np.int64)
+        self.forwards[kind] = np.zeros_like(self.history_len)
       self.forwards[kind][rows] += counts
     if speculative.any():
       self.draft_tokens[rows] += np.where(speculative, block - 1, 0)
@@ -75,10 +71,10 @@ class DecodeBooks:
 
   def close(self, row: int, stats: RequestStats) -> None:
     """Adds row `row`'s books to `stats` and clears them (its request finished)."""
-    if row >= self._rows:
+    if row >= len(self.history_len):
       return
     n = int(self.history_len[row])
-    stats.rounds += int(self.rounds[row])
+    stats.rounds += n
     stats.accepted_lengths.extend(self.accepted[row, :n].tolist())
     stats.block_sizes.extend(self.blocks[row, :n].tolist())
     stats.draft_tokens += int(self.draft_tokens[row])
@@ -87,5 +83,5 @@ class DecodeBooks:
       if counts[row]:
         stats.forwards[kind] = stats.forwards.get(kind, 0) + int(counts[row])
         counts[row] = 0
-    for a in (self.rounds, self.draft_tokens, self.accepted_draft_tokens, self.history_len):
+    for a in (self.draft_tokens, self.accepted_draft_tokens, self.history_len):
       a[row] = 0

@@ -286,8 +286,8 @@ class Engine:
     ok, out = self._isolated(batch.reqs, what, output)
     if not ok:
       return
-    generated = np.array([len(r.output_ids) for r in batch.reqs], np.int64)
-    ok, _ = self._isolated(batch.reqs, what, self.apply, batch, out)
+    generated = np.fromiter((len(r.output_ids) for r in batch.reqs), np.int64, batch.n)
+    ok, _ = self._isolated(batch.reqs, what, self.apply, batch, out, generated)
     if not ok:
       return
     outcome = RoundOutcome(batch, out, generated, time.perf_counter() - t0)
@@ -385,11 +385,12 @@ class Engine:
     batch.seed[:n] = [r.seed_token for r in reqs]
     batch.live = np.zeros((b,), bool)
     batch.live[:n] = True
-    batch.samp = self.sampling_arrays(reqs, b, keys_ahead, rows)
+    batch.samp = self.sampling_arrays(reqs, rows, b, keys_ahead)
 
-  def apply(self, batch: Batch, out: RoundOutput) -> None:
+  def apply(self, batch: Batch, out: RoundOutput, generated: np.ndarray) -> None:
     """Commits a round's output: pages (each row's committed tokens, what the round wrote past them dropped), the
-    forward ledger and counters, the requests' stats, the sampling keys, then emission and stop conditions."""
+    forward ledger and counters, the requests' stats, the sampling keys, then emission and stop conditions.
+    `generated`: each row's output tokens before this round."""
     reqs, rounds, req_rows = batch.reqs, out.rounds, batch.request_rows
     totals = self.totals
     for kind, blk, n in out.forwards:
@@ -424,9 +425,10 @@ class Engine:
     # each request's own books, by its page-table row
     self.books.record(table_rows, block[rows], accepted[rows], rounds,
                       {kind: np.asarray(counts)[rows] for kind, counts in out.row_forwards.items()}, spec[rows])
-    self._emit_batch(reqs, out, rows, req_rows)
+    self._emit_batch(reqs, out, rows, req_rows.max_tokens - generated, req_rows)
 
-  def _emit_batch(self, reqs: Sequence[Request], out: RoundOutput, rows: np.ndarray, req_rows: BatchRows) -> None:
+  def _emit_batch(self, reqs: Sequence[Request], out: RoundOutput, rows: np.ndarray, left: np.ndarray,
+                  req_rows: BatchRows) -> None:
     """Advances the sampling keys of `rows` (the live ones) and emits their tokens. Each row's stop (its first EOS,
     or its max_tokens) is found over the batch's arrays at once; a `plain` request then needs no per-token work."""
     tokens, logprobs, emit = out.tokens, out.logprobs, np.asarray(out.emit)
@@ -436,7 +438,6 @@ class Engine:
     eos &= np.arange(width)[None, :] < emit[:, None]
     eos[req_rows.ignore_eos] = False
     first = np.where(eos.any(axis=1), eos.argmax(axis=1), width)
-    left = req_rows.max_tokens - np.fromiter((len(r.output_ids) for r in reqs), np.int64, len(reqs))
     # a plain row keeps its tokens up to its first EOS ("stop") or to its budget ("length"), whichever comes first
     stop = (first < emit) & (first < left)
     keep = np.where(stop, first + 1, np.minimum(emit, np.maximum(left, 0)))
@@ -468,14 +469,12 @@ class Engine:
         self.finish(r, "stop" if ends[i] == 1 else "length")
     self.totals["generated_tokens"] += generated
 
-  def sampling_arrays(self, reqs: Sequence[Request], b: int, ahead: int = 0, rows: BatchRows | None = None
-                      ) -> SamplingArrays:
-    """The padded batch's sampling rows (from `rows`, the batch's cached ones, when given); each row's key is (seed,
-    its round counter + `ahead`)."""
+  def sampling_arrays(self, reqs: Sequence[Request], rows: BatchRows, b: int, ahead: int = 0) -> SamplingArrays:
+    """The padded batch's sampling rows, from the requests' `rows`; each row's key is (seed, its round counter +
+    `ahead`)."""
     samp = SamplingArrays.greedy(b)
     n = len(reqs)
     if n:
-      rows = rows or gather_rows(reqs, np.zeros(n, np.int64), self.tokenizer)
       samp.temperature[:n] = rows.temperature
       samp.top_k[:n] = rows.top_k
       samp.top_p[:n] = rows.top_p
@@ -499,7 +498,7 @@ class Engine:
     n = self.rc.decode_steps
     if n <= 1 or self.waiting or self._any_prefilling():
       return 1
-    return n if self._most_tokens_left(reqs) >= n else 1
+    return n if self._most_tokens_left(reqs, self.batch_rows(reqs)) >= n else 1
 
   def _any_prefilling(self) -> bool:
     """Whether a running request's prompt is not fully cached yet (one with a seed token has it all)."""
@@ -507,12 +506,9 @@ class Engine:
                for r in self.running)
 
   @staticmethod
-  def _most_tokens_left(reqs: Sequence[Request], rows: BatchRows | None = None) -> int:
-    """The most tokens any of `reqs` may still generate (`rows`: their cached rows, for their budgets)."""
-    lens = np.fromiter((len(r.output_ids) for r in reqs), np.int64, len(reqs))
-    budgets = rows.max_tokens if rows is not None else np.fromiter((r.params.max_tokens for r in reqs), np.int64,
-                                                                   len(reqs))
-    return int((budgets - lens).max())
+  def _most_tokens_left(reqs: Sequence[Request], rows: BatchRows) -> int:
+    """The most tokens any of `reqs` (whose rows are `rows`) may still generate."""
+    return int((rows.max_tokens - np.fromiter((len(r.output_ids) for r in reqs), np.int64, len(reqs))).max())
 
   # ---- request isolation -----------------------------------------------------------------------------------------
   # Per-request values are converted to their host array types when a request is added (`sampling_row`), so a bad

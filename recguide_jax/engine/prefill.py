@@ -44,7 +44,7 @@ def run_prefill(eng, reqs: list[Request], score: bool = False) -> None:
     if score:  # position t scores the prompt token after it (the last prompt token's successor is generated)
       nxt = r.prompt_ids[d + 1:d + 1 + chunk]
       targets[i, :len(nxt)] = nxt
-  samp = eng.sampling_arrays(reqs, b)
+  samp = eng.sampling_arrays(reqs, eng.batch_rows(reqs), b)
   outs = eng.runner.prefill(tokens, valid, prefix_len, page_table, last_idx, samp, targets)
   tok, lp, top_lp, top_ids = outs[:4]
   eng.totals[f"forwards_{StepKind.PREFILL}"] += 1

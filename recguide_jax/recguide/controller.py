@@ -29,6 +29,7 @@ from recguide_jax.recguide.switch import RegimeSwitch
 # an AR round's record in a request's history (no signal: see `observe_verification`)
 AR_RECORD = signals.RoundRecord(1, 1, None)
 
+
 class RecGuideStrategy(AdaptiveRule, RegimeSwitch, CostModel, Strategy):
   name = "recguide"
   plans_ar = True
@@ -85,22 +86,6 @@ class RecGuideStrategy(AdaptiveRule, RegimeSwitch, CostModel, Strategy):
     from recguide_jax.runtime.runner import fused_kind
     return ("prefill", "draft", "verify", fused_kind(self.overlap_slots), "gverify")
 
-  # ---- costs ---------------------------------------------------------------------------------------------------------
-
-
-
-
-
-  # ---- regime switch -------------------------------------------------------------------------------------------------
-
-
-
-
-
-
-
-
-
   _eos: frozenset = frozenset()  # the engine's EOS ids, refreshed by each step's plan
 
   def on_admit(self, req) -> None:
@@ -112,15 +97,6 @@ class RecGuideStrategy(AdaptiveRule, RegimeSwitch, CostModel, Strategy):
     if not isinstance(req.strategy_state, RecGuideState):
       req.strategy_state = RecGuideState()
     return req.strategy_state
-
-
-
-
-
-
-
-
-
 
   def plan_step(self, view: StepView) -> StepPlan:
     """The step's regime (once, for the load in flight), then each request's round: overlap, AR or fixed-B
@@ -176,7 +152,6 @@ class RecGuideStrategy(AdaptiveRule, RegimeSwitch, CostModel, Strategy):
     if isinstance(out.extra, OverlapResult):
       self._observe_overlap(batch, out, out.extra)
     self.observe_round(out.label, batch.block, batch.n, outcome.seconds / out.rounds)
-
 
   def observe_verification(self, req, block_size: int, accepted: int, result, row: int, left: int | None = None,
                            rounds: int = 1) -> None:

@@ -16,7 +16,6 @@ from recguide_jax.recguide.fit import traces
 from recguide_jax.recguide.adaptive import LINSPACE_POINTS, TablesError
 
 
-
 def group_rows(rows: Sequence[Mapping]) -> dict[str, dict[str, list[dict]]]:
   """{dataset: {request_id: [rows sorted by round]}} after validating the rows."""
   out: dict[str, dict[str, list[dict]]] = {}
