@@ -209,7 +209,8 @@ class Engine:
       except Exception as e:  # this request only: its pages are freed, the others are admitted as usual
         self.fail_request(req, "admitting it", e)
     prefill.share_prefills(self)
-    prefilling = [r for r in self.running if not r.finished and r.prefill_source is None
+    # (a request with a seed token has its whole prompt cached: checked first, it spares the allocator lookups)
+    prefilling = [r for r in self.running if r.seed_token is None and not r.finished and r.prefill_source is None
                   and self.prefilled(r) < len(r.prompt_ids) and self._sampling_ready(r)]
     if prefilling:
       batch = prefilling[:self.rc.max_batch]
@@ -357,7 +358,7 @@ class Engine:
     goes on as usual."""
     batch, handle, t0 = self._pending
     self._pending = None
-    if not any(r.finish_reason for r in batch.reqs) and not self._any_prefilling():
+    if not self._any_prefilling():  # (`_chain` checks the rest)
       self._pending = self._chain(batch, handle)
     self._finish_round(batch, lambda: batch.round.collect(self.runner, batch, handle), t0)
     self._drain_if_idle()

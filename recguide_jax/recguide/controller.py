@@ -55,7 +55,8 @@ class RecGuideStrategy(AdaptiveRule, RegimeSwitch, CostModel, Strategy):
       if tables.overlap_hit_rate is not None:
         self.stats.overlap_hit = tables.overlap_hit_rate
     # per (B, rows): the binomial weights of k drafting rows times the draft forward's cost at k rows relative to c
-    self._draft_weights: dict[tuple[int, int], tuple[float, ...]] = {}
+    self._draft_weights: dict[tuple[int, int], np.ndarray] = {}
+    self._draft_costs: dict[tuple[int, int], np.ndarray] = {}  # per (B, rows): `_draft_costs_by_rows`
     self.regime_counts = collections.Counter()
     self.current_regime: Regime | None = None  # the regime of the latest step
     self.overlap_outcomes = collections.Counter()  # overlap rounds' branch outcomes ("no_branch", hits, misses)
@@ -78,6 +79,7 @@ class RecGuideStrategy(AdaptiveRule, RegimeSwitch, CostModel, Strategy):
     self.overlap_log: list | None = None  # set to [] to record every overlap round (overlap_fit.OverlapTrace)
     self._plans = {Regime.AR: RoundPlan(rounds.AR, 1), Regime.LINEAR: RoundPlan(rounds.LINEAR, self.block_size),
                    Regime.OVERLAP: RoundPlan(self.overlap_round, self.block_size)}
+    self._linear_plans = {b: RoundPlan(rounds.LINEAR, b) for b in BLOCK_SIZES}  # the adaptive rule's
 
   def block_sizes(self):
     return BLOCK_SIZES
@@ -112,11 +114,14 @@ class RecGuideStrategy(AdaptiveRule, RegimeSwitch, CostModel, Strategy):
     # the requests' values, once per step: the switch and the batch pricing share them
     values = [self._values(r) for r in reqs] if self._switch_on_values else None
     regime = self.current_regime = self.regime(load, reqs, values)
+    if regime != Regime.OVERLAP and regime in self._plans:  # ar, linear (the fixed B): every row alike
+      self.regime_counts[regime] += concurrency
+      return StepPlan.uniform(self._plans[regime], concurrency)
     plans: list[RoundPlan | None] = [None] * concurrency
     adaptive = []  # rows planned by the adaptive rule (and priced as a batch)
     for i, r in enumerate(reqs):
       mine = Regime.ADAPTIVE if regime == Regime.OVERLAP and not self._overlaps(r) else regime
-      if mine in self._plans:  # overlap, ar, linear (the fixed B)
+      if mine in self._plans:  # overlap
         self.regime_counts[mine] += 1
         plans[i] = self._plans[mine]
       else:
@@ -126,7 +131,8 @@ class RecGuideStrategy(AdaptiveRule, RegimeSwitch, CostModel, Strategy):
                                      None if values is None else [values[i] for i in adaptive])
       self.step_plans[name] += 1
       for i, blk in zip(adaptive, blocks):
-        plans[i] = self._plans[Regime.AR] if blk == 1 else RoundPlan(rounds.LINEAR, blk)
+        plans[i] = (self._plans[Regime.AR] if blk == 1
+                    else self._linear_plans.get(blk) or RoundPlan(rounds.LINEAR, blk))
         self.regime_counts[Regime.AR if blk == 1 else Regime.ADAPTIVE] += 1
     return StepPlan(tuple(plans))
 
@@ -144,11 +150,15 @@ class RecGuideStrategy(AdaptiveRule, RegimeSwitch, CostModel, Strategy):
     batch, out = outcome.batch, outcome.output
     res = out.verify
     if res is not None:
-      blocks, accepted = np.asarray(out.block).tolist(), np.asarray(out.accepted).tolist()
-      before = np.asarray(outcome.generated_before).tolist()
-      for i, r in enumerate(batch.reqs):
-        left = r.params.max_tokens - before[i]  # its budget before this round emitted
-        self.observe_verification(r, blocks[i], accepted[i], res, i, left, rounds=out.rounds)
+      block = np.asarray(out.block)
+      if (block <= 1).all():  # AR rows only (a decode call): nothing but their histories to move
+        self._observe_ar(batch.reqs, out.rounds)
+      else:
+        blocks, accepted = block.tolist(), np.asarray(out.accepted).tolist()
+        before = np.asarray(outcome.generated_before).tolist()
+        for i, r in enumerate(batch.reqs):
+          left = r.params.max_tokens - before[i]  # its budget before this round emitted
+          self.observe_verification(r, blocks[i], accepted[i], res, i, left, rounds=out.rounds)
     if isinstance(out.extra, OverlapResult):
       self._observe_overlap(batch, out, out.extra)
     self.observe_round(out.label, batch.block, batch.n, outcome.seconds / out.rounds)
@@ -158,19 +168,27 @@ class RecGuideStrategy(AdaptiveRule, RegimeSwitch, CostModel, Strategy):
     """`rounds` verifications of `req` (`result` row `row`) of `block_size` that accepted `accepted` each (a
     multi-step AR call's steps); `left`: the tokens it could still emit before them (default: what it can emit
     now)."""
+    if block_size <= 1:
+      self._observe_ar([req], rounds)
+      return
     state = self.state(req)
     # a prefetched overlap branch is a draft for the round right after the one that made it: any verification,
     # of whatever kind, moves the committed state past it (an overlap round's new one is stored after this)
     state.prefetched = None
-    if block_size <= 1:
-      # an AR round carries no signal, so two in a row return the request to the value model's prior: otherwise a
-      # request that looked unsure once would be priced out of speculation for good
-      if self.batch_priced:
-        state.history.extend([AR_RECORD] * min(rounds, HISTORY))
-        del state.history[:-HISTORY]
-      return
     for _ in range(rounds):
       self._observe_block(req, state, block_size, accepted, result, row, left)
+
+  def _observe_ar(self, reqs, rounds: int) -> None:
+    """`rounds` AR verifications of each of `reqs`. They drop a prefetched branch, as any verification does. An AR
+    round carries no signal, so two in a row return a request to the value model's prior: otherwise a request that
+    looked unsure once would be priced out of speculation for good."""
+    records = [AR_RECORD] * min(rounds, HISTORY) if self.batch_priced else None
+    for req in reqs:
+      state = self.state(req)
+      state.prefetched = None
+      if records is not None:
+        state.history.extend(records)
+        del state.history[:-HISTORY]
 
   def _observe_block(self, req, state, block_size: int, accepted: int, result, row: int, left: int | None) -> None:
     """One verification of a drafted block (`observe_verification`)."""

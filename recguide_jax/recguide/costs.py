@@ -7,6 +7,8 @@ from __future__ import annotations
 import math
 from typing import Sequence
 
+import numpy as np
+
 from recguide_jax.decoding.strategy import RoundKind
 from recguide_jax.model.config import BLOCK_SIZES
 from recguide_jax.recguide import pricing
@@ -14,7 +16,8 @@ from recguide_jax.recguide.kinds import OverlapKind
 
 
 class CostModel:
-  """Mixin of `RecGuideStrategy`: reads `profile`, `overlap_slots`, `calibrate`, `calibrated` and `_draft_weights`."""
+  """Mixin of `RecGuideStrategy`: reads `profile`, `overlap_slots`, `calibrate`, `calibrated`, `_draft_weights` and
+  `_draft_costs`."""
 
   def _profiled_round_cost(self, kind: str, blk: int, concurrency: int) -> float:
     """One round of `kind` for `concurrency` requests by the profile alone (device time of its forwards). Without
@@ -52,23 +55,27 @@ class CostModel:
     full forward is exact at one row only: on a weight-bound device a forward for few rows costs nearly the full
     one, so it under-priced overlap's drafts at C >= 2 (docs/recguide.md, "Priced as a batch" (2))."""
     if shares:  # the step's own rows, each at its own miss probability: the forward is skipped when none misses
-      prof = self.profile
-      draft = (lambda k: prof.forward_costs(k, blk)[0]) if prof is not None else (lambda k: 1.0)
-      return pricing.expected_draft_cost(shares, draft) / draft(c)
+      by_rows = self._draft_costs_by_rows(blk, max(c, len(shares)))
+      return pricing.expected_draft_cost(shares, by_rows) / by_rows[c]
     if c <= 1 or share <= 0.0 or share >= 1.0:
       return min(max(share, 0.0), 1.0)
     weights = self._draft_weights.get((blk, c))
     if weights is None:  # the profile's draft forward per row count (static): once per (B, rows)
-      prof = self.profile
-      draft = (lambda k: prof.forward_costs(k, blk)[0]) if prof is not None else (lambda k: 1.0)
-      full = draft(c)
-      weights = (0.0, *(math.comb(c, k) * draft(k) / full for k in range(1, c + 1)))
+      by_rows = self._draft_costs_by_rows(blk, c)
+      weights = np.array([math.comb(c, k) for k in range(c + 1)], np.float64) * by_rows / by_rows[c]
       self._draft_weights[(blk, c)] = weights
-    odds, total, term = share / (1.0 - share), 0.0, (1.0 - share) ** c
-    for w in weights:  # term = share^k (1 - share)^(c - k), k = 0..c
-      total += w * term
-      term *= odds
-    return total
+    k = np.arange(c + 1)
+    return float(weights @ (share ** k * (1.0 - share) ** (c - k)))  # P(K = k) = C(c, k) share^k (1 - share)^(c-k)
+
+  def _draft_costs_by_rows(self, blk: int, rows: int) -> np.ndarray:
+    """The profile's draft forward of block `blk` at k = 0..`rows` rows (static: built once per (B, rows)); without
+    a profile, a forward costs the same for any number of rows."""
+    costs = self._draft_costs.get((blk, rows))
+    if costs is None:
+      prof = self.profile
+      costs = np.array([0.0] + [1.0 if prof is None else prof.forward_costs(k, blk)[0] for k in range(1, rows + 1)])
+      self._draft_costs[(blk, rows)] = costs
+    return costs
 
   def observe_round(self, kind: str, block_size: int, rows: int, seconds: float) -> None:
     """One round's wall seconds (a multi-step call: each step's share), for the calibrated costs."""

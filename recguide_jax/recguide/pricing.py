@@ -1,12 +1,12 @@
 """Prices of what RecGuide plans, as the engine will run it (issue 36): a step's plan on ragged steps, the draft
 forward an overlap step skips only when no request needs it, and the fitted rho_C rule carried to another profile.
 
-Pure functions of a profile (or cost callables), so the controller, the benchmarks and the tests price alike.
+Pure functions of a profile (or of costs), so the controller, the benchmarks and the tests price alike.
 """
 
 from __future__ import annotations
 
-from typing import Callable, Mapping, Sequence
+from typing import Mapping, Sequence
 
 import numpy as np
 
@@ -28,23 +28,27 @@ def ragged_step_cost(blocks: Sequence[int], profile) -> float:
 
 def drafting_rows_distribution(shares: Sequence[float]) -> np.ndarray:
   """P(K = k) for k = 0..n, K the number of rows that draft when row i drafts with probability shares[i]
-  independently (Poisson-binomial, by convolution)."""
-  dist = np.zeros(len(shares) + 1)
-  dist[0] = 1.0
-  for i, s in enumerate(shares):
-    s = min(max(float(s), 0.0), 1.0)
-    dist[1:i + 2] = dist[1:i + 2] * (1.0 - s) + dist[:i + 1] * s
-    dist[0] *= 1.0 - s
-  return dist
+  independently (Poisson-binomial). From its characteristic function at the n + 1 roots of unity, inverted by one
+  DFT (Hong 2013, "DFT-CF"): O(n^2) in a few array operations, where a convolution row by row is n Python steps
+  per engine step; absolute error ~1e-15."""
+  s = np.clip(np.asarray(shares, np.float64), 0.0, 1.0)
+  n = len(s)
+  # E[w^K] = prod_i (1 - s_i + s_i w) at w = exp(-2 pi i l / (n + 1)): the DFT of P(K = k), whose second half is the
+  # first's conjugate (P is real)
+  w = np.exp(-2j * np.pi * np.arange((n + 1) // 2 + 1) / (n + 1))
+  terms = np.multiply.outer(s, w - 1.0)
+  terms += 1.0
+  return np.clip(np.fft.irfft(np.prod(terms, axis=0), n + 1), 0.0, 1.0)
 
 
-def expected_draft_cost(shares: Sequence[float], draft_cost: Callable[[int], float]) -> float:
+def expected_draft_cost(shares: Sequence[float], cost_by_rows: np.ndarray) -> float:
   """E[cost of an overlap step's draft forward] when row i needs a draft with probability shares[i] (1 - h_i, h_i
-  its chance of holding a reusable branch): the forward runs for the K rows that need it, at draft_cost(K), and is
-  skipped only when K = 0, with probability prod_i h_i. Pricing the forward by the mean share instead (share x the
-  full forward) charges a batch as if its rows skipped their drafts one by one, which a batched forward does not."""
+  its chance of holding a reusable branch): the forward runs for the K rows that need it, at cost_by_rows[K]
+  (k = 0..len(shares); entry 0 unused), and is skipped only when K = 0, with probability prod_i h_i. Pricing the
+  forward by the mean share instead (share x the full forward) charges a batch as if its rows skipped their drafts
+  one by one, which a batched forward does not."""
   dist = drafting_rows_distribution(shares)
-  return float(sum(p * draft_cost(k) for k, p in enumerate(dist) if k > 0 and p > 0.0))
+  return float(dist[1:] @ np.asarray(cost_by_rows, np.float64)[1:len(dist)])
 
 
 def rescaled_rho(rho: float, fitted_costs: Mapping[int, float], costs: Mapping[int, float]) -> float:

@@ -42,7 +42,7 @@ class RegimeSwitch:
 
   def step_estimates(self, batch=None, values=None) -> StepEstimates:
     """What the regime rates rest on. `batch`: the step's requests, when known (overlap's draft share is then theirs,
-    `overlap_draft_share`, else the steady state's 1 - hit rate); `values`: their expected tokens per B
+    `overlap_draft_shares`, else the steady state's 1 - hit rate); `values`: their expected tokens per B
     (`_values`, in `batch` order), when known, else the engine-wide running estimates.
 
     Every regime's tokens come from one estimate of the same thing, so that only costs and the branch reuse rate
@@ -52,15 +52,10 @@ class RegimeSwitch:
     (2))."""
     shares = tuple(self.overlap_draft_shares(batch)) if batch and self.overlap else ()
     share = sum(shares) / len(shares) if shares else 1.0 - self.stats.overlap_hit
-    left_out = sum(not self._overlaps(r) for r in batch) if batch and self.overlap else 0
+    left_out = len(batch) - len(shares) if batch and self.overlap else 0  # a share per overlapping request
     if values is None:
       return StepEstimates(self.stats.accepted, share, left_out, shares)
     return StepEstimates({b: sum(v[b] for v in values) / len(values) for b in BLOCK_SIZES}, share, left_out, shares)
-
-  def overlap_draft_share(self, batch) -> float | None:
-    """The mean of `overlap_draft_shares` (None: no request of `batch` would overlap)."""
-    shares = self.overlap_draft_shares(batch)
-    return sum(shares) / len(shares) if shares else None
 
   def overlap_draft_shares(self, batch) -> list[float]:
     """Per request of `batch` that would run overlap rounds, the share of them that pay a draft forward, from this
@@ -74,9 +69,10 @@ class RegimeSwitch:
     hit, accepted = self.stats.overlap_hit, max(self.stats.accepted[self.block_size], 1.0)
     shares = []
     for req in batch:
-      if not self._overlaps(req):
+      remaining = self._overlap_remaining(req)
+      if remaining is None:
         continue
-      left = max(1.0, self._remaining(req) / accepted)
+      left = max(1.0, remaining / accepted)
       first = 0.0 if self.state(req).prefetched is not None else 1.0
       shares.append((first + (left - 1.0) * (1.0 - hit)) / left)
     return shares
@@ -216,6 +212,11 @@ class RegimeSwitch:
     """Whether `req` runs an overlap round when the regime is overlap: greedy requests only (the reuse rules compare
     argmaxes), and, where the switch decides, not one this round is expected to finish (no next round for a
     prefetched branch to save a draft in)."""
+    return self._overlap_remaining(req) is not None
+
+  def _overlap_remaining(self, req) -> int | None:
+    """`req`'s remaining budget (`_remaining`) if it `_overlaps`, else None."""
     if req.params.temperature > 0:
-      return False
-    return bool(self.fixed_regime) or self._remaining(req) > self.stats.accepted[self.block_size]
+      return None
+    remaining = self._remaining(req)
+    return remaining if self.fixed_regime or remaining > self.stats.accepted[self.block_size] else None
