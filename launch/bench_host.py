@@ -70,6 +70,7 @@ def timed_steps(llm, policy: str, c: int, max_tokens: int, prompt_len: int, prof
   """Runs C requests to the end; returns [(step seconds, [(key, args)] of its calls, their bare seconds)] of the
   steps where all C decoded, and the profile of those steps (or None)."""
   from recguide_jax.engine.requests import SamplingParams
+  from recguide_jax.runtime.compilation import CompileCounter
   eng = llm.engine
   llm.set_policy(policy, block_size=16)
   params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
@@ -101,16 +102,19 @@ def timed_steps(llm, policy: str, c: int, max_tokens: int, prompt_len: int, prof
       if prof is not None and full:
         prof.enable()
       inside[0] = 0.0
+      compiles = CompileCounter.total()
       t0 = time.perf_counter()
       eng.step()
       dt = time.perf_counter() - t0
+      compiled = CompileCounter.total() > compiles
       device = inside[0]
       if prof is not None and full:
         prof.disable()
       # a step where every request decoded and none finished: the steady state. Every third one's calls are replayed
       # right after it, under the same machine load (a replay rewrites the same K/V from the same inputs: harmless);
       # the step after a replay is not timed (a call the engine dispatched ahead ran meanwhile)
-      if full and all(not r.finished for r in eng.running) and rec.calls:
+      # (a step that compiled a variant a strategy first used in this generation is not timed either)
+      if full and all(not r.finished for r in eng.running) and rec.calls and not compiled:
         calls, rec.calls = rec.calls, []
         k = len(steps) + skipped
         if k % 3 == 2:
@@ -191,8 +195,8 @@ def markdown(result: dict) -> str:
   lines = ["# Host overhead per device call", "",
            f"Near-zero-cost model (random NLD, {meta['model']}); C requests of {meta['prompt_len']} prompt tokens, "
            f"{meta['max_tokens']} new tokens each, greedy; AR decode calls of {meta['decode_steps']} steps; the "
-           "steps where all C requests decode are timed, every third followed by its device calls replayed alone. "
-           "Medians over "
+           "steps where all C requests decode (and none compiles a variant) are timed, every third followed by its "
+           "device calls replayed alone. Medians over "
            f"{meta['repeats']} generations. jax {meta['jax']} ({meta['backend']}, {meta['cpu_count']} cores), load "
            f"average {meta['load_start']:.1f} at the start, {meta['load_end']:.1f} at the end ({meta['time_utc']}, "
            f"code {meta['code']}). On this shared CPU absolute numbers are upper bounds.", "",

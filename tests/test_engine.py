@@ -140,7 +140,7 @@ def test_pipelined_rounds_are_exact(tiny_llm, ar_outputs, strategy_cls):
   results = {}
   for ahead in (False, True):
     strategy = ARStrategy() if strategy_cls == "ar" else LinearStrategy(8)
-    strategy.plans_ahead = ahead
+    strategy.plans_ahead = lambda batch, ahead=ahead: ahead
     tiny_llm.set_policy(strategy)
     ahead_calls, streams, outs, counts = [], {}, [], {"dispatched": 0, "read": 0}
 

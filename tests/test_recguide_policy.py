@@ -447,3 +447,41 @@ def test_metrics_and_clone_are_the_strategys_own():
   assert type(twin) is RecGuideStrategy and twin.tables is pol.tables and twin.profile is pol.profile
   assert twin.delta == pol.delta and twin.overlap_slots == pol.overlap_slots and twin.planner == pol.planner
   assert not twin.regime_counts and twin.stats is not pol.stats and twin.calibrated is not pol.calibrated
+
+
+@pytest.mark.parametrize("regime", ["ar", "linear", "overlap"])
+def test_ar_and_linear_steps_run_ahead(tiny_llm, ar_reference, regime):
+  """A step whose regime is AR or fixed-B LinearSS is decided one step late and dispatched while the call before it
+  runs, with the same tokens; an overlap step never is (its draft is what its predecessor's verification confirms)."""
+  ps, ar = ar_reference
+  pol = RecGuideStrategy(16, fixed_regime=regime, profile=flat_profile())
+  said = []
+  plans_ahead = pol.plans_ahead
+  pol.plans_ahead = lambda batch: said.append(plans_ahead(batch)) or said[-1]
+  tiny_llm.set_policy(pol)
+  reqs = run_with_concurrency(tiny_llm, ps, 8)
+  assert [r.output_ids for r in reqs] == ar
+  assert any(said) == (regime != "overlap")
+
+
+def test_a_decision_made_ahead_is_the_next_steps_own():
+  """`plans_ahead` decides the next step; when that decision is another regime the step is planned by the engine as
+  usual, and plan_step takes the decision made (the switch runs once per step: its probes count steps)."""
+  from types import SimpleNamespace
+
+  from recguide_jax.decoding import rounds
+  from recguide_jax.decoding.strategy import StepView
+  t = [0.0]
+  pol = clocked_policy(t, ar_ms=1.0)  # AR at 1 ms against 11+ ms LinearSS rounds accepting 4: AR wins
+  pol.calibrate = False
+  pol.current_regime = "ar"
+  batch = SimpleNamespace(round=rounds.AR, block=1, n=4, reqs=[object()] * 4)
+  assert pol.plans_ahead(batch) and pol.regime_counts["ar"] == 4 and pol._decided_ahead is None
+  pol.stats.accepted = {8: 40.0, 16: 40.0, 32: 40.0}  # now speculation wins
+  assert not pol.plans_ahead(batch) and pol._decided_ahead == (4, "adaptive")
+  pol.regime = lambda *a, **k: pytest.fail("the step's regime was decided twice")
+  pol.price_step = lambda reqs, c, values: ("rule", [8] * len(reqs))
+  plans = pol.plan_step(StepView(2, tuple(batch.reqs), 64, 4096, 32, frozenset())).plans
+  assert [p.block_size for p in plans] == [8] * 4 and pol.current_regime == "adaptive"
+  assert pol._decided_ahead is None
+  assert not pol.plans_ahead(SimpleNamespace(round=rounds.LINEAR, block=8, n=4, reqs=batch.reqs))  # adaptive

@@ -206,13 +206,17 @@ class Strategy:
   """Base decoding strategy; subclasses implement `plan_step` and may override the hooks."""
   name = "base"
   supports_logprobs = True
-  # True: the strategy's plan of a step does not depend on the outcome of the step before it, so the engine may plan
-  # (and dispatch) a step before it has applied the previous one (the fixed strategies)
-  plans_ahead = False
   plans_ar = False  # True: plans AR rounds (block 1) beside `block_sizes` (metrics show their share from the start)
 
   def plan_step(self, view: StepView) -> StepPlan:
     raise NotImplementedError
+
+  def plans_ahead(self, batch: Batch) -> bool:
+    """Whether the step after `batch`'s round runs `batch`'s plan again, decided before `batch`'s outcome is applied
+    (the engine then dispatches it while `batch`'s call runs; it asks only where nothing else could change the
+    step). False: every step is planned after the one before it was applied."""
+    del batch
+    return False
 
   def observe(self, outcome: RoundOutcome) -> None:
     """Called after the engine applied each round this strategy planned."""

@@ -326,18 +326,19 @@ class Engine:
   # it runs), so nothing of k has to reach the host first. A request that stops in call k wastes its row of k+1:
   # that row is never applied (its pages are freed with the request; later users of the pages run after k+1 on the
   # device, which takes every call's cache from the call before it). Only when the plan of k+1 cannot depend on
-  # k's outcome: a `plans_ahead` strategy, nothing waiting or prefilling, the batch the whole decoding set.
+  # k's outcome: nothing waiting or prefilling, the batch the whole decoding set, and the strategy's say
+  # (`Strategy.plans_ahead`, asked last: a strategy may decide the next step there).
   def _chain(self, batch: Batch, handle) -> tuple[Batch, object, float] | None:
     """Dispatches the call after `batch`'s (dispatched as `handle`, not applied yet), if it may run ahead."""
     most, fewest, keys = batch.round.ahead(batch)
-    if not (self.pipeline and self.strategy.plans_ahead and not self.waiting and len(self.running) == batch.n
+    if not (self.pipeline and not self.waiting and len(self.running) == batch.n
             and self.runner.mesh is None  # a device array between calls keeps the single device's placement
             and batch.samp.controls is None  # penalties and min_tokens read the tokens the pending call commits
             and (batch.planned == batch.block).all() and not any(r.finish_reason for r in batch.reqs)):
       return None
     left = self._most_tokens_left(batch.reqs, batch.request_rows) - fewest
-    if left < 1:
-      return None  # every request ends within `batch`'s call
+    if left < 1 or not self.strategy.plans_ahead(batch):
+      return None  # every request ends within `batch`'s call, or the strategy plans the next step itself
     n = self.rc.decode_steps if batch.round.multi_step else 1
     nxt = Batch(batch.round, batch.block, batch.reqs, batch.planned, steps=n if 1 < n <= left else 1)
     t0 = time.perf_counter()

@@ -59,6 +59,8 @@ class RecGuideStrategy(AdaptiveRule, RegimeSwitch, CostModel, Strategy):
     self._draft_costs: dict[tuple[int, int], np.ndarray] = {}  # per (B, rows): `_draft_costs_by_rows`
     self.regime_counts = collections.Counter()
     self.current_regime: Regime | None = None  # the regime of the latest step
+    # (load, regime): the switch's decision for the next step, made in `plans_ahead`, that plan_step takes
+    self._decided_ahead: tuple[int, Regime] | None = None
     self.overlap_outcomes = collections.Counter()  # overlap rounds' branch outcomes ("no_branch", hits, misses)
     self.saved_drafts = 0  # draft forwards a prefetched branch replaced
     # re-measuring a stale runner-up regime (calibrated switch only): how close it must be, how much of the time
@@ -113,7 +115,10 @@ class RecGuideStrategy(AdaptiveRule, RegimeSwitch, CostModel, Strategy):
     self.ragged_steps = view.ragged_steps
     # the requests' values, once per step: the switch and the batch pricing share them
     values = [self._values(r) for r in reqs] if self._switch_on_values else None
-    regime = self.current_regime = self.regime(load, reqs, values)
+    ahead, self._decided_ahead = self._decided_ahead, None
+    # a decision is made once per step: the one `plans_ahead` made for this load stands
+    regime = ahead[1] if ahead is not None and ahead[0] == load else self.regime(load, reqs, values)
+    self.current_regime = regime
     if regime != Regime.OVERLAP and regime in self._plans:  # ar, linear (the fixed B): every row alike
       self.regime_counts[regime] += concurrency
       return StepPlan.uniform(self._plans[regime], concurrency)
@@ -135,6 +140,24 @@ class RecGuideStrategy(AdaptiveRule, RegimeSwitch, CostModel, Strategy):
                     else self._linear_plans.get(blk) or RoundPlan(rounds.LINEAR, blk))
         self.regime_counts[Regime.AR if blk == 1 else Regime.ADAPTIVE] += 1
     return StepPlan(tuple(plans))
+
+  def plans_ahead(self, batch) -> bool:
+    """The switch decides the step after `batch`'s now, one step late (on what was observed before `batch`'s round),
+    and that step runs `batch`'s plan again when the decision is the same AR or fixed-B LinearSS regime. Overlap
+    and adaptive steps are not planned ahead: an overlap round's draft is the branch its predecessor's verification
+    confirms, and an adaptive B comes from the request's latest round."""
+    regime = self.current_regime
+    plan = self._plans.get(regime) if regime in (Regime.AR, Regime.LINEAR) else None
+    if plan is None or batch.round is not plan.round or batch.block != plan.block_size:
+      return False
+    load = batch.n  # the engine asks only when the batch is the whole decoding set and nothing waits
+    values = [self._values(r) for r in batch.reqs] if self._switch_on_values else None
+    decided = self.regime(load, batch.reqs, values)
+    if decided != regime:
+      self._decided_ahead = (load, decided)
+      return False
+    self.regime_counts[regime] += load
+    return True
 
   def plan_branches(self, draft_signals: np.ndarray, blk: int, bounds: dict) -> list:
     """One request's branches from its draft signals [3, B]; `bounds` (generated, committed, max_new, max_len) are
