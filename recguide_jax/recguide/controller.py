@@ -54,8 +54,8 @@ class RecGuideStrategy(AdaptiveRule, RegimeSwitch, CostModel, Strategy):
       # that flatters overlap buys rounds of it at loads where it loses before the running average corrects it
       if tables.overlap_hit_rate is not None:
         self.stats.overlap_hit = tables.overlap_hit_rate
-    # per (B, rows): the binomial weights of k drafting rows times the draft forward's cost at k rows relative to c
-    self._draft_weights: dict[tuple[int, int], np.ndarray] = {}
+    # per (B, rows c): log C(c, k) for k drafting rows, and the draft forward's cost at k rows relative to c's
+    self._draft_weights: dict[tuple[int, int], tuple[np.ndarray, np.ndarray]] = {}
     self._draft_costs: dict[tuple[int, int], np.ndarray] = {}  # per (B, rows): `_draft_costs_by_rows`
     self.regime_counts = collections.Counter()
     self.current_regime: Regime | None = None  # the regime of the latest step

@@ -60,12 +60,14 @@ class CostModel:
     if c <= 1 or share <= 0.0 or share >= 1.0:
       return min(max(share, 0.0), 1.0)
     weights = self._draft_weights.get((blk, c))
-    if weights is None:  # the profile's draft forward per row count (static): once per (B, rows)
+    if weights is None:  # static, once per (B, rows): log C(c, k), and the draft forward at k rows relative to c's
       by_rows = self._draft_costs_by_rows(blk, c)
-      weights = np.array([math.comb(c, k) for k in range(c + 1)], np.float64) * by_rows / by_rows[c]
-      self._draft_weights[(blk, c)] = weights
+      log_comb = np.array([math.lgamma(c + 1) - math.lgamma(k + 1) - math.lgamma(c - k + 1) for k in range(c + 1)])
+      weights = self._draft_weights[(blk, c)] = (log_comb, by_rows / by_rows[c])
+    log_comb, relative = weights
     k = np.arange(c + 1)
-    return float(weights @ (share ** k * (1.0 - share) ** (c - k)))  # P(K = k) = C(c, k) share^k (1 - share)^(c-k)
+    # K ~ Binomial(c, share) in log space: C(c, k) overflows a float past c ~ 1030
+    return float(np.exp(log_comb + k * math.log(share) + (c - k) * math.log1p(-share)) @ relative)
 
   def _draft_costs_by_rows(self, blk: int, rows: int) -> np.ndarray:
     """The profile's draft forward of block `blk` at k = 0..`rows` rows (static: built once per (B, rows)); without
