@@ -209,9 +209,8 @@ class Engine:
       except Exception as e:  # this request only: its pages are freed, the others are admitted as usual
         self.fail_request(req, "admitting it", e)
     prefill.share_prefills(self)
-    # (a request with a seed token has its whole prompt cached: checked first, it spares the allocator lookups)
-    prefilling = [r for r in self.running if r.seed_token is None and not r.finished and r.prefill_source is None
-                  and self.prefilled(r) < len(r.prompt_ids) and self._sampling_ready(r)]
+    prefilling = [r for r in self.running if self._prefilling(r) and r.prefill_source is None
+                  and self._sampling_ready(r)]
     if prefilling:
       batch = prefilling[:self.rc.max_batch]
       # a chunk whose prompt logprobs are wanted runs the SCORE variant; the others keep the plain prefill
@@ -502,10 +501,13 @@ class Engine:
       return 1
     return n if self._most_tokens_left(reqs, self.batch_rows(reqs)) >= n else 1
 
+  def _prefilling(self, r: Request) -> bool:
+    """Whether `r`'s prompt is not fully cached yet. One with a seed token has it all: checked first, it spares the
+    allocator lookups of every decoding request."""
+    return r.seed_token is None and not r.finished and self.prefilled(r) < len(r.prompt_ids)
+
   def _any_prefilling(self) -> bool:
-    """Whether a running request's prompt is not fully cached yet (one with a seed token has it all)."""
-    return any(r.seed_token is None and not r.finished and self.prefilled(r) < len(r.prompt_ids)
-               for r in self.running)
+    return any(map(self._prefilling, self.running))
 
   @staticmethod
   def _most_tokens_left(reqs: Sequence[Request], rows: BatchRows) -> int:
