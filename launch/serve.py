@@ -60,6 +60,10 @@ _PROFILE = flags.DEFINE_string("profile", None, "Hardware profile for the RecGui
 _TABLES = flags.DEFINE_string("recguide_tables", None, "RecGuide's fitted adaptive-B tables JSON (default: "
                               "<checkpoint>/recguide_tables.json, when it "
                               "exists; likewise the profile defaults to <checkpoint>/profile.json).")
+_OVERLAP_MAX_TEMPERATURE = flags.DEFINE_float(
+    "recguide_overlap_max_temperature", 0.0, "Requests of at most this temperature may run RecGuide's overlap rounds "
+    "(0: greedy requests only). Lossless at any temperature, but a sampled request accepts the argmax draft less "
+    "often than LinearSS's sampled one at high temperatures (docs/recguide.md).")
 _ATTENTION = flags.DEFINE_enum("attention", "auto", ["auto", "reference", "pallas"],
                                "Attention implementation: Pallas kernels on GPU/TPU, the jnp reference on CPU.")
 _LAYER_LOOP = flags.DEFINE_enum("layer_loop", "auto", ["auto", "scan", "unrolled"],
@@ -136,6 +140,8 @@ def _check_flags() -> None:
   _check(_BLOCK_SIZE.value >= 2, "block_size", f"must be >= 2, got {_BLOCK_SIZE.value}")
   _check(0 < _THRESHOLD.value <= 1, "threshold", f"must be in (0, 1], got {_THRESHOLD.value}")
   _check(_MAX_NUM_SEQS.value >= 1, "max_num_seqs", f"must be >= 1, got {_MAX_NUM_SEQS.value}")
+  _check(_OVERLAP_MAX_TEMPERATURE.value >= 0, "recguide_overlap_max_temperature",
+         f"must be >= 0, got {_OVERLAP_MAX_TEMPERATURE.value}")
   _check(_NUM_PAGES.value == 0 or _NUM_PAGES.value >= 2, "num_pages",
          f"must be 0 (auto) or >= 2, got {_NUM_PAGES.value}")
   fraction = _GPU_MEMORY_UTILIZATION.value
@@ -216,6 +222,7 @@ def _make_policy(checkpoint: str):
         kwargs["tables"] = adaptive.load_tables(_TABLES.value)
       except (OSError, ValueError) as e:
         _fail(f"--recguide_tables: {e}")
+    kwargs["overlap_max_temperature"] = _OVERLAP_MAX_TEMPERATURE.value
   elif _PROFILE.value is not None:
     logging.info("--profile %s is stored; the %s policy does not use a hardware profile", _PROFILE.value, name)
   try:

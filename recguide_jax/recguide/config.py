@@ -14,7 +14,7 @@ from recguide_jax.recguide import overlap as ov, signals
 
 class Regime(enum.StrEnum):
   """What the switch decides per step (str-valued: metrics label them so)."""
-  OVERLAP = "overlap"  # verification-overlapped drafting (greedy requests)
+  OVERLAP = "overlap"  # verification-overlapped drafting (requests up to `overlap_max_temperature`)
   ADAPTIVE = "adaptive"  # LinearSS with B chosen per request
   LINEAR = "linear"  # LinearSS at the fixed block size (ablations)
   AR = "ar"
@@ -57,6 +57,10 @@ class RecGuideConfig:
   # paper's per-request rule alone (the Table 6 ablation rows)
   batch_priced: bool = True
   tie_margin: float = TIE_MARGIN  # a plan replaces a cheaper one only when priced this much (relative) above it
+  # requests of at most this temperature run overlap rounds (0: greedy only). Lossless at any temperature; sampled
+  # rows accept a point-mass draft with probability p(draft) instead of LinearSS's sum(min(p, q)), a loss at high
+  # temperatures (docs/recguide.md, "Sampling")
+  overlap_max_temperature: float = 0.0
 
   def __post_init__(self):
     tables, set_ = self.tables, lambda name, value: object.__setattr__(self, name, value)
@@ -85,5 +89,7 @@ class RecGuideConfig:
     if self.fixed_regime and self.fixed_regime not in tuple(Regime):
       raise ValueError(f"fixed_regime must be one of {[r.value for r in Regime]}, got {self.fixed_regime!r}")
     set_("fixed_regime", Regime(self.fixed_regime) if self.fixed_regime else None)
+    if not self.overlap_max_temperature >= 0.0:
+      raise ValueError(f"overlap_max_temperature must be >= 0, got {self.overlap_max_temperature}")
     if not 0.0 <= self.tie_margin < 1.0:
       raise ValueError(f"tie_margin must lie in [0, 1), got {self.tie_margin}")

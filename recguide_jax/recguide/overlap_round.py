@@ -1,8 +1,13 @@
-"""RecGuide's overlap round (docs/spec/recguide.md §4): verification-overlapped drafting for greedy requests. A draft
-forward runs only for requests without a prefetched block; then one fused forward verifies every request's block
-and drafts the branches its planner chose, laid out as a tree (`overlap.tree_layout`). A branch that verification
-confirms (`overlap.select_reuse`) becomes the request's next draft (`RecGuideStrategy.observe` stores it), which
-saves that round's draft forward."""
+"""RecGuide's overlap round (docs/spec/recguide.md §4): verification-overlapped drafting. A draft forward runs only
+for requests without a prefetched block; then one fused forward verifies every request's block and drafts the
+branches its planner chose, laid out as a tree (`overlap.tree_layout`). A branch that verification confirms
+(`overlap.select_reuse`) becomes the request's next draft (`RecGuideStrategy.observe` stores it), which saves that
+round's draft forward.
+
+Every draft here is a point mass (the argmax, as the branches are) and the fused forward accepts by the reference
+rule (a verifier sample equal to the draft), which is lossless for any draft chosen before the round's noise: so
+a sampled request keeps the AR distribution, and a branch hits when the sampled correction or bonus token equals
+its first token."""
 
 from __future__ import annotations
 
@@ -56,7 +61,8 @@ class OverlapRound(Round):
     need = [i for i, p in enumerate(prefs) if p is None]
     forwards = []
     if need:
-      sub = batch.sub(need, key_offset=1)
+      sub = batch.sub(need)
+      sub.samp.temperature[:] = 0.0  # the argmax draft: under the reference rule a sampled draft accepts less
       tok, _, sig = runner.draft(sub.seed, sub.prefix_len, sub.page_table, blk, sub.samp)
       tok, sig = jax.device_get((tok, sig))  # one device->host transfer
       forwards.append((StepKind.DRAFT, blk, len(need)))
@@ -103,5 +109,4 @@ class OverlapRound(Round):
     label = OverlapKind.OVERLAP_DRAFT if need else OverlapKind.OVERLAP
     return verified_output(label, res, batch, accepted, forwards,
                            {StepKind.DRAFT: drafted, StepKind.VERIFY: np.ones((n,), np.int64)},
-                           key_rounds=2 if need else 1,
                            extra=OverlapResult(outcomes, prefetch, traces, n - len(need)))

@@ -209,14 +209,14 @@ class RegimeSwitch:
     return self.batch_priced and self.tables is not None and not self.calibrate and self.adaptive
 
   def _overlaps(self, req) -> bool:
-    """Whether `req` runs an overlap round when the regime is overlap: greedy requests only (the reuse rules compare
-    argmaxes), and, where the switch decides, not one this round is expected to finish (no next round for a
-    prefetched branch to save a draft in)."""
+    """Whether `req` runs an overlap round when the regime is overlap: a temperature of at most
+    `overlap_max_temperature` (greedy only by default), and, where the switch decides, not one this round is expected
+    to finish (no next round for a prefetched branch to save a draft in)."""
     return self._overlap_remaining(req) is not None
 
   def _overlap_remaining(self, req) -> int | None:
     """`req`'s remaining budget (`_remaining`) if it `_overlaps`, else None."""
-    if req.params.temperature > 0:
+    if req.params.temperature > self.overlap_max_temperature:
       return None
     remaining = self._remaining(req)
     return remaining if self.fixed_regime or remaining > self.stats.accepted[self.block_size] else None
