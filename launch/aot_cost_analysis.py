@@ -26,7 +26,8 @@ _LAYERS = flags.DEFINE_list("layers", ["2", "4", "8"], "Layer counts to compile.
 _LOOP = flags.DEFINE_enum("layer_loop", "scan", ["scan", "unrolled"], "How the layers run.")
 _VARIANTS = flags.DEFINE_list("variants", ["decode/1/4", "verify/16/4"], "kind/block/batch of each variant.")
 _NUM_PAGES = flags.DEFINE_integer("num_pages", 64, "KV pages.")
-_OUTPUT = flags.DEFINE_string("output", os.path.join(ROOT, "runs", "aot", "cost_analysis.json"), "JSON written.")
+_OUTPUT_DIR = flags.DEFINE_string("output_dir", os.path.join(ROOT, "runs", "aot"),
+                                  "Where cost_analysis.json goes (aot_compile.py's folder).")
 
 
 def main(argv):
@@ -52,8 +53,8 @@ def main(argv):
                if k in cost}
         out[f"{name}@L{layers}"] = row
         print(f"{_LOOP.value} L={layers} {name}: {row}", flush=True)
-  os.makedirs(os.path.dirname(_OUTPUT.value) or ".", exist_ok=True)
-  with open(_OUTPUT.value, "w") as f:
+  os.makedirs(_OUTPUT_DIR.value, exist_ok=True)
+  with open(os.path.join(_OUTPUT_DIR.value, "cost_analysis.json"), "w") as f:
     json.dump(out, f, indent=1)
 
 

@@ -30,7 +30,7 @@ from recguide_jax.benchmarks import cli  # noqa: E402
 
 FLAGS = flags.FLAGS
 flags.DEFINE_list("block_sizes", ["8", "16", "32"], "Query tokens per request (the draft/verify block size).")
-flags.DEFINE_list("batch", ["1", "8", "32", "128"], "Requests per call.")
+flags.DEFINE_list("concurrency", ["1", "8", "32", "128"], "Requests per call (C, the batch decoded together).")
 flags.DEFINE_list("prefix", ["512", "2048", "8192"], "Committed prefix length of every request.")
 flags.DEFINE_list("masks", ["causal", "full"], "Intra-block masks: causal (verify), full (draft), tree (random).")
 flags.DEFINE_list("impls", ["pallas", "reference"], "Implementations to time.")
@@ -111,7 +111,7 @@ def main(argv):
     blocks, batches, prefixes = [8], [1, 2], [0, 300]  # 300 keys: 3 prefix steps, so --num_splits 2 splits
     hq, hkv, d, ps, repeats = 4, 2, 16, 8, 2
   else:
-    blocks, batches, prefixes = _ints("block_sizes"), _ints("batch"), _ints("prefix")
+    blocks, batches, prefixes = _ints("block_sizes"), _ints("concurrency"), _ints("prefix")
     hq, hkv, d, ps, repeats = FLAGS.q_heads, FLAGS.kv_heads, FLAGS.head_dim, FLAGS.page_size, FLAGS.repeats
   if hq % hkv or min(hq, hkv, d, ps, repeats) <= 0:
     sys.exit("error: --q_heads must be a multiple of --kv_heads and all sizes positive")

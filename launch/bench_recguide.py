@@ -49,7 +49,8 @@ from absl import flags  # noqa: E402
 from recguide_jax.benchmarks import cli  # noqa: E402
 from recguide_jax.parallel import multihost as distributed  # noqa: E402
 
-distributed.define_mesh_flags()  # --tp/--dp/--mesh (one host; on simulated CPU devices set XLA_FLAGS first)
+# --tensor_parallel_size/--data_parallel_size/--mesh (one host; on simulated CPU devices set XLA_FLAGS first)
+distributed.define_mesh_flags()
 
 FLAGS = flags.FLAGS
 cli.define_model_and_data_flags("test", num_prompts=32, max_tokens=128)

@@ -2,12 +2,12 @@
 (ours or any other), streamed requests timed on the client, optionally swept over load levels.
 
   # against a running server (vLLM's flags, dashed or underscored)
-  python launch/bench_serving.py --base-url http://127.0.0.1:8000 --dataset-name random --random-input-len 256 \
+  python launch/bench_serving.py --base-url http://127.0.0.1:8000 --dataset-name random --random-input-len 256 \\
       --random-output-len 128 --num-prompts 64 --max-concurrency 8 --goodput ttft:500,tpot:50
   # a server on another machine: say so
   python launch/bench_serving.py --base-url http://gpu-box:8000 --allow-remote --num-prompts 24
   # start launch/serve.py itself (bundled model, a free loopback port), once per policy, sweep the load
-  python launch/bench_serving.py --launch --policy linear,recguide --sweep 1,2,4,8 --num_prompts 24 \
+  python launch/bench_serving.py --launch --policy linear,recguide --sweep 1,2,4,8 --num_prompts 24 \\
       --max_tokens 128 --output_dir docs
 
 Load: without --sweep, one level like vLLM's: --request_rate req/s (`inf`, the default, sends everything at once;

@@ -1,7 +1,7 @@
 """Converts a Hugging Face NLD checkpoint (and optionally its draft LoRA), or a llama.cpp GGUF of a Llama model,
 into our checkpoint format.
 
-  python launch/convert_checkpoint.py --hf_dir=/ckpt/Nemotron-Labs-Diffusion-8B --output_dir=/ckpt/nld-8b \
+  python launch/convert_checkpoint.py --hf_dir=/ckpt/Nemotron-Labs-Diffusion-8B --output_dir=/ckpt/nld-8b \\
       --lora_dir=/ckpt/Nemotron-Labs-Diffusion-8B/linear_spec_lora
   python launch/convert_checkpoint.py --gguf=SmolLM2-135M-Instruct.Q4_1.gguf --output_dir=/ckpt/smollm2 --dtype=float32
 

@@ -230,5 +230,6 @@ if __name__ == "__main__":
   sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repository
   from recguide_jax.parallel import multihost as distributed
   from recguide_jax.benchmarks import cli
-  distributed.define_mesh_flags()  # --tp/--dp/--mesh: the end-to-end checks run on that mesh
+  # --tensor_parallel_size/--data_parallel_size/--mesh: the end-to-end checks run on that mesh
+  distributed.define_mesh_flags()
   cli.run(lambda argv: sys.exit(main(argv)))  # absl's app.run; --help / -h exit 0

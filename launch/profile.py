@@ -65,7 +65,7 @@ def _define_flags():
   flags.DEFINE_bool("fused", True, "Time the fused verify+branches step when the runner has one.")
   flags.DEFINE_integer("seed", 0, "Seed of the random tokens (and of the tiny model).")
   from recguide_jax.parallel import multihost as distributed
-  distributed.define_mesh_flags()  # --tp/--mesh: times one group's steps on its tp devices
+  distributed.define_mesh_flags()  # --tensor_parallel_size/--mesh: times one group's steps on its tp devices
 
 
 def _tiny_model(seed: int, dtype: str = "float32"):

@@ -108,7 +108,8 @@ _STRICT_REQUEST_FIELDS = flags.DEFINE_boolean("strict_request_fields", False, "A
                                               "400 (default: ignore them with a logged warning, as vLLM does).")
 from recguide_jax.parallel import multihost as distributed  # noqa: E402
 
-distributed.define_mesh_flags()  # --tp/--dp/--mesh and the multi-host flags (docs: README "Scale-out")
+# --tensor_parallel_size/--data_parallel_size/--mesh and the multi-host flags (docs: README "Scale-out")
+distributed.define_mesh_flags()
 _VERBOSE = flags.DEFINE_boolean("verbose", False, "Log the libraries' INFO lines too (jax, orbax, absl: checkpoint "
                                 "reads, compilation); by default they are kept at WARNING.")
 _LOG_STATS_INTERVAL = flags.DEFINE_float("log_stats_interval", 10.0, "Seconds between the engine stats lines "

@@ -108,7 +108,7 @@ def quoted_commands() -> list[tuple[str, str, list[str]]]:
              *sorted((ROOT / "launch").glob("*.py"))]
   found = []
   for path in sources:
-    text = path.read_text().replace("\\\n", " ")
+    text = path.read_text().replace("\\\\\n", " ").replace("\\\n", " ")  # a docstring's `\\` or a shell's `\`
     # docs: `python launch/x.py ...`, or `launch/x.py --flag ...` inside a sentence; scripts: docstring example lines
     pattern = (r"^[ \t]+(python )launch/(\w+)\.py([^\n]*)" if path.suffix == ".py" else
                r"(python )?launch/(\w+)\.py([^\n`]*)")
@@ -152,7 +152,11 @@ SPELLINGS = [
 RETIRED = [("serve", "--max_batch=4"), ("serve", "--kv_cache_memory_fraction=0.5"), ("serve", "--checkpoint=x"),
            ("serve", "--tp=2"), ("serve", "--policy_tables=x"), ("benchmark", "--batch_sizes=1"),
            ("benchmark", "--out_json=x"), ("benchmark", "--checkpoint=x"), ("train", "--out_dir=x"),
-           ("fuzz_server", "--url=x"), ("compile_bench", "--max_batch=2")]
+           ("fuzz_server", "--url=x"), ("compile_bench", "--max_batch=2"), ("bench_kernels", "--batch=1"),
+           ("aot_cost_analysis", "--output=x")]
+# one name per concept: no script or module flag under another name for output, batch, server URL or model
+RETIRED_NAMES = {"out", "out_dir", "output", "out_json", "out_md", "max_batch", "batch", "url", "checkpoint", "tp",
+                 "dp", "kv_cache_memory_fraction"}
 # scripts that write reports (default runs/<script>), build a model (--model, --dtype) or read one GSM8K split
 REPORTS = ["bench_context", "bench_kernels", "bench_peer", "bench_recguide", "benchmark", "compile_bench",
            "device_check", "eval_model", "fit_delta", "profile"]
@@ -190,6 +194,14 @@ def test_dashed_names_one_name_per_concept_and_defaults_follow_the_vocabulary():
       assert r["defaults"]["gsm8k_dir"] == GSM8K_ENV_DIR
       err = r["data_error"]
       assert f"{GSM8K_ENV_DIR}/{DATA[s]}.jsonl not found" in err and "--data" in err and "RECGUIDE_GSM8K_DIR" in err
+
+
+def test_no_flag_defined_under_a_retired_name():
+  sources = [*(ROOT / "launch").glob("*.py"), *(ROOT / "recguide_jax").rglob("*.py")]
+  defined = {(p.relative_to(ROOT).as_posix(), m.group(1)) for p in sources
+             for m in re.finditer(r"DEFINE_\w+\(\s*[\"'](\w+)[\"']", p.read_text())}
+  assert len(defined) > 100
+  assert not {(f, n) for f, n in defined if n in RETIRED_NAMES}
 
 
 @pytest.mark.parametrize("script", ["benchmark", "fit_delta"])

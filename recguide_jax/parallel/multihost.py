@@ -69,8 +69,8 @@ def _flag(name):
 
 
 def mesh_shape_from_flags():
-  """--mesh, or --dp/--tp, as a sharding.MeshShape; None when none is given (one device, no mesh). Contradicting
-  flags are refused."""
+  """--mesh, or --data_parallel_size/--tensor_parallel_size, as a sharding.MeshShape; None when none is given
+  (one device, no mesh). Contradicting flags are refused."""
   from recguide_jax.parallel import sharding
   spec, tp, dp = _flag("mesh"), _flag("tensor_parallel_size"), _flag("data_parallel_size")
   if spec:
@@ -165,8 +165,8 @@ class Leader:
 
   def __init__(self, runner, client=None):
     if hasattr(runner, "runners"):  # data_parallel.ReplicaRunners: each group's engine calls its own runner
-      raise ValueError("a multi-host run serves one group spanning the hosts (--dp 1); for data parallelism over "
-                       "hosts run one server per group behind a load balancer")
+      raise ValueError("a multi-host run serves one group spanning the hosts (--data_parallel_size 1); for data "
+                       "parallelism over hosts run one server per group behind a load balancer")
     self.runner = runner
     self.client = client or _client()
     self.step = 0

@@ -50,7 +50,7 @@ def generate_targets(llm, prompts: list[list[int]], out_path: str | pathlib.Path
   out_path = pathlib.Path(out_path)
   done = [json.loads(l) for l in out_path.read_text().splitlines() if l.strip()] if out_path.exists() else []
   if len(done) > len(prompts) or any(d["prompt"] != list(p) for d, p in zip(done, prompts)):
-    raise ValueError(f"{out_path} holds targets for other prompts; delete it or pick another --out_dir")
+    raise ValueError(f"{out_path} holds targets for other prompts; delete it or pick another --output_dir")
   if len(done) == len(prompts):
     return done  # nothing to generate: `llm` may be None
   llm.set_policy(ARStrategy())
