@@ -64,7 +64,7 @@ def main(argv):
   from recguide_jax.recguide import adaptive, overlap as ov, profile as prof_lib
   from recguide_jax.recguide.fit import overlap_fit
   from recguide_jax.recguide.controller import RecGuideStrategy
-  from recguide_jax.runtime.runner import fused_kind
+  from recguide_jax.runtime.step_key import fused_kind
   if not FLAGS.planners or any(p not in ov.PLANNERS for p in FLAGS.planners):
     sys.exit(f"error: --planners must name some of {list(ov.PLANNERS)}, got {FLAGS.planners}")
   try:

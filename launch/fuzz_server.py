@@ -398,7 +398,7 @@ async def fuzz(base: str, *, vocab_size: int, count: int, seed: int, concurrency
     card = (await client.get("/v1/models")).json()["data"][0]
     model, max_model_len = card["id"], int(card["max_model_len"])
     if max_body_bytes is None:
-      from recguide_jax.server.protocol import DEFAULT_MAX_BODY_BYTES
+      from recguide_jax.server.body import DEFAULT_MAX_BODY_BYTES
       max_body_bytes = DEFAULT_MAX_BODY_BYTES
     log(f"target {base}: model {model}, max_model_len {max_model_len}, vocab {vocab_size}")
     reference = await valid_stream(client, valid_max_tokens, request_timeout_s)

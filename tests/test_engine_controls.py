@@ -15,7 +15,7 @@ from recguide_jax.engine.requests import RequestError
 from recguide_jax.runtime.step_key import StepKind
 from recguide_jax.recguide.controller import RecGuideStrategy
 from tests.test_engine import varied_prompts
-from tests.test_recguide_policy import flat_profile
+from tests.test_recguide_controller import flat_profile
 
 CONTROLS = dict(repetition_penalty=1.4, presence_penalty=0.6, frequency_penalty=0.4, logit_bias={17: 1.5, 40: -2.0},
                 min_tokens=6)

@@ -10,7 +10,7 @@ import pytest
 from recguide_jax import SamplingParams
 from recguide_jax.decoding.builtin import ARStrategy, DiffusionStrategy, LinearStrategy
 from recguide_jax.recguide.controller import RecGuideStrategy
-from tests.test_recguide_policy import flat_profile
+from tests.test_recguide_controller import flat_profile
 
 RNG = np.random.default_rng(5)
 SYSTEM = [int(t) for t in RNG.integers(4, 128, 37)]  # a shared "system prompt" of four full pages and a bit

@@ -7,8 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pallas_kernels.common import causal_mask, full_mask
-from recguide_jax.attention import reference as attention
+from pallas_kernels.common import block_attention_ref, causal_mask, full_mask
 
 from recguide_jax.attention import paged as live_attention
 
@@ -36,7 +35,7 @@ def test_matches_the_full_gather_reference(mask, chunk_tokens, tail_chunk_tokens
   q, kb, vb, kp, vp, table = _case(0)
   for prefix_len in ([0, 13, 36], [9, 25, 17], [36, 36, 36]):  # nothing, mid-page, the whole table; tails; all
     kw = dict(k_pages=kp, v_pages=vp, page_table=table, prefix_len=np.array(prefix_len, np.int32), scale=0.3)
-    want = attention.block_attention_ref(q, kb, vb, MASKS[mask], **kw)
+    want = block_attention_ref(q, kb, vb, MASKS[mask], **kw)
     got = live_attention.block_attention(q, kb, vb, MASKS[mask], chunk_tokens=chunk_tokens,
                                          tail_chunk_tokens=tail_chunk_tokens, **kw)
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
@@ -56,14 +55,14 @@ def test_stacked_layers_under_jit_with_a_traced_layer():
       q, kb, vb, MASKS["causal"], k_pages=kp, v_pages=vp, page_table=table, prefix_len=prefix_len, scale=0.3,
       layer=layer, chunk_tokens=8))
   for layer in range(3):
-    want = attention.block_attention_ref(q, kb, vb, MASKS["causal"], k_pages=kp, v_pages=vp, page_table=table,
+    want = block_attention_ref(q, kb, vb, MASKS["causal"], k_pages=kp, v_pages=vp, page_table=table,
                                          prefix_len=prefix_len, scale=0.3, layer=layer)
     np.testing.assert_allclose(fn(jnp.int32(layer)), want, rtol=1e-5, atol=1e-5)
 
 
 def test_no_prefix_is_block_attention_only():
   q, kb, vb, *_ = _case(2)
-  want = attention.block_attention_ref(q, kb, vb, MASKS["full"], scale=0.5)
+  want = block_attention_ref(q, kb, vb, MASKS["full"], scale=0.5)
   np.testing.assert_allclose(live_attention.block_attention(q, kb, vb, MASKS["full"], scale=0.5), want,
                              rtol=1e-5, atol=1e-5)
 
@@ -96,6 +95,6 @@ def test_tail_chunks_read_less_than_one_tail_past_the_longest_prefix():
   pages 6 and 7)."""
   got, (q, kb, vb, kp, vp, table), prefix_len = _read_only_first_pages(4, [21, 4, 17], first=6, chunk_tokens=16,
                                                                        tail_chunk_tokens=4)
-  want = attention.block_attention_ref(q, kb, vb, MASKS["causal"], k_pages=kp, v_pages=vp, page_table=table,
+  want = block_attention_ref(q, kb, vb, MASKS["causal"], k_pages=kp, v_pages=vp, page_table=table,
                                        prefix_len=prefix_len, scale=0.3)
   np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)

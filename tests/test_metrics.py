@@ -164,7 +164,7 @@ def test_kv_cache_usage_is_a_fraction(served):
 
 def test_stats_line(served, caplog):
   """The periodic line: vLLM's fields, with the interval's throughput and acceptance; nothing when idle."""
-  from recguide_jax.server.metrics import StatsLogger
+  from recguide_jax.server.stats_log import StatsLogger
   server, app, thread = served
   stats = StatsLogger(thread, interval_s=0)  # driven by hand here; interval 0: no thread
   assert stats.start()._thread is None
@@ -195,7 +195,7 @@ def test_stats_line(served, caplog):
 
 
 def test_stats_thread_logs_while_active(served, caplog):
-  from recguide_jax.server.metrics import StatsLogger
+  from recguide_jax.server.stats_log import StatsLogger
   server, app, thread = served
   stats = StatsLogger(thread, interval_s=0.05)
   with caplog.at_level(logging.INFO, logger="recguide_jax.server"):

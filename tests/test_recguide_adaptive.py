@@ -17,6 +17,7 @@ from recguide_jax.recguide import profile as pf
 from recguide_jax.recguide.fit import rho_search as rs
 from recguide_jax.recguide.fit import traces as tr
 from recguide_jax.recguide.fit import value_fit as vf
+from recguide_jax.recguide import signals as sig
 from recguide_jax.recguide import value_model as vm
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -46,7 +47,7 @@ def synthetic_rows(n_datasets=3, n_requests=40, n_rounds=20, seed=0):
         q = _q(s)
         cap = int(rng.geometric(1 - q))  # P(cap >= k) = q^(k-1)
         a = {b: min(cap, b) for b in (8, 16, 32)}
-        z = None if prev is None else vm.stratum_name(prev[0], prev[1])
+        z = None if prev is None else sig.stratum_name(prev[0], prev[1])
         rows.append({"dataset": f"ds{d}", "request_id": f"r{r}", "round": t, "s": None if t == 0 else s, "z": z,
                      "A": {str(b): v for b, v in a.items()}})
         b_used = (8, 16, 32)[int(rng.integers(3))]
@@ -133,31 +134,31 @@ def test_profile_validation_and_round_trip(tmp_path):
 # ---- signals ---------------------------------------------------------------------------------------------------------
 def test_round_entropy_valid_positions():
   ent = np.arange(1.0, 9.0)  # B = 8, position i has entropy i+1
-  assert vm.round_entropy(ent, 3, 8) == pytest.approx(2.0)  # m = 2: m+1 = 3 positions
-  assert vm.round_entropy(ent, 1, 8) == pytest.approx(1.0)  # rejected at once: the first decision only
-  assert vm.round_entropy(ent, 8, 8) == pytest.approx(4.0)  # full: B-1 positions, the bonus excluded
-  assert vm.round_entropy(ent, 3, 8, eos=True) == pytest.approx(1.5)  # EOS: accept_len-1
-  assert vm.round_entropy(ent, 1, 8, eos=True) is None
-  assert vm.round_entropy(ent, 8, 8, head_cap=2) == pytest.approx(1.5)
-  assert vm.round_entropy(ent, 5, 8, head_cap=7) == pytest.approx(3.0)
-  assert vm.round_entropy([0.3], 1, 1) is None  # an AR step has no speculative decision
+  assert sig.round_entropy(ent, 3, 8) == pytest.approx(2.0)  # m = 2: m+1 = 3 positions
+  assert sig.round_entropy(ent, 1, 8) == pytest.approx(1.0)  # rejected at once: the first decision only
+  assert sig.round_entropy(ent, 8, 8) == pytest.approx(4.0)  # full: B-1 positions, the bonus excluded
+  assert sig.round_entropy(ent, 3, 8, eos=True) == pytest.approx(1.5)  # EOS: accept_len-1
+  assert sig.round_entropy(ent, 1, 8, eos=True) is None
+  assert sig.round_entropy(ent, 8, 8, head_cap=2) == pytest.approx(1.5)
+  assert sig.round_entropy(ent, 5, 8, head_cap=7) == pytest.approx(3.0)
+  assert sig.round_entropy([0.3], 1, 1) is None  # an AR step has no speculative decision
   with pytest.raises(ValueError, match="accepted"):
-    vm.round_entropy(ent, 9, 8)
+    sig.round_entropy(ent, 9, 8)
 
 
 def test_signal_and_stratum():
-  R = vm.RoundRecord
-  assert vm.signal_s([]) is None and vm.stratum([]) is None
-  assert vm.signal_s([R(8, 3, 1.0)]) == -1.0
-  assert vm.signal_s([R(8, 3, 1.0), R(16, 16, 2.0), R(32, 5, 3.0)]) == -2.5
-  assert vm.signal_s([R(8, 3, 1.0), R(16, 2, None)]) == -1.0
-  assert vm.signal_s([R(8, 3, None)]) is None
-  assert vm.stratum([R(16, 16, 0.1)]) == "b16_full" and vm.stratum([R(32, 31, 0.1)]) == "b32_partial"
-  assert vm.stratum([R(1, 1, None)]) is None
+  R = sig.RoundRecord
+  assert sig.signal_s([]) is None and sig.stratum([]) is None
+  assert sig.signal_s([R(8, 3, 1.0)]) == -1.0
+  assert sig.signal_s([R(8, 3, 1.0), R(16, 16, 2.0), R(32, 5, 3.0)]) == -2.5
+  assert sig.signal_s([R(8, 3, 1.0), R(16, 2, None)]) == -1.0
+  assert sig.signal_s([R(8, 3, None)]) is None
+  assert sig.stratum([R(16, 16, 0.1)]) == "b16_full" and sig.stratum([R(32, 31, 0.1)]) == "b32_partial"
+  assert sig.stratum([R(1, 1, None)]) is None
   hist = [{"B": 8, "accepted": 8, "full": True, "e": 0.5}, {"B": 32, "accept_len": 4, "e": 1.5}]
-  assert vm.signal_s(hist) == -1.0 and vm.stratum(hist) == "b32_partial"
-  assert vm.STRATA == ("b8_partial", "b8_full", "b16_partial", "b16_full", "b32_partial", "b32_full")
-  rec = vm.make_record(np.ones(16), 16, 16)
+  assert sig.signal_s(hist) == -1.0 and sig.stratum(hist) == "b32_partial"
+  assert sig.STRATA == ("b8_partial", "b8_full", "b16_partial", "b16_full", "b32_partial", "b32_full")
+  rec = sig.make_record(np.ones(16), 16, 16)
   assert rec.full and rec.entropy == 1.0
 
 
@@ -279,7 +280,7 @@ def test_value_model_json_round_trip(model, tmp_path):
   model.save(tmp_path / "vm.json")
   back = vm.ValueModel.load(tmp_path / "vm.json")
   assert back.to_json() == model.to_json() and back.to_json()["schema"] == "recguide-value-model/1"
-  for z in (None,) + vm.STRATA:
+  for z in (None,) + sig.STRATA:
     for s in (None, -2.9, -1.5, -0.2, 5.0):
       assert back.values(s, z) == model.values(s, z)
   raw = model.to_json()
@@ -374,9 +375,9 @@ def test_recguide_tables_round_trip_and_runtime(model, tmp_path):
   assert back.level(3).concurrency == 2 and back.level(6).concurrency == 16 and back.rho_for(1000) == 0.5
   assert back.costs_for(16) == prof.costs(16)
   assert back.next_block(16, []) == 16 and back.next_block(128, []) == 8
-  hist = [vm.RoundRecord(16, 16, 0.2), vm.RoundRecord(32, 7, 1.1)]
-  expect = ad.decide(model, 0.2, prof.costs(16), vm.signal_s(hist), "b32_partial")
-  assert back.next_block(16, hist) == expect == back.decide(16, vm.signal_s(hist), "b32_partial")
+  hist = [sig.RoundRecord(16, 16, 0.2), sig.RoundRecord(32, 7, 1.1)]
+  expect = ad.decide(model, 0.2, prof.costs(16), sig.signal_s(hist), "b32_partial")
+  assert back.next_block(16, hist) == expect == back.decide(16, sig.signal_s(hist), "b32_partial")
   raw = tables.to_json()
   raw["levels"][1]["rho"] = -1
   with pytest.raises(ad.TablesError, match="rho"):

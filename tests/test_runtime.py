@@ -8,7 +8,8 @@ import pickle
 import numpy as np
 import pytest
 
-from recguide_jax.runtime.runner import Runner, RunnerConfig, fused_kind, fused_slots
+from recguide_jax.runtime.runner import Runner, RunnerConfig
+from recguide_jax.runtime.step_key import fused_kind, fused_slots
 from recguide_jax.runtime.steps import SamplingArrays
 from recguide_jax.engine.requests import MAX_TOP_LOGPROBS
 from recguide_jax.runtime.step_key import StepKey, StepKind

@@ -18,8 +18,7 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 from conftest import COMPILE_FLAGS
-from pallas_kernels.common import causal_mask
-from recguide_jax.attention import reference as attention
+from pallas_kernels.common import block_attention_ref, causal_mask
 from recguide_jax.attention import dispatch as attention_dispatch
 from recguide_jax.model import checkpoint
 from recguide_jax.parallel import data_parallel
@@ -113,8 +112,8 @@ def test_kv_heads_replicated_in_groups_when_tp_exceeds_them():
   qs, ks, vs = (jnp.asarray(rng.normal(size=(b, q, h, d)), jnp.float32) for h in (hq, hkv, hkv))
   mask = causal_mask(q)
   expand = lambda x: sharding.replicate_kv_heads(x.reshape(b, q, hkv * d), hkv, d, r).reshape(b, q, hkv * r, d)
-  one = attention.block_attention_ref(qs, ks, vs, mask, scale=d ** -0.5)
-  rep = attention.block_attention_ref(qs, expand(ks), expand(vs), mask, scale=d ** -0.5)
+  one = block_attention_ref(qs, ks, vs, mask, scale=d ** -0.5)
+  rep = block_attention_ref(qs, expand(ks), expand(vs), mask, scale=d ** -0.5)
   np.testing.assert_allclose(np.asarray(rep), np.asarray(one), rtol=1e-6, atol=1e-6)
 
 

@@ -6,7 +6,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from recguide_jax.attention.reference import block_attention_ref, sbd_training_attention
+from pallas_kernels.common import block_attention_ref
+from recguide_jax.attention.reference import sbd_training_attention
 from recguide_jax.model.nld import ForwardInputs
 from recguide_jax.train import data as data_lib
 from recguide_jax.train import objective

@@ -4,7 +4,7 @@ Each request r brings Q query tokens. Every query sees the committed prefix [0, 
 through the page table) and the block's own keys through an intra-block boolean mask [Q, Q]: causal (verify,
 prefill, AR), full (diffusion draft) or any tree layout (RecGuide's fused verify + branches). The pure-jnp
 reference, `block_attention_ref`, and the masks (`causal_mask`, `full_mask`) live beside the Pallas kernels they
-serve (`pallas_kernels.common`); the reference is re-exported here, and this module adds the training attention.
+serve (`pallas_kernels.common`); this module adds the training attention.
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels.common import NEG_INF, block_attention_ref  # noqa: F401  (the model's reference path)
+from pallas_kernels.common import NEG_INF
 
 
 def sbd_training_attention(q: jax.Array, k: jax.Array, v: jax.Array, block_size: int, scale: float) -> jax.Array:

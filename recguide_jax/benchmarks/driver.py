@@ -170,7 +170,7 @@ def loop_share(outputs: list[list[int]], min_period: int = 1, max_period: int = 
 def priced_ms(forward_log, profile) -> float:
   """Decode-only profiled time of a run from the engine's forward ledger (`Engine.forward_log`): every forward
   charged by `profile` at its own batch size and kind (prefill excluded)."""
-  from recguide_jax.runtime.runner import fused_slots
+  from recguide_jax.runtime.step_key import fused_slots
   total = 0.0
   for kind, blk, rows in forward_log:
     if kind == "draft":

@@ -37,6 +37,7 @@ import types
 from typing import Any, Mapping, Sequence
 
 
+from recguide_jax.recguide import signals as sig
 from recguide_jax.recguide import value_model as vm
 from recguide_jax.recguide.overlap import MAX_SLOTS, PLANNERS
 
@@ -209,13 +210,13 @@ class RecGuideTables:
     lv = self.level(c)
     return decide(self.value_model, lv.rho, lv.costs_ms, s, z)
 
-  def next_block(self, c: float, history: Sequence[vm.RoundRecord | Mapping]) -> int:
+  def next_block(self, c: float, history: Sequence[sig.RoundRecord | Mapping]) -> int:
     """The block for a request's next round at load C: the cold-start block without history, else the rule."""
     lv = self.level(c)
     if not history:
       return lv.cold_start_block
-    s = vm.signal_s(history, self.value_model.window)
-    return decide(self.value_model, lv.rho, lv.costs_ms, s, vm.stratum(history))
+    s = sig.signal_s(history, self.value_model.window)
+    return decide(self.value_model, lv.rho, lv.costs_ms, s, sig.stratum(history))
 
   # ---- JSON --------------------------------------------------------------------------------------------------------
   def _payload(self) -> dict:

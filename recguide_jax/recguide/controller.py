@@ -87,7 +87,7 @@ class RecGuideStrategy(AdaptiveRule, RegimeSwitch, CostModel, Strategy):
     return BLOCK_SIZES
 
   def step_kinds(self):
-    from recguide_jax.runtime.runner import fused_kind
+    from recguide_jax.runtime.step_key import fused_kind
     return ("prefill", "draft", "verify", fused_kind(self.overlap_slots), "gverify")
 
   _eos: frozenset = frozenset()  # the engine's EOS ids, refreshed by each step's plan

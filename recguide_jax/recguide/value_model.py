@@ -17,9 +17,7 @@ from typing import Any, Mapping
 import numpy as np
 
 from recguide_jax.model.config import BLOCK_SIZES
-# the signals under their earlier import path (`value_model.round_entropy`, ...)
-from recguide_jax.recguide.signals import (STRATA, RoundRecord, as_record, make_record, round_entropy,  # noqa: F401
-                                           signal_s, stratum, stratum_name)
+from recguide_jax.recguide.signals import STRATA
 
 SCHEMA = "recguide-value-model/1"
 SIGNAL = "verify_entropy_ma2"

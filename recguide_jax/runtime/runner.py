@@ -39,8 +39,8 @@ from recguide_jax.model.nld import (KernelLayout, LayerLoop, NLDModel, resolve_k
                                     weights_platform, with_kernel_layout, with_layer_loop)
 from recguide_jax.runtime.compilation import (BackgroundCompiler, CompileCounter, check_mapping_headroom,
                                               compile_with_options, enable_compile_cache, variant_compiler_options)
-from recguide_jax.runtime.step_key import (BLOCK_SIZES, StepKey, StepKind, batch_buckets, fused_kind,  # noqa: F401
-                                           fused_slots, parse_kind_label, ragged_token_buckets)
+from recguide_jax.model.config import BLOCK_SIZES
+from recguide_jax.runtime.step_key import StepKey, StepKind, batch_buckets, parse_kind_label, ragged_token_buckets
 from recguide_jax.runtime.steps import (DecodeInputs, DenoiseInputs, DraftInputs, FusedInputs, PrefillInputs,
                                         RaggedDraftInputs, RaggedVerifyInputs, SamplingArrays, StepFunctions,
                                         VerifyInputs, example_inputs)

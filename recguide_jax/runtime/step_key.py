@@ -6,8 +6,6 @@ from __future__ import annotations
 import dataclasses
 import enum
 
-from recguide_jax.model.config import BLOCK_SIZES  # noqa: F401  (re-exported: the block sizes variants are built for)
-
 
 class StepKind(str, enum.Enum):
   """A compiled step's kind (a str enum: its value is the label in logs, traces and cost tables)."""

@@ -32,8 +32,10 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 import recguide_jax
 from recguide_jax.engine.thread import EngineThread
 from recguide_jax.server import protocol
+from recguide_jax.server.body import DEFAULT_MAX_BODY_BYTES, check_content_type, parse_json
 from recguide_jax.server.generation import Generation
-from recguide_jax.server.metrics import CONTENT_TYPE, DEFAULT_LOG_STATS_INTERVAL_S, ServerMetrics
+from recguide_jax.server.metric_types import CONTENT_TYPE, DEFAULT_LOG_STATS_INTERVAL_S
+from recguide_jax.server.metrics import ServerMetrics
 from recguide_jax.server.middleware import REQUEST_ID_HEADER, APIKeyMiddleware, RequestIdMiddleware
 from recguide_jax.text.tokenizer import Tokenizer
 
@@ -45,7 +47,7 @@ def _engine_alive(engine_thread: EngineThread) -> bool:
 
 
 def create_app(engine_thread: EngineThread, tokenizer: Tokenizer, model_name: str, *, profile: str | None = None,
-               shutdown_engine: bool = True, max_body_bytes: int = protocol.DEFAULT_MAX_BODY_BYTES,
+               shutdown_engine: bool = True, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
                log_stats_interval_s: float = DEFAULT_LOG_STATS_INTERVAL_S, strict_request_fields: bool = False,
                api_key: str | None = None, allowed_origins=()) -> FastAPI:
   """The OpenAI-compatible app over a started `engine_thread`.
@@ -135,7 +137,7 @@ def create_app(engine_thread: EngineThread, tokenizer: Tokenizer, model_name: st
 
   async def read_json(request: Request):
     """The request's JSON body: 415 for a non-JSON Content-Type, 413 past max_body_bytes, 400 for the rest."""
-    protocol.check_content_type(request.headers.get("content-type"))
+    check_content_type(request.headers.get("content-type"))
     declared = request.headers.get("content-length")
     if declared is not None and declared.strip().isdigit() and int(declared) > drain_limit:
       raise too_large()
@@ -148,7 +150,7 @@ def create_app(engine_thread: EngineThread, tokenizer: Tokenizer, model_name: st
         chunks.append(chunk)
     if size > max_body_bytes:
       raise too_large()
-    return protocol.parse_json(b"".join(chunks))
+    return parse_json(b"".join(chunks))
 
   @app.post("/v1/completions")
   async def completions(request: Request):

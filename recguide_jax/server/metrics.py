@@ -29,10 +29,8 @@ import time
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 
 from recguide_jax.server.metric_series import Collector
-from recguide_jax.server.metric_types import (CONTENT_TYPE, DEFAULT_LOG_STATS_INTERVAL_S, FINISH_REASONS,  # noqa: F401
-                                              FORWARD_KINDS, ITL_BUCKETS, PREFIX, REQUEST_LATENCY_BUCKETS,
-                                              TTFT_BUCKETS,
-                                              engine_snapshot, token_buckets)
+from recguide_jax.server.metric_types import (DEFAULT_LOG_STATS_INTERVAL_S, FINISH_REASONS, ITL_BUCKETS, PREFIX,
+                                              REQUEST_LATENCY_BUCKETS, TTFT_BUCKETS, token_buckets)
 from recguide_jax.server.stats_log import StatsLogger
 
 

@@ -8,7 +8,8 @@ import uuid
 
 from fastapi.responses import JSONResponse
 
-from recguide_jax.server import protocol
+from recguide_jax.server.body import sane_request_id
+from recguide_jax.server.errors import APIError
 
 
 REQUEST_ID_HEADER = "X-Request-Id"
@@ -28,7 +29,7 @@ class RequestIdMiddleware:
     given = None
     for name, value in scope.get("headers", ()):
       if name == b"x-request-id":
-        given = protocol.sane_request_id(value.decode("latin-1"))
+        given = sane_request_id(value.decode("latin-1"))
         break
     rid = given or uuid.uuid4().hex
     scope.setdefault("state", {})["request_id"] = rid
@@ -64,5 +65,5 @@ class APIKeyMiddleware:
     self.on_reject()
     message = ("Incorrect API key provided" if given else
                "Missing API key: pass it as 'Authorization: Bearer <key>'")
-    err = protocol.APIError(401, message, None, "invalid_api_key")
+    err = APIError(401, message, None, "invalid_api_key")
     await JSONResponse(err.body(), status_code=401, headers={"WWW-Authenticate": "Bearer"})(scope, receive, send)

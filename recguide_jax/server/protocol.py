@@ -22,9 +22,6 @@ from pydantic import BaseModel, ValidationError
 from recguide_jax.engine import requests as _requests
 from recguide_jax.engine.requests import RequestError, SamplingParams
 from recguide_jax.server import schema
-# the app reads the body through this module
-from recguide_jax.server.body import (DEFAULT_MAX_BODY_BYTES, check_content_type, parse_json,  # noqa: F401
-                                      sane_request_id)
 from recguide_jax.server.errors import APIError, _cap, show as _show
 from recguide_jax.text.tokenizer import Tokenizer, TokenizerError
 
