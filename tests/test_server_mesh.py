@@ -1,6 +1,7 @@
-"""The server on a device mesh: `launch/serve.py --data_parallel_size=2` and `--mesh=dp=2,tp=2` on 8 simulated CPU
-devices (subprocesses: this process's jax already has its one device) answer greedy completions, two at once (one
-per dp group), token for token as one device does offline; /metrics counts both groups' requests and KV pages."""
+"""The server on a device mesh, one per mesh flag: `launch/serve.py --data_parallel_size=2`,
+`--tensor_parallel_size=2` and `--mesh=dp=2,tp=4` on 8 simulated CPU devices (subprocesses: this process's jax already
+has its one device) answer greedy completions, two at once (one per dp group), token for token as one device does
+offline; /metrics counts every group's requests and KV pages."""
 
 import concurrent.futures
 import os
@@ -26,7 +27,7 @@ SERVER_ARGS = ("--max_num_seqs=1", f"--max_model_len={MAX_MODEL_LEN}", "--page_s
                "--log_stats_interval=0")
 PROMPTS = ["The quick brown fox", "How many clips did Natalia sell?"]
 MAX_TOKENS = 12
-MESHES = {"dp2": ("--data_parallel_size=2",), "dp2_tp2": ("--mesh=dp=2,tp=2",)}
+MESHES = {"dp2": ("--data_parallel_size=2",), "tp2": ("--tensor_parallel_size=2",), "dp2_tp4": ("--mesh=dp=2,tp=4",)}
 
 
 @pytest.fixture(scope="module")
@@ -36,7 +37,7 @@ def ckpt(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def servers(ckpt, tmp_path_factory):
-  """Both servers start at once, so their warm-ups overlap with each other and with the offline reference."""
+  """The servers start at once, so their warm-ups overlap with each other and with the offline reference."""
   env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
   env["XLA_FLAGS"] = f"{COMPILE_FLAGS} --xla_force_host_platform_device_count=8".strip()
   env["JAX_PLATFORMS"] = "cpu"
@@ -68,7 +69,7 @@ def complete(base: str, prompt: str) -> dict:
 def test_mesh_server_answers_as_one_device(servers, expected, name):
   server = servers[name]
   server.wait_ready(timeout=900)
-  with concurrent.futures.ThreadPoolExecutor(len(PROMPTS)) as pool:  # at once: each dp group takes one
+  with concurrent.futures.ThreadPoolExecutor(len(PROMPTS)) as pool:  # at once: each dp group takes one (tp2: in turn)
     outs = list(pool.map(lambda p: complete(server.base, p), PROMPTS))
   assert [o["choices"][0]["text"] for o in outs] == expected, server.log()[-3000:]
   assert all(o["usage"]["completion_tokens"] == MAX_TOKENS for o in outs)
