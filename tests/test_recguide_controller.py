@@ -29,7 +29,7 @@ def flat_profile(ar_ms=None):
                          {c: ar_ms for c in (1, 2, 4, 8)})
 
 
-def clocked_policy(t: list[float], ar_ms: float = 9.0) -> RecGuideStrategy:
+def clocked_strategy(t: list[float], ar_ms: float = 9.0) -> RecGuideStrategy:
   """A calibrated RecGuide without overlap on `flat_profile(ar_ms)`, its clock reading t[0], every B accepting 4."""
   pol = RecGuideStrategy(16, profile=flat_profile(ar_ms=ar_ms), overlap=False)
   pol.calibrated.clock.now = lambda: t[0]
@@ -207,7 +207,7 @@ def test_switch_re_measures_a_stale_runner_up():
   """A regime measured in a slow spell of the machine would look slow forever once it stops running; the switch
   re-runs the runner-up for a few steps when its measurement is stale and the best's is fresh."""
   t = [0.0]
-  pol = clocked_policy(t)
+  pol = clocked_strategy(t)
   measure(pol, "ar", 1, 2.0)  # 0.5 tokens/ms
   for b in (8, 16, 32):
     measure(pol, "linear", b, 9.0)  # 4 tokens in 9 ms: 0.44 tokens/ms, within the probe margin of AR
@@ -228,7 +228,7 @@ def test_switch_re_measures_a_stale_runner_up():
   assert pol.regime(1) == "ar" and pol.probes == 2
   # a runner-up estimated far below the best is not worth a probe
   t[0] = 0.0
-  slow = clocked_policy(t)
+  slow = clocked_strategy(t)
   for b in (8, 16, 32):
     measure(slow, "linear", b, 40.0)
   t[0] = 3.0
@@ -245,7 +245,7 @@ def test_switch_measures_a_regime_it_never_ran_whatever_the_profile_says():
   kind needs to get a median (up to `explore_rounds`), when estimated within `explore_margin` of the best, spaced
   from the first decision by `explore_budget`; after that the `probe_margin` rules again."""
   t = [0.0]
-  pol = clocked_policy(t)
+  pol = clocked_strategy(t)
   for b in (8, 16, 32):
     measure(pol, "linear", b, 11.0)  # as profiled: 0.36 tokens/ms; AR, never run, is priced at its profiled 9 ms
   rates = pol.expected_rates(1)
@@ -264,14 +264,14 @@ def test_switch_measures_a_regime_it_never_ran_whatever_the_profile_says():
   assert pol.regime(1) == "ar" and not pol.probing and pol.probes == 1  # decided as usual, now on AR's own ratio
   # a probe that never gets a median ends after explore_rounds steps
   t[0] = 0.0
-  again = clocked_policy(t)
+  again = clocked_strategy(t)
   for b in (8, 16, 32):
     measure(again, "linear", b, 11.0)
   again.regime(1)
   t[0] = 0.3
   assert [again.regime(1) for _ in range(again.explore_rounds + 1)] == ["ar"] * again.explore_rounds + ["adaptive"]
   # estimated beyond explore_margin of the best: not worth even a first measurement
-  far = clocked_policy(t, ar_ms=60.0)
+  far = clocked_strategy(t, ar_ms=60.0)
   for b in (8, 16, 32):
     measure(far, "linear", b, 11.0)
   assert far.regime(1) == "adaptive"
@@ -284,7 +284,7 @@ def test_switch_judges_a_stale_runner_up_by_fresh_rounds_of_its_kind():
   rounds of its kind at another load say it is close today, it is re-measured (and not without them)."""
   def setup(fresh_linear_elsewhere):
     t = [0.0]
-    pol = clocked_policy(t)
+    pol = clocked_strategy(t)
     for _ in range(3):
       pol.observe_round("linear", 8, 2, 0.040)  # a cold start: 0.1 tokens/ms at 2 rows
     t[0] = 3.0
@@ -339,7 +339,7 @@ def test_switch_drops_a_regime_the_profile_flatters_once_measured():
   assert uncalibrated.regime(2) != "ar"  # priced for a foreign device: this machine's clock is ignored
 
 
-def test_engine_reports_every_round_to_the_policy(tiny_llm, ar_reference):
+def test_engine_reports_every_round_to_the_strategy(tiny_llm, ar_reference):
   ps, ar = ar_reference
   pol = RecGuideStrategy(16, delta=0.6, profile=flat_profile())
   tiny_llm.set_policy(pol)
@@ -353,7 +353,7 @@ def test_engine_reports_every_round_to_the_policy(tiny_llm, ar_reference):
 
 
 def test_tables_priced_for_other_hardware_keep_their_values_but_not_their_prices():
-  from recguide_jax.recguide import adaptive, value_model as vm
+  from recguide_jax.recguide import adaptive, signals as sig
   from recguide_jax.recguide.fit import value_fit
   from recguide_jax.recguide.config import RecGuideState
   from recguide_jax.recguide.signals import RoundRecord
@@ -372,7 +372,7 @@ def test_tables_priced_for_other_hardware_keep_their_values_but_not_their_prices
   assert same._adaptive_block(Req(), 1) == 32  # priced where they were fitted: the tables' rule
   steep = HardwareProfile(draft_verify_ms={c: {8: 10.0, 16: 40.0, 32: 160.0} for c in (1, 8)}, name="cpu-here")
   other = RecGuideStrategy(16, fixed_regime="adaptive", tables=tables, profile=steep, calibrate=False)
-  values = model.values(vm.signal_s(Req.strategy_state.history, model.window), "b16_partial")
+  values = model.values(sig.signal_s(Req.strategy_state.history, model.window), "b16_partial")
   # the fitted rule keeps its form on this machine's costs (rho carried into their time unit), not argmax V / T
   from recguide_jax.recguide.pricing import decide_rescaled
   local_ratio = max((8, 16, 32), key=lambda b: (values[b] / steep.cost(1, b), -b))
@@ -472,7 +472,7 @@ def test_a_decision_made_ahead_is_the_next_steps_own():
   from recguide_jax.decoding import rounds
   from recguide_jax.decoding.strategy import StepView
   t = [0.0]
-  pol = clocked_policy(t, ar_ms=1.0)  # AR at 1 ms against 11+ ms LinearSS rounds accepting 4: AR wins
+  pol = clocked_strategy(t, ar_ms=1.0)  # AR at 1 ms against 11+ ms LinearSS rounds accepting 4: AR wins
   pol.calibrate = False
   pol.current_regime = "ar"
   batch = SimpleNamespace(round=rounds.AR, block=1, n=4, reqs=[object()] * 4)
