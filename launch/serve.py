@@ -61,9 +61,9 @@ _TABLES = flags.DEFINE_string("recguide_tables", None, "RecGuide's fitted adapti
                               "<checkpoint>/recguide_tables.json, when it "
                               "exists; likewise the profile defaults to <checkpoint>/profile.json).")
 _OVERLAP_MAX_TEMPERATURE = flags.DEFINE_float(
-    "recguide_overlap_max_temperature", 0.0, "Requests of at most this temperature may run RecGuide's overlap rounds "
+    "recguide_overlap_max_temperature", 0.3, "Requests of at most this temperature may run RecGuide's overlap rounds "
     "(0: greedy requests only). Lossless at any temperature, but a sampled request accepts the argmax draft less "
-    "often than LinearSS's sampled one at high temperatures (docs/recguide.md).")
+    "often than LinearSS's sampled one at higher temperatures (docs/recguide.md).")
 _ATTENTION = flags.DEFINE_enum("attention", "auto", ["auto", "reference", "pallas"],
                                "Attention implementation: Pallas kernels on GPU/TPU, the jnp reference on CPU.")
 _LAYER_LOOP = flags.DEFINE_enum("layer_loop", "auto", ["auto", "scan", "unrolled"],

@@ -58,9 +58,9 @@ class RecGuideConfig:
   batch_priced: bool = True
   tie_margin: float = TIE_MARGIN  # a plan replaces a cheaper one only when priced this much (relative) above it
   # requests of at most this temperature run overlap rounds (0: greedy only). Lossless at any temperature; sampled
-  # rows accept a point-mass draft with probability p(draft) instead of LinearSS's sum(min(p, q)), a loss at high
-  # temperatures (docs/recguide.md, "Sampling")
-  overlap_max_temperature: float = 0.0
+  # rows accept a point-mass draft with probability p(draft) instead of LinearSS's sum(min(p, q)), which loses at
+  # higher temperatures (docs/recguide.md, "Sampling")
+  overlap_max_temperature: float = 0.3
 
   def __post_init__(self):
     tables, set_ = self.tables, lambda name, value: object.__setattr__(self, name, value)
