@@ -15,6 +15,7 @@ Here p_{j-1} is the verifier distribution at block index j-1, which predicts the
 
 from __future__ import annotations
 
+import functools
 from typing import Callable, NamedTuple
 
 import jax
@@ -201,13 +202,17 @@ def sample(key: jax.Array, probs: jax.Array) -> jax.Array:
 
 def top_n(x: jax.Array, n: int) -> tuple[jax.Array, jax.Array]:
   """The n largest entries of the last axis by n max/argmax passes: on CPU `lax.top_k` sorts every row, which
-  dominated the cost of a draft step; n linear passes are far cheaper for small n."""
+  dominated the cost of a draft step; n linear passes are far cheaper for small n. Each pass masks the ids taken so
+  far by comparing with them inside its own reduction: no pass writes a masked copy of `x` (XLA:TPU kept all n
+  copies live; issue 33)."""
+  iota = jax.lax.broadcasted_iota(jnp.int32, x.shape, x.ndim - 1)
   values, ids = [], []
   for _ in range(n):
-    i = argmax(x)
-    values.append(jnp.take_along_axis(x, i[..., None], axis=-1)[..., 0])
+    taken = functools.reduce(jnp.logical_or, [iota == j[..., None] for j in ids], jnp.zeros(x.shape, bool))
+    i = argmax(jnp.where(taken, -jnp.inf, x))
+    repeat = functools.reduce(jnp.logical_or, [i == j for j in ids], jnp.zeros(i.shape, bool))
+    values.append(jnp.where(repeat, -jnp.inf, jnp.take_along_axis(x, i[..., None], axis=-1)[..., 0]))
     ids.append(i)
-    x = jnp.where(jax.nn.one_hot(i, x.shape[-1], dtype=bool), -jnp.inf, x)
   return jnp.stack(values, axis=-1), jnp.stack(ids, axis=-1).astype(jnp.int32)
 
 
