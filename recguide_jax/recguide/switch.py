@@ -210,7 +210,7 @@ class RegimeSwitch:
 
   def _overlaps(self, req) -> bool:
     """Whether `req` runs an overlap round when the regime is overlap: a temperature of at most
-    `overlap_max_temperature` (greedy only by default), and, where the switch decides, not one this round is expected
+    `overlap_max_temperature` (0.3 by default), and, where the switch decides, not one this round is expected
     to finish (no next round for a prefetched branch to save a draft in)."""
     return self._overlap_remaining(req) is not None
 
