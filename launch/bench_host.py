@@ -147,9 +147,14 @@ def bare_seconds(runner, calls, repeats: int) -> float:
 
 def measure(llm, policy: str, c: int, cfg) -> dict:
   timed_steps(llm, policy, c, cfg["max_tokens"], cfg["prompt_len"])  # compiles what this point calls
+  from recguide_jax.engine.gc_heap import GCPauses
   walls, bares, hosts, calls_per_step, steps_per_call = [], [], [], [], []
-  for _ in range(cfg["repeats"]):
-    steps, _ = timed_steps(llm, policy, c, cfg["max_tokens"], cfg["prompt_len"], replays=3)
+  engine_steps = llm.engine.step_count
+  with GCPauses() as pauses:
+    runs = [timed_steps(llm, policy, c, cfg["max_tokens"], cfg["prompt_len"], replays=3)[0]
+            for _ in range(cfg["repeats"])]
+  engine_steps = llm.engine.step_count - engine_steps
+  for steps in runs:
     for dt, calls, bare, host in steps:
       walls.append(dt)
       hosts.append(host)
@@ -161,7 +166,10 @@ def measure(llm, policy: str, c: int, cfg) -> dict:
     return {"policy": policy, "concurrency": c, "steps": 0}
   # medians, and minima: on a shared machine a step's minimum over many is the better estimate of its own cost
   out = {"policy": policy, "concurrency": c, "steps": len(walls), "bare_samples": len(bares),
-         "calls_per_step": statistics.median(calls_per_step), "ar_steps_per_call": statistics.median(steps_per_call)}
+         "calls_per_step": statistics.median(calls_per_step), "ar_steps_per_call": statistics.median(steps_per_call),
+         # Python's collector over the whole generations (every engine step, timed or not)
+         "gc_runs_by_generation": pauses.runs, "gc_ms_per_engine_step": sum(pauses.seconds) * 1e3 / engine_steps,
+         "gc_longest_pause_ms": pauses.longest * 1e3}
   for stat, fn in (("", statistics.median), ("_min", min)):
     wall, bare = fn(walls), fn(bares)
     out.update({f"engine_step_ms{stat}": wall * 1e3, f"bare_step_ms{stat}": bare * 1e3,
@@ -205,19 +213,23 @@ def markdown(result: dict) -> str:
            "Host work: a step's wall time outside the device calls and their read-backs (the engine's own Python, "
            "measured directly; with the pipeline it runs while the device computes). Engine / bare: mean engine wall "
            "per call over the steady window against the mean bare call (a pipelined engine's single steps alternate "
-           "between waiting and not).", "",
+           "between waiting and not). GC: Python's collector over the whole generations, per engine step (its "
+           f"longest pause); the start-up heap {'frozen' if meta.get('freeze_gc') else 'not frozen'} "
+           "(`launch/serve.py` freezes it).", "",
            "| policy | C | steps | host work per step (ms) | host work per request-step (us) | engine per call (ms) | "
-           "bare call (ms) | engine / bare (mean) |", "|---|---|---|---|---|---|---|---|"]
+           "bare call (ms) | engine / bare (mean) | GC per step (ms; longest pause) |",
+           "|---|---|---|---|---|---|---|---|---|"]
   for p in result["points"]:
     if not p.get("steps"):
-      lines.append(f"| {p['policy']} | {p['concurrency']} | 0 | | | | | |")
+      lines.append(f"| {p['policy']} | {p['concurrency']} | 0 | | | | | | |")
       continue
 
     def cell(key, fmt):
       return f"{p[key]:{fmt}} / {p[key + '_min']:{fmt}}"
     lines.append(f"| {p['policy']} | {p['concurrency']} | {p['steps']} | {cell('host_work_per_step_ms', '.3f')} | "
                  f"{cell('host_work_per_request_step_us', '.1f')} | {cell('engine_per_call_ms', '.3f')} | "
-                 f"{cell('bare_per_call_ms', '.3f')} | {p['engine_vs_bare_mean']:.2f} |")
+                 f"{cell('bare_per_call_ms', '.3f')} | {p['engine_vs_bare_mean']:.2f} | "
+                 f"{p['gc_ms_per_engine_step']:.3f} ({p['gc_longest_pause_ms']:.1f}) |")
   for prof in result.get("profiles", []):
     lines += ["", "```", prof, "```"]
   return "\n".join(lines) + "\n"
@@ -243,6 +255,9 @@ def main(argv):
             prefill_chunk=32, warmup=False, decode_steps=f.decode_steps)
   if hasattr(llm.engine, "pipeline"):
     llm.engine.pipeline = f.pipeline
+  if f.freeze_gc:
+    from recguide_jax.engine.gc_heap import freeze_startup_heap
+    freeze_startup_heap()
   load_start = os.getloadavg()[0]
   points = []
   for policy in f.policies:
@@ -255,7 +270,7 @@ def main(argv):
           "decode_steps": f.decode_steps, "repeats": f.repeats, "jax": jax.__version__,
           "backend": jax.default_backend(), "cpu_count": os.cpu_count(), "load_start": load_start,
           "load_end": os.getloadavg()[0], "time_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-          "code": code_version()}
+          "code": code_version(), "freeze_gc": f.freeze_gc}
   result = {"meta": meta, "points": points, "profiles": profiles}
   js, md = write_report(result, markdown(result), cli.output_dir(), "bench_host")
   print(markdown(result))
@@ -273,6 +288,8 @@ def _define_flags():
   flags.DEFINE_integer("repeats", 2, "Timed generations per point (after one that compiles).")
   flags.DEFINE_integer("decode_steps", 4, "AR decode steps per device call.")
   flags.DEFINE_bool("pipeline", True, "Run AR and LinearSS calls ahead (Engine.pipeline).")
+  flags.DEFINE_bool("freeze_gc", True, "Freeze the start-up heap out of Python's collector, as launch/serve.py "
+                    "does.")
   flags.DEFINE_list("profile_policies", ["ar", "linear"], "Policies profiled at the largest C.")
   flags.DEFINE_string("model_dir", os.path.join(ROOT, "runs", "bench_host", "model"),
                       "Where the random model is written (once).")

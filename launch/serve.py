@@ -290,6 +290,7 @@ def main(argv):
   from recguide_jax import llm as llm_lib
   from recguide_jax.model.checkpoint import CheckpointError
   from recguide_jax.model.config import ConfigError
+  from recguide_jax.engine.gc_heap import freeze_startup_heap
   from recguide_jax.engine.thread import EngineThread
   from recguide_jax.server.app import create_app
   from recguide_jax.text.tokenizer import TokenizerError
@@ -328,6 +329,7 @@ def main(argv):
         flush=True)  # the plan is also logged before the weights load (absl INFO, shown with --verbose)
 
   if not distributed.is_leader():  # a multi-host follower: run the leader's steps until it stops
+    freeze_startup_heap()
     distributed.follow(llm.runner)
     return
   leader = distributed.lead(llm.runner) if distributed.process_count() > 1 else None
@@ -345,6 +347,8 @@ def main(argv):
       async def startup(self, sockets=None):
         await super().startup(sockets)
         if self.started:
+          # no full collection walks the start-up heap while the engine decodes (a 100-300 ms pause each)
+          freeze_startup_heap()
           print(f"serving {name} at {url}", flush=True)
           print("try it: " + curl_example(host, port, name, api_key is not None), flush=True)
 

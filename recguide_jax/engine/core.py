@@ -432,8 +432,10 @@ class Engine:
                   req_rows: BatchRows) -> None:
     """Advances the sampling keys of `rows` (the live ones) and emits their tokens. Each row's stop (its first EOS,
     or its max_tokens) is found over the batch's arrays at once; a `plain` request then needs no per-token work."""
-    tokens, logprobs, emit = out.tokens, out.logprobs, np.asarray(out.emit)
-    width = tokens.shape[1]
+    emit = np.asarray(out.emit)
+    # only the columns some row emits (a verify's rows emit their accepted tokens, usually far fewer than its block)
+    width = max(int(emit.max(initial=0)), 1)
+    tokens, logprobs = out.tokens[:, :width], out.logprobs[:, :width]
     # a few EOS ids: compared directly (np.isin sorts, ~10x slower on a step's small array)
     eos = (tokens[:, :, None] == self._eos_array).any(axis=2)
     eos &= np.arange(width)[None, :] < emit[:, None]
