@@ -83,8 +83,8 @@ if __name__ == "__main__":
   flags.DEFINE_bool("allow_remote", False, "Allow a --base_url that is not a loopback address.")
   flags.DEFINE_bool("launch", False, "Start launch/serve.py on a free loopback port for each --policy, benchmark "
                     "it, stop it.")
-  flags.DEFINE_list("policy", ["linear"], "With --launch: the policies to serve, one server each (ar, diffusion, "
-                    "linear, recguide).")
+  flags.DEFINE_list("policy", ["recguide"], "With --launch: the policies to serve, one server each (ar, diffusion, "
+                    "linear, recguide; default serve.py's).")
   flags.DEFINE_string("model", None, "With --launch: the checkpoint to serve (default: the bundled model).")
   flags.DEFINE_list("serve_args", [], "With --launch: more flags for serve.py, comma-separated "
                     "(e.g. --block_size=16,--max_num_seqs=8).")

@@ -50,8 +50,8 @@ from absl import app, flags
 _BASE_URL = flags.DEFINE_string("base_url", None, "Base URL of a running server on a loopback address (e.g. "
                            "http://127.0.0.1:8000). Default: start launch/serve.py for each --policy.")
 _MODEL = flags.DEFINE_string("model", None, "Checkpoint for the started server (default: the bundled one).")
-_POLICY = flags.DEFINE_list("policy", ["linear"], "Policies to start the server with, one run each (ignored "
-                            "with --base_url).")
+_POLICY = flags.DEFINE_list("policy", ["recguide"], "Policies to start the server with, one run each (default "
+                            "serve.py's; ignored with --base_url).")
 _BLOCK_SIZE = flags.DEFINE_integer("block_size", 16, "Block size of the started server.")
 _MAX_NUM_SEQS = flags.DEFINE_integer("max_num_seqs", 4, "--max_num_seqs of the started server.")
 _MAX_MODEL_LEN = flags.DEFINE_integer("max_model_len", 512, "max_model_len of the started server.")
