@@ -124,6 +124,23 @@ def test_every_variant_compiles_for_an_h100_with_triton_kernels(tmp_path):
   _check(_aot(tmp_path, "h100", 1), "__gpu$xla.gpu.triton")
 
 
+def test_a_one_token_decode_keeps_the_embedding_sharded_on_gpus(tmp_path):
+  """NLD-8B's decode of batch 1 at tp=2 on H100s: a one-token lookup compiled as a dynamic-slice made XLA:GPU
+  all-gather the vocab-sharded embedding (1.07 GB of temporaries in every step; batch 2: 0.12 GB)."""
+  why = targets.missing_compiler(targets.Platform.GPU)
+  if why:
+    pytest.skip(why)
+  out = tmp_path / "out"
+  proc = subprocess.run(
+      [sys.executable, os.path.join(ROOT, "launch", "aot_compile.py"), "--target=h100:2", "--preset=nld-8b",
+       "--policies=linear", "--scope=all", "--variants=decode/1/1,decode/1/2", f"--output_dir={out}"],
+      env={**os.environ, "PYTHONPATH": ROOT}, capture_output=True, text=True, timeout=1800)
+  assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+  with open(out / "aot_nld-8b_h100_2_tp2_linear.json") as f:
+    temps = {v["variant"]: v["temp_bytes"] for v in json.load(f)["variants"]}
+  assert temps["decode/1/1"] < 0.25e9 and temps["decode/1/1"] <= 1.1 * temps["decode/1/2"], temps
+
+
 _LOGITS_PROBE = """
 import dataclasses, json, sys
 sys.path.insert(0, {root!r})
