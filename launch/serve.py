@@ -84,11 +84,12 @@ _DECODE_STEPS = flags.DEFINE_integer(
     lower_bound=1)
 _BACKGROUND_COMPILE = flags.DEFINE_boolean(
     "background_compile", True, "Compile only the largest batch bucket of each step variant before serving and the "
-    "smaller buckets on a background thread (their batches run padded in the largest until then; no request waits "
-    "on a compile). --nobackground_compile compiles everything first.")
+    "smaller buckets on a background thread (their batches run padded in the largest until then). Variants warm-up "
+    "does not plan (sampling controls, prompt scoring) are compiled there too, on first use, while only the "
+    "requests that need them wait. --nobackground_compile compiles everything first.")
 _WARMUP_PROMPT_LOGPROBS = flags.DEFINE_boolean(
     "warmup_prompt_logprobs", False, "Also compile the prefill variant that scores the prompt (echo with logprobs, "
-    "lm-eval's loglikelihood) before serving; by default the first such request compiles it and waits.")
+    "lm-eval's loglikelihood) before serving; by default the first such request waits for it.")
 _ENABLE_PREFIX_CACHING = flags.DEFINE_boolean(
     "enable_prefix_caching", True, "Automatic prefix caching (vLLM's, on by default): full KV pages of prompts are "
     "kept and shared by their token prefix, so requests repeating a system prompt or few-shot examples prefill only "

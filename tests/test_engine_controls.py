@@ -140,3 +140,39 @@ def test_bad_controls_are_refused_naming_the_field(tiny_llm):
     eng.add_request([5, 6], SamplingParams(max_tokens=10, min_p=0.1))
   assert e.value.param == "min_p"
   assert not eng.has_work()
+
+
+def test_a_request_with_controls_waits_for_its_variants_while_the_others_run(tiny_model, prompts, ar_reference):
+  """A server compiles sampling-control variants on first use on its background compiler (warm-up never plans
+  them): the request that needs one waits, a request without controls keeps decoding meanwhile (it used to wait
+  for the compile too), and the waiting one then gives AR's output at one control length throughout."""
+  import threading
+
+  from recguide_jax import LLM
+  llm = LLM(model=tiny_model, policy="linear", block_size=8, max_num_seqs=2, max_model_len=128, page_size=8,
+            prefill_chunk=16, compile_cache_dir=None, background_compile=True)
+  runner, eng = llm.runner, llm.engine
+  try:
+    assert runner.wait_background(timeout=600)
+    go = threading.Event()
+    compile_one = runner._background._compile_one
+    runner._background._compile_one = lambda key: (go.wait(600), compile_one(key))
+    plain = eng.add_request(prompts[1], SamplingParams(max_tokens=20, temperature=0.0))
+    controlled = eng.add_request(prompts[0], GREEDY)
+    for _ in range(200):
+      if plain.finished:
+        break
+      eng.step()
+    assert plain.finished and len(plain.output_ids) == 20  # ran to the end while the compile was held
+    assert not controlled.output_ids and not controlled.finished and runner._deferred
+    assert all(k.controls for k in runner._deferred)
+    go.set()
+    eng.run_until_done()
+    assert controlled.output_ids == ar_reference[0]
+    assert len({k.controls for k in runner._deferred}) == 1  # its list length was fixed from the start
+    assert runner.compiles_after_warmup == len(runner._deferred)  # /metrics' compilations_after_warmup
+    assert eng.allocator.num_used == 0
+    eng.allocator.check()
+  finally:
+    go.set()
+    runner.close()

@@ -33,7 +33,7 @@ from recguide_jax.cache.kv_cache import PageAllocator
 from recguide_jax.engine.requests import (NEUTRAL_CONTROLS, Request, RequestError, SamplingParams,
                                           fold_seed, sampling_row)
 from recguide_jax.engine.scheduler import Scheduler, check_queue, group_plans
-from recguide_jax.runtime.runner import Runner
+from recguide_jax.runtime.runner import Runner, VariantNotReady
 from recguide_jax.runtime.steps import SamplingArrays, empty_controls
 
 MIN_CONTROL_LEN = 64  # control lists are padded to a power of two from here (one compiled variant per length)
@@ -72,6 +72,7 @@ class Engine:
     # returned on the device, so running ahead compiles and dispatches nothing a synchronous engine does not
     self.pipeline = True
     self.step_count = 0
+    self._waited_on_compile = self._ran_this_step = False  # this step: some rows waited on a background compile
     self._rows = RowCache()
     self.books = DecodeBooks()  # running requests' decode stats (written to Request.stats when each finishes)
 
@@ -194,11 +195,14 @@ class Engine:
   def run_until_done(self) -> None:
     while self.has_work():
       self.step()
+      if self.stalled_on_compile:
+        self.wait_for_compile(0.05)
 
   # ---- one engine iteration ------------------------------------------------------------------------------------------
   def step(self) -> list[Request]:
     """Runs one iteration; returns the requests that finished in it."""
     self.step_count += 1
+    self._waited_on_compile = self._ran_this_step = False
     if self._pending is not None and self._advance_pipeline():
       return self.scheduler.take_finished()
     for req in self.scheduler.admit():
@@ -218,7 +222,8 @@ class Engine:
       plain = [r for r in batch if not prefill.scores_prompt(r)]
       for reqs, score in ((plain, False), (scored, True)):
         if reqs:
-          self._isolated(reqs, "prefill", prefill.run_prefill, self, reqs, score)
+          self._run_or_wait(reqs, lambda rs, score=score: self._isolated(rs, "prefill", prefill.run_prefill, self,
+                                                                          rs, score))
     decoding = [r for r in self.running if r.seed_token is not None and not r.finished and self._sampling_ready(r)]
     if decoding:
       planned = self._plan(decoding)
@@ -232,9 +237,33 @@ class Engine:
           rows = [(r, p) for r, p in zip(group.reqs[i:i + self.rc.max_batch],
                                          group.planned[i:i + self.rc.max_batch]) if not r.finished]
           if rows:
-            self.run_round(Batch(group.round, group.block, [r for r, _ in rows],
-                                 np.array([p for _, p in rows], np.int64)))
+            block_of = {id(r): p for r, p in rows}
+            self._run_or_wait([r for r, _ in rows], lambda rs, group=group, block_of=block_of: self.run_round(
+                Batch(group.round, group.block, rs, np.array([block_of[id(r)] for r in rs], np.int64))))
     return self.scheduler.take_finished()
+
+  @property
+  def stalled_on_compile(self) -> bool:
+    """The last step ran nothing: every request that could run waits for a background compile."""
+    return self._waited_on_compile and not self._ran_this_step
+
+  def wait_for_compile(self, timeout: float) -> None:
+    """Lets a background compile run instead of stepping in a spin (call when `stalled_on_compile`)."""
+    self.runner.wait_background(timeout)
+
+  def _run_or_wait(self, reqs: list[Request], run) -> None:
+    """`run(reqs)`; if a variant it needs is compiling in the background (VariantNotReady, raised before anything
+    ran), the requests with sampling controls (their variants are compiled on first use) wait this step and the
+    others run without them; if they need it too, they all wait."""
+    try:
+      run(reqs)
+      self._ran_this_step = True
+      return
+    except VariantNotReady:
+      self._waited_on_compile = True
+    others = [r for r in reqs if r.sampling.controls is None]
+    if others and len(others) < len(reqs):
+      self._run_or_wait(others, run)
 
   def _view(self, reqs: Sequence[Request]) -> StepView:
     return StepView(self.step_count, tuple(reqs), self.rc.max_batch, self.rc.max_model_len, self.rc.max_block,
@@ -527,6 +556,8 @@ class Engine:
     """(True, fn's result), or (False, None) after failing `reqs` because fn raised."""
     try:
       return True, fn(*args)
+    except VariantNotReady:
+      raise  # nothing ran for these requests: `_run_or_wait` decides who waits
     except Exception as e:
       if self._device_failed(e):
         raise
@@ -642,13 +673,17 @@ def control_arrays(reqs: Sequence[Request], b: int, vocab_size: int):
   """The sampling controls of a padded batch (sampling.Controls of numpy arrays): each row's sparse list holds its
   prompt's distinct tokens (repetition_penalty), its output's distinct tokens with their counts (any penalty), its
   logit_bias entries and, while fewer than min_tokens tokens are out, its stop ids; padded to the longest row's
-  length rounded up to a power of two (>= MIN_CONTROL_LEN), so a batch reuses a few compiled lengths."""
-  parts = []
+  capacity rounded up to a power of two (>= MIN_CONTROL_LEN), so a batch reuses a few compiled lengths. A row's
+  capacity is its list at its longest (every output token distinct), so a request's length is fixed from its first
+  step: its variants are compiled once, before it starts, never while it streams."""
+  parts, longest = [], 0
   for r in reqs:
     c = r.sampling.controls
     if c is None:
       parts.append(None)
       continue
+    longest = max(longest, len(c.prompt_ids) + (min(r.params.max_tokens, vocab_size) if c.penalizes_output else 0)
+                  + len(c.bias_ids) + len(c.stop_ids))
     if c.penalizes_output and r.output_ids:
       out_ids, out_counts = np.unique(np.asarray(r.output_ids, np.int32), return_counts=True)
     else:
@@ -656,7 +691,6 @@ def control_arrays(reqs: Sequence[Request], b: int, vocab_size: int):
     left = max(0, c.min_tokens - len(r.output_ids))
     stop_ids = c.stop_ids if left else np.zeros(0, np.int32)
     parts.append((c, left, out_ids, out_counts, stop_ids))
-  longest = max(len(p[0].prompt_ids) + len(p[2]) + len(p[0].bias_ids) + len(p[4]) for p in parts if p is not None)
   length = max(MIN_CONTROL_LEN, 1 << max(0, longest - 1).bit_length())
   ctl = empty_controls(b, length, vocab_size)
   for i, p in enumerate(parts):

@@ -61,4 +61,13 @@ class ServingEngine(Protocol):
 
   def step(self) -> list[Request]: ...
 
+  @property
+  def stalled_on_compile(self) -> bool:
+    """The last step ran nothing: every request that could run waits for a background compile."""
+    ...
+
+  def wait_for_compile(self, timeout: float) -> None:
+    """Blocks up to `timeout` s while a background compile some request waits for runs."""
+    ...
+
   def run_until_done(self) -> None: ...

@@ -95,6 +95,8 @@ class EngineThread:
       try:
         self.engine.step()
         self.steps += 1
+        if self.engine.stalled_on_compile:  # not a spin: the compile it waits for needs the CPU
+          self.engine.wait_for_compile(0.05)
       except Exception as e:  # a device failure (step isolates everything else): fail all, keep the process
         self.error = e
         log.exception("engine step failed on the device")

@@ -163,6 +163,19 @@ class DataParallelEngine:
       self._home.pop(r.request_id, None)
     return done
 
+  @property
+  def stalled_on_compile(self) -> bool:
+    """Every group with work ran nothing in its last step: each waits for a background compile (a group that can
+    run keeps the others stepping)."""
+    busy = [e for e in self.engines if e.has_work()]
+    return bool(busy) and all(e.stalled_on_compile for e in busy)
+
+  def wait_for_compile(self, timeout: float) -> None:
+    for e in self.engines:
+      if e.has_work() and e.stalled_on_compile:
+        e.wait_for_compile(timeout)
+        return
+
   def reset_prefix_cache(self) -> bool:
     return all([e.reset_prefix_cache() for e in self.engines])
 
@@ -172,6 +185,8 @@ class DataParallelEngine:
   def run_until_done(self) -> None:
     while self.has_work():
       self.step()
+      if self.stalled_on_compile:
+        self.wait_for_compile(0.05)
 
   # ---- state over the groups ---------------------------------------------------------------------------------------
   @property

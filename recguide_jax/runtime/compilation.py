@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import atexit
 import hashlib
+import itertools
 import logging
 import os
 import platform
@@ -177,7 +178,9 @@ class BackgroundCompiler:
   def __init__(self, compile_one: Callable[[Hashable], None], on_done: Callable[[Hashable], None]):
     self._compile_one = compile_one
     self._on_done = on_done
-    self._queue: queue.Queue = queue.Queue()
+    # (priority, order, key): `submit(..., first=True)` goes before everything queued; None (priority -1) stops it
+    self._queue: queue.PriorityQueue = queue.PriorityQueue()
+    self._order = itertools.count()
     self._stopped = threading.Event()
     self._idle = threading.Event()
     self._idle.set()
@@ -188,12 +191,13 @@ class BackgroundCompiler:
     self._thread.start()
     atexit.register(self.shutdown)
 
-  def submit(self, keys: Iterable[Hashable]) -> None:
+  def submit(self, keys: Iterable[Hashable], first: bool = False) -> None:
+    """Queues `keys` in order; `first`: ahead of what is already queued (a variant a request is waiting for)."""
     for key in keys:
       with self._lock:
         self._pending += 1
         self._idle.clear()
-      self._queue.put(key)
+      self._queue.put((0 if first else 1, next(self._order), key))
 
   @property
   def pending(self) -> int:
@@ -205,7 +209,7 @@ class BackgroundCompiler:
 
   def stop(self) -> None:
     self._stopped.set()
-    self._queue.put(None)
+    self._queue.put((-1, next(self._order), None))
 
   def shutdown(self, timeout: float | None = None) -> None:
     """`stop`, then wait for the compile in flight to end."""
@@ -215,7 +219,7 @@ class BackgroundCompiler:
   def _loop(self) -> None:
     _background.active = True
     while True:
-      key = self._queue.get()
+      _, _, key = self._queue.get()
       if key is None:
         return
       try:

@@ -106,6 +106,15 @@ class RunnerConfig:
     return pages_per_seq(self.max_model_len, self.max_block, self.page_size)
 
 
+class VariantNotReady(Exception):
+  """A step variant warm-up did not plan is compiling on the background thread: the rows that need it wait (the
+  engine runs the others), instead of every request waiting on the compile."""
+
+  def __init__(self, key: StepKey):
+    super().__init__(f"step variant {key} is compiling in the background")
+    self.key = key
+
+
 @dataclasses.dataclass
 class VerifyResult:
   accepted: np.ndarray  # [b]
@@ -179,10 +188,14 @@ class Runner:
     self._compiled: dict[StepKey, Any] = {}
     self._compiled_lock = threading.Lock()
     self._planned: set[StepKey] = set()  # variants warm-up promised; a bucket is routed to once all of its are built
+    self._deferred: set[StepKey] = set()  # variants outside the plan queued on the background compiler
     self._ready_buckets: set[int] = set(self.buckets)
     self._background: BackgroundCompiler | None = None
     self._compiles_at_warmup: int | None = None
     self.before_execute: Callable[[StepKey, Any], None] | None = None  # multi-host leader: mirror each call
+    # after a warm-up with background compiles: a variant warm-up did not plan (sampling controls of a new length,
+    # prompt scoring) is compiled on the background thread while the requests that need it wait (VariantNotReady)
+    self.defer_unplanned = False
     self.lock = threading.Lock()
 
   @classmethod
@@ -205,9 +218,12 @@ class Runner:
 
   @property
   def compiles_after_warmup(self) -> int:
+    """Compiles since warm-up ended: in line, and the background compiles of variants warm-up did not plan."""
     if self._compiles_at_warmup is None:
       return 0
-    return CompileCounter.total() - self._compiles_at_warmup
+    with self._compiled_lock:
+      deferred = sum(1 for k in self._deferred if k in self._compiled)
+    return CompileCounter.total() - self._compiles_at_warmup + deferred
 
   @property
   def background_pending(self) -> int:
@@ -335,11 +351,16 @@ class Runner:
     seconds = self._compile_now(todo, progress, workers)
     self._refresh_ready()
     self.mark_warm()
+    if background:
+      self.defer_unplanned = True
     if later:
-      if self._background is None:
-        self._background = BackgroundCompiler(self.compiled, lambda key: self._refresh_ready())
-      self._background.submit(later)
+      self._background_compiler().submit(later)
     return seconds
+
+  def _background_compiler(self) -> BackgroundCompiler:
+    if self._background is None:
+      self._background = BackgroundCompiler(self.compiled, lambda key: self._refresh_ready())
+    return self._background
 
   def _refresh_ready(self) -> None:
     """A bucket is routable once every planned variant of it is compiled."""
@@ -379,13 +400,29 @@ class Runner:
     """Runs variant `key` on (state, cache, inputs), `inputs` the kind's typed inputs (steps.py); a step that writes
     K/V replaces the cache (the old one is donated). Returns the step's other outputs as device arrays. The inputs
     are numpy arrays, except the draft distributions a VERIFY takes, which a DRAFT returned on the device."""
+    fn = self._compiled.get(key)
+    if fn is None and self.defer_unplanned and key not in self._planned:
+      self._defer(key)
     if self.before_execute is not None:
       self.before_execute(key, inputs)
-    fn = self.compiled(key)
+    fn = fn or self.compiled(key)
     outs = fn(self.state, self.cache, inputs)
     if key.kind.writes_cache:
       self.cache, outs = outs[0], outs[1:]
     return tuple(outs)
+
+  def _defer(self, key: StepKey) -> None:
+    """Queues `key` first on the background compiler (once) and raises VariantNotReady; a variant whose background
+    compile failed is compiled here instead, so its error reaches the requests that need it."""
+    compiler = self._background_compiler()
+    if key in compiler.failures:
+      return
+    with self._compiled_lock:
+      queued = key in self._deferred
+      self._deferred.add(key)
+    if not queued:
+      compiler.submit([key], first=True)
+    raise VariantNotReady(key)
 
   # ---- calls (host arrays in, host arrays out) ---------------------------------------------------------------------
   def prefill(self, tokens, valid, prefix_len, page_table, last_idx, samp: SamplingArrays, targets=None):

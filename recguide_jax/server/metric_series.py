@@ -94,7 +94,7 @@ class Collector:
     yield gauge("kv_cache_pages_used", "KV cache pages owned by requests.", snap["pages_used"])
     yield gauge("kv_cache_pages_total", "Usable KV cache pages.", snap["pages_total"])
     yield gauge("compilations_after_warmup", "Backend compilations since warm-up ended (0 unless a request needed a "
-                "variant warm-up did not build: the first one with prompt logprobs).",
+                "variant warm-up did not build: prompt logprobs, a new sampling-control length).",
                 eng.runner.compiles_after_warmup)
     yield from without_created(m.http_errors)
     info = GaugeMetricFamily(PREFIX + "cache_config_info", "Information of the KV cache and policy.",
