@@ -1,11 +1,12 @@
 """The scanned layer stack and its runner: every cache-writing step updates the stacked KV cache in place (no copy
 of the cache, whatever its size), AR decode takes no draft distribution, and warm-up compiles variants
-concurrently without changing what counts as compiled. The unrolled layer loop (`LayerLoop.UNROLLED`, the CPU's
-default for weights larger than the host's cache) computes the same function over per-layer weight buffers that
-no step slices. The CPU's dense kernels held [out, in] (`KernelLayout.OUT_IN`) compute the same function, with the
-weight on the left of every decode-sized matmul."""
+concurrently without changing what counts as compiled. The unrolled layer loop (`LayerLoop.UNROLLED`, one GPU's
+default and the CPU's for weights larger than the host's cache) computes the same function over per-layer weight
+buffers that no step slices. The CPU's dense kernels held [out, in] (`KernelLayout.OUT_IN`) compute the same
+function, with the weight on the left of every decode-sized matmul."""
 
 import re
+import types
 
 import jax
 import jax.numpy as jnp
@@ -124,6 +125,13 @@ def test_layer_loop_resolves_and_round_trips(tiny_model):
   abstract = nnx.eval_shape(lambda: NLDModel(CFG))
   assert resolve_layer_loop("auto", abstract, cache_bytes=1024) is LayerLoop.SCAN  # lowers for other devices
   assert Runner.abstract(CFG, _runner_config(8), jnp.float32).layer_loop is LayerLoop.SCAN
+  # compiled for one GPU (aot_compile's compile-only devices): unrolled, as XLA:GPU copies a scan's weight slices;
+  # a multi-device mesh keeps the scan its sharding rules name, a TPU reads the slices in place
+  one_device = lambda platform, n=1: types.SimpleNamespace(size=n, devices=np.array(
+      [types.SimpleNamespace(platform=platform)] * n))
+  assert resolve_layer_loop("auto", abstract, one_device("gpu")) is LayerLoop.UNROLLED
+  assert resolve_layer_loop("auto", abstract, one_device("gpu", 2)) is LayerLoop.SCAN
+  assert resolve_layer_loop("auto", abstract, one_device("tpu")) is LayerLoop.SCAN
   with pytest.raises(ValueError, match="layer_loop"):
     RunnerConfig(layer_loop="sideways")
 

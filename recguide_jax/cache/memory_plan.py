@@ -165,10 +165,12 @@ def _nbytes(tree) -> int:
 
 
 def _transient_bytes(compiled, persistent: int) -> int:
-  """Temporaries + inputs and outputs that are neither weights nor cache (donated outputs alias the cache)."""
+  """Temporaries + inputs and outputs that are neither weights nor cache (donated outputs alias the cache). At
+  least the temporaries: a step that does not read some weights (a decode: the draft LoRA) has them pruned from its
+  arguments."""
   m = compiled.memory_analysis()
-  return int(m.temp_size_in_bytes + m.argument_size_in_bytes - persistent + m.output_size_in_bytes -
-             m.alias_size_in_bytes)
+  return int(max(m.temp_size_in_bytes, m.temp_size_in_bytes + m.argument_size_in_bytes - persistent
+                 + m.output_size_in_bytes - m.alias_size_in_bytes))
 
 
 def measure_activation(cfg, dtype: str, runner_config, kinds: Sequence[str], block_sizes: Sequence[int], *,

@@ -61,9 +61,11 @@ class LayerLoop(_WeightArrangement):
   depth.
   UNROLLED: one module per layer with its own weight buffers, run by a Python loop, each layer compiled apart:
   XLA:CPU copies every weight slice a scan takes on every step, a second trip to memory for weights larger than
-  the last-level cache (measurements: docs/cpu_tuning.md).
-  AUTO: UNROLLED for concrete weights on a CPU device without a mesh whose bytes exceed the host's last-level
-  cache; SCAN otherwise (accelerators, meshes, models that fit the cache, abstract weights).
+  the last-level cache (measurements: docs/cpu_tuning.md), and so does XLA:GPU (a device-to-device copy of each
+  layer's matrices before its GEMMs, more under rematerialization: docs/aot/aot_compile.md); libtpu reads them in
+  place.
+  AUTO: UNROLLED on one GPU, and for concrete weights on a CPU device without a mesh whose bytes exceed the host's
+  last-level cache; SCAN otherwise (TPUs, multi-device meshes, models that fit the cache, abstract CPU weights).
   """
   AUTO = "auto"
   SCAN = "scan"
@@ -352,16 +354,30 @@ def layer_loop_of(model: NLDModel) -> LayerLoop:
 
 def resolve_layer_loop(loop: LayerLoop | str, model: NLDModel, mesh=None, cache_bytes: int | None = None
                        ) -> LayerLoop:
-  """AUTO -> UNROLLED for concrete weights on a CPU device with no mesh that exceed `cache_bytes` (default: the
-  host's last-level cache; unknown: never), else SCAN (see `LayerLoop`)."""
+  """AUTO -> UNROLLED on one GPU (concrete weights there, or abstract ones compiled for a one-device GPU mesh), and
+  for concrete weights on a CPU device with no mesh that exceed `cache_bytes` (default: the host's last-level
+  cache; unknown: never); else SCAN (see `LayerLoop`)."""
   loop = LayerLoop.parse(loop)
   if loop is not LayerLoop.AUTO:
     return loop
-  if weights_platform(model) != "cpu" or mesh is not None:
+  if mesh is not None and mesh.size > 1:
+    return LayerLoop.SCAN  # the sharding rules name the stacked layers
+  platform = weights_platform(model)
+  if platform in ("gpu", "cuda") or (platform is None and _mesh_device_platform(mesh) in ("gpu", "cuda")):
+    return LayerLoop.UNROLLED
+  if platform != "cpu" or mesh is not None:
     return LayerLoop.SCAN
   cache_bytes = host_cpu.last_level_cache_bytes() if cache_bytes is None else cache_bytes
   weight_bytes = sum(x.nbytes for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
   return LayerLoop.UNROLLED if cache_bytes is not None and weight_bytes > cache_bytes else LayerLoop.SCAN
+
+
+def _mesh_device_platform(mesh) -> str | None:
+  """The platform of a mesh's devices (compile-only ones included); None without a mesh or for an AbstractMesh."""
+  try:
+    return mesh.devices.flat[0].platform if mesh is not None else None
+  except (AttributeError, ValueError):
+    return None
 
 
 def weights_platform(model: NLDModel) -> str | None:
