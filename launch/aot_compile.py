@@ -79,8 +79,8 @@ def as_json(report) -> dict:
   return {"plan": report.plan.as_dict(), "plan_summary": report.plan.summary(),
           "probe_reserve_bytes": report.probe_reserve_bytes,
           "replans": [{"reserve_bytes": r, "variant": n, "transient_bytes": t} for r, n, t in report.replans],
-          "cache_bytes_per_device": report.cache_bytes_per_device, "variants": variants,
-          "fits": True, "ok": not report.problems}
+          "cache_bytes_per_device": report.cache_bytes_per_device, "layer_loop": report.layer_loop,
+          "variants": variants, "fits": True, "ok": not report.problems}
 
 
 def markdown(runs: list[dict]) -> str:
@@ -94,21 +94,23 @@ def markdown(runs: list[dict]) -> str:
            "that leaves 10% of the budget to activations, where the plan starts; memory_plan.fit_activation). A run "
            "is OK "
            "when every variant's temporaries are under the limit of the cache, its transient memory within the "
-           "reserve, and no step sorts the vocabulary.", "",
-           "| model | target | tp | policy | variants | weights GB | KV cache GB | reserve GB (first) | largest temp GB "
-           "(variant) | largest transient GB (variant) | compile s (sum) | OK |",
-           "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+           "reserve, and no step sorts the vocabulary. Layers: the layer loop the target runs (`--layer_loop auto`: "
+           "unrolled on GPUs, where XLA:GPU copies the weight slices a scan takes; scan on TPUs).", "",
+           "| model | target | tp | policy | layers | variants | weights GB | KV cache GB | reserve GB (first) | "
+           "largest temp GB (variant) | largest transient GB (variant) | compile s (sum) | OK |",
+           "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
   for r in sorted(runs, key=lambda r: (r["preset"], r["target"], r["tp"], r["policy"])):
     if not r["fits"]:
-      lines.append(f"| {r['preset']} | {r['target']} | {r['tp']} | {r['policy']} | - | - | - | - | - | - | - | does "
-                   f"not fit: {r['error']} |")
+      lines.append(f"| {r['preset']} | {r['target']} | {r['tp']} | {r['policy']} | - | - | - | - | - | - | - | - | "
+                   f"does not fit: {r['error']} |")
       continue
     vs, plan = r["variants"], r["plan"]
     top = max(vs, key=lambda v: v["temp_bytes"])
     peak = max(vs, key=lambda v: v["transient_bytes"])
     first = f" ({gb(r['probe_reserve_bytes'])})" if r.get("probe_reserve_bytes") else ""
     problems = sorted({p.split(" (")[0] for v in vs for p in v["problems"]})
-    lines.append(f"| {r['preset']} | {r['target']} | {r['tp']} | {r['policy']} | {len(vs)} ({r['scope']}) | "
+    lines.append(f"| {r['preset']} | {r['target']} | {r['tp']} | {r['policy']} | {r.get('layer_loop', 'scan')} | "
+                 f"{len(vs)} ({r['scope']}) | "
                  f"{gb(plan['weights_bytes'])} | {gb(r['cache_bytes_per_device'])} | "
                  f"{gb(plan['activation_bytes'] or 0)}{first} | {gb(top['temp_bytes'])} ({top['variant']}) | "
                  f"{gb(peak['transient_bytes'])} ({peak['variant']}) | {sum(v['compile_s'] for v in vs):.0f} | "

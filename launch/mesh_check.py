@@ -32,6 +32,8 @@ _MAX_TOKENS = flags.DEFINE_integer("max_tokens", 24, "Tokens per prompt.")
 _MAX_NUM_SEQS = flags.DEFINE_integer("max_num_seqs", 2, "Requests decoded together (batch buckets 1..this).")
 _CHI_SQUARE = flags.DEFINE_string("chi_square", "", "A mesh to run the sampling chi-square test in ('' : skip).")
 _SAMPLES = flags.DEFINE_integer("samples", 1000, "Samples of the chi-square test.")
+_LAYER_LOOP = flags.DEFINE_enum("layer_loop", "auto", ["auto", "scan", "unrolled"],
+                                "serve.py's --layer_loop (auto: scan on CPU meshes; GPU meshes run unrolled).")
 _OUTPUT_DIR = flags.DEFINE_string("output_dir", None, "Write the JSON report to <output_dir>/mesh_check.json.")
 
 PROMPTS = ["Natalia sold clips to 48 of her friends in April, and then she sold half as many clips in May.",
@@ -77,8 +79,9 @@ def _model_and_prompts():
 
 def _llm(model, mesh):
   from recguide_jax import LLM
-  return LLM(model=model, policy="ar", max_num_seqs=_MAX_NUM_SEQS.value, max_model_len=160, page_size=16, prefill_chunk=32,
-             block_sizes=(8, 16, 32), warmup=False, compile_cache_dir=None, mesh=mesh)
+  return LLM(model=model, policy="ar", max_num_seqs=_MAX_NUM_SEQS.value, max_model_len=160, page_size=16,
+             prefill_chunk=32, block_sizes=(8, 16, 32), warmup=False, compile_cache_dir=None, mesh=mesh,
+             layer_loop=_LAYER_LOOP.value)
 
 
 def _generate(llm, name, prompts, tables):

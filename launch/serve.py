@@ -68,9 +68,9 @@ _ATTENTION = flags.DEFINE_enum("attention", "auto", ["auto", "reference", "palla
                                "Attention implementation: Pallas kernels on GPU/TPU, the jnp reference on CPU.")
 _LAYER_LOOP = flags.DEFINE_enum("layer_loop", "auto", ["auto", "scan", "unrolled"],
                                 "How the forward runs the decoder layers: scan (stacked weights, compiled once; "
-                                "TPU, meshes), unrolled (a module per layer: XLA:CPU and XLA:GPU copy every weight "
-                                "a scan slices, in every step), auto (unrolled on one GPU, and on a CPU device "
-                                "without a mesh when the weights exceed its last-level cache; else scan).")
+                                "TPU), unrolled (a module per layer: XLA:CPU and XLA:GPU copy every weight a scan "
+                                "slices, in every step), auto (unrolled on GPUs, and on a CPU device without a mesh "
+                                "when the weights exceed its last-level cache; else scan).")
 _KERNEL_LAYOUT = flags.DEFINE_enum("kernel_layout", "auto", ["auto", "in_out", "out_in"],
                                    "How the dense layers hold their kernels: in_out (the checkpoint's; GPU/TPU, "
                                    "meshes), out_in (transposed at load; XLA:CPU runs decode-sized matmuls with "

@@ -149,8 +149,8 @@ def test_a_request_with_controls_waits_for_its_variants_while_the_others_run(tin
   import threading
 
   from recguide_jax import LLM
-  llm = LLM(model=tiny_model, policy="linear", block_size=8, max_num_seqs=2, max_model_len=128, page_size=8,
-            prefill_chunk=16, compile_cache_dir=None, background_compile=True)
+  llm = LLM(model=tiny_model, policy="ar", max_num_seqs=2, max_model_len=128, page_size=8, prefill_chunk=16,
+            compile_cache_dir=None, background_compile=True)
   runner, eng = llm.runner, llm.engine
   try:
     assert runner.wait_background(timeout=600)

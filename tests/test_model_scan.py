@@ -125,13 +125,13 @@ def test_layer_loop_resolves_and_round_trips(tiny_model):
   abstract = nnx.eval_shape(lambda: NLDModel(CFG))
   assert resolve_layer_loop("auto", abstract, cache_bytes=1024) is LayerLoop.SCAN  # lowers for other devices
   assert Runner.abstract(CFG, _runner_config(8), jnp.float32).layer_loop is LayerLoop.SCAN
-  # compiled for one GPU (aot_compile's compile-only devices): unrolled, as XLA:GPU copies a scan's weight slices;
-  # a multi-device mesh keeps the scan its sharding rules name, a TPU reads the slices in place
-  one_device = lambda platform, n=1: types.SimpleNamespace(size=n, devices=np.array(
+  # compiled for GPUs (aot_compile's compile-only devices): unrolled, as XLA:GPU copies a scan's weight slices; a
+  # TPU reads the slices in place
+  devices = lambda platform, n=1: types.SimpleNamespace(size=n, devices=np.array(
       [types.SimpleNamespace(platform=platform)] * n))
-  assert resolve_layer_loop("auto", abstract, one_device("gpu")) is LayerLoop.UNROLLED
-  assert resolve_layer_loop("auto", abstract, one_device("gpu", 2)) is LayerLoop.SCAN
-  assert resolve_layer_loop("auto", abstract, one_device("tpu")) is LayerLoop.SCAN
+  assert resolve_layer_loop("auto", abstract, devices("gpu")) is LayerLoop.UNROLLED
+  assert resolve_layer_loop("auto", abstract, devices("gpu", 2)) is LayerLoop.UNROLLED
+  assert resolve_layer_loop("auto", abstract, devices("tpu", 4)) is LayerLoop.SCAN
   with pytest.raises(ValueError, match="layer_loop"):
     RunnerConfig(layer_loop="sideways")
 

@@ -164,6 +164,48 @@ def test_runner_without_mesh_is_unchanged():
   assert sharding.constrain(x, "batch", "act_embed") is x
 
 
+_UNROLLED_ON_A_MESH = """
+import json, sys
+sys.path.insert(0, {tests!r})
+import jax
+from flax import nnx
+from conftest import tiny_config
+from recguide_jax import LLM, SamplingParams
+from recguide_jax.model.nld import NLDModel
+from recguide_jax.parallel import sharding
+model = NLDModel(tiny_config(), rngs=nnx.Rngs(1))
+prompts = [[5, 9, 14, 3, 77], [40, 41, 42]]
+params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+out = {{}}
+for name, kw in (("one", {{}}), ("tp2", {{"mesh": "tp=2", "layer_loop": "unrolled"}})):
+  llm = LLM(model=model, policy="linear", block_size=8, max_num_seqs=2, max_model_len=64, page_size=8,
+            prefill_chunk=16, warmup=False, compile_cache_dir=None, **kw)
+  out[name] = [list(o.outputs[0].token_ids) for o in llm.generate(prompts, params, use_tqdm=False)]
+  if name == "tp2":
+    out["loop"] = llm.runner.layer_loop.value
+    out["specs"] = {{sharding._path_name(p): str(x.sharding.spec) for p, x in
+                    jax.tree_util.tree_flatten_with_path(llm.runner.state)[0]
+                    if sharding._path_name(p).startswith("layers.1.") and sharding._path_name(p).endswith("kernel")}}
+print(json.dumps(out))
+"""
+
+
+def test_unrolled_layers_on_a_tp_mesh_keep_their_shardings_and_tokens():
+  """The unrolled layer loop (a GPU mesh's default: XLA:GPU copies the weight slices a scan takes) on 2 simulated
+  CPU devices at tp=2: each layer's weights sit on the stacked rule without the layer axis, and greedy LinearSS
+  gives one device's tokens."""
+  env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+  env["XLA_FLAGS"] = COMPILE_FLAGS + " --xla_force_host_platform_device_count=2"
+  proc = subprocess.run([sys.executable, "-c", _UNROLLED_ON_A_MESH.format(tests=os.path.join(REPO, "tests"))],
+                        cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
+  assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+  out = json.loads(proc.stdout.strip().splitlines()[-1])
+  assert out["loop"] == "unrolled" and out["tp2"] == out["one"]
+  specs = out["specs"]
+  assert specs["layers.1.self_attn.q_proj.kernel"] == "P(None, 'tp')"
+  assert specs["layers.1.mlp.down_proj.kernel"] == "P('tp',)"
+
+
 def test_mesh_equality_on_eight_cpu_devices(tmp_path):
   """dp=2,tp=4 on 8 simulated CPU devices (two groups of 4, each with the tiny model's 2 KV heads replicated 2x):
   greedy AR and LinearSS 8 give the tokens of one device, logits within 1e-4, nothing compiles after warm-up, and

@@ -61,6 +61,7 @@ class TargetReport:
   variants: tuple[VariantReport, ...]
   probe_reserve_bytes: int = 0  # the first reserve: the largest variant of each kind (memory_plan.fit_activation)
   replans: tuple = ()  # (reserve, variant over it, its transient) per re-plan
+  layer_loop: str = "scan"  # how the compiled forward runs the layers (nld.resolve_layer_loop for the target)
 
   @property
   def problems(self) -> dict[str, list[str]]:
@@ -176,4 +177,4 @@ def plan_and_compile(cfg, target: Target, *, policy: str, tp: int, dtype: str = 
                + (f"  PROBLEM: {'; '.join(flags)}" if flags else ""))
   return TargetReport(target=target.name, policy=policy, tp=tp, plan=plan, cache_bytes_per_device=cache_bytes,
                       temp_limit=temp_limit, variants=tuple(reports), probe_reserve_bytes=fitted.probe.base_bytes,
-                      replans=tuple(fitted.rounds))
+                      replans=tuple(fitted.rounds), layer_loop=runner.layer_loop.value)

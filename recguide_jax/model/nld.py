@@ -64,8 +64,9 @@ class LayerLoop(_WeightArrangement):
   the last-level cache (measurements: docs/cpu_tuning.md), and so does XLA:GPU (a device-to-device copy of each
   layer's matrices before its GEMMs, more under rematerialization: docs/aot/aot_compile.md); libtpu reads them in
   place.
-  AUTO: UNROLLED on one GPU, and for concrete weights on a CPU device without a mesh whose bytes exceed the host's
-  last-level cache; SCAN otherwise (TPUs, multi-device meshes, models that fit the cache, abstract CPU weights).
+  AUTO: UNROLLED on GPUs (one or a mesh), and for concrete weights on a CPU device without a mesh whose bytes
+  exceed the host's last-level cache; SCAN otherwise (TPUs, CPU meshes, models that fit the cache, abstract CPU
+  weights).
   """
   AUTO = "auto"
   SCAN = "scan"
@@ -354,14 +355,12 @@ def layer_loop_of(model: NLDModel) -> LayerLoop:
 
 def resolve_layer_loop(loop: LayerLoop | str, model: NLDModel, mesh=None, cache_bytes: int | None = None
                        ) -> LayerLoop:
-  """AUTO -> UNROLLED on one GPU (concrete weights there, or abstract ones compiled for a one-device GPU mesh), and
-  for concrete weights on a CPU device with no mesh that exceed `cache_bytes` (default: the host's last-level
-  cache; unknown: never); else SCAN (see `LayerLoop`)."""
+  """AUTO -> UNROLLED on GPUs (concrete weights there, or abstract ones compiled for a GPU mesh), and for concrete
+  weights on a CPU device with no mesh that exceed `cache_bytes` (default: the host's last-level cache; unknown:
+  never); else SCAN (see `LayerLoop`)."""
   loop = LayerLoop.parse(loop)
   if loop is not LayerLoop.AUTO:
     return loop
-  if mesh is not None and mesh.size > 1:
-    return LayerLoop.SCAN  # the sharding rules name the stacked layers
   platform = weights_platform(model)
   if platform in ("gpu", "cuda") or (platform is None and _mesh_device_platform(mesh) in ("gpu", "cuda")):
     return LayerLoop.UNROLLED
@@ -397,8 +396,15 @@ def with_layer_loop(model: NLDModel, loop: LayerLoop | str) -> NLDModel:
   graphdef, state = nnx.split(model.layers)
   num_layers = model.cfg.num_hidden_layers
   if loop is LayerLoop.UNROLLED:
-    def row(x, i):
-      return jax.ShapeDtypeStruct(x.shape[1:], x.dtype) if isinstance(x, jax.ShapeDtypeStruct) else x[i]
+    def row(x, i):  # layer i's weight, on the sharding of the stacked one without its layer axis
+      placed = getattr(x, "sharding", None)
+      if isinstance(placed, jax.sharding.NamedSharding):
+        placed = jax.sharding.NamedSharding(placed.mesh, jax.sharding.PartitionSpec(*tuple(placed.spec)[1:]))
+      else:
+        placed = None
+      if isinstance(x, jax.ShapeDtypeStruct):
+        return jax.ShapeDtypeStruct(x.shape[1:], x.dtype, sharding=placed)
+      return x[i] if placed is None else jax.device_put(x[i], placed)
     layers = nnx.List([nnx.merge(graphdef, jax.tree.map(lambda x: row(x, i), state)) for i in range(num_layers)])
   else:
     per_layer = [nnx.split(layer)[1] for layer in model.layers]
