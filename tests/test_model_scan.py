@@ -132,6 +132,11 @@ def test_layer_loop_resolves_and_round_trips(tiny_model):
   assert resolve_layer_loop("auto", abstract, devices("gpu")) is LayerLoop.UNROLLED
   assert resolve_layer_loop("auto", abstract, devices("gpu", 2)) is LayerLoop.UNROLLED
   assert resolve_layer_loop("auto", abstract, devices("tpu", 4)) is LayerLoop.SCAN
+  # concrete weights: only with room on their devices for the per-layer copy (stats as a GPU reports them)
+  from recguide_jax.model import nld
+  assert not nld._room_to_unroll(tiny_model, lambda d: {"bytes_limit": 1 << 20, "bytes_in_use": (1 << 20) - 1000})
+  assert nld._room_to_unroll(tiny_model, lambda d: {"bytes_limit": 1 << 40, "bytes_in_use": 0})
+  assert nld._room_to_unroll(tiny_model)  # a CPU device reports no stats
   with pytest.raises(ValueError, match="layer_loop"):
     RunnerConfig(layer_loop="sideways")
 

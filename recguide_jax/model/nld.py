@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import logging
 import math
 import re
 
@@ -363,12 +364,33 @@ def resolve_layer_loop(loop: LayerLoop | str, model: NLDModel, mesh=None, cache_
     return loop
   platform = weights_platform(model)
   if platform in ("gpu", "cuda") or (platform is None and _mesh_device_platform(mesh) in ("gpu", "cuda")):
-    return LayerLoop.UNROLLED
+    return LayerLoop.UNROLLED if _room_to_unroll(model) else LayerLoop.SCAN
   if platform != "cpu" or mesh is not None:
     return LayerLoop.SCAN
   cache_bytes = host_cpu.last_level_cache_bytes() if cache_bytes is None else cache_bytes
   weight_bytes = sum(x.nbytes for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
   return LayerLoop.UNROLLED if cache_bytes is not None and weight_bytes > cache_bytes else LayerLoop.SCAN
+
+
+def _room_to_unroll(model: NLDModel, memory_stats=lambda device: device.memory_stats()) -> bool:
+  """Whether each device holding the stacked layer weights has the memory to copy them into per-layer buffers
+  (unrolling holds both until the stacked arrays are freed); abstract weights and devices without memory stats:
+  yes."""
+  need: dict = {}
+  for x in jax.tree.leaves(nnx.state(model.layers, nnx.Param)):
+    if not isinstance(x, jax.Array) or isinstance(x, jax.core.Tracer):
+      return True
+    for shard in x.addressable_shards:
+      need[shard.device] = need.get(shard.device, 0) + shard.data.nbytes
+  for device, nbytes in need.items():
+    stats = memory_stats(device)
+    free = stats["bytes_limit"] - stats.get("bytes_in_use", 0) if stats and "bytes_limit" in stats else None
+    if free is not None and free < 1.05 * nbytes:
+      logging.getLogger(__name__).warning(
+          "--layer_loop auto: %s has %.2f GB free, the unrolled copy of the layers needs %.2f GB; keeping the "
+          "scanned layers", device, free / 1e9, nbytes / 1e9)
+      return False
+  return True
 
 
 def _mesh_device_platform(mesh) -> str | None:
