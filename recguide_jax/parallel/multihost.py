@@ -219,6 +219,8 @@ def follow(runner, timeout_s: float = 24 * 3600.0, client=None) -> int:
   """Runs every step the leader publishes, in order, until it stops; returns the number of steps run."""
   import jax
   client = client or _client()
+  # the leader publishes a call once it can run it: a variant this process lacks is compiled here, in line
+  runner.defer_unplanned = False
   outputs: dict[int, tuple] = {}
   n = 0
   while True:
