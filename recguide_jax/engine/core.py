@@ -237,9 +237,9 @@ class Engine:
           rows = [(r, p) for r, p in zip(group.reqs[i:i + self.rc.max_batch],
                                          group.planned[i:i + self.rc.max_batch]) if not r.finished]
           if rows:
-            block_of = {id(r): p for r, p in rows}
-            self._run_or_wait([r for r, _ in rows], lambda rs, group=group, block_of=block_of: self.run_round(
-                Batch(group.round, group.block, rs, np.array([block_of[id(r)] for r in rs], np.int64))))
+            self._run_or_wait(rows, lambda rows, group=group: self.run_round(Batch(
+                group.round, group.block, [r for r, _ in rows], np.array([p for _, p in rows], np.int64))),
+                request=lambda row: row[0])
     return self.scheduler.take_finished()
 
   @property
@@ -251,19 +251,20 @@ class Engine:
     """Lets a background compile run instead of stepping in a spin (call when `stalled_on_compile`)."""
     self.runner.wait_background(timeout)
 
-  def _run_or_wait(self, reqs: list[Request], run) -> None:
-    """`run(reqs)`; if a variant it needs is compiling in the background (VariantNotReady, raised before anything
-    ran), the requests with sampling controls (their variants are compiled on first use) wait this step and the
-    others run without them; if they need it too, they all wait."""
+  def _run_or_wait(self, rows: list, run, request=lambda row: row) -> None:
+    """`run(rows)` (each row a request, or what `request` takes it from); if a variant it needs is compiling in the
+    background (VariantNotReady, raised before anything ran), the requests with sampling controls (their variants
+    are compiled on first use) wait this step and the others run without them; if they need it too, they all
+    wait."""
     try:
-      run(reqs)
+      run(rows)
       self._ran_this_step = True
       return
     except VariantNotReady:
       self._waited_on_compile = True
-    others = [r for r in reqs if r.sampling.controls is None]
-    if others and len(others) < len(reqs):
-      self._run_or_wait(others, run)
+    others = [row for row in rows if request(row).sampling.controls is None]
+    if others and len(others) < len(rows):
+      self._run_or_wait(others, run, request)
 
   def _view(self, reqs: Sequence[Request]) -> StepView:
     return StepView(self.step_count, tuple(reqs), self.rc.max_batch, self.rc.max_model_len, self.rc.max_block,

@@ -363,7 +363,7 @@ def resolve_layer_loop(loop: LayerLoop | str, model: NLDModel, mesh=None, cache_
   if loop is not LayerLoop.AUTO:
     return loop
   platform = weights_platform(model)
-  if platform in ("gpu", "cuda") or (platform is None and _mesh_device_platform(mesh) in ("gpu", "cuda")):
+  if platform in ("gpu", "cuda") or (platform is None and sharding.mesh_platform(mesh) in ("gpu", "cuda")):
     return LayerLoop.UNROLLED if _room_to_unroll(model) else LayerLoop.SCAN
   if platform != "cpu" or mesh is not None:
     return LayerLoop.SCAN
@@ -393,14 +393,6 @@ def _room_to_unroll(model: NLDModel, memory_stats=lambda device: device.memory_s
   return True
 
 
-def _mesh_device_platform(mesh) -> str | None:
-  """The platform of a mesh's devices (compile-only ones included); None without a mesh or for an AbstractMesh."""
-  try:
-    return mesh.devices.flat[0].platform if mesh is not None else None
-  except (AttributeError, ValueError):
-    return None
-
-
 def weights_platform(model: NLDModel) -> str | None:
   """The platform ("cpu", "gpu", "tpu") the model's weights live on; None for abstract weights."""
   leaf = jax.tree.leaves(nnx.state(model.embed_tokens, nnx.Param))[0]
@@ -419,11 +411,9 @@ def with_layer_loop(model: NLDModel, loop: LayerLoop | str) -> NLDModel:
   num_layers = model.cfg.num_hidden_layers
   if loop is LayerLoop.UNROLLED:
     def row(x, i):  # layer i's weight, on the sharding of the stacked one without its layer axis
-      placed = getattr(x, "sharding", None)
-      if isinstance(placed, jax.sharding.NamedSharding):
-        placed = jax.sharding.NamedSharding(placed.mesh, jax.sharding.PartitionSpec(*tuple(placed.spec)[1:]))
-      else:
-        placed = None
+      stacked = getattr(x, "sharding", None)
+      placed = (jax.sharding.NamedSharding(stacked.mesh, jax.sharding.PartitionSpec(*tuple(stacked.spec)[1:]))
+                if isinstance(stacked, jax.sharding.NamedSharding) else None)
       if isinstance(x, jax.ShapeDtypeStruct):
         return jax.ShapeDtypeStruct(x.shape[1:], x.dtype, sharding=placed)
       return x[i] if placed is None else jax.device_put(x[i], placed)

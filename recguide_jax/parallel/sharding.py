@@ -159,6 +159,15 @@ def abstract_mesh(shape: MeshShape) -> jax.sharding.AbstractMesh:
   return jax.sharding.AbstractMesh((shape.dp, shape.tp), MESH_AXES, axis_types=(jax.sharding.AxisType.Auto,) * 2)
 
 
+def mesh_platform(mesh) -> str | None:
+  """The platform of a mesh's devices, compile-only ones included (what its variants compile for); None without a
+  mesh or for an AbstractMesh (it lowers for a platform named then)."""
+  try:
+    return mesh.devices.flat[0].platform if mesh is not None else None
+  except ValueError:
+    return None
+
+
 def mesh_size(mesh, axis: str) -> int:
   if mesh is None or mesh.empty or axis not in mesh.axis_names:
     return 1

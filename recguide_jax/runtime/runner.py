@@ -130,14 +130,6 @@ class VerifyResult:
 VERIFY_RESULTS = len(dataclasses.fields(VerifyResult)) - 2  # a decode's or verify's outputs before its next inputs
 
 
-def _mesh_platform(mesh) -> str | None:
-  """The platform a mesh's variants compile for; None for an AbstractMesh (it lowers for a platform named then)."""
-  try:
-    return mesh.devices.flat[0].platform
-  except ValueError:
-    return None
-
-
 def _spec_of(x) -> jax.ShapeDtypeStruct:
   return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=getattr(x, "sharding", None))
 
@@ -161,7 +153,8 @@ class Runner:
     self.config = config
     self.mesh = mesh
     self.layer_loop = resolve_layer_loop(config.layer_loop, model, mesh)
-    self.platform = _mesh_platform(mesh) if mesh is not None else weights_platform(model) or jax.default_backend()
+    self.platform = (sharding.mesh_platform(mesh) if mesh is not None
+                     else weights_platform(model) or jax.default_backend())
     self.kernel_layout = resolve_kernel_layout(config.kernel_layout, model, mesh)
     self.graphdef, self.state = nnx.split(with_kernel_layout(with_layer_loop(model, self.layer_loop),
                                                              self.kernel_layout))
