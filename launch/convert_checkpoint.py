@@ -21,6 +21,11 @@ _HF_DIR = flags.DEFINE_string("hf_dir", None,
 _GGUF = flags.DEFINE_string("gguf", None, "A llama.cpp GGUF file of a Llama model (any GGML type; dequantized).")
 _MASK_TOKEN = flags.DEFINE_string("mask_token", None, "--gguf only: the vocabulary token NLD drafting uses as its mask "
                                   "(default: the GGUF's mask token, else its highest spare control token).")
+_DRAFT_HEAD = flags.DEFINE_enum("draft_head", "next_position", ["next_position", "same_position"],
+                                "--gguf only: how the model drafts a block. next_position: as its AR head was trained "
+                                "(a causal block, the logits at position i draft token i + 1); same_position: as NLD "
+                                "(a bidirectional block, each masked position drafts itself), for an adapter trained "
+                                "that way.")
 _OUTPUT_DIR = flags.DEFINE_string("output_dir", None, "Output directory (config.json + params/ + tokenizer files).")
 _DTYPE = flags.DEFINE_enum("dtype", "bfloat16", ["bfloat16", "float32"], "dtype of the stored params.")
 _LORA_DIR = flags.DEFINE_string("lora_dir", None, "Optional PEFT draft LoRA directory (adapter_config.json + "
@@ -47,6 +52,8 @@ def main(argv):
     return
   if _MASK_TOKEN.value is not None:
     _fail("--mask_token applies to --gguf only (an NLD checkpoint names its mask token)")
+  if flags.FLAGS["draft_head"].present:
+    _fail("--draft_head applies to --gguf only (an NLD checkpoint drafts as it was trained: same_position)")
   if not os.path.isdir(hf_dir):
     _fail(f"--hf_dir: {hf_dir} is not a directory")
   if not os.path.isfile(os.path.join(hf_dir, "config.json")):
@@ -82,7 +89,7 @@ def _convert_gguf(gguf_path: str) -> None:
 
   try:
     cfg = gguf.convert_gguf_checkpoint(gguf_path, _OUTPUT_DIR.value, dtype=_DTYPE.value, mask_token=_MASK_TOKEN.value,
-                                       lora_dir=_LORA_DIR.value)
+                                       lora_dir=_LORA_DIR.value, draft_head=_DRAFT_HEAD.value)
   except (ConfigError, CheckpointError, OSError) as e:
     _fail(f"--gguf {gguf_path}: {e}")
   lora = (f", draft LoRA r={cfg.lora_rank} alpha={cfg.lora_alpha:g} on {','.join(cfg.lora_target_modules)}"

@@ -94,7 +94,8 @@ def _fused_inputs(runner, drafted, prefix_len, blk: int):
   from recguide_jax.recguide import overlap as ov
   branches = [ov.Branch(ov.CORRECTION, blk // 4, 4), ov.Branch(ov.CORRECTION, blk // 2, 5),
               ov.Branch(ov.CONTINUATION, blk)][:ov.MAX_BRANCHES]
-  rows = [ov.tree_layout(blk, d, branches, int(p), runner.cfg.mask_token_id) for d, p in zip(drafted, prefix_len)]
+  rows = [ov.tree_layout(blk, d, branches, int(p), runner.cfg.mask_token_id,
+                           head=runner.cfg.draft_head) for d, p in zip(drafted, prefix_len)]
   return tuple(np.stack([r[i] for r in rows]) for i in range(5))  # tokens, positions, mask, lora, write
 
 

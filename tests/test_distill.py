@@ -143,10 +143,15 @@ def test_generate_targets_resumes_and_rejects_other_prompts(tmp_path, tiny_llm):
   assert all(w[:4].sum() == 0 and w[4:].all() for w in weights)
 
 
-def test_exported_adapter_checkpoint_serves_lossless(tmp_path, base_dir):
+@pytest.mark.parametrize("head", ["same_position", "next_position"])
+def test_exported_adapter_checkpoint_serves_lossless(tmp_path, base_dir, head):
   from recguide_jax import LLM
   from recguide_jax import SamplingParams
   from recguide_jax.decoding.builtin import ARStrategy, LinearStrategy
+  if head != "same_position":
+    base_dir = tmp_path / head
+    ckpt_lib.save_model(base_dir, NLDModel(tiny_config(draft_head=head), rngs=nnx.Rngs(3)))
+    (base_dir / "MODEL_CARD.md").write_text("tiny")
   tr = _trainer(tmp_path, base_dir)
   tr.run()
   out = tmp_path / "exported"
@@ -175,7 +180,8 @@ def test_exported_adapter_checkpoint_serves_lossless(tmp_path, base_dir):
   model = ckpt_lib.load_model(out)
   x0 = jnp.asarray([prompt + served[:8]], jnp.int32)
   xt = jnp.where((jnp.arange(24) % 8 == 0)[None], x0, model.cfg.mask_token_id)
-  logits = distill.draft_logits(model, xt, x0, 8)[0, 16:24].at[:, model.cfg.mask_token_id].set(-jnp.inf)
+  logits = distill.draft_logits(model, xt, x0, 8, model.cfg.mask_token_id, model.cfg.draft_head)[0, 16:24]
+  logits = logits.at[:, model.cfg.mask_token_id].set(-jnp.inf)
   trained_conf = np.asarray(jnp.max(jax.nn.softmax(logits, axis=-1), axis=-1))
   np.testing.assert_allclose(served_conf[1:], trained_conf[1:], atol=1e-4)
 

@@ -11,15 +11,18 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from pallas_kernels.common import NEG_INF
 
 
-def sbd_training_attention(q: jax.Array, k: jax.Array, v: jax.Array, block_size: int, scale: float) -> jax.Array:
+def sbd_training_attention(q: jax.Array, k: jax.Array, v: jax.Array, block_size: int, scale: float,
+                           in_block: np.ndarray | None = None) -> jax.Array:
   """Attention of the doubled training sequence [x_t | x_0] under the sbd_block_diff mask, without materialising
   the [2L, 2L] score matrix (half of it is always masked):
   - clean queries: causal over clean keys;
-  - noisy queries: clean keys of earlier blocks plus the noisy keys of their own block (bidirectional).
+  - noisy queries: clean keys of earlier blocks plus the noisy keys of their own block (bidirectional, or as
+    `in_block` [block, block] allows: a causal draft block).
   q: [b, 2L, Hq, D]; k, v: [b, 2L, Hkv, D]. Equal to `block_attention_ref` with `sbd_block_diff_mask`.
   """
   b, two_l, hq, d = q.shape
@@ -51,6 +54,8 @@ def sbd_training_attention(q: jax.Array, k: jax.Array, v: jax.Array, block_size:
   vb = v_noisy.reshape(b, nb, block_size, hkv, d)
   s_nn = jnp.einsum("bnqhgd,bnkhd->bhgnqk", qb, kb, preferred_element_type=jnp.float32) * scale
   s_nn = s_nn.reshape(b, hkv, g, n, block_size)
+  if in_block is not None and not in_block.all():
+    s_nn = jnp.where(jnp.asarray(in_block)[pos % block_size], s_nn, NEG_INF)
   p = jax.nn.softmax(jnp.concatenate([s_nc, s_nn], axis=-1), axis=-1).astype(v.dtype)
   p_nc, p_nn = p[..., :n], p[..., n:].reshape(b, hkv, g, nb, block_size, block_size)
   out_noisy = (jnp.einsum("bhgqk,bkhd->bqhgd", p_nc, v_clean, preferred_element_type=jnp.float32) +

@@ -13,7 +13,9 @@ tokenizer_config.json.
 NLD drafts with a mask token, which a plain Llama vocabulary lacks. Unless the GGUF names one
 (`tokenizer.ggml.mask_token_id`) or the caller does, the mask is the highest-id control token that is none of
 bos/eos/pad/unk and does not occur in the chat template: a reserved token a chat never produces (SmolLM2's
-`<empty_output>`), so AR serving is unaffected and drafting runs, poorly, until a draft adapter is trained.
+`<empty_output>`), so AR serving is unaffected. The model drafts with its own head (`DraftHead.NEXT_POSITION`:
+a causal block whose logits at position i draft token i + 1), so its first draft token is its own greedy token
+before any draft adapter is trained; an adapter teaches the mask tokens to look further ahead.
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, 
 from tqdm import tqdm
 
 from recguide_jax.model.checkpoint import CONFIG_FILE, param_shapes, save_params
-from recguide_jax.model.config import NLDConfig
+from recguide_jax.model.config import DraftHead, NLDConfig
 from recguide_jax.convert.hf import OUT_DTYPES, ConversionError
 
 TOKENIZER_FILE = "tokenizer.json"
@@ -79,7 +81,8 @@ def _clean_float(value) -> float:
   return float(str(np.float32(value)))
 
 
-def read_config(reader: gguf.GGUFReader, *, mask_token: str | None = None, block_size: int = 32) -> NLDConfig:
+def read_config(reader: gguf.GGUFReader, *, mask_token: str | None = None, block_size: int = 32,
+                draft_head: DraftHead | str = DraftHead.NEXT_POSITION) -> NLDConfig:
   """The NLDConfig of a llama GGUF (see the module docstring for the mask token)."""
   arch = _field(reader, "general.architecture")
   if arch != ARCHITECTURE:
@@ -118,7 +121,7 @@ def read_config(reader: gguf.GGUFReader, *, mask_token: str | None = None, block
       rope_theta=_clean_float(_field(reader, f"{arch}.rope.freq_base", 10000.0)), rope_factor=1.0,
       original_max_position_embeddings=context, llama_4_scaling_beta=0.0, mask_token_id=mask, bos_token_id=bos,
       eos_token_ids=eos_ids, pad_token_id=None if pad is None else int(pad), block_size=block_size,
-      tie_word_embeddings=not any(t.name == "output.weight" for t in reader.tensors))
+      tie_word_embeddings=not any(t.name == "output.weight" for t in reader.tensors), draft_head=draft_head)
 
 
 def _mask_token_id(reader, tokens, token_types, template: str, mask_token: str | None, reserved: set[int]) -> int:
@@ -213,7 +216,7 @@ def _dequantized(t: gguf.ReaderTensor) -> np.ndarray:
 
 def convert_gguf_checkpoint(gguf_path: str | os.PathLike, out_dir: str | os.PathLike, *, dtype: str = "float32",
                             mask_token: str | None = None, lora_dir: str | os.PathLike | None = None,
-                            progress: bool = True) -> NLDConfig:
+                            draft_head: DraftHead | str = DraftHead.NEXT_POSITION, progress: bool = True) -> NLDConfig:
   """Converts the llama GGUF at `gguf_path` into our format in `out_dir`; returns the config. `lora_dir`: a PEFT
   draft adapter trained for this model (convert/peft.py: LoRA factors and the mask token's embedding row).
 
@@ -229,7 +232,7 @@ def convert_gguf_checkpoint(gguf_path: str | os.PathLike, out_dir: str | os.Path
     reader = gguf.GGUFReader(gguf_path)
   except (ValueError, OSError) as e:
     raise ConversionError(f"{gguf_path} is not a readable GGUF file: {e}") from e
-  cfg = read_config(reader, mask_token=mask_token)
+  cfg = read_config(reader, mask_token=mask_token, draft_head=draft_head)
   tokenizer = build_tokenizer(reader)
   plan = _tensor_plan(reader, cfg)
   lora_flat, token_rows = {}, {}

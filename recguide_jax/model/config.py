@@ -10,6 +10,7 @@ the field's name rather than silently falling back to a default.
 from __future__ import annotations
 
 import dataclasses
+import enum
 import json
 import os
 from typing import Any, Mapping
@@ -21,6 +22,17 @@ LORA_TARGET_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_
 # The block sizes of speculative decoding (NLD's, and what RecGuide's tables are fitted for): the one definition
 # the runtime, the engine and RecGuide import.
 BLOCK_SIZES = (8, 16, 32)
+
+
+class DraftHead(str, enum.Enum):
+  """How the model drafts a block: what its draft was trained to read (config.json `draft_head`)."""
+  # NLD's: a bidirectional block; the logits at a masked position draft that position's token; the draft adapter
+  # is on for the whole block.
+  SAME_POSITION = "same_position"
+  # An AR model's (a converted Llama): a causal block; the logits at position i draft token i + 1, as its head was
+  # trained to; the adapter is on for mask tokens only, so the seed's prediction is the verifier's own and greedy
+  # drafting accepts at least two tokens per block before any adapter training.
+  NEXT_POSITION = "next_position"
 
 
 class ConfigError(ValueError):
@@ -64,8 +76,14 @@ class NLDConfig:
   lora_rank: int = 0
   lora_alpha: float = 0.0
   lora_target_modules: tuple[str, ...] = ("o_proj",)
+  draft_head: DraftHead = DraftHead.SAME_POSITION
 
   def __post_init__(self):
+    try:
+      object.__setattr__(self, "draft_head", DraftHead(self.draft_head))
+    except ValueError:
+      raise ConfigError(f"config field 'draft_head' must be one of {[h.value for h in DraftHead]}, "
+                        f"got {self.draft_head!r}") from None
     positive = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
                 "num_key_value_heads", "head_dim", "max_position_embeddings", "original_max_position_embeddings",
                 "block_size")
@@ -198,7 +216,7 @@ class NLDConfig:
         block_size=int(raw.get("block_size", 32)), tie_word_embeddings=raw.get("tie_word_embeddings", False),
         lora_rank=int(lora.get("r", 0)), lora_alpha=float(lora.get("lora_alpha", 0.0)),
         lora_target_modules=_target_modules(lora.get("target_modules", ["o_proj"])),
-        **kwargs)
+        draft_head=raw.get("draft_head", DraftHead.SAME_POSITION.value), **kwargs)
 
   def to_hf_dict(self) -> dict[str, Any]:
     rope: dict[str, Any] = {"rope_type": self.rope_type, "rope_theta": self.rope_theta}
@@ -222,6 +240,7 @@ class NLDConfig:
         "eos_token_id": list(self.eos_token_ids) if len(self.eos_token_ids) > 1 else self.eos_token_ids[0],
         "pad_token_id": self.pad_token_id, "block_size": self.block_size,
         "tie_word_embeddings": self.tie_word_embeddings, "attention_bias": False, "mlp_bias": False,
+        "draft_head": self.draft_head.value,
     }
     if self.lora_rank:
       out["draft_lora"] = {"r": self.lora_rank, "lora_alpha": self.lora_alpha,

@@ -34,7 +34,8 @@ from recguide_jax.attention import reference as attn_lib
 from recguide_jax.attention import dispatch as attention_dispatch
 from recguide_jax.runtime import host_cpu
 from recguide_jax.parallel import sharding
-from recguide_jax.model.config import NLDConfig
+from recguide_jax.model import draft_head
+from recguide_jax.model.config import DraftHead, NLDConfig
 from recguide_jax.cache.kv_cache import KVCache, write_block
 from recguide_jax.model import rope
 from recguide_jax.model.params import flatten_params, unflatten_params
@@ -116,6 +117,7 @@ class ForwardInputs:
   # Training only: the tokens are [x_t | x_0] under the sbd_block_diff mask with this block size (block_mask is
   # then ignored and the structured attention skips the half of the scores that is always masked).
   train_block_size: int | None = None
+  train_draft_head: DraftHead = DraftHead.SAME_POSITION  # how its noisy blocks see themselves (model/draft_head.py)
   # A ragged step: tokens/positions/lora_mask are the packed [1, T]; block_mask [R, Qrow, Qrow], kv_write [R, Qrow],
   # prefix_len [R] and page_table [R, P] are per row of `ragged`'s row layout
   ragged: RaggedLayout | None = None
@@ -227,7 +229,8 @@ class Attention(nnx.Module):
       cache = KVCache(*write_block(cache.k, cache.v, k, v, inp.page_table, positions, inp.kv_write, layer,
                                    as_rows=attention_dispatch.tracing_platform() == "tpu"))
     if inp.train_block_size:
-      out = attn_lib.sbd_training_attention(q, k, v, inp.train_block_size, cfg.head_dim ** -0.5)
+      out = attn_lib.sbd_training_attention(q, k, v, inp.train_block_size, cfg.head_dim ** -0.5,
+                                            draft_head.block_mask(inp.train_draft_head, inp.train_block_size))
     else:
       out = attention_dispatch.block_attention(
         q, k, v, inp.block_mask, k_pages=cache.k if cache is not None else None,

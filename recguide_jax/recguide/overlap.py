@@ -9,7 +9,8 @@ the crossing count K, the paper's final rule ("margin_risk_no_p3") plans specula
 
 The verify forward and every branch draft run in ONE forward with a flattened shared-prefix ("tree") layout: the
 B verifier tokens, then B tokens per branch. A branch block token sees the committed KV, the verifier tokens
-before its branch point `pre` (P_k for a correction, B for the continuation) and its own block bidirectionally;
+before its branch point `pre` (P_k for a correction, B for the continuation) and its own block as the model's draft
+reads one (bidirectionally for NLD);
 verifier tokens are causal among themselves. Positions put each branch block exactly where the next round's block
 will sit if it is confirmed. Only the verifier tokens are committed; draft LoRA is on for branch tokens only.
 
@@ -26,6 +27,8 @@ from typing import Sequence
 import numpy as np
 
 from pallas_kernels.common import causal_mask
+from recguide_jax.model import draft_head
+from recguide_jax.model.config import DraftHead
 
 MAX_BRANCHES = 3  # the paper's tree: up to P1, P2 and the continuation (the default number of branch slots)
 MAX_SLOTS = 8  # the widest fused tree offered: 9B query tokens per request
@@ -118,9 +121,10 @@ def plan_expected_hit(signals: np.ndarray, block: int, *, generated: int, commit
 
 
 def tree_layout(block: int, draft: np.ndarray, branches: Sequence[Branch], committed: int, mask_token_id: int,
-                slots: int = MAX_BRANCHES):
+                slots: int = MAX_BRANCHES, head: DraftHead = DraftHead.SAME_POSITION):
   """One request's flattened tree: Q = (1 + slots) B query tokens (the verifier block, then `slots` branch slots;
-  unused slots are inert).
+  unused slots are inert). A branch block is read as the model drafts (`head`: its in-block mask and the tokens the
+  draft adapter is on for).
 
   Returns tokens [Q], positions [Q], mask [Q, Q] (bool, row = query), lora [Q], write [Q].
   """
@@ -145,8 +149,8 @@ def tree_layout(block: int, draft: np.ndarray, branches: Sequence[Branch], commi
       if br.kind == CORRECTION:
         tokens[lo] = br.alt
       mask[sl, :br.pre] = True  # the verifier tokens before the branch point (same K/V as a committed prefix)
-      mask[sl, sl] = True  # the block itself, bidirectionally
-      lora[sl] = True
+      mask[sl, sl] = draft_head.block_mask(head, block)  # the block itself, as a draft reads it
+      lora[sl] = draft_head.adapter_rows(head, tokens[sl], mask_token_id)
     else:  # inert slot: sees only itself
       positions[sl] = committed + np.arange(block)
       mask[np.arange(lo, lo + block), np.arange(lo, lo + block)] = True

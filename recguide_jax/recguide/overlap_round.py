@@ -83,7 +83,8 @@ class OverlapRound(Round):
     lora = np.zeros((b, qn), bool)
     write = np.zeros((b, qn), bool)
     for i in range(n):
-      t, pos, m, lo, w = ov.tree_layout(blk, drafts[i], plans[i], int(batch.prefix_len[i]), mask_id, slots)
+      t, pos, m, lo, w = ov.tree_layout(blk, drafts[i], plans[i], int(batch.prefix_len[i]), mask_id, slots,
+                                       runner.cfg.draft_head)
       tokens[i], positions[i], mask[i], lora[i], write[i] = t[:qn], pos[:qn], m[:qn, :qn], lo[:qn], w[:qn]
     res, br_tok, br_sig = runner.fused(tokens, positions, mask, lora, write, batch.prefix_len, batch.page_table,
                                        batch.samp, blk)

@@ -18,6 +18,8 @@ import numpy as np
 from flax import nnx
 
 from pallas_kernels.common import causal_mask
+from recguide_jax.model import draft_head
+from recguide_jax.model.config import DraftHead
 from recguide_jax.model.nld import ForwardInputs, NLDModel, RaggedLayout
 from recguide_jax.parallel import sharding
 from recguide_jax.runtime import sampling
@@ -240,7 +242,7 @@ class StepFunctions:
 
   def _draft(self, blk: int):
     cfg = self.cfg
-    mask = jnp.ones((blk, blk), bool)
+    mask = jnp.asarray(draft_head.block_mask(cfg.draft_head, blk))
 
     def fn(state, cache, inputs: DraftInputs):
       seed, prefix_len, page_table = inputs.seed, inputs.prefix_len, inputs.page_table
@@ -248,10 +250,12 @@ class StepFunctions:
       b = seed.shape[0]
       tokens = jnp.full((b, blk), cfg.mask_token_id, jnp.int32).at[:, 0].set(seed)
       positions = prefix_len[:, None] + jnp.arange(blk)[None, :]
-      lora_mask = jnp.ones((b, blk), bool) if cfg.lora_rank else None  # the draft adapter is on for every token
+      lora_mask = draft_head.adapter_rows(cfg.draft_head, tokens, cfg.mask_token_id) if cfg.lora_rank else None
       inp = ForwardInputs(tokens=tokens, positions=positions, block_mask=mask, prefix_len=prefix_len,
                           page_table=page_table, lora_mask=lora_mask)
-      logits, _ = self._model(state)(inp, cache)
+      model = self._model(state)
+      h, _ = model.hidden(inp, cache)
+      logits = model.logits(draft_head.align(cfg.draft_head, h, blk))
       # the controls as of the committed output (any draft distribution keeps the verify lossless; this one is
       # closer to the verifier's, so more of it is accepted)
       q = sampling.processed_probs(logits, temperature, top_k, top_p, cfg.mask_token_id, controls)
@@ -335,6 +339,8 @@ class StepFunctions:
                           page_table=page_table, kv_write=write, lora_mask=lora if cfg.lora_rank else None)
       model = self._model(state)
       h, cache = model.hidden(inp, cache)
+      if branches and cfg.draft_head is not DraftHead.SAME_POSITION:
+        h = jnp.concatenate([h[:, :blk], draft_head.align(cfg.draft_head, h[:, blk:], blk)], axis=1)
       vocab = vocab_shard_size(cfg.vocab_size)
       # one head matmul over every position when its logits are small; else the verified block's here and the
       # branches' in position slices below, so the step never holds [b, (1 + slots) B, V] float32 (issue 33: 1.9 GB
@@ -367,6 +373,8 @@ class StepFunctions:
       else:
         br_tok, sig = map_position_slices(lambda h_slice, *rest: branch_drafts(model.logits(h_slice), *rest),
                                           (h[:, blk:], br_in, first), vocab)
+      if cfg.draft_head is DraftHead.NEXT_POSITION:  # a continuation's slot 0 (the bonus) is the verifier's own token
+        br_tok = jnp.where(first & (br_in == cfg.mask_token_id), out[:, blk - 1:blk], br_tok)
       sig = sig.reshape(b, branches, blk, 3).swapaxes(2, 3)
       return (cache, accepted, out, lp, top_lp, top_ids, ent, br_tok.reshape(b, branches, blk), sig)
 
@@ -377,7 +385,7 @@ class StepFunctions:
     position plus every masked position whose confidence >= threshold; stop when no mask is left or an EOS has
     no mask before it. Rows whose loop is done stop changing; `steps` counts each row's forwards."""
     cfg = self.cfg
-    mask = jnp.ones((blk, blk), bool)
+    mask = jnp.asarray(draft_head.block_mask(cfg.draft_head, blk))
     eos = jnp.asarray(cfg.eos_token_ids, jnp.int32)
 
     def fn(state, cache, inputs: DenoiseInputs):
@@ -408,7 +416,8 @@ class StepFunctions:
         live = running(tokens)
         inp = ForwardInputs(tokens=tokens, positions=positions, block_mask=mask, prefix_len=prefix_len,
                             page_table=page_table)
-        logits, _ = model(inp, cache)
+        h, _ = model.hidden(inp, cache)
+        logits = model.logits(draft_head.align(cfg.draft_head, h, blk))
         raw = jax.nn.softmax(sampling.exclude_token(logits, cfg.mask_token_id), axis=-1)
         probs = sampling.processed_probs(logits, temperature, top_k, top_p, cfg.mask_token_id)
         step_keys = jax.vmap(lambda k: jax.random.fold_in(k, i))(typed)
@@ -442,12 +451,16 @@ class StepFunctions:
       layout, j = ragged_layout(row_len, width, total)
       prefix_len = jnp.where(row_len > 0, prefix_len, 0)  # a row with no draft reads no prefix
       tokens = jnp.full((rows, width), cfg.mask_token_id, jnp.int32).at[:, 0].set(seed)
-      mask = jnp.arange(width)[None, None, :] < row_len[:, None, None]  # [R, width, width]: the row's own block
-      inp = ragged_inputs(layout, j, tokens, prefix_len, page_table, mask, None,
-                          jnp.ones((1, total), bool) if cfg.lora_rank else None)
+      # [R, width, width]: the row's own block
+      mask = jnp.asarray(draft_head.block_mask(cfg.draft_head, width))[None] & (
+          jnp.arange(width)[None, None, :] < row_len[:, None, None])
+      inp = ragged_inputs(layout, j, tokens, prefix_len, page_table, mask, None, None)
+      if cfg.lora_rank:
+        inp = dataclasses.replace(inp, lora_mask=draft_head.adapter_rows(cfg.draft_head, inp.tokens, cfg.mask_token_id))
       model = self._model(state)
       h, _ = model.hidden(inp, cache)
-      logits = model.logits(h[0][layout.token])  # [R, width, V]: the head runs on each row's slots
+      # [R, width, V]: the head runs on each row's slots
+      logits = model.logits(draft_head.align(cfg.draft_head, h[0][layout.token], width))
       q = sampling.processed_probs(logits, temperature, top_k, top_p, cfg.mask_token_id)
       drafted = sampling.draw(sampling.stream_keys(keys, sampling.DRAFT_STREAM), q, temperature <= 0)
       drafted = drafted.at[:, 0].set(seed)

@@ -30,6 +30,8 @@ import optax
 from flax import nnx
 
 from recguide_jax.model import checkpoint as ckpt_lib
+from recguide_jax.model import draft_head
+from recguide_jax.model.config import DraftHead
 from recguide_jax.model.params import flatten_params, unflatten_params
 from recguide_jax.model.nld import ForwardInputs, NLDModel
 from recguide_jax.train import data as data_lib
@@ -129,23 +131,29 @@ def with_mask_embedding(frozen: nnx.State, mask_embed: jax.Array | None, mask_to
   return nnx.State({**frozen, "embed_tokens": nnx.State({**frozen["embed_tokens"], "embedding": new})})
 
 
-def draft_logits(model, xt: jax.Array, x0: jax.Array, block_size: int) -> jax.Array:
-  """Noisy-stream logits of the doubled sequence [x_t | x_0] (sbd block-diffusion mask), LoRA on x_t only."""
+def draft_logits(model, xt: jax.Array, x0: jax.Array, block_size: int, mask_token_id: int,
+                 head: DraftHead = DraftHead.SAME_POSITION) -> jax.Array:
+  """The draft's logits for each token of x_t [b, L] (index i drafts token i), from the doubled sequence
+  [x_t | x_0] under the sbd block-diffusion mask, read as `head` drafts in serving (its in-block mask, the draft
+  adapter on x_t's tokens it is on for, the position that drafts each token; model/draft_head.py)."""
   b, n = x0.shape
   pos = jnp.arange(n)
+  lora = jnp.concatenate([draft_head.adapter_rows(head, xt, mask_token_id), jnp.zeros((b, n), bool)], axis=1)
   inp = ForwardInputs(tokens=jnp.concatenate([xt, x0], axis=1),
                       positions=jnp.broadcast_to(jnp.concatenate([pos, pos]), (b, 2 * n)), block_mask=None,
-                      train_block_size=block_size, scale_positions=jnp.broadcast_to(jnp.arange(2 * n), (b, 2 * n)),
-                      lora_mask=jnp.broadcast_to(jnp.arange(2 * n) < n, (b, 2 * n)))
+                      train_block_size=block_size, train_draft_head=head,
+                      scale_positions=jnp.broadcast_to(jnp.arange(2 * n), (b, 2 * n)), lora_mask=lora)
   logits, _ = model(inp)
-  return logits[:, :n]
+  return draft_head.align(head, logits[:, :n], block_size)
 
 
 def draft_distill_loss(model, x0: jax.Array, weight: jax.Array, key: jax.Array, block_size: int, mask_token_id: int,
-                       mode_probs: tuple[float, float, float]):
+                       mode_probs: tuple[float, float, float], head: DraftHead = DraftHead.SAME_POSITION):
   """Mean CE of the draft on masked continuation tokens. Returns (loss, metrics)."""
   xt, masked, _ = draft_noise(key, x0, block_size, mask_token_id, mode_probs)
-  logits = draft_logits(model, xt, x0, block_size)
+  if head is DraftHead.NEXT_POSITION:  # a block's first token is drafted by no position of its block
+    masked = masked & (jnp.arange(x0.shape[1]) % block_size != 0)[None, :]
+  logits = draft_logits(model, xt, x0, block_size, mask_token_id, head)
   lp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
   ce = -jnp.take_along_axis(lp, x0[..., None], axis=-1)[..., 0]
   w = masked * weight
@@ -155,14 +163,15 @@ def draft_distill_loss(model, x0: jax.Array, weight: jax.Array, key: jax.Array, 
   return loss, {"loss": loss, "draft_ce": loss, "draft_acc": acc}
 
 
-def seeded_accept_proxy(model, x0: jax.Array, weight: jax.Array, block_size: int, mask_token_id: int):
+def seeded_accept_proxy(model, x0: jax.Array, weight: jax.Array, block_size: int, mask_token_id: int,
+                        head: DraftHead = DraftHead.SAME_POSITION):
   """LinearSS on teacher-forced blocks: for every block whose tokens are all continuation tokens, the draft sees
   the clean prefix and the block's first token, and greedy verification would accept 1 + the number of leading
   draft positions equal to the verifier's greedy tokens (the targets). Returns (sum of accepted lengths, blocks)."""
   b, n = x0.shape
   first = (jnp.arange(n) % block_size == 0)[None, :]
   xt = jnp.where(first, x0, mask_token_id)
-  logits = draft_logits(model, xt, x0, block_size)
+  logits = draft_logits(model, xt, x0, block_size, mask_token_id, head)
   ok = (jnp.argmax(logits, -1) == x0).reshape(b, n // block_size, block_size)
   lead = jnp.sum(jnp.cumprod(ok[..., 1:], axis=-1), axis=-1) + 1
   full = jnp.all(weight.reshape(b, n // block_size, block_size) > 0, axis=-1)
@@ -270,7 +279,8 @@ class DraftLoraTrainer(Trainer):
 
     def step_fn(lora, opt_state, frozen, x0, weight, rng):
       def loss_fn(p):
-        return draft_distill_loss(self._merge(p, frozen), x0, weight, rng, block_size, mask_id, dc.mode_probs)
+        return draft_distill_loss(self._merge(p, frozen), x0, weight, rng, block_size, mask_id, dc.mode_probs,
+                                  self.cfg.draft_head)
 
       (_, metrics), grads = jax.value_and_grad(loss_fn, has_aux=True)(lora)
       updates, opt_state = self.tx.update(grads, opt_state, lora)
@@ -304,7 +314,7 @@ class DraftLoraTrainer(Trainer):
       if blk not in self._proxy:
         mask_id = self.cfg.mask_token_id
         self._proxy[blk] = jax.jit(lambda p, f, x, w, blk=blk: seeded_accept_proxy(
-            self._merge(p, f), x, w, blk, mask_id))
+            self._merge(p, f), x, w, blk, mask_id, self.cfg.draft_head))
       total = count = 0
       for i in range(n):
         x0, w = val.weighted_batch(i)
