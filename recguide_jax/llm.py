@@ -221,7 +221,8 @@ class LLM:
       enable_compile_cache(config.compile_cache_dir)
     self.memory_plan = memory_plan.plan_for_device(
         cfg, dtype=dtype, runner_config=config, kinds=self._kinds, block_sizes=self._kind_sizes, fraction=fraction,
-        device_memory_gb=device_memory_gb, num_pages=num_pages or None, attention=attention, mesh=mesh)
+        device_memory_gb=device_memory_gb, num_pages=num_pages or None, attention=attention, mesh=mesh,
+        model=model if checkpoint_dir is None else None)
     logging.info("%s", self.memory_plan.summary())
     from recguide_jax.parallel import data_parallel  # mesh: 'dp=2,tp=4', a MeshShape or a jax Mesh (sharding.py)
     self.mesh = data_parallel.resolve_mesh(mesh)

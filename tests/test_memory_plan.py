@@ -102,6 +102,36 @@ def test_refuses_fixed_pages_over_budget_and_names_the_most_that_fit():
   assert room == _plan().num_pages  # the same number the fraction alone would plan
 
 
+class _DeviceInUse:
+  """A device whose allocator reports `limit` bytes, `in_use` of them handed out."""
+  platform = "gpu"
+  id = 0
+  device_kind = "test GPU"
+
+  def __init__(self, limit, in_use):
+    self.stats = {"bytes_limit": int(limit), "bytes_in_use": int(in_use)}
+
+  def memory_stats(self):
+    return self.stats
+
+
+def test_refuses_a_plan_beside_memory_another_engine_holds():
+  # a second LLM in one process used to plan 0.9 of the whole device and fail at its first step (seen on an H200)
+  dev = _DeviceInUse(100 * GB, 50 * GB)
+  plan = _plan(device_bytes=int(100 * GB))
+  with pytest.raises(mp.MemoryPlanError, match=r"held by other arrays.*at most 0\.50"):
+    mp.check_free(plan, dev)
+  mp.check_free(plan, dev, resident=int(45 * GB))  # the plan's own weights, already loaded, are not "other"
+  mp.check_free(plan, _DeviceInUse(100 * GB, 5 * GB))  # small holdings (constants, prompts) leave room
+  mp.check_free(_plan(device_bytes=None, fraction=None, num_pages=1000), dev)  # unknown memory: unchecked
+  with pytest.raises(mp.MemoryPlanError, match="held by other arrays"):  # before any probe compile
+    mp.plan_for_device(PRESETS["nld-8b"], dtype="bfloat16", runner_config=RunnerConfig(max_model_len=4096),
+                       kinds=("verify",), block_sizes=(16,), device=dev, measure=False)
+  # a stated device size is the user's own account: not checked against the allocator
+  mp.plan_for_device(PRESETS["nld-8b"], dtype="bfloat16", runner_config=RunnerConfig(max_model_len=4096),
+                     kinds=("verify",), block_sizes=(16,), device=dev, measure=False, device_memory_gb=100)
+
+
 def test_bad_options_are_named():
   with pytest.raises(mp.MemoryPlanError, match="--gpu_memory_utilization must be in"):
     _plan(fraction=1.5)

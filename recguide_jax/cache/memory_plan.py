@@ -464,6 +464,45 @@ def device_memory_bytes(device) -> int | None:
   return int(stats["bytes_limit"]) if stats and stats.get("bytes_limit") else None
 
 
+def device_bytes_in_use(device) -> int | None:
+  """Bytes the device's allocator has handed out now (`bytes_in_use`), or None where the backend reports none."""
+  try:
+    stats = device.memory_stats()
+  except Exception:  # some backends raise instead of returning None
+    return None
+  return int(stats["bytes_in_use"]) if stats and "bytes_in_use" in stats else None
+
+
+def resident_bytes(model, device) -> int:
+  """Bytes of `model`'s arrays (weights, adapters) already held on `device`: the plan counts them as its own."""
+  import jax
+  from flax import nnx
+  total = 0
+  for x in jax.tree.leaves(nnx.state(model)):
+    if isinstance(x, jax.Array) and not isinstance(x, jax.core.Tracer):
+      total += sum(s.data.nbytes for s in x.addressable_shards if s.device == device)
+  return total
+
+
+def check_free(plan: MemoryPlan, device, resident: int = 0) -> None:
+  """Refuses a plan the device cannot hold beside what this process already keeps there (another LLM, an engine
+  not yet freed): vLLM's startup check. `resident`: bytes of the plan's own weights already on the device."""
+  in_use = device_bytes_in_use(device)
+  if in_use is None or plan.device_bytes is None:
+    return
+  held = max(in_use - resident, 0)
+  free = plan.device_bytes - held
+  if plan.total_bytes <= free:
+    return
+  most = max(free / plan.device_bytes, 0.0)
+  raise MemoryPlanError(
+      f"memory plan does not fit beside what this process already holds on {plan.device}: it needs "
+      f"{_gb(plan.total_bytes)} (--gpu_memory_utilization {plan.fraction or DEFAULT_FRACTION:.2f} of "
+      f"{_gb(plan.device_bytes)}), but {_gb(held)} is held by other arrays (another LLM or engine still alive?), "
+      f"leaving {_gb(max(free, 0))}; free them first, or lower --gpu_memory_utilization to at most {most:.2f} "
+      f"(or --num_pages)")
+
+
 def device_description(device) -> str:
   kind = getattr(device, "device_kind", "") or ""
   return f"{device.platform}:{device.id}" + (f" ({kind})" if kind and kind.lower() != device.platform else "")
@@ -472,7 +511,7 @@ def device_description(device) -> str:
 def plan_for_device(cfg, *, dtype: str, runner_config, kinds: Sequence[str], block_sizes: Sequence[int],
                     fraction: float | None = None, device_memory_gb: float | None = None,
                     num_pages: int | None = None, attention: str = "auto", device=None,
-                    measure: bool = True, mesh=None) -> MemoryPlan:
+                    measure: bool = True, mesh=None, model=None) -> MemoryPlan:
   """The plan of a server about to start on `device` (default: the first jax device), before anything is loaded.
 
   `mesh` ('dp=2,tp=4', a MeshShape or a jax Mesh): the plan is per device of a dp group's tp mesh (each group holds
@@ -480,7 +519,10 @@ def plan_for_device(cfg, *, dtype: str, runner_config, kinds: Sequence[str], blo
 
   Device memory: `device_memory_gb` if stated, else the allocator's limit (GPU/TPU). Known memory means the plan
   comes from it (fraction default 0.9) with a measured activation peak; unknown memory (CPU) means the cache is
-  sized from the flags as before, and `fraction` alone is an error naming --device_memory_gb."""
+  sized from the flags as before, and `fraction` alone is an error naming --device_memory_gb.
+
+  The allocator's limit is the whole device: arrays this process already holds there (another LLM), other than
+  `model`'s own weights, must leave the plan room, or it is refused (`check_free`) before anything is allocated."""
   import jax
   tp, group = 1, None
   if mesh is not None:
@@ -502,7 +544,12 @@ def plan_for_device(cfg, *, dtype: str, runner_config, kinds: Sequence[str], blo
       max_num_seqs=runner_config.max_batch, max_block=runner_config.max_block, device=name,
       device_bytes=device_bytes, fraction=fraction, num_pages=num_pages, weights=weights_bytes(cfg, dtype, tp),
       tp=tp)
-  if device_bytes is None or not measure:
+  if device_bytes is None:
+    return plan()
+  resident = resident_bytes(model, device) if model is not None else 0
+  if device_memory_gb is None:  # a stated size is the user's own account of the device
+    check_free(plan(), device, resident)
+  if not measure:
     return plan()
   plan()  # refuses at once (before the probe's compiles) what cannot fit even without activations
   if device.platform == "cpu":  # a stated --device_memory_gb: XLA:CPU copies the cache in a donated update
@@ -512,5 +559,8 @@ def plan_for_device(cfg, *, dtype: str, runner_config, kinds: Sequence[str], blo
   # the warm-up then compiles the same programs (from the compile cache when one is set)
   runner_at = lambda n: _abstract_runner(cfg, dtype, dataclasses.replace(runner_config, num_pages=n), attention,
                                          group if tp > 1 else None)
-  return fit_activation(plan, runner_at, lambda r: r.variants(tuple(kinds), tuple(block_sizes)),
-                        backend=device.platform).plan
+  fitted = fit_activation(plan, runner_at, lambda r: r.variants(tuple(kinds), tuple(block_sizes)),
+                          backend=device.platform).plan
+  if device_memory_gb is None:
+    check_free(fitted, device, resident)
+  return fitted
