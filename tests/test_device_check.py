@@ -24,6 +24,8 @@ def test_device_check_tiny_on_cpu(tmp_path):
   assert report["kernels"]["ok"] and report["kernels"]["interpret"]
   assert set(report["kernels"]["max_abs_err"]) == {"causal", "full", "tree"}
   assert report["lossless"] == {"linear": True, "recguide": True}
+  assert report["divergence"] == {"linear": [], "recguide": []} and report["tie_margin"] == 0.0  # float32: exact
+  assert 0 < report["decisive_share"] <= 1
   assert [r["concurrency"] for r in report["decode"]] == [1]
   assert report["decode"][0]["tokens_per_s"] > 0 and 0 < report["decode"][0]["roofline_fraction"]
   assert report["compiles_during_timed_decode"] == 0

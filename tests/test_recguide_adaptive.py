@@ -87,6 +87,16 @@ def test_shipped_b200_profiles():
   assert p8.ar_cost(4) == pytest.approx(p8.cost(4, 8) / 2)
 
 
+def test_shipped_h200_profile_is_measured():
+  # launch/profile.py on an H200 (random NLD-8B weights): every field measured, nothing estimated
+  p = pf.load_profile("h200_nld8b")
+  assert p.device == "NVIDIA H200" and p.backend == "gpu" and "launch/profile.py" in p.source
+  assert p.levels == (1, 4, 16, 64) and p.block_sizes == (8, 16, 32)
+  assert not p.fused_estimated and not p.ar_estimated
+  assert p.fused_cost(1, 16) < p.cost(1, 16)  # at C = 1 a fused tree costs about one verify, not draft + verify
+  assert p.fused_cost(64, 32) > p.cost(64, 32)  # at C = 64 it costs more than a whole round
+
+
 def test_profile_interpolation_and_clamping():
   p = pf.load_profile("b200_nld8b")
   assert p.cost(3, 8) == pytest.approx((10.955 + 16.572) / 2)
@@ -482,9 +492,10 @@ def test_fit_tables_end_to_end(tmp_path):
 
 def test_profile_script_random_tiny(tmp_path):
   out = tmp_path / "profile_cpu_tiny.json"
-  stdout = _run(["launch/profile.py", "--random_tiny", "--max-num-seqs=2", "--block_sizes=8", "--repeats=1",
+  # --concurrency: only the buckets asked for, every variant compiled before timing
+  stdout = _run(["launch/profile.py", "--random_tiny", "--concurrency=1,2", "--block_sizes=8", "--repeats=1",
                  "--prefix_len=32", "--name=cpu_tiny", f"--output_dir={tmp_path}"], timeout=240)
-  assert "wrote" in stdout
+  assert "wrote" in stdout and "(0 variants compiled after the warm-up)" in stdout
   p = pf.load_profile(out)
   assert p.levels == (1, 2) and p.block_sizes == (8,) and p.name == "cpu_tiny" and p.backend == "cpu"
   assert p.cost(1, 8) > 0 and not p.ar_estimated and p.draft_ms is not None

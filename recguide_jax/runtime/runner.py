@@ -280,9 +280,10 @@ class Runner:
       check_mapping_headroom()
     return compile_with_options(self.lower(key), self.compiler_options(key), dict(self.config.compiler_options))
 
-  def variants(self, kinds: Sequence[str | StepKind], block_sizes: tuple[int, ...] | None = None) -> list[StepKey]:
+  def variants(self, kinds: Sequence[str | StepKind], block_sizes: tuple[int, ...] | None = None,
+               batches: Sequence[int] | None = None) -> list[StepKey]:
     """Every variant the given step kinds (labels such as "fused2" allowed) need for `block_sizes` (default: the
-    configured ones), for every batch bucket."""
+    configured ones), for every batch bucket (or those of `batches`)."""
     sizes = self.config.block_sizes if block_sizes is None else block_sizes
     ragged = "ragged" in kinds  # every packed-token bucket of RAGGED_DRAFT and RAGGED_VERIFY
     kinds = [k for k in kinds if k != "ragged"]
@@ -290,7 +291,7 @@ class Runner:
     kind_set = {k for k, _ in parsed}
     slot_counts = [s for k, s in parsed if k == StepKind.FUSED]
     out: list[StepKey] = []
-    for b in self.buckets:
+    for b in self.buckets if batches is None else [b for b in self.buckets if b in batches]:
       if StepKind.PREFILL in kind_set:
         out.append(StepKey(StepKind.PREFILL, self.config.prefill_chunk, b))
       if StepKind.SCORE in kind_set:  # only when asked for: prompt logprobs
@@ -321,23 +322,24 @@ class Runner:
     return StepKey(kind, self.config.ragged_width, self.config.max_batch, tokens=fits[0])
 
   def warmup(self, kinds=("prefill", "draft", "verify"), block_sizes: tuple[int, ...] | None = None,
-             progress: bool = True, workers: int | None = None,
-             background: bool | None = None) -> dict[StepKey, float]:
-    """Compiles every variant `kinds` x `block_sizes` needs, `workers` at a time (default: one per CPU core, at most
-    `MAX_COMPILE_WORKERS`, which bounds the host memory of concurrent compiles on large VMs): the Python tracing of
-    one variant overlaps the XLA compilation of others, which runs outside the GIL. With `background` (default:
-    the config's `background_compile`) only the largest batch bucket is compiled here and the rest is queued on
-    the background compiler, smallest bucket first. Returns the seconds each variant compiled here took from its
+             progress: bool = True, workers: int | None = None, background: bool | None = None,
+             batches: Sequence[int] | None = None) -> dict[StepKey, float]:
+    """Compiles every variant `kinds` x `block_sizes` needs (for the batch buckets in `batches`, default every
+    bucket), `workers` at a time (default: one per CPU core, at most `MAX_COMPILE_WORKERS`, which bounds the host
+    memory of concurrent compiles on large VMs): the Python tracing of one variant overlaps the XLA compilation of
+    others, which runs outside the GIL. With `background` (default: the config's `background_compile`) only the
+    largest batch bucket planned is compiled here and the rest is queued on the background compiler, smallest
+    bucket first. Returns the seconds each variant compiled here took from its
     start (what was already compiled is skipped). Everything compiled after this, other than the background
     compiler's queue, counts in `compiles_after_warmup`."""
     background = self.config.background_compile if background is None else background
-    planned = self.variants(kinds, block_sizes)
+    planned = self.variants(kinds, block_sizes, batches)
     with self._compiled_lock:
       self._planned.update(planned)
     todo = [v for v in planned if v not in self._compiled]
     later: list[StepKey] = []
-    if background:
-      top = self.buckets[-1]
+    if background and planned:
+      top = max(v.batch for v in planned)
       later = sorted((v for v in todo if v.batch != top), key=lambda v: v.batch)
       todo = [v for v in todo if v.batch == top]
     self._refresh_ready()
