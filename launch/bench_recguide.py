@@ -329,6 +329,10 @@ def priced(llm, recguide, levels, params, data, tables_path):
   from recguide_jax import benchmarks as bench
   from recguide_jax.decoding.builtin import ARStrategy, LinearStrategy
   from recguide_jax.recguide import profile as prof_lib
+  # device-only prices credit none of the host time a pipelined call hides, so they must not charge its waste
+  # either: the call run ahead after a request's last one (an EOS the host had not read yet) is device work no
+  # decoding method needs, and it fell on the fixed policies only (RecGuide's speculative rounds do not run ahead)
+  llm.engine.pipeline = False
   profiles = {}
   for spec in FLAGS.price_profiles:
     path = spec if os.path.exists(spec) else os.path.join(ROOT, spec)
@@ -410,7 +414,7 @@ def priced(llm, recguide, levels, params, data, tables_path):
   meta = {"mode": "priced", "checkpoint": str(FLAGS.model or "bundled"), "data": data,
           "num_prompts": FLAGS.num_prompts, "max_tokens": FLAGS.max_tokens, "price_profiles": FLAGS.price_profiles,
           "recguide_tables": tables_path, "recguide_tie_margin": configs[-1][1].tie_margin, "command": command,
-          "compiles_after_warmup": llm.runner.compiles_after_warmup}
+          "compiles_after_warmup": llm.runner.compiles_after_warmup, "pipeline": llm.engine.pipeline}
   if FLAGS.unseen:
     from recguide_jax.benchmarks import unseen
     meta["unseen_prompt_sets"] = {"word_problems": os.path.relpath(unseen.WORD_PROBLEMS, ROOT),
@@ -460,7 +464,8 @@ def priced(llm, recguide, levels, params, data, tables_path):
   with open(out_md, "w") as f:
     f.write(f"Priced (`--mode=priced`): GSM8K test, {FLAGS.num_prompts} prompts, greedy, max {FLAGS.max_tokens} new "
             "tokens, a closed loop of C; each run's forward ledger priced with each profile; RecGuide decides with "
-            "the profile it is priced by (no wall-clock calibration). Reproduce (GSM8K from --gsm8k_dir or "
+            "the profile it is priced by (no wall-clock calibration); no call runs ahead (pipelining off: device "
+            "prices credit no host time, so they charge no call wasted after a stop). Reproduce (GSM8K from --gsm8k_dir or "
             "$RECGUIDE_GSM8K_DIR):\n\n"
             f"    {command}\n" + "\n".join(lines) + "\n" + notes)
   print("\n".join(lines))
