@@ -189,6 +189,11 @@ def main(argv):
     failures.append(f"kernel vs reference: {report['kernels']['max_abs_err']}")
 
   model, model_name = _model(on_accel)
+  if distributed.mesh_from_flags() is None:
+    # arranged for its layer loop once, here: each engine would otherwise copy the layers out of the stacked arrays
+    # this reference keeps alive, holding the weights twice (on a GPU 17 GB more for NLD-8B than its plan counts)
+    from recguide_jax.model.nld import LayerLoop, with_layer_loop
+    model = with_layer_loop(model, LayerLoop.AUTO)
   cfg = model.cfg
   report["model"] = model_name
   leaves = jax.tree.leaves(nnx.state(model, nnx.Param))

@@ -171,7 +171,11 @@ def main(argv):
                            compile_cache_dir=FLAGS.compile_cache_dir)
   from recguide_jax.parallel import data_parallel
   from recguide_jax.parallel import multihost as distributed
-  runner = data_parallel.build_runners(model, rc, distributed.mesh_from_flags())[0]  # no mesh: Runner(model, rc)
+  mesh = distributed.mesh_from_flags()
+  if mesh is None:  # arranged for its layer loop here, so that no stacked copy stays alive beside the runner's
+    from recguide_jax.model.nld import LayerLoop, with_layer_loop
+    model = with_layer_loop(model, LayerLoop.AUTO)
+  runner = data_parallel.build_runners(model, rc, mesh)[0]  # no mesh: Runner(model, rc)
   cfg = runner.cfg
   rng = np.random.default_rng(FLAGS.seed)
   has_fused = FLAGS.fused and hasattr(runner, "fused")

@@ -132,6 +132,9 @@ class LLM:
     """vLLM's names where they exist: `model` (a checkpoint directory: config.json, params/, tokenizer files;
     default `$RECGUIDE_CHECKPOINT`, else the bundled model; or an `NLDModel` already in memory), `max_num_seqs` (the
     most requests decoded together), `gpu_memory_utilization`, `max_model_len`, `dtype` ("auto": the checkpoint's).
+    An `NLDModel` passed in is arranged for its layer loop (`with_layer_loop`): on a GPU that copies stacked layers
+    into per-layer buffers, so a caller who keeps the stacked model holds its weights twice; pass one already
+    arranged (`with_layer_loop(model, "auto")`), as launch/device_check.py does.
 
     KV cache size: `num_pages` if given; else, where the device's memory is known (GPU/TPU, or stated by
     `device_memory_gb`), what `gpu_memory_utilization` (default 0.9) of it leaves after the weights and the
