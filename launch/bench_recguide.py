@@ -465,8 +465,8 @@ def priced(llm, recguide, levels, params, data, tables_path):
     f.write(f"Priced (`--mode=priced`): GSM8K test, {FLAGS.num_prompts} prompts, greedy, max {FLAGS.max_tokens} new "
             "tokens, a closed loop of C; each run's forward ledger priced with each profile; RecGuide decides with "
             "the profile it is priced by (no wall-clock calibration); no call runs ahead (pipelining off: device "
-            "prices credit no host time, so they charge no call wasted after a stop). Reproduce (GSM8K from --gsm8k_dir or "
-            "$RECGUIDE_GSM8K_DIR):\n\n"
+            "prices credit no host time, so they charge no call wasted after a stop). Reproduce (GSM8K from "
+            "--gsm8k_dir or $RECGUIDE_GSM8K_DIR):\n\n"
             f"    {command}\n" + "\n".join(lines) + "\n" + notes)
   print("\n".join(lines))
   print(f"wrote {out_json} and {out_md}")

@@ -2,10 +2,11 @@
 writes a "recguide-profile/1" JSON for launch/fit_tables.py and the regime switch.
 
 For every batch bucket C up to --max_num_seqs (or those --concurrency names) and every B, with every variant compiled
-first (--compile_workers at once): the median over --repeats (after --warmup untimed runs) of one draft + one verify forward for a full bucket of C requests at --prefix_len committed tokens, timed
-around `jax.block_until_ready`; one AR decode step (verify of a block of 1); and, when the runner has a fused
-verify+branches step (`Runner.fused`), one fused forward over a full tree (4B query tokens per request). Only the
-device steps are timed: no prefill, no host-side batch assembly, no scheduling (the B200 protocol times graph
+first (--compile_workers at once): the median over --repeats (after --warmup untimed runs) of one draft + one
+verify forward for a full bucket of C requests at --prefix_len committed tokens, timed around
+`jax.block_until_ready`; one AR decode step (verify of a block of 1); and, when the runner has a fused verify+branches
+step (`Runner.fused`), one fused forward over a full tree (4B query tokens per request). Only the device steps are
+timed: no prefill, no host-side batch assembly, no scheduling (the B200 protocol times graph
 replays only).
 
 The KV contents are whatever the cache holds (zeros): attention reads every page of the page table whatever the
@@ -64,7 +65,8 @@ def _define_flags():
   flags.DEFINE_integer("prefix_len", 256, "Committed tokens per request (the attention context of each forward).")
   flags.DEFINE_integer("page_size", 16, "KV page size.")
   flags.DEFINE_integer("repeats", 5, "Timed repeats per point (the median is kept).")
-  flags.DEFINE_integer("warmup", 1, "Untimed runs per point before timing (the first one compiles).")
+  flags.DEFINE_integer("warmup", 1, "Untimed runs per point before timing (a variant's first run pays one-time "
+                       "costs beyond its compile).")
   flags.DEFINE_string("name", "", "Profile name stored in the JSON (e.g. h200_nld8b).")
   from recguide_jax.benchmarks import cli
   cli.define_output_flags("profile")
@@ -131,7 +133,7 @@ def main(argv):
     if getattr(FLAGS, name) < 1:
       sys.exit(f"error: --{name} must be >= 1, got {getattr(FLAGS, name)}")
   if FLAGS.warmup < 1:
-    sys.exit("error: --warmup must be >= 1 (the first run compiles)")
+    sys.exit("error: --warmup must be >= 1 (a variant's first run pays one-time costs)")
   if not blocks or blocks[0] < 2:
     sys.exit("error: --block_sizes must be >= 2")
   max_num_seqs = FLAGS.max_num_seqs
