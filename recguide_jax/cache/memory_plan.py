@@ -454,23 +454,24 @@ def plan_memory(cfg, *, dtype: str, page_size: int, max_model_len: int, max_num_
 
 # ---- the running device --------------------------------------------------------------------------------------------
 
+def _memory_stats(device) -> dict:
+  try:
+    return device.memory_stats() or {}
+  except Exception:  # some backends raise instead of returning None
+    return {}
+
+
 def device_memory_bytes(device) -> int | None:
   """What the device's allocator may hand out (`bytes_limit`), or None where the backend reports none (CPU). On a
   GPU this is XLA_PYTHON_CLIENT_MEM_FRACTION (default 0.75) of the card; launch/serve.py raises it to 0.95."""
-  try:
-    stats = device.memory_stats()
-  except Exception:  # some backends raise instead of returning None
-    return None
-  return int(stats["bytes_limit"]) if stats and stats.get("bytes_limit") else None
+  limit = _memory_stats(device).get("bytes_limit")
+  return int(limit) if limit else None
 
 
 def device_bytes_in_use(device) -> int | None:
   """Bytes the device's allocator has handed out now (`bytes_in_use`), or None where the backend reports none."""
-  try:
-    stats = device.memory_stats()
-  except Exception:  # some backends raise instead of returning None
-    return None
-  return int(stats["bytes_in_use"]) if stats and "bytes_in_use" in stats else None
+  in_use = _memory_stats(device).get("bytes_in_use")
+  return None if in_use is None else int(in_use)
 
 
 def resident_bytes(model, device) -> int:
