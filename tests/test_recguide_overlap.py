@@ -328,8 +328,9 @@ def test_fused_branch_drafts_built_in_position_slices_equal_one_pass(tiny_model,
 
 def test_position_slices_keep_logits_under_the_budget_but_rows_dense():
   from recguide_jax.runtime.steps import LOGITS_SLICE_BYTES, position_slices
-  # NLD-8B at tp=4 (32768 vocabulary entries per device), batch 32, three branch blocks of 32: one slice per block
-  assert position_slices(32, 96, 32768) == 3 and 32 * 32 * 32768 * 4 <= LOGITS_SLICE_BYTES
+  # NLD-8B at tp=4 (32768 vocabulary entries per device), batch 32, three branch blocks of 32: half a block a slice
+  assert position_slices(32, 96, 32768) == 6 and 32 * 16 * 32768 * 4 <= LOGITS_SLICE_BYTES
+  assert position_slices(32, 32, 32768) == 2  # its verified block
   assert position_slices(1, 96, 32768) == 1  # small logits: one head matmul
   assert position_slices(4, 96, 131072) == 1  # thinner slices would re-read the head's weights for few rows
   assert position_slices(256, 7, 131072) == 7  # a prime count of positions still divides

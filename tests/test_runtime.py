@@ -161,3 +161,89 @@ def test_a_bf16_runner_on_the_cpu_keeps_its_cache_as_bits_and_never_converts_it(
   default = Runner(model, dataclasses.replace(runner.config, compiler_options={
       "xla_cpu_scheduler_type": "CPU_SCHEDULER_TYPE_DEFAULT"})).compiled(StepKey(StepKind.DECODE, 1, 1))
   assert decode.memory_analysis().temp_size_in_bytes < default.memory_analysis().temp_size_in_bytes
+
+
+@pytest.mark.parametrize("rule", ["leviathan", "reference"])
+def test_a_verified_block_built_in_position_slices_equals_one_pass(tiny_model, monkeypatch, rule):
+  """With large logits a draft and a verify build their sampling pipelines a position slice at a time (issue 33:
+  eight [b, B, V / tp] float32 arrays were live at once); each position is decided on its own, so draft tokens,
+  distributions and signals, and the verify's tokens, acceptance, logprobs, top entries and entropy equal the
+  one-pass steps', for sampled rows under top-k / top-p / penalties and a greedy row in the same batch."""
+  from recguide_jax.cache.kv_cache import PageAllocator
+  from recguide_jax.runtime import steps
+  cfg = tiny_model.cfg
+  b, blk, v = 4, 8, cfg.vocab_size
+  alloc = PageAllocator(64, 8, 16)
+  for r in range(b):
+    alloc.add(r)
+    alloc.reserve(r, 64)
+  page_table = np.stack([alloc.page_table_row(r, 16) for r in range(b)])
+  prefix = np.asarray([13, 21, 5, 30], np.int32)
+  seed = np.asarray([7, 11, 19, 23], np.int32)
+  controls = steps.empty_controls(b, 4, v)
+  controls = controls._replace(presence=np.asarray([0.5, 0, 0, 0.2], np.float32),
+                               repetition=np.asarray([1, 1.3, 1, 1], np.float32),
+                               ids=np.asarray([[7, 9, v, v], [11, 3, 3, v], [v] * 4, [23, 40, 41, v]], np.int32),
+                               counts=np.ones((b, 4), np.float32))
+  samp = SamplingArrays(np.asarray([0.9, 0.7, 0.0, 1.2], np.float32), np.asarray([0, 5, 0, 0], np.int32),
+                        np.asarray([1.0, 0.9, 1.0, 0.8], np.float32),
+                        np.random.default_rng(5).integers(0, 2 ** 32, (b, 2), dtype=np.uint32),
+                        np.asarray([3, 0, 0, 5], np.int32), controls)
+
+  def run():
+    runner = Runner(tiny_model, RunnerConfig(num_pages=64, page_size=8, max_model_len=120, max_batch=b,
+                                             block_sizes=(blk,), prefill_chunk=8, rule=rule))
+    tokens, q, signals = runner.draft(seed, prefix, page_table, blk, samp)
+    return runner.verify(tokens, q, np.ones(b, bool), prefix, page_table, samp), np.asarray(tokens), q, signals
+
+  one, one_draft, one_q, one_signals = run()
+  assert steps.position_slices(b, blk, v) == 1
+  monkeypatch.setattr(steps, "LOGITS_SLICE_BYTES", b * 2 * v * 4)  # slices of two positions
+  monkeypatch.setattr(steps, "MIN_SLICE_ROWS", 1)
+  assert steps.position_slices(b, blk, v) == 4
+  sliced, sliced_draft, sliced_q, sliced_signals = run()
+  np.testing.assert_array_equal(sliced_draft, one_draft)  # the draft is built in the same slices
+  np.testing.assert_allclose(sliced_q, one_q, atol=1e-6)
+  np.testing.assert_allclose(sliced_signals, one_signals, atol=1e-6)
+  np.testing.assert_array_equal(sliced.accepted, one.accepted)
+  for r, n in enumerate(one.accepted):
+    np.testing.assert_array_equal(sliced.tokens[r, :n], one.tokens[r, :n])
+    np.testing.assert_allclose(sliced.logprobs[r, :n], one.logprobs[r, :n], atol=1e-5)
+  np.testing.assert_allclose(sliced.top_logprobs[:, :, :5], one.top_logprobs[:, :, :5], atol=1e-5)
+  np.testing.assert_array_equal(sliced.top_ids[:, :, :5], one.top_ids[:, :, :5])
+  np.testing.assert_allclose(sliced.entropy, one.entropy, atol=1e-5)
+  assert one.accepted.min() >= 1 and (one.accepted < blk).any()  # some row rejects inside its block
+
+
+@pytest.mark.parametrize("rule", ["leviathan", "reference"])
+def test_each_verify_slice_sees_the_draft_tokens_before_its_positions(monkeypatch, rule):
+  """Under the sampling controls verify position j sees draft tokens 1..j, whatever slice holds it: with each
+  position's previous draft token made the favourite and a presence penalty taking it away, greedy rows accept
+  their whole block only if every slice counts the tokens before it."""
+  import types
+  import jax
+  import jax.numpy as jnp
+  from recguide_jax.runtime import sampling, steps
+  b, blk, v = 3, 8, 64
+  cfg = types.SimpleNamespace(mask_token_id=v - 1, vocab_size=v)
+  rng = np.random.default_rng(0)
+  draft = rng.permutation(v - 1)[:b * blk].reshape(b, blk).astype(np.int32)
+  logits = rng.normal(size=(b, blk, v)).astype(np.float32)
+  rows, cols = np.arange(b)[:, None], np.arange(blk - 1)[None, :]
+  logits[rows, cols, draft[:, 1:]] += 8.0  # position j predicts draft[j + 1] ...
+  logits[rows, cols + 1, draft[:, 1:]] += 9.0  # ... but favours draft[j], which the presence penalty takes away
+  q = jax.nn.one_hot(draft, v)
+  controls = steps.empty_controls(b, 2, v)._replace(presence=np.full(b, 6.0, np.float32))
+  samp = SamplingArrays(np.asarray([0.0, 0.0, 1.0], np.float32), np.zeros(b, np.int32), np.ones(b, np.float32),
+                        rng.integers(0, 2 ** 32, (b, 2), dtype=np.uint32), np.asarray([2, 0, 0], np.int32),
+                        sampling.Controls(*map(jnp.asarray, controls)))
+  run = lambda: jax.jit(lambda lg, d, q_: steps.verified_block(cfg, rule, lambda x: x, lg, d, q_, samp))(
+      jnp.asarray(logits), jnp.asarray(draft), q)
+  one = jax.device_get(run())
+  assert (one[0][:2] == blk).all()  # the greedy rows accept every draft token
+  monkeypatch.setattr(steps, "LOGITS_SLICE_BYTES", b * 2 * v * 4)
+  monkeypatch.setattr(steps, "MIN_SLICE_ROWS", 1)
+  assert steps.position_slices(b, blk, v) == 4
+  sliced = jax.device_get(run())
+  for got, want in zip(sliced, one):
+    np.testing.assert_allclose(got, want, atol=1e-5)

@@ -224,13 +224,22 @@ def draw(keys: jax.Array, probs: jax.Array, greedy: jax.Array) -> jax.Array:
                       lambda: jax.vmap(sample)(keys, probs))
 
 
+def draw_per_position(keys: jax.Array, probs: jax.Array, pos: jax.Array, greedy: jax.Array) -> jax.Array:
+  """One sample per position of probs [b, w, V] at block positions pos [b, w], each with its row's typed key [b]
+  folded with the position: the same token whatever slices a block is processed in."""
+  per_row = lambda k, js, ps: jax.vmap(lambda j, pj: sample(jax.random.fold_in(k, j), pj))(js, ps)
+  return jax.lax.cond(jnp.all(greedy), lambda: argmax(probs), lambda: jax.vmap(per_row)(keys, pos, probs))
+
+
 def raw_logprobs(logits: jax.Array, tokens: jax.Array, mask_token_id: int, top_logprobs: jax.Array | None = None):
-  """Log-probabilities of `tokens` under the model's raw distribution (mask excluded), plus the top
-  `NUM_TOP_LOGPROBS` entries. `top_logprobs` [b] (the entries each row asks for): when no row asks, the top
-  entries are not computed (zeros): their passes over the vocabulary were ~0.45 ms of a 10 ms batch-8 CPU decode
-  step. None: always computed."""
+  """Log-probabilities of `tokens` ([...] one per position, or [..., n]) under the model's raw distribution (mask
+  excluded), plus the top `NUM_TOP_LOGPROBS` entries. `top_logprobs` [b] (the entries each row asks for): when no
+  row asks, the top entries are not computed (zeros): their passes over the vocabulary were ~0.45 ms of a 10 ms
+  batch-8 CPU decode step. None: always computed."""
   lp = jax.nn.log_softmax(exclude_token(logits.astype(jnp.float32), mask_token_id), axis=-1)
-  chosen = jnp.take_along_axis(lp, tokens[..., None], axis=-1)[..., 0]
+  several = tokens.ndim == lp.ndim  # [..., n]: n tokens per position
+  chosen = jnp.take_along_axis(lp, tokens if several else tokens[..., None], axis=-1)
+  chosen = chosen if several else chosen[..., 0]
   if top_logprobs is None:
     top_lp, top_ids = top_n(lp, NUM_TOP_LOGPROBS)
   else:
@@ -261,48 +270,90 @@ def stream_keys(keys: jax.Array, stream: int) -> jax.Array:
   return jax.vmap(lambda k: jax.random.fold_in(k, stream))(jax.random.wrap_key_data(keys))
 
 
-def accept(rule: str, key_data: jax.Array, p: jax.Array, q: jax.Array, draft: jax.Array,
+class Verdicts(NamedTuple):
+  """What verification decides at block positions from those positions alone, so that a block's positions may be
+  processed in slices with the same result (`settle` then reads only these [b, w] arrays)."""
+  ok: jax.Array  # [b, w] bool: the position is inside its row's block and its test accepts the draft token there
+  cand: jax.Array  # [b, w] int32: the token emitted at the position if the accepted run ends there (see below)
+
+
+def draft_tests(rule: str, key_data: jax.Array, q: jax.Array | None, draft: jax.Array):
+  """The per-position inputs of a block's tests that are not [V]-sized: x [b, B] (the draft token position j
+  verifies, block index j + 1; 0 at the last position), and for leviathan q_x [b, B] (q_{j+1}(x_j)) and u [b, B]
+  (its uniforms; ones where unused)."""
+  b, blk = draft.shape
+  pad = lambda a, v: jnp.concatenate([a, jnp.full((b, 1), v, a.dtype)], axis=1)
+  x = pad(draft[:, 1:], 0)
+  if rule != "leviathan" or q is None:
+    return x, jnp.ones((b, blk), jnp.float32), jnp.ones((b, blk), jnp.float32)
+  q_x = pad(jnp.take_along_axis(q, draft[..., None], axis=-1)[:, 1:, 0], 1.0)
+  k_u = stream_keys(key_data, UNIFORM_STREAM)
+  u = 1.0 - jax.vmap(lambda k: jax.random.uniform(k, (blk - 1,)))(k_u)  # (0, 1]: u*q <= 0 never accepts p=0
+  return x, q_x, pad(u, 1.0)
+
+
+def position_verdicts(rule: str, key_data: jax.Array, p: jax.Array, x: jax.Array, pos: jax.Array, greedy: jax.Array,
+                      last: jax.Array, q: jax.Array | None = None, q_x: jax.Array | None = None,
+                      u: jax.Array | None = None) -> Verdicts:
+  """The verdicts of block positions pos [b, w] (a contiguous run of each row's block indices) with verifier
+  distributions p [b, w, V] and the draft tokens x [b, w] they verify; q [b, B, V] is the whole block's draft
+  distributions (leviathan; None for an AR step), q_x and u the matching slices of `draft_tests`; last [b] each
+  row's last block index.
+  - reference: an independent verifier sample y_j ~ p_j (its own noise per position) accepts while it equals x_j
+    and is the candidate at every position;
+  - leviathan: accept x_j with probability min(1, p_j(x_j) / q_{j+1}(x_j)). The accepted run of the block can end
+    only at the first position of these that does not accept (where the run has reached it), so only there is a
+    candidate drawn, as at the block's first rejection: from norm(max(0, p_j - q_{j+1})) (p_j at the last index or
+    when that is empty) with the row's residual key; cand is 0 elsewhere."""
+  in_block = pos < last[:, None]
+  if rule == "reference":
+    y = draw_per_position(stream_keys(key_data, VERIFIER_STREAM), p, pos, greedy)
+    return Verdicts((y == x) & in_block, y)
+  ok = in_block
+  if q is not None:
+    ok = ok & (u * q_x <= jnp.take_along_axis(p, x[..., None], axis=-1)[..., 0])
+  stop = jnp.argmin(ok, axis=1)  # [b]: the first position that does not accept (0 when all do: then unused)
+  p_stop = jnp.take_along_axis(p, stop[:, None, None], axis=1)[:, 0]  # [b, V]
+  j = jnp.take_along_axis(pos, stop[:, None], axis=1)[:, 0]
+  dist = p_stop
+  if q is not None:
+    residual = jnp.maximum(p_stop - jnp.take_along_axis(q, jnp.minimum(j + 1, last)[:, None, None], axis=1)[:, 0], 0.0)
+    total = jnp.sum(residual, axis=-1, keepdims=True)
+    residual = jnp.where(total > 0, residual / jnp.where(total > 0, total, 1.0), p_stop)
+    dist = jnp.where((j < last)[:, None], residual, p_stop)
+  token = draw(stream_keys(key_data, RESIDUAL_STREAM), dist, greedy)
+  cand = jnp.where(jnp.arange(x.shape[1])[None, :] == stop[:, None], token[:, None], 0)
+  return Verdicts(ok, cand.astype(jnp.int32))
+
+
+def settle(rule: str, verdicts: Verdicts, x: jax.Array):
+  """accepted [b] (1..B) and out [b, B] from a whole block's verdicts: the accepted run m is the leading accepts
+  inside each row's block; out[:m] are its draft tokens and out[m] the candidate there."""
+  blk = x.shape[1]
+  idx = jnp.arange(blk)[None, :]
+  m = jnp.sum(jnp.cumprod(verdicts.ok.astype(jnp.int32), axis=1), axis=1)
+  # reference: the candidates are the verifier's samples, equal to the draft tokens before m
+  out = verdicts.cand if rule == "reference" else jnp.where(idx == m[:, None], verdicts.cand, x)
+  return m + 1, out.astype(jnp.int32)
+
+
+def accept(rule: str, key_data: jax.Array, p: jax.Array, q: jax.Array | None, draft: jax.Array,
            greedy: jax.Array | None = None, lengths: jax.Array | None = None):
-  """Speculative acceptance for a batch of blocks.
+  """Speculative acceptance for a batch of blocks, all positions at once (`position_verdicts`, then `settle`).
 
   p: [b, B, V] verifier distributions (index j predicts block index j+1); q: [b, B, V] the draft distributions
-  (index j is the distribution draft[j] was drawn from; index 0, the seed, is unused); draft: [b, B] (draft[0] is
-  the seed); greedy: [b] bool, rows whose p and q are one-hot (enables the no-noise fast path when all are).
-  lengths: [b] int32, each row's own block (1..B) when rows of different blocks share the [b, B] layout (a ragged
-  step): a row accepts none of the draft tokens past its block, and after a fully accepted block of its own it draws
-  its bonus token from p at its last index, as a batch of its own block would. None: every row's block is B.
-  Returns (accepted [b] in 1..B, out [b, B]) where out[:accepted] are the tokens to emit.
+  (index j is the distribution draft[j] was drawn from; index 0, the seed, is unused; None: an AR step, B = 1);
+  draft: [b, B] (draft[0] is the seed); greedy: [b] bool, rows whose p and q are one-hot (enables the no-noise fast
+  path when all are). lengths: [b] int32, each row's own block (1..B) when rows of different blocks share the
+  [b, B] layout (a ragged step): a row accepts none of the draft tokens past its block, and after a fully accepted
+  block of its own it draws its bonus token from p at its last index, as a batch of its own block would. None:
+  every row's block is B. Returns (accepted [b] in 1..B, out [b, B]) where out[:accepted] are the tokens to emit.
   """
   if rule not in RULES:
     raise ValueError(f"unknown acceptance rule {rule!r}; expected one of {RULES}")
   b, blk, _ = p.shape
   greedy = jnp.zeros((b,), bool) if greedy is None else greedy
   last = jnp.full((b,), blk - 1, jnp.int32) if lengths is None else lengths.astype(jnp.int32) - 1
-  in_block = jnp.arange(blk - 1)[None, :] < last[:, None]  # [b, B-1] draft tokens inside each row's own block
-  x = draft[:, 1:]  # [b, B-1] tokens to verify; p[:, j] predicts x[:, j]
-  if rule == "leviathan":
-    # gathered from p and q whole: a gather from the slices p[:, :-1] / q[:, 1:] made XLA copy them ([b, B-1, V]
-    # float32 each, 130 MB per v5e chip for NLD-8B at batch 32, B=32, tp=4)
-    p_x = jnp.take_along_axis(p, jnp.concatenate([x, x[:, -1:]], axis=1)[..., None], axis=-1)[:, :-1, 0]
-    q_x = jnp.take_along_axis(q, draft[..., None], axis=-1)[:, 1:, 0]
-    k_u = stream_keys(key_data, UNIFORM_STREAM)
-    u = 1.0 - jax.vmap(lambda k: jax.random.uniform(k, (blk - 1,)))(k_u)  # (0, 1]: u*q <= 0 never accepts p=0
-    ok = (u * q_x <= p_x) & in_block
-    m = jnp.sum(jnp.cumprod(ok.astype(jnp.int32), axis=1), axis=1)  # leading accepts, 0..B-1
-    p_m = jnp.take_along_axis(p, m[:, None, None], axis=1)[:, 0]  # [b, V]
-    q_next = jnp.take_along_axis(q, jnp.minimum(m + 1, last)[:, None, None], axis=1)[:, 0]
-    residual = jnp.maximum(p_m - q_next, 0.0)
-    total = jnp.sum(residual, axis=-1, keepdims=True)
-    residual = jnp.where(total > 0, residual / jnp.where(total > 0, total, 1.0), p_m)
-    final_dist = jnp.where((m < last)[:, None], residual, p_m)
-    final = draw(stream_keys(key_data, RESIDUAL_STREAM), final_dist, greedy)
-    out = jnp.concatenate([x, jnp.zeros((b, 1), jnp.int32)], axis=1)
-  else:
-    y = draw(stream_keys(key_data, VERIFIER_STREAM), p, greedy)  # [b, B] independent verifier samples
-    ok = (y[:, :-1] == x) & in_block
-    m = jnp.sum(jnp.cumprod(ok.astype(jnp.int32), axis=1), axis=1)
-    final = jnp.take_along_axis(y, m[:, None], axis=1)[:, 0]
-    out = y
-  idx = jnp.arange(blk)[None, :]
-  out = jnp.where(idx == m[:, None], final[:, None], out)
-  return m + 1, out.astype(jnp.int32)
+  x, q_x, u = draft_tests(rule, key_data, q, draft)
+  pos = jnp.broadcast_to(jnp.arange(blk, dtype=jnp.int32)[None, :], (b, blk))
+  return settle(rule, position_verdicts(rule, key_data, p, x, pos, greedy, last, q, q_x, u), x)

@@ -255,13 +255,22 @@ class StepFunctions:
                           page_table=page_table, lora_mask=lora_mask)
       model = self._model(state)
       h, _ = model.hidden(inp, cache)
-      logits = model.logits(draft_head.align(cfg.draft_head, h, blk))
-      # the controls as of the committed output (any draft distribution keeps the verify lossless; this one is
-      # closer to the verifier's, so more of it is accepted)
-      q = sampling.processed_probs(logits, temperature, top_k, top_p, cfg.mask_token_id, controls)
-      drafted = sampling.draw(sampling.stream_keys(keys, sampling.DRAFT_STREAM), q, temperature <= 0)
-      drafted = drafted.at[:, 0].set(seed)
-      return drafted, q, draft_signals(logits, drafted, cfg)
+      draft_keys = sampling.stream_keys(keys, sampling.DRAFT_STREAM)
+
+      def one(h_slice, pos_slice):
+        logits = model.logits(h_slice)
+        # the controls as of the committed output (any draft distribution keeps the verify lossless; this one is
+        # closer to the verifier's, so more of it is accepted)
+        q = sampling.processed_probs(logits, temperature, top_k, top_p, cfg.mask_token_id, controls)
+        drafted = sampling.draw_per_position(draft_keys, q, pos_slice, temperature <= 0)
+        drafted = jnp.where(pos_slice == 0, seed[:, None], drafted)
+        return drafted, q, draft_signals(logits, drafted, cfg).swapaxes(1, 2)
+
+      # in position slices, as a verified block (issue 33: the draft was the largest step left on a v5e chip)
+      pos = jnp.broadcast_to(jnp.arange(blk, dtype=jnp.int32)[None, :], (b, blk))
+      drafted, q, signals = map_position_slices(one, (draft_head.align(cfg.draft_head, h, blk), pos),
+                                                vocab_shard_size(cfg.vocab_size))
+      return drafted, q, signals.swapaxes(1, 2)
 
     return fn
 
@@ -271,19 +280,13 @@ class StepFunctions:
     mask = jnp.asarray(causal_mask(blk))
 
     def body(state, cache, tokens, q, write, prefix_len, page_table, samp, extra=None, offset=0):
-      temperature, top_k, top_p, keys, top_logprobs, controls = unpack_sampling(samp)
       positions = prefix_len[:, None] + jnp.arange(blk)[None, :]
       inp = ForwardInputs(tokens=tokens, positions=positions, block_mask=mask, prefix_len=prefix_len,
                           page_table=page_table, kv_write=jnp.broadcast_to(write[:, None], tokens.shape))
-      logits, cache = self._model(state)(inp, cache)
-      if extra is None and blk > 1:  # position j follows the draft tokens 1..j (block[0], the seed, is output)
-        extra = tokens[:, 1:]
-      p = sampling.processed_probs(logits, temperature, top_k, top_p, cfg.mask_token_id, controls, extra, offset)
-      # AR decode (q None): a block of 1 has no draft token, so acceptance only draws the bonus token from p and
-      # never reads q; p stands in for it (the same draw as with any q, and nothing is uploaded for it)
-      accepted, out = sampling.accept(rule, keys, p, p if q is None else q, tokens, temperature <= 0)
-      lp, top_lp, top_ids = sampling.raw_logprobs(logits, out, cfg.mask_token_id, top_logprobs)
-      return cache, accepted, out, lp, top_lp, top_ids, verifier_entropy(logits, cfg)
+      model = self._model(state)
+      h, cache = model.hidden(inp, cache)
+      # AR decode (q None): a block of 1 has no draft token, so acceptance only draws the bonus token from p
+      return (cache,) + verified_block(cfg, rule, model.logits, h, tokens, q, samp, extra, offset)
 
     return body
 
@@ -333,7 +336,6 @@ class StepFunctions:
     def fn(state, cache, inputs: FusedInputs):
       tokens, positions, mask, lora, write = inputs.tokens, inputs.positions, inputs.mask, inputs.lora, inputs.write
       prefix_len, page_table = inputs.prefix_len, inputs.page_table
-      temperature, top_k, top_p, keys, top_logprobs, controls = unpack_sampling(inputs.samp)
       b = tokens.shape[0]
       inp = ForwardInputs(tokens=tokens, positions=positions, block_mask=mask, prefix_len=prefix_len,
                           page_table=page_table, kv_write=write, lora_mask=lora if cfg.lora_rank else None)
@@ -342,20 +344,18 @@ class StepFunctions:
       if branches and cfg.draft_head is not DraftHead.SAME_POSITION:
         h = jnp.concatenate([h[:, :blk], draft_head.align(cfg.draft_head, h[:, blk:], blk)], axis=1)
       vocab = vocab_shard_size(cfg.vocab_size)
-      # one head matmul over every position when its logits are small; else the verified block's here and the
-      # branches' in position slices below, so the step never holds [b, (1 + slots) B, V] float32 (issue 33: 1.9 GB
+      # one head matmul over every position when its logits are small; else the verified block's and the
+      # branches' each in position slices, so the step never holds [b, (1 + slots) B, V] float32 (issue 33: 1.9 GB
       # per v5e chip for NLD-8B at tp=4, batch 32, B=32)
-      together = not branches or position_slices(b, tokens.shape[1], vocab) == 1
-      logits = model.logits(h if together else h[:, :blk])
-      v_logits = logits[:, :blk]
+      together = branches and position_slices(b, tokens.shape[1], vocab) == 1
+      logits = model.logits(h) if together else None
       drafted = tokens[:, :blk]
-      p = sampling.processed_probs(v_logits, temperature, top_k, top_p, cfg.mask_token_id, controls, drafted[:, 1:])
       # the reference rule (accept while an independent verifier sample equals the draft) needs no draft
       # distribution, so no [b, B, V] point mass is built; for greedy rows it is "accept while the verifier's
       # argmax equals the draft", the same as every other rule
-      accepted, out = sampling.accept("reference", keys, p, p, drafted, temperature <= 0)
-      lp, top_lp, top_ids = sampling.raw_logprobs(v_logits, out, cfg.mask_token_id, top_logprobs)
-      ent = verifier_entropy(v_logits, cfg)
+      src, logits_of = (logits[:, :blk], lambda x: x) if together else (h[:, :blk], model.logits)
+      accepted, out, lp, top_lp, top_ids, ent = verified_block(cfg, "reference", logits_of, src, drafted, None,
+                                                               inputs.samp)
       if not branches:
         return cache, accepted, out, lp, top_lp, top_ids, ent
       br_in = tokens[:, blk:]  # [b, slots * B]
@@ -462,7 +462,8 @@ class StepFunctions:
       # [R, width, V]: the head runs on each row's slots
       logits = model.logits(draft_head.align(cfg.draft_head, h[0][layout.token], width))
       q = sampling.processed_probs(logits, temperature, top_k, top_p, cfg.mask_token_id)
-      drafted = sampling.draw(sampling.stream_keys(keys, sampling.DRAFT_STREAM), q, temperature <= 0)
+      pos = jnp.broadcast_to(jnp.arange(width, dtype=jnp.int32)[None, :], (rows, width))
+      drafted = sampling.draw_per_position(sampling.stream_keys(keys, sampling.DRAFT_STREAM), q, pos, temperature <= 0)
       drafted = drafted.at[:, 0].set(seed)
       return drafted, q, draft_signals(logits, drafted, cfg)
 
@@ -518,9 +519,10 @@ def ragged_inputs(layout, j, tokens_rows, prefix_len, page_table, mask, kv_write
 
 
 # Position slices of a step's logits: a slice's [b, w, V / tp] float32 logits stay under LOGITS_SLICE_BYTES per
-# device while it has at least MIN_SLICE_ROWS rows (b * w), below which re-reading the head's weights once per slice
-# would cost a memory-bound step more than the memory saved
-LOGITS_SLICE_BYTES = 128 * 2 ** 20
+# device (the sampling pipeline after them keeps about eight arrays of their size live at once) while it has at
+# least MIN_SLICE_ROWS rows (b * w), below which re-reading the head's weights once per slice would cost a
+# memory-bound step more than the memory saved
+LOGITS_SLICE_BYTES = 64 * 2 ** 20
 MIN_SLICE_ROWS = 256
 
 
@@ -547,16 +549,23 @@ def position_slices(rows: int, positions: int, vocab: int) -> int:
 
 
 def map_position_slices(fn: Callable, xs: tuple, vocab: int):
-  """`fn` over slices of the position axis (axis 1) of the arrays `xs` ([b, T, ...]), one slice at a time
-  (`lax.map` over `position_slices` of them); its results ([b, w, ...], positions on axis 1) joined back."""
+  """`fn` over slices of the position axis (axis 1) of the arrays `xs` ([b, T, ...]), one slice at a time (a loop
+  over `position_slices` of them); its results ([b, w, ...], positions on axis 1) are written in place into
+  [b, T, ...] arrays (stacking them and moving the slice axis back copied each result once more: a draft's
+  [b, B, V / tp] distributions)."""
   b, t = xs[0].shape[:2]
   n = position_slices(b, t, vocab)
   if n == 1:
     return fn(*xs)
   w = t // n
-  split = lambda x: x.reshape((b, n, w) + x.shape[2:]).swapaxes(0, 1)  # [n, b, w, ...]
-  outs = jax.lax.map(lambda args: fn(*args), tuple(split(x) for x in xs))
-  return jax.tree.map(lambda y: y.swapaxes(0, 1).reshape((b, t) + y.shape[3:]), outs)
+  take = lambda i: tuple(jax.lax.dynamic_slice_in_dim(x, i * w, w, axis=1) for x in xs)
+  shapes = jax.eval_shape(fn, *take(0))
+  out = jax.tree.map(lambda s: jnp.zeros((b, t) + s.shape[2:], s.dtype), shapes)
+
+  def body(i, out):
+    return jax.tree.map(lambda o, y: jax.lax.dynamic_update_slice_in_dim(o, y, i * w, axis=1), out, fn(*take(i)))
+
+  return jax.lax.fori_loop(0, n, body, out)
 
 
 SCORE_SLICE = 16  # positions whose [b, SCORE_SLICE, V] logits a SCORE step holds at once
@@ -578,6 +587,40 @@ def score_chunk(model: NLDModel, h: jax.Array, targets: jax.Array, mask_token_id
   lp, top_lp, top_ids = jax.lax.map(one, (hs, ts))
   unslice = lambda x: x.swapaxes(0, 1).reshape((b, t) + x.shape[3:])
   return unslice(lp), unslice(top_lp), unslice(top_ids)
+
+
+def verified_block(cfg, rule: str, logits_of: Callable, src: jax.Array, tokens: jax.Array, q: jax.Array | None,
+                   samp: SamplingArrays, extra: jax.Array | None = None, offset=0):
+  """Acceptance, emitted tokens, logprobs (with the top entries) and verifier entropy of verified blocks tokens
+  [b, B] whose logits are `logits_of(src)` (src: the block's hidden states, or its logits with the identity):
+  (accepted [b], out [b, B], lp [b, B], top_lp [b, B, K], top_ids [b, B, K], entropy [b, B]). The logits and
+  every [b, w, V] array made from them are built a position slice at a time (`map_position_slices`): each position
+  is decided on its own (sampling.position_verdicts), so slicing changes no token, and a batch of long blocks never
+  holds its float32 distributions whole (issue 33: about eight [32, 32, V / 4] arrays, 1.1 GB per v5e chip for
+  NLD-8B at tp=4). Position j follows the draft tokens 1..j (`extra`, default tokens[:, 1:]) under the controls."""
+  temperature, top_k, top_p, keys, top_logprobs, controls = unpack_sampling(samp)
+  b, blk = tokens.shape
+  greedy = temperature <= 0
+  if extra is None and blk > 1:
+    extra = tokens[:, 1:]
+  last = jnp.full((b,), blk - 1, jnp.int32)
+  x, q_x, u = sampling.draft_tests(rule, keys, q, tokens)
+  pos = jnp.broadcast_to(jnp.arange(blk, dtype=jnp.int32)[None, :], (b, blk))
+
+  def one(src_slice, x_slice, pos_slice, q_x_slice, u_slice):
+    logits = logits_of(src_slice)
+    p = sampling.processed_probs(logits, temperature, top_k, top_p, cfg.mask_token_id, controls, extra,
+                                 offset + pos_slice[0, 0])
+    v = sampling.position_verdicts(rule, keys, p, x_slice, pos_slice, greedy, last, q, q_x_slice, u_slice)
+    lp, top_lp, top_ids = sampling.raw_logprobs(logits, jnp.stack([x_slice, v.cand], axis=-1), cfg.mask_token_id,
+                                                top_logprobs)
+    return v.ok, v.cand, lp, top_lp, top_ids, verifier_entropy(logits, cfg)
+
+  vocab = vocab_shard_size(cfg.vocab_size)
+  ok, cand, lp, top_lp, top_ids, ent = map_position_slices(one, (src, x, pos, q_x, u), vocab)
+  accepted, out = sampling.settle(rule, sampling.Verdicts(ok, cand), x)
+  lp = jnp.where(out == cand, lp[..., 1], lp[..., 0])  # out: the candidate where the run ends, else draft tokens
+  return accepted, out, lp, top_lp, top_ids, ent
 
 
 def example_inputs(key: StepKey, pages_per_seq: int, vocab_size: int):
