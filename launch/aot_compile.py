@@ -20,10 +20,12 @@ Targets (recguide_jax/aot/targets.py): v5e, v6e, v5p slices as CHIP:AxB[xC]; h10
 Each run writes aot_<preset>_<target>_tp<N>_<policy>.json and rewrites aot_compile.md from every JSON there.
 """
 
+import collections
 import datetime
 import glob
 import json
 import os
+import re
 import sys
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -108,13 +110,14 @@ def markdown(runs: list[dict]) -> str:
     top = max(vs, key=lambda v: v["temp_bytes"])
     peak = max(vs, key=lambda v: v["transient_bytes"])
     first = f" ({gb(r['probe_reserve_bytes'])})" if r.get("probe_reserve_bytes") else ""
-    problems = sorted({p.split(" (")[0] for v in vs for p in v["problems"]})
+    # each kind of problem once, with the variants it hits ("temporaries > 10% of the device's KV cache in 12 of 15")
+    problems = collections.Counter(re.sub(r" [\d.]+ GB", "", p.split(" (")[0]) for v in vs for p in v["problems"])
     lines.append(f"| {r['preset']} | {r['target']} | {r['tp']} | {r['policy']} | {r.get('layer_loop', 'scan')} | "
                  f"{len(vs)} ({r['scope']}) | "
                  f"{gb(plan['weights_bytes'])} | {gb(r['cache_bytes_per_device'])} | "
                  f"{gb(plan['activation_bytes'] or 0)}{first} | {gb(top['temp_bytes'])} ({top['variant']}) | "
                  f"{gb(peak['transient_bytes'])} ({peak['variant']}) | {sum(v['compile_s'] for v in vs):.0f} | "
-                 f"{'yes' if r['ok'] else 'no: ' + '; '.join(problems)} |")
+                 f"{'yes' if r['ok'] else 'no: ' + '; '.join(f'{p} in {n} of {len(vs)}' for p, n in sorted(problems.items()))} |")
   lines += ["", "Per variant: the JSON files beside this one (`variants`: bytes, compile seconds, kernel custom calls, "
             "the largest buffers, vocabulary sorts)."]
   return "\n".join(lines) + "\n"

@@ -184,6 +184,36 @@ def test_pipelined_rounds_are_exact(tiny_llm, ar_outputs, strategy_cls):
   assert outs_ahead[0][1][0] == expected[1][:expected[1].index(stop) + 1]  # greedy through its stop token
 
 
+def test_pipelined_rounds_keep_the_pages_the_next_round_reserves(tiny_llm, ar_outputs):
+  """While a LinearSS round is in flight, applying the round before it trims no page: the pages past a row's
+  committed length are those of the round in flight and of the one the pipeline dispatches next, which would
+  reserve them again (trimming them took and freed pages every step). Every page is back when the requests end."""
+  prompts, _ = ar_outputs
+  eng = tiny_llm.engine
+  tiny_llm.set_policy(LinearStrategy(8))
+  alloc = eng.allocator
+  trims = []  # (a call in flight, pages freed) per trim
+  trim = alloc.trim_rows
+
+  def counted(rows, keep=0):
+    used = alloc.num_used
+    trim(rows, keep)
+    trims.append((eng._pending is not None, used - alloc.num_used))
+  alloc.trim_rows = counted
+  params = SamplingParams(max_tokens=48, temperature=0.0, ignore_eos=True)
+  try:
+    eng.reset_prefix_cache()
+    reqs = [eng.add_request(p, params, f"r{i}") for i, p in enumerate(prompts[:4])]
+    eng.run_until_done()
+  finally:
+    del alloc.trim_rows
+  assert all(len(r.output_ids) == 48 for r in reqs)
+  assert alloc.num_used == 0
+  alloc.check()
+  in_flight = [freed for ahead, freed in trims if ahead]
+  assert len(in_flight) > 10 and not any(in_flight), trims
+
+
 def test_multi_step_decode_waits_for_nothing_queued(tiny_llm):
   """A multi-step call runs only while no request waits to be admitted or prefilled, and only when some request
   of the batch has that many tokens left; its wall time counts as that many AR rounds."""

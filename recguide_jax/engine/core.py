@@ -312,18 +312,19 @@ class Engine:
   def _finish_round(self, batch: Batch, output, t0: float) -> None:
     """Collects a round's output (`output()`), applies it and tells the strategy."""
     what = f"{batch.round.kind} round (block {batch.block})"
-    done_before = all(r.finished for r in batch.reqs)  # a pipelined call all of whose requests stopped before it
+    # a pipelined call's rows of requests that stopped before it was applied are not part of its output
+    live = np.fromiter((r.finish_reason is None for r in batch.reqs), bool, batch.n)
     ok, out = self._isolated(batch.reqs, what, output)
     if not ok:
       return
     generated = np.fromiter((len(r.output_ids) for r in batch.reqs), np.int64, batch.n)
-    ok, _ = self._isolated(batch.reqs, what, self.apply, batch, out, generated)
+    ok, _ = self._isolated(batch.reqs, what, self.apply, batch, out, generated, live)
     if not ok:
       return
     outcome = RoundOutcome(batch, out, generated, time.perf_counter() - t0)
     if self.round_log is not None:
       self.round_log.append(outcome)
-    if not done_before:
+    if live.any():
       self._isolated([r for r in batch.reqs if not r.finished], f"observing a {what}", self.strategy.observe, outcome)
 
   def batch_rows(self, reqs: Sequence[Request]) -> BatchRows:
@@ -402,7 +403,8 @@ class Engine:
   def _fill(self, batch: Batch, ahead: int = 0, keys_ahead: int = 0, bucket: int | None = None) -> None:
     """The batch's padded arrays: page table, committed lengths, sampling rows and keys, seed tokens (each a copy of
     rows kept per request, not rebuilt element by element). `ahead` tokens and `keys_ahead` sampling-key rounds: what
-    a call in flight before this one will have committed and used."""
+    a call in flight before this one will have committed and used; `bucket`: that call's batch bucket (its seed
+    tokens, on the device, are this call's: the host's are left zero)."""
     reqs, n = batch.reqs, len(batch.reqs)
     alloc = self.allocator
     b = batch.b = bucket or self.runner.bucket_for(n)
@@ -413,32 +415,36 @@ class Engine:
     batch.prefix_len = np.zeros((b,), np.int32)
     batch.prefix_len[:n] = alloc.lengths(rows.table_rows) + ahead
     batch.seed = np.zeros((b,), np.int32)
-    batch.seed[:n] = [r.seed_token for r in reqs]
+    if bucket is None:  # (a call dispatched ahead: the requests' seed tokens are a call behind)
+      batch.seed[:n] = [r.seed_token for r in reqs]
     batch.live = np.zeros((b,), bool)
     batch.live[:n] = True
     batch.samp = self.sampling_arrays(reqs, rows, b, keys_ahead)
 
-  def apply(self, batch: Batch, out: RoundOutput, generated: np.ndarray) -> None:
+  def apply(self, batch: Batch, out: RoundOutput, generated: np.ndarray, live: np.ndarray) -> None:
     """Commits a round's output: pages (each row's committed tokens, what the round wrote past them dropped), the
     forward ledger and counters, the requests' stats, the sampling keys, then emission and stop conditions.
-    `generated`: each row's output tokens before this round."""
+    `generated`: each row's output tokens before this round; `live`: the rows whose requests had not stopped."""
     reqs, rounds, req_rows = batch.reqs, out.rounds, batch.request_rows
     totals = self.totals
     for kind, blk, n in out.forwards:
       totals[f"forwards_{kind}"] += 1
       if self.forward_log is not None:
         self.forward_log.append((str(kind), blk, n))
-    # a pipelined call's rows of requests that stopped before it was applied are not part of its output
-    live = np.fromiter((r.finish_reason is None for r in reqs), bool, len(reqs))
     rows = np.flatnonzero(live)
     block, accepted = np.asarray(out.block), np.asarray(out.accepted)
     alloc = self.allocator
     table_rows = req_rows.table_rows[rows]
     alloc.commit_rows(table_rows, alloc.lengths(table_rows) + np.asarray(out.commit)[rows])
     if out.trim:
-      # the pages of the call dispatched after this one (pipelined: it writes past what this one commits) stay
+      # the pages of the call dispatched after this one (pipelined: it writes past what this one commits) stay, and
+      # so do those of the call the pipeline dispatches after that one (it reserves them again at the next step:
+      # trimming them would take and free a page per row every step); they go at the first trim without a call ahead
       pending = self._pending[0] if self._pending is not None and self._pending[0].reqs is reqs else None
-      alloc.trim_rows(table_rows, pending.round.reserve(pending.block, pending.steps) if pending is not None else 0)
+      keep = 0
+      if pending is not None:
+        keep = pending.round.reserve(pending.block, pending.steps) + pending.round.ahead(pending)[0]
+      alloc.trim_rows(table_rows, keep)
     # engine-wide counters over the batch at once
     choices = np.bincount(block[rows])
     for blk in np.flatnonzero(choices).tolist():

@@ -209,9 +209,11 @@ class RecGuideStrategy(AdaptiveRule, RegimeSwitch, CostModel, Strategy):
     for req in reqs:
       state = self.state(req)
       state.prefetched = None
-      if records is not None:
+      if records is not None and state.ar_tail < HISTORY:
         state.history.extend(records)
         del state.history[:-HISTORY]
+        state.ar_tail += len(records)
+        state.signals = None
 
   def _observe_block(self, req, state, block_size: int, accepted: int, result, row: int, left: int | None) -> None:
     """One verification of a drafted block (`observe_verification`)."""
@@ -225,6 +227,7 @@ class RecGuideStrategy(AdaptiveRule, RegimeSwitch, CostModel, Strategy):
     state.history.append(signals.make_record(result.entropy[row], accepted, block_size, eos=eos, head_cap=cap))
     if len(state.history) > HISTORY:
       del state.history[0]
+    state.ar_tail, state.signals = 0, None
     if block_size in BLOCK_SIZES:  # an overlap round's too: it verifies a block of its B as LinearSS does
       self.stats.observe_verified(block_size, accepted)
 

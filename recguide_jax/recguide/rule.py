@@ -41,9 +41,13 @@ class AdaptiveRule:
 
   def _model_values(self, req, left: int) -> dict[int, float]:
     """The fitted value model's V_B(s, z) of `req`'s next round (capped at `left` tokens)."""
-    hist = self.state(req).history
+    state = self.state(req)
     model = self.tables.value_model
-    s, z = (signals.signal_s(hist, model.window), signals.stratum(hist)) if hist else (None, None)
+    if state.signals is None or state.signals[0] != model.window:
+      hist = state.history
+      state.signals = (model.window, *((signals.signal_s(hist, model.window), signals.stratum(hist)) if hist
+                                       else (None, None)))
+    _, s, z = state.signals
     return model.values(s, z) if left >= BLOCK_SIZES[-1] else model.values_capped(s, z, left)
 
   def _adaptive_block(self, req, concurrency: int, costs: dict[int, float] | None = None) -> int:
