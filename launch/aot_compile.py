@@ -112,12 +112,13 @@ def markdown(runs: list[dict]) -> str:
     first = f" ({gb(r['probe_reserve_bytes'])})" if r.get("probe_reserve_bytes") else ""
     # each kind of problem once, with the variants it hits ("temporaries > 10% of the device's KV cache in 12 of 15")
     problems = collections.Counter(re.sub(r" [\d.]+ GB", "", p.split(" (")[0]) for v in vs for p in v["problems"])
+    verdict = "yes" if r["ok"] else "no: " + "; ".join(f"{p} in {n} of {len(vs)}" for p, n in sorted(problems.items()))
     lines.append(f"| {r['preset']} | {r['target']} | {r['tp']} | {r['policy']} | {r.get('layer_loop', 'scan')} | "
                  f"{len(vs)} ({r['scope']}) | "
                  f"{gb(plan['weights_bytes'])} | {gb(r['cache_bytes_per_device'])} | "
                  f"{gb(plan['activation_bytes'] or 0)}{first} | {gb(top['temp_bytes'])} ({top['variant']}) | "
                  f"{gb(peak['transient_bytes'])} ({peak['variant']}) | {sum(v['compile_s'] for v in vs):.0f} | "
-                 f"{'yes' if r['ok'] else 'no: ' + '; '.join(f'{p} in {n} of {len(vs)}' for p, n in sorted(problems.items()))} |")
+                 f"{verdict} |")
   lines += ["", "Per variant: the JSON files beside this one (`variants`: bytes, compile seconds, kernel custom calls, "
             "the largest buffers, vocabulary sorts)."]
   return "\n".join(lines) + "\n"
