@@ -175,6 +175,23 @@ def test_draft_skip_is_priced_by_the_chance_that_some_row_misses():
   assert abs(pricing.expected_draft_cost([0.2, 0.4], np.arange(3.0)) - 0.6) < 1e-12
 
 
+@pytest.mark.parametrize("n", [1, 5, 128])
+def test_affine_draft_costs_are_priced_in_closed_form_as_by_the_distribution(n):
+  """A draft forward whose cost is a + b k at k rows: P(K >= 1) and E[K] price it exactly as K's distribution does;
+  a cost that is not affine gets no closed form."""
+  from recguide_jax.recguide import pricing
+  shares = np.random.default_rng(n).uniform(size=n)
+  shares[:n // 3] = 0.0
+  for a, b in ((1.0, 0.0), (3.0, 0.25), (0.0, 1.0)):
+    by_rows = np.concatenate([[0.0], a + b * np.arange(1, n + 3)])  # longer than the shares need, as the strategy's
+    affine = pricing.affine_costs(by_rows)
+    assert affine is not None and np.allclose(affine, (a, b))
+    assert abs(pricing.expected_draft_cost(shares, by_rows, affine) - pricing.expected_draft_cost(shares, by_rows)) \
+        < 1e-9
+  bent = np.concatenate([[0.0], np.sqrt(np.arange(1, n + 3))])
+  assert pricing.affine_costs(bent) is None
+
+
 @pytest.mark.parametrize("n", [0, 1, 5, 128, 300])
 def test_drafting_rows_distribution_matches_the_convolution(n):
   """The DFT of the characteristic function against the exact convolution, row by row (shares at the edges too)."""

@@ -485,3 +485,34 @@ def test_a_decision_made_ahead_is_the_next_steps_own():
   assert [p.block_size for p in plans] == [8] * 4 and pol.current_regime == "adaptive"
   assert pol._decided_ahead is None
   assert not pol.plans_ahead(SimpleNamespace(round=rounds.LINEAR, block=8, n=4, reqs=batch.reqs))  # adaptive
+
+
+def test_an_ar_round_of_settled_requests_changes_nothing_and_a_verification_unsettles_them():
+  """`_observe_ar` skips a batch list whose states its last AR round left all-AR with no branch; a drafted block's
+  verification of one of them makes the next AR round write its history again, as with no skip at all."""
+  import types
+
+  from recguide_jax.recguide.config import HISTORY, RecGuideState
+  result = types.SimpleNamespace(tokens=np.full((1, 8), 7), entropy=np.full((1, 8), 0.5, np.float32))
+  histories = {}
+  for skip in (True, False):
+    pol = RecGuideStrategy(16)
+    reqs = [types.SimpleNamespace(strategy_state=RecGuideState(), params=SamplingParams(max_tokens=512),
+                                  output_ids=[]) for _ in range(3)]
+
+    def ar_round(rounds, pol=pol, reqs=reqs, skip=skip):
+      if not skip:
+        pol._ar_settled = None  # (forgets what it found settled: every AR round reads every state)
+      pol._observe_ar(reqs, rounds)
+    for rounds in (1, 2, 1):  # settled at the fourth AR record
+      assert pol._ar_settled is None
+      ar_round(rounds)
+    assert all(r.strategy_state.ar_tail >= HISTORY for r in reqs) and pol._ar_settled is reqs
+    ar_round(2)
+    pol.observe_verification(reqs[1], 8, 3, result, 0)  # a drafted block: reqs[1]'s history moves
+    assert reqs[1].strategy_state.ar_tail == 0 and pol._ar_settled is None
+    ar_round(1)
+    assert reqs[1].strategy_state.ar_tail == 1
+    histories[skip] = [[(rec.block_size, rec.accepted) for rec in r.strategy_state.history] for r in reqs]
+  assert histories[True] == histories[False]
+  assert histories[True][1][-2:] == [(8, 3), (1, 1)]

@@ -57,10 +57,14 @@ class RowCache:
 
   def __init__(self, size: int = 8):
     self.size = size
+    self._last: tuple = (None, None)  # (the last list asked for, its rows)
     self._rows: collections.OrderedDict[tuple, tuple[tuple, BatchRows]] = collections.OrderedDict()
 
   def get(self, reqs: Sequence[Request], build) -> BatchRows:
     """The rows of `reqs`, built by `build()` unless this composition is cached."""
+    last, rows = self._last
+    if reqs is last and len(reqs) == len(rows.table_rows):  # the same batch list again (a pipelined call's next)
+      return rows
     key = tuple(map(id, reqs))  # no request is read
     hit = self._rows.get(key)
     if hit is None:
@@ -69,7 +73,9 @@ class RowCache:
         self._rows.popitem(last=False)
     else:
       self._rows.move_to_end(key)
+    self._last = (reqs, hit[1])  # (a batch's list is not changed once built)
     return hit[1]
 
   def clear(self) -> None:
     self._rows.clear()
+    self._last = (None, None)

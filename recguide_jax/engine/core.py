@@ -17,6 +17,7 @@ Requests join and leave between rounds. Only small arrays cross between host and
 from __future__ import annotations
 
 import collections
+import dataclasses
 import itertools
 import logging
 import time
@@ -324,8 +325,8 @@ class Engine:
     outcome = RoundOutcome(batch, out, generated, time.perf_counter() - t0)
     if self.round_log is not None:
       self.round_log.append(outcome)
-    if live.any():
-      self._isolated([r for r in batch.reqs if not r.finished], f"observing a {what}", self.strategy.observe, outcome)
+    if live.any():  # (a failure fails the batch's requests that are still running: `finish` skips the others)
+      self._isolated(batch.reqs, f"observing a {what}", self.strategy.observe, outcome)
 
   def batch_rows(self, reqs: Sequence[Request]) -> BatchRows:
     """The per-request rows of a batch of `reqs` (cached per composition: `batch_rows.RowCache`)."""
@@ -373,15 +374,16 @@ class Engine:
     nxt = Batch(batch.round, batch.block, batch.reqs, batch.planned, steps=n if 1 < n <= left else 1)
     t0 = time.perf_counter()
     ok, handle2 = self._isolated(batch.reqs, f"{batch.round.kind} round (ahead)", self._dispatch_ahead, nxt,
-                                 handle, most, keys, batch.b)
+                                 batch, handle, most, keys)
     return (nxt, handle2, t0) if ok else None
 
-  def _dispatch_ahead(self, batch: Batch, prev, most: int, keys: int, prev_bucket: int):
+  def _dispatch_ahead(self, batch: Batch, prev: Batch, handle, most: int, keys: int):
+    """Dispatches `batch`, the same requests' call after `prev`'s (dispatched as `handle`, not applied yet)."""
     self._reserve(batch, most)
-    # committed lengths: the round takes its own from `prev` where they vary; the bucket stays `prev`'s, whose
+    # committed lengths: the round takes its own from `handle` where they vary; the bucket stays `prev`'s, whose
     # device seeds it starts from (a background compile may have made a smaller bucket routable meanwhile)
-    self._fill(batch, most, keys, bucket=prev_bucket)
-    return batch.round.dispatch(self.runner, batch, seed=prev)
+    self._fill(batch, most, keys, prev=prev)
+    return batch.round.dispatch(self.runner, batch, seed=handle)
 
   def _advance_pipeline(self) -> bool:
     """At the start of a step with a call in flight: dispatches the one after it where it may run ahead, then reads
@@ -400,14 +402,15 @@ class Engine:
     if self._pending is not None and all(r.finished for r in self._pending[0].reqs):
       self.drain()
 
-  def _fill(self, batch: Batch, ahead: int = 0, keys_ahead: int = 0, bucket: int | None = None) -> None:
+  def _fill(self, batch: Batch, ahead: int = 0, keys_ahead: int = 0, prev: Batch | None = None) -> None:
     """The batch's padded arrays: page table, committed lengths, sampling rows and keys, seed tokens (each a copy of
     rows kept per request, not rebuilt element by element). `ahead` tokens and `keys_ahead` sampling-key rounds: what
-    a call in flight before this one will have committed and used; `bucket`: that call's batch bucket (its seed
-    tokens, on the device, are this call's: the host's are left zero)."""
+    `prev`, the same requests' call in flight before this one, will have committed and used. Such a call's batch
+    bucket and sampling rows are `prev`'s (its keys `keys_ahead` rounds on) and its seed tokens are on the device
+    (the host's are left zero)."""
     reqs, n = batch.reqs, len(batch.reqs)
     alloc = self.allocator
-    b = batch.b = bucket or self.runner.bucket_for(n)
+    b = batch.b = prev.b if prev is not None else self.runner.bucket_for(n)
     batch.bucket_for = self.runner.bucket_for
     batch.page_table = np.zeros((b, self.rc.pages_per_seq), np.int32)  # zeros: TRASH_PAGE
     rows = batch.request_rows
@@ -415,11 +418,17 @@ class Engine:
     batch.prefix_len = np.zeros((b,), np.int32)
     batch.prefix_len[:n] = alloc.lengths(rows.table_rows) + ahead
     batch.seed = np.zeros((b,), np.int32)
-    if bucket is None:  # (a call dispatched ahead: the requests' seed tokens are a call behind)
-      batch.seed[:n] = [r.seed_token for r in reqs]
     batch.live = np.zeros((b,), bool)
     batch.live[:n] = True
-    batch.samp = self.sampling_arrays(reqs, rows, b, keys_ahead)
+    if prev is None:
+      batch.seed[:n] = [r.seed_token for r in reqs]
+      batch.samp = self.sampling_arrays(reqs, rows, b, keys_ahead)
+      return
+    # (the requests' seed tokens and round counters are a call behind; `prev`'s keys are this call's, less
+    # `keys_ahead` rounds: its own and the one before it applied since)
+    keys = prev.samp.keys.copy()
+    keys[:n, 1] += np.uint32(keys_ahead)
+    batch.samp = dataclasses.replace(prev.samp, keys=keys)
 
   def apply(self, batch: Batch, out: RoundOutput, generated: np.ndarray, live: np.ndarray) -> None:
     """Commits a round's output: pages (each row's committed tokens, what the round wrote past them dropped), the
@@ -432,10 +441,13 @@ class Engine:
       if self.forward_log is not None:
         self.forward_log.append((str(kind), blk, n))
     rows = np.flatnonzero(live)
-    block, accepted = np.asarray(out.block), np.asarray(out.accepted)
+    block, accepted, commit = np.asarray(out.block), np.asarray(out.accepted), np.asarray(out.commit)
+    table_rows, row_forwards = req_rows.table_rows, {kind: np.asarray(c) for kind, c in out.row_forwards.items()}
+    if len(rows) < len(reqs):  # (every row is live in a steady step: no gathers then)
+      block, accepted, commit, table_rows = block[rows], accepted[rows], commit[rows], table_rows[rows]
+      row_forwards = {kind: c[rows] for kind, c in row_forwards.items()}
     alloc = self.allocator
-    table_rows = req_rows.table_rows[rows]
-    alloc.commit_rows(table_rows, alloc.lengths(table_rows) + np.asarray(out.commit)[rows])
+    alloc.commit_rows(table_rows, alloc.lengths(table_rows) + commit)
     if out.trim:
       # the pages of the call dispatched after this one (pipelined: it writes past what this one commits) stay, and
       # so do those of the call the pipeline dispatches after that one (it reserves them again at the next step:
@@ -445,23 +457,22 @@ class Engine:
       if pending is not None:
         keep = pending.round.reserve(pending.block, pending.steps) + pending.round.ahead(pending)[0]
       alloc.trim_rows(table_rows, keep)
-    # engine-wide counters over the batch at once
-    choices = np.bincount(block[rows])
+    # engine-wide counters over the batch's live rows at once
+    choices = np.bincount(block)
     for blk in np.flatnonzero(choices).tolist():
       self.block_size_choices[blk] += int(choices[blk]) * rounds
-    spec = (block > 1) & live if out.speculative else np.zeros(len(reqs), bool)
+    spec = block > 1 if out.speculative else np.zeros(len(rows), bool)
     if spec.any():
       blk_arr, acc_arr = block[spec], accepted[spec]
-      totals["drafts"] += int(spec.sum())  # verified drafts (vLLM's spec_decode_num_drafts)
-      totals["draft_tokens"] += int((blk_arr - 1).sum())
-      totals["accepted_draft_tokens"] += int((acc_arr - 1).sum())
+      totals["drafts"] += len(blk_arr)  # verified drafts (vLLM's spec_decode_num_drafts)
+      totals["draft_tokens"] += int(blk_arr.sum()) - len(blk_arr)
+      totals["accepted_draft_tokens"] += int(acc_arr.sum()) - len(acc_arr)
       per_pos = np.bincount(acc_arr - 1)  # rows that accepted exactly k draft tokens
       reach = np.cumsum(per_pos[::-1])[::-1]  # rows that accepted at least k
-      for pos in range(1, len(reach)):
-        self.accepted_per_position[pos] += int(reach[pos])
+      for pos, count in enumerate(reach[1:].tolist(), 1):
+        self.accepted_per_position[pos] += count
     # each request's own books, by its page-table row
-    self.books.record(table_rows, block[rows], accepted[rows], rounds,
-                      {kind: np.asarray(counts)[rows] for kind, counts in out.row_forwards.items()}, spec[rows])
+    self.books.record(table_rows, block, accepted, rounds, row_forwards, spec)
     self._emit_batch(reqs, out, rows, req_rows.max_tokens - generated, req_rows)
 
   def _emit_batch(self, reqs: Sequence[Request], out: RoundOutput, rows: np.ndarray, left: np.ndarray,
@@ -481,31 +492,31 @@ class Engine:
     stop = (first < emit) & (first < left)
     keep = np.where(stop, first + 1, np.minimum(emit, np.maximum(left, 0)))
     ends = np.where(stop, 1, np.where(left <= emit, 2, 0)).tolist()
-    keep, emit_l, plain = keep.tolist(), emit.tolist(), req_rows.plain.tolist()
-    tok_rows, lp_rows = tokens.tolist(), logprobs.tolist()
+    cols = [keep.tolist(), emit.tolist(), ends, req_rows.plain.tolist(), tokens.tolist(), logprobs.tolist()]
+    live_rows = rows.tolist()
+    if len(live_rows) < len(reqs):  # (every row is live in a steady step: nothing to pick then)
+      reqs = [reqs[i] for i in live_rows]
+      cols = [[col[i] for i in live_rows] for col in cols]
     top_lp, top_ids = out.top_logprobs, out.top_ids
     generated, key_rounds = 0, out.key_rounds
-    for i in rows.tolist():
-      r = reqs[i]
+    for i, r, n, k, end, plain, toks, lps in zip(live_rows, reqs, *cols):
       r.round_counter += key_rounds
-      if not emit_l[i] or r.finish_reason is not None:
+      if not k or r.finish_reason is not None:
         continue
-      if not plain[i]:
-        k = emit_l[i]
-        self.emit(r, tok_rows[i][:k], lp_rows[i][:k], None if top_lp is None else top_lp[i, :k],
+      if not plain:
+        self.emit(r, toks[:k], lps[:k], None if top_lp is None else top_lp[i, :k],
                   None if top_ids is None else top_ids[i, :k])
         continue
-      n = keep[i]
-      new = tok_rows[i][:n]
-      r.output_ids.extend(new)
-      r.token_logprobs.extend(lp_rows[i][:n])
-      if new:
+      new = toks[:n]
+      r.output_ids += new
+      r.token_logprobs += lps[:n]
+      if n:
         r.seed_token = new[-1]
       generated += n
       if r.on_update is not None and not self._notify(r, new):
         self.finish(r, "error", "engine error: the request's update callback failed")
-      elif ends[i]:
-        self.finish(r, "stop" if ends[i] == 1 else "length")
+      elif end:
+        self.finish(r, "stop" if end == 1 else "length")
     self.totals["generated_tokens"] += generated
 
   def sampling_arrays(self, reqs: Sequence[Request], rows: BatchRows, b: int, ahead: int = 0) -> SamplingArrays:

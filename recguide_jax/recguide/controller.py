@@ -57,6 +57,7 @@ class RecGuideStrategy(AdaptiveRule, RegimeSwitch, CostModel, Strategy):
     # per (B, rows c): log C(c, k) for k drafting rows, and the draft forward's cost at k rows relative to c's
     self._draft_weights: dict[tuple[int, int], tuple[np.ndarray, np.ndarray]] = {}
     self._draft_costs: dict[tuple[int, int], np.ndarray] = {}  # per (B, rows): `_draft_costs_by_rows`
+    self._draft_affine: dict[tuple[int, int], tuple[float, float] | None] = {}  # and `pricing.affine_costs` of them
     self.regime_counts = collections.Counter()
     self.current_regime: Regime | None = None  # the regime of the latest step
     # (load, regime): the switch's decision for the next step, made in `plans_ahead`, that plan_step takes
@@ -77,6 +78,9 @@ class RecGuideStrategy(AdaptiveRule, RegimeSwitch, CostModel, Strategy):
     self.probing = False  # this step's regime is a probe (then it runs as chosen, not re-priced as a batch)
     self._last_probe_at = -float("inf")
     self._first_decision_at: float | None = None  # when the calibrated switch first chose (spaces the first probes)
+    # the request list of the last AR round that left every state of it settled (no prefetched branch, a history
+    # all AR records): a pipelined AR call's successor is the same list, and its round changes no state
+    self._ar_settled: list | None = None
     self.overlap_round = OverlapRound(self)  # this strategy's own round kind
     self.overlap_log: list | None = None  # set to [] to record every overlap round (overlap_fit.OverlapTrace)
     self._plans = {Regime.AR: RoundPlan(rounds.AR, 1), Regime.LINEAR: RoundPlan(rounds.LINEAR, self.block_size),
@@ -205,6 +209,8 @@ class RecGuideStrategy(AdaptiveRule, RegimeSwitch, CostModel, Strategy):
     """`rounds` AR verifications of each of `reqs`. They drop a prefetched branch, as any verification does. An AR
     round carries no signal, so two in a row return a request to the value model's prior: otherwise a request that
     looked unsure once would be priced out of speculation for good."""
+    if reqs is self._ar_settled:
+      return  # none of their states changed since (`_observe_block` and `_observe_overlap` clear it)
     records = [AR_RECORD] * min(rounds, HISTORY) if self.batch_priced else None
     for req in reqs:
       state = self.state(req)
@@ -214,6 +220,8 @@ class RecGuideStrategy(AdaptiveRule, RegimeSwitch, CostModel, Strategy):
         del state.history[:-HISTORY]
         state.ar_tail += len(records)
         state.signals = None
+    self._ar_settled = reqs if records is None or rounds >= HISTORY or all(
+        self.state(r).ar_tail >= HISTORY for r in reqs) else None
 
   def _observe_block(self, req, state, block_size: int, accepted: int, result, row: int, left: int | None) -> None:
     """One verification of a drafted block (`observe_verification`)."""
@@ -228,6 +236,7 @@ class RecGuideStrategy(AdaptiveRule, RegimeSwitch, CostModel, Strategy):
     if len(state.history) > HISTORY:
       del state.history[0]
     state.ar_tail, state.signals = 0, None
+    self._ar_settled = None
     if block_size in BLOCK_SIZES:  # an overlap round's too: it verifies a block of its B as LinearSS does
       self.stats.observe_verified(block_size, accepted)
 
@@ -245,6 +254,7 @@ class RecGuideStrategy(AdaptiveRule, RegimeSwitch, CostModel, Strategy):
         self.overlap_log.append(ovr.traces[i])
       if outcome is not None and outcome.branch is not None and not r.finished:
         state.prefetched = ovr.prefetch[i]
+        self._ar_settled = None
 
   def metrics(self) -> list[StrategyMetric]:
     counts = dict(self.regime_counts)

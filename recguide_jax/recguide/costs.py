@@ -55,8 +55,9 @@ class CostModel:
     full forward is exact at one row only: on a weight-bound device a forward for few rows costs nearly the full
     one, so it under-priced overlap's drafts at C >= 2 (docs/recguide.md, "Priced as a batch" (2))."""
     if shares:  # the step's own rows, each at its own miss probability: the forward is skipped when none misses
-      by_rows = self._draft_costs_by_rows(blk, max(c, len(shares)))
-      return pricing.expected_draft_cost(shares, by_rows) / by_rows[c]
+      rows = max(c, len(shares))
+      by_rows = self._draft_costs_by_rows(blk, rows)
+      return pricing.expected_draft_cost(shares, by_rows, self._draft_affine[(blk, rows)]) / by_rows[c]
     if c <= 1 or share <= 0.0 or share >= 1.0:
       return min(max(share, 0.0), 1.0)
     weights = self._draft_weights.get((blk, c))
@@ -77,6 +78,7 @@ class CostModel:
       prof = self.profile
       costs = np.array([0.0] + [1.0 if prof is None else prof.forward_costs(k, blk)[0] for k in range(1, rows + 1)])
       self._draft_costs[(blk, rows)] = costs
+      self._draft_affine[(blk, rows)] = pricing.affine_costs(costs)
     return costs
 
   def observe_round(self, kind: str, block_size: int, rows: int, seconds: float) -> None:

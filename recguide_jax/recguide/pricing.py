@@ -41,14 +41,32 @@ def drafting_rows_distribution(shares: Sequence[float]) -> np.ndarray:
   return np.clip(np.fft.irfft(np.prod(terms, axis=0), n + 1), 0.0, 1.0)
 
 
-def expected_draft_cost(shares: Sequence[float], cost_by_rows: np.ndarray) -> float:
+def expected_draft_cost(shares: Sequence[float], cost_by_rows: np.ndarray,
+                        affine: tuple[float, float] | None = None) -> float:
   """E[cost of an overlap step's draft forward] when row i needs a draft with probability shares[i] (1 - h_i, h_i
   its chance of holding a reusable branch): the forward runs for the K rows that need it, at cost_by_rows[K]
   (k = 0..len(shares); entry 0 unused), and is skipped only when K = 0, with probability prod_i h_i. Pricing the
   forward by the mean share instead (share x the full forward) charges a batch as if its rows skipped their drafts
-  one by one, which a batched forward does not."""
+  one by one, which a batched forward does not. `affine`: `affine_costs(cost_by_rows)` where known (a cost a + b k
+  needs only P(K >= 1) and E[K], not K's distribution)."""
+  if affine is not None:
+    a, b = affine
+    s = np.clip(np.asarray(shares, np.float64), 0.0, 1.0)
+    return float(a * (1.0 - np.prod(1.0 - s)) + b * s.sum())
   dist = drafting_rows_distribution(shares)
   return float(dist[1:] @ np.asarray(cost_by_rows, np.float64)[1:len(dist)])
+
+
+def affine_costs(cost_by_rows: np.ndarray, rtol: float = 1e-9) -> tuple[float, float] | None:
+  """(a, b) with cost_by_rows[k] = a + b k for every k >= 1 (a forward whose cost does not grow with its rows, or
+  grows by the same amount per row), else None."""
+  c = np.asarray(cost_by_rows, np.float64)[1:]
+  if not len(c):
+    return None
+  b = float(c[1] - c[0]) if len(c) > 1 else 0.0
+  a = float(c[0]) - b
+  fit = a + b * np.arange(1, len(c) + 1)
+  return (a, b) if np.allclose(fit, c, rtol=rtol, atol=0.0) else None
 
 
 def rescaled_rho(rho: float, fitted_costs: Mapping[int, float], costs: Mapping[int, float]) -> float:
