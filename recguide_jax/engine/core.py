@@ -304,21 +304,19 @@ class Engine:
       ok, handle = self._isolated(batch.reqs, what, self._dispatch, batch)
       if not ok:
         return
-      self._pending = self._chain(batch, handle)
-      self._finish_round(batch, lambda: batch.round.collect(self.runner, batch, handle), t0)
-      self._drain_if_idle()
+      self._chain_and_finish(batch, handle, t0)
       return
     self._finish_round(batch, lambda: self._run(batch), t0)
 
-  def _finish_round(self, batch: Batch, output, t0: float) -> None:
-    """Collects a round's output (`output()`), applies it and tells the strategy."""
+  def _finish_round(self, batch: Batch, output, t0: float, rows: tuple | None = None) -> None:
+    """Collects a round's output (`output()`), applies it and tells the strategy. `rows`: the batch's `_row_state`
+    where the caller read it after the round's requests last changed."""
     what = f"{batch.round.kind} round (block {batch.block})"
     # a pipelined call's rows of requests that stopped before it was applied are not part of its output
-    live = np.fromiter((r.finish_reason is None for r in batch.reqs), bool, batch.n)
+    live, generated = rows or self._row_state(batch)
     ok, out = self._isolated(batch.reqs, what, output)
     if not ok:
       return
-    generated = np.fromiter((len(r.output_ids) for r in batch.reqs), np.int64, batch.n)
     ok, _ = self._isolated(batch.reqs, what, self.apply, batch, out, generated, live)
     if not ok:
       return
@@ -327,6 +325,13 @@ class Engine:
       self.round_log.append(outcome)
     if live.any():  # (a failure fails the batch's requests that are still running: `finish` skips the others)
       self._isolated(batch.reqs, f"observing a {what}", self.strategy.observe, outcome)
+
+  @staticmethod
+  def _row_state(batch: Batch) -> tuple[np.ndarray, np.ndarray]:
+    """Per row of `batch`: whether its request is still running, and its output tokens so far."""
+    reqs, n = batch.reqs, batch.n
+    return (np.fromiter((r.finish_reason is None for r in reqs), bool, n),
+            np.fromiter((len(r.output_ids) for r in reqs), np.int64, n))
 
   def batch_rows(self, reqs: Sequence[Request]) -> BatchRows:
     """The per-request rows of a batch of `reqs` (cached per composition: `batch_rows.RowCache`)."""
@@ -359,15 +364,27 @@ class Engine:
   # device, which takes every call's cache from the call before it). Only when the plan of k+1 cannot depend on
   # k's outcome: nothing waiting or prefilling, the batch the whole decoding set, and the strategy's say
   # (`Strategy.plans_ahead`, asked last: a strategy may decide the next step there).
-  def _chain(self, batch: Batch, handle) -> tuple[Batch, object, float] | None:
-    """Dispatches the call after `batch`'s (dispatched as `handle`, not applied yet), if it may run ahead."""
+  def _chain_and_finish(self, batch: Batch, handle, t0: float) -> None:
+    """Dispatches the call after `batch`'s where it may run ahead (`_chain`), then reads `batch`'s back and applies
+    it."""
+    rows = self._row_state(batch)
+    self._pending = self._chain(batch, handle, *rows)
+    if self._pending is None:
+      rows = None  # (a dispatch that failed stopped its requests: read them again)
+    self._finish_round(batch, lambda: batch.round.collect(self.runner, batch, handle), t0, rows)
+    self._drain_if_idle()
+
+  def _chain(self, batch: Batch, handle, live: np.ndarray,
+             generated: np.ndarray) -> tuple[Batch, object, float] | None:
+    """Dispatches the call after `batch`'s (dispatched as `handle`, not applied yet), if it may run ahead; `live`,
+    `generated`: the batch's `_row_state`. Its requests are then the whole running set: so none prefills."""
     most, fewest, keys = batch.round.ahead(batch)
-    if not (self.pipeline and not self.waiting and len(self.running) == batch.n
+    if not (self.pipeline and not self.waiting and len(self.running) == batch.n and live.all()
             and self.runner.mesh is None  # a device array between calls keeps the single device's placement
             and batch.samp.controls is None  # penalties and min_tokens read the tokens the pending call commits
-            and (batch.planned == batch.block).all() and not any(r.finish_reason for r in batch.reqs)):
+            and (batch.planned == batch.block).all()):
       return None
-    left = self._most_tokens_left(batch.reqs, batch.request_rows) - fewest
+    left = int((batch.request_rows.max_tokens - generated).max()) - fewest
     if left < 1 or not self.strategy.plans_ahead(batch):
       return None  # every request ends within `batch`'s call, or the strategy plans the next step itself
     n = self.rc.decode_steps if batch.round.multi_step else 1
@@ -391,10 +408,7 @@ class Engine:
     goes on as usual."""
     batch, handle, t0 = self._pending
     self._pending = None
-    if not self._any_prefilling():  # (`_chain` checks the rest)
-      self._pending = self._chain(batch, handle)
-    self._finish_round(batch, lambda: batch.round.collect(self.runner, batch, handle), t0)
-    self._drain_if_idle()
+    self._chain_and_finish(batch, handle, t0)
     return self._pending is not None
 
   def _drain_if_idle(self) -> None:
