@@ -6,12 +6,11 @@ and then (a probe) so machine drift cannot freeze a wrong choice, and a regime n
 from __future__ import annotations
 
 import dataclasses
-import math
 from typing import Callable
 
 from recguide_jax.decoding.strategy import RoundKind
 from recguide_jax.model.config import BLOCK_SIZES
-from recguide_jax.recguide.config import RecGuideState, Regime
+from recguide_jax.recguide.config import Regime
 from recguide_jax.recguide.kinds import OverlapKind
 
 
@@ -67,19 +66,14 @@ class RegimeSwitch:
     sure, and a branch pays off only in a round that follows: over its R = left / accepted remaining rounds it
     drafts 1 + (R - 1)(1 - hit) times, so entering is worth it only when enough rounds are left to recover the
     draft (docs/recguide.md, "Priced as a batch" (6)). A request holding a branch drafts 1 - hit per round less."""
-    hit, expected = self.stats.overlap_hit, self.stats.accepted[self.block_size]
-    accepted = max(expected, 1.0)
-    # `_overlap_remaining` inlined: a step at high load runs this over every request
-    max_temperature, finishing = self.overlap_max_temperature, -math.inf if self.fixed_regime else expected
+    hit, accepted = self.stats.overlap_hit, max(self.stats.accepted[self.block_size], 1.0)
     shares = []
     for req in batch:
-      params = req.params
-      remaining = params.max_tokens - len(req.output_ids)
-      if params.temperature > max_temperature or remaining <= finishing:
+      remaining = self._overlap_remaining(req)
+      if remaining is None:
         continue
       left = max(1.0, remaining / accepted)
-      state = req.strategy_state  # (another strategy's state holds no branch of RecGuide's)
-      first = 0.0 if isinstance(state, RecGuideState) and state.prefetched is not None else 1.0
+      first = 0.0 if self.state(req).prefetched is not None else 1.0
       shares.append((first + (left - 1.0) * (1.0 - hit)) / left)
     return shares
 
