@@ -1,6 +1,9 @@
+import collections
+import threading
+
 import numpy as np
 
-from recguide_jax.engine.books import DecodeBooks
+from recguide_jax.engine.books import DecodeBooks, RoundTally
 from recguide_jax.engine.requests import RequestStats
 
 
@@ -35,3 +38,63 @@ def test_books_match_the_per_request_bookkeeping_they_replace():
     books.close(row, again)  # closed books are empty: the row's next request starts from zero
     assert again == RequestStats()
   books.close(10_000, RequestStats())  # a row never recorded
+
+
+def _tally_rounds(seed: int, n: int):
+  rng = np.random.default_rng(seed)
+  for _ in range(n):
+    size = int(rng.integers(0, 12))
+    rounds = int(rng.choice([1, 4]))
+    block = rng.choice([1, 8, 16, 32], size=size)
+    accepted = np.minimum(rng.integers(1, 34, size=size), block + 1)
+    yield block, accepted, rounds, (block > 1 if rng.random() < 0.7 else None)
+
+
+def test_the_round_tally_folds_to_the_counters_of_each_round_alone():
+  """Rounds of random rows, folded at every read and every few rounds: the counters each round would have added
+  (block sizes run, verified drafts, draft and accepted draft tokens, drafts accepted at least k far)."""
+  totals = collections.Counter()
+  tally = RoundTally(totals, fold_every=5)
+  want_totals, want_pos, want_blocks = collections.Counter(), collections.Counter(), collections.Counter()
+  for i, (block, accepted, rounds, spec) in enumerate(_tally_rounds(0, 60)):
+    tally.add(block, accepted, rounds, spec)
+    for b, a in zip(block.tolist(), accepted.tolist()):
+      want_blocks[b] += rounds
+    if spec is not None:
+      for b, a in zip(block[spec].tolist(), accepted[spec].tolist()):
+        want_totals["drafts"] += 1
+        want_totals["draft_tokens"] += b - 1
+        want_totals["accepted_draft_tokens"] += a - 1
+        for pos in range(1, a):
+          want_pos[pos] += 1
+    if i % 7 == 0:
+      tally.fold()
+      assert (totals, tally.per_position, tally.block_sizes) == (want_totals, want_pos, want_blocks)
+  tally.fold()
+  assert (totals, tally.per_position, tally.block_sizes) == (want_totals, want_pos, want_blocks)
+  assert want_totals["drafts"] and want_pos[3]
+
+
+def test_a_fold_on_another_thread_loses_no_round():
+  """A metrics scrape folds on its own thread while the engine adds rounds and folds on its own."""
+  rounds = list(_tally_rounds(1, 3000))
+  totals = collections.Counter()
+  tally = RoundTally(totals, fold_every=4)
+  stop = threading.Event()
+
+  def scrape():
+    while not stop.is_set():
+      tally.fold()
+
+  scraper = threading.Thread(target=scrape)
+  scraper.start()
+  try:
+    for r in rounds:
+      tally.add(*r)
+  finally:
+    stop.set()
+    scraper.join()
+  tally.fold()
+  assert sum(tally.block_sizes.values()) == sum(len(b) * n for b, _, n, _ in rounds)
+  assert totals["accepted_draft_tokens"] == sum(int(a[s].sum()) - int(s.sum()) for _, a, _, s in rounds
+                                                if s is not None)

@@ -29,7 +29,7 @@ import numpy as np
 from recguide_jax.decoding.strategy import Batch, RoundOutcome, RoundOutput, RoundPlan, StepView, Strategy
 from recguide_jax.engine import output, prefill
 from recguide_jax.engine.batch_rows import BatchRows, RowCache, gather_rows
-from recguide_jax.engine.books import DecodeBooks
+from recguide_jax.engine.books import DecodeBooks, RoundTally
 from recguide_jax.cache.kv_cache import PageAllocator
 from recguide_jax.engine.requests import (NEUTRAL_CONTROLS, Request, RequestError, SamplingParams,
                                           fold_seed, sampling_row)
@@ -59,9 +59,8 @@ class Engine:
     self._eos = frozenset(self.cfg.eos_token_ids)
     self._eos_array = np.array(sorted(self._eos), np.int64)
     self._ids = itertools.count()
-    self.totals = collections.Counter()  # engine-wide counters for /metrics
-    self.accepted_per_position = collections.Counter()  # block index -> accepted draft tokens there
-    self.block_size_choices = collections.Counter()
+    self._totals = collections.Counter()  # engine-wide counters for /metrics
+    self._tally = RoundTally(self._totals)  # the draft counters among them, folded when read
     # True: one batch per planned block size; False: mixed planned block sizes share one batch padded to the
     # largest; "auto": per step, whichever grouping the strategy's cost model (round_cost) prices cheaper
     self.bucketing = bucketing
@@ -76,6 +75,24 @@ class Engine:
     self._waited_on_compile = self._ran_this_step = False  # this step: some rows waited on a background compile
     self._rows = RowCache()
     self.books = DecodeBooks()  # running requests' decode stats (written to Request.stats when each finishes)
+
+  @property
+  def totals(self) -> collections.Counter:
+    """Engine-wide counters (tokens, forwards per kind, drafts, requests by finish reason) for /metrics."""
+    self._tally.fold()
+    return self._totals
+
+  @property
+  def accepted_per_position(self) -> collections.Counter:
+    """Block position k -> verified drafts that accepted at least k draft tokens."""
+    self._tally.fold()
+    return self._tally.per_position
+
+  @property
+  def block_size_choices(self) -> collections.Counter:
+    """Block size -> request rounds run at it (an AR step is a round of block 1)."""
+    self._tally.fold()
+    return self._tally.block_sizes
 
   @property
   def strategy(self) -> Strategy:
@@ -143,7 +160,7 @@ class Engine:
       req.prefill_source = next((r for r in itertools.chain(self.running, self.waiting)
                                  if r.request_id == prefill_source and r.prompt_ids == req.prompt_ids), None)
     self.waiting.append(req)
-    self.totals["requests_added"] += 1
+    self._totals["requests_added"] += 1
     return req
 
   def abort(self, request_id: str) -> bool:
@@ -169,9 +186,9 @@ class Engine:
     hit = self.allocator.match_prefix(req.request_id, req.prompt_ids, match)
     if not match:
       return
-    self.totals["prefix_cache_queries"] += len(req.prompt_ids)
-    self.totals["prefix_cache_hits"] += hit
-    self.totals["prompt_tokens"] += hit  # vLLM counts every prompt token, cached or computed
+    self._totals["prefix_cache_queries"] += len(req.prompt_ids)
+    self._totals["prefix_cache_hits"] += hit
+    self._totals["prompt_tokens"] += hit  # vLLM counts every prompt token, cached or computed
     if hit:
       req.num_cached_tokens = hit
       # each forward's sampling key is (seed, round): skip the rounds of the chunks not run, so the first token is
@@ -449,7 +466,7 @@ class Engine:
     forward ledger and counters, the requests' stats, the sampling keys, then emission and stop conditions.
     `generated`: each row's output tokens before this round; `live`: the rows whose requests had not stopped."""
     reqs, rounds, req_rows = batch.reqs, out.rounds, batch.request_rows
-    totals = self.totals
+    totals = self._totals
     for kind, blk, n in out.forwards:
       totals[f"forwards_{kind}"] += 1
       if self.forward_log is not None:
@@ -471,20 +488,8 @@ class Engine:
       if pending is not None:
         keep = pending.round.reserve(pending.block, pending.steps) + pending.round.ahead(pending)[0]
       alloc.trim_rows(table_rows, keep)
-    # engine-wide counters over the batch's live rows at once
-    choices = np.bincount(block)
-    for blk in np.flatnonzero(choices).tolist():
-      self.block_size_choices[blk] += int(choices[blk]) * rounds
-    spec = block > 1 if out.speculative else np.zeros(len(rows), bool)
-    if spec.any():
-      blk_arr, acc_arr = block[spec], accepted[spec]
-      totals["drafts"] += len(blk_arr)  # verified drafts (vLLM's spec_decode_num_drafts)
-      totals["draft_tokens"] += int(blk_arr.sum()) - len(blk_arr)
-      totals["accepted_draft_tokens"] += int(acc_arr.sum()) - len(acc_arr)
-      per_pos = np.bincount(acc_arr - 1)  # rows that accepted exactly k draft tokens
-      reach = np.cumsum(per_pos[::-1])[::-1]  # rows that accepted at least k
-      for pos, count in enumerate(reach[1:].tolist(), 1):
-        self.accepted_per_position[pos] += count
+    spec = block > 1 if out.speculative else None
+    self._tally.add(block, accepted, rounds, spec)  # engine-wide counters
     # each request's own books, by its page-table row
     self.books.record(table_rows, block, accepted, rounds, row_forwards, spec)
     self._emit_batch(reqs, out, rows, req_rows.max_tokens - generated, req_rows)
@@ -531,7 +536,7 @@ class Engine:
         self.finish(r, "error", "engine error: the request's update callback failed")
       elif end:
         self.finish(r, "stop" if end == 1 else "length")
-    self.totals["generated_tokens"] += generated
+    self._totals["generated_tokens"] += generated
 
   def sampling_arrays(self, reqs: Sequence[Request], rows: BatchRows, b: int, ahead: int = 0) -> SamplingArrays:
     """The padded batch's sampling rows, from the requests' `rows`; each row's key is (seed, its round counter +
@@ -638,7 +643,7 @@ class Engine:
     """After a request's tokens were appended: its next seed, the counters, its update callback, its end."""
     if r.seed_token is None or new:
       r.seed_token = r.output_ids[-1] if r.output_ids else None
-    self.totals["generated_tokens"] += len(new)
+    self._totals["generated_tokens"] += len(new)
     if not self._notify(r, new):
       self.finish(r, "error", "engine error: the request's update callback failed")
       return
@@ -682,11 +687,8 @@ class Engine:
       self.strategy.on_finish(r)
     except Exception:
       log.exception("the strategy's on_finish failed for request %s", r.request_id)
-    self.totals[f"requests_{reason}"] += 1
+    self._totals[f"requests_{reason}"] += 1
     self._notify(r, [])
-
-  _finish = finish  # the earlier private name (EngineThread and tests call it)
-  _fail_request = fail_request
 
   def fail_all(self, message: str) -> None:
     """Finishes every request with an error (after a device failure) so no caller waits forever."""
