@@ -5,6 +5,8 @@ A decode round adds to every row of its batch: rounds, forwards per kind, drafte
 per round to the accepted-length and block-size histories. Kept in `Request.stats` that is a dozen Python objects
 touched per request per step (a 4-step AR call extends two lists by four entries each); here it is a few array
 updates per batch, and a request's lists are built once, at its end.
+
+The engine-wide draft counters (`RoundTally`) are kept the same way: a round's row arrays, folded when read.
 """
 
 from __future__ import annotations
