@@ -68,8 +68,8 @@ class Engine:
     self.round_log: list[RoundOutcome] | None = None  # set to [] to record every round's outcome (analysis)
     # a pipelined round dispatched ahead and not yet applied: (batch, device handle, dispatch time)
     self._pending: tuple[Batch, object, float] | None = None
-    # True: pipelined rounds run ahead (`_chain`): the next call starts from the inputs the previous step function
-    # returned on the device, so running ahead compiles and dispatches nothing a synchronous engine does not
+    # True: pipelined rounds run ahead (`_chain_and_finish`): the next call starts from the inputs the previous step
+    # function returned on the device, so running ahead compiles and dispatches nothing a synchronous engine does not
     self.pipeline = True
     self.step_count = 0
     self._waited_on_compile = self._ran_this_step = False  # this step: some rows waited on a background compile
@@ -382,37 +382,37 @@ class Engine:
   # k's outcome: nothing waiting or prefilling, the batch the whole decoding set, and the strategy's say
   # (`Strategy.plans_ahead`, asked last: a strategy may decide the next step there).
   def _chain_and_finish(self, batch: Batch, handle, t0: float) -> None:
-    """Dispatches the call after `batch`'s where it may run ahead (`_chain`), then reads `batch`'s back and applies
-    it."""
+    """Dispatches the call after `batch`'s where it may run ahead (`_next_ahead`), then reads `batch`'s back and
+    applies it."""
     rows = self._row_state(batch)
-    self._pending = self._chain(batch, handle, *rows)
-    if self._pending is None:
-      rows = None  # (a dispatch that failed stopped its requests: read them again)
+    nxt = self._next_ahead(batch, *rows)
+    if nxt is not None:
+      t1 = time.perf_counter()
+      ok, handle2 = self._isolated(batch.reqs, f"{batch.round.kind} round (ahead)", self._dispatch_ahead, nxt,
+                                   batch, handle)
+      self._pending = (nxt, handle2, t1) if ok else None
+      if not ok:
+        rows = None  # (the failed dispatch stopped its requests: read them again)
     self._finish_round(batch, lambda: batch.round.collect(self.runner, batch, handle), t0, rows)
     self._drain_if_idle()
 
-  def _chain(self, batch: Batch, handle, live: np.ndarray,
-             generated: np.ndarray) -> tuple[Batch, object, float] | None:
-    """Dispatches the call after `batch`'s (dispatched as `handle`, not applied yet), if it may run ahead; `live`,
-    `generated`: the batch's `_row_state`. Its requests are then the whole running set: so none prefills."""
-    most, fewest, keys = batch.round.ahead(batch)
+  def _next_ahead(self, batch: Batch, live: np.ndarray, generated: np.ndarray) -> Batch | None:
+    """The call after `batch`'s (dispatched, not applied yet), if it may run ahead; `live`, `generated`: the batch's
+    `_row_state`. Its requests are then the whole running set: so none prefills."""
     if not (self.pipeline and not self.waiting and len(self.running) == batch.n and live.all()
             and self.runner.mesh is None  # a device array between calls keeps the single device's placement
             and batch.samp.controls is None  # penalties and min_tokens read the tokens the pending call commits
             and (batch.planned == batch.block).all()):
       return None
-    left = int((batch.request_rows.max_tokens - generated).max()) - fewest
+    left = self._most_tokens_left(batch.request_rows, generated) - batch.round.ahead(batch)[1]
     if left < 1 or not self.strategy.plans_ahead(batch):
       return None  # every request ends within `batch`'s call, or the strategy plans the next step itself
     n = self.rc.decode_steps if batch.round.multi_step else 1
-    nxt = Batch(batch.round, batch.block, batch.reqs, batch.planned, steps=n if 1 < n <= left else 1)
-    t0 = time.perf_counter()
-    ok, handle2 = self._isolated(batch.reqs, f"{batch.round.kind} round (ahead)", self._dispatch_ahead, nxt,
-                                 batch, handle, most, keys)
-    return (nxt, handle2, t0) if ok else None
+    return Batch(batch.round, batch.block, batch.reqs, batch.planned, steps=n if 1 < n <= left else 1)
 
-  def _dispatch_ahead(self, batch: Batch, prev: Batch, handle, most: int, keys: int):
+  def _dispatch_ahead(self, batch: Batch, prev: Batch, handle):
     """Dispatches `batch`, the same requests' call after `prev`'s (dispatched as `handle`, not applied yet)."""
+    most, _, keys = prev.round.ahead(prev)
     self._reserve(batch, most)
     # committed lengths: the round takes its own from `handle` where they vary; the bucket stays `prev`'s, whose
     # device seeds it starts from (a background compile may have made a smaller bucket routable meanwhile)
@@ -567,7 +567,8 @@ class Engine:
     n = self.rc.decode_steps
     if n <= 1 or self.waiting or self._any_prefilling():
       return 1
-    return n if self._most_tokens_left(reqs, self.batch_rows(reqs)) >= n else 1
+    generated = np.fromiter((len(r.output_ids) for r in reqs), np.int64, len(reqs))
+    return n if self._most_tokens_left(self.batch_rows(reqs), generated) >= n else 1
 
   def _prefilling(self, r: Request) -> bool:
     """Whether `r`'s prompt is not fully cached yet. One with a seed token has it all: checked first, it spares the
@@ -578,9 +579,9 @@ class Engine:
     return any(map(self._prefilling, self.running))
 
   @staticmethod
-  def _most_tokens_left(reqs: Sequence[Request], rows: BatchRows) -> int:
-    """The most tokens any of `reqs` (whose rows are `rows`) may still generate."""
-    return int((rows.max_tokens - np.fromiter((len(r.output_ids) for r in reqs), np.int64, len(reqs))).max())
+  def _most_tokens_left(rows: BatchRows, generated: np.ndarray) -> int:
+    """The most tokens any request of `rows` may still generate, with `generated` output tokens each."""
+    return int((rows.max_tokens - generated).max())
 
   # ---- request isolation -----------------------------------------------------------------------------------------
   # Per-request values are converted to their host array types when a request is added (`sampling_row`), so a bad
