@@ -2,6 +2,7 @@
 conditions, no KV page leaks, and no compilation after warm-up."""
 
 import dataclasses
+import time
 
 import jax
 import numpy as np
@@ -182,6 +183,32 @@ def test_pipelined_rounds_are_exact(tiny_llm, ar_outputs, strategy_cls):
       assert [e["token_id"] for e in entries or ()] == [e["token_id"] for e in entries0 or ()]
   assert {k: sum(v, []) for k, v in streams_ahead.items()} == {k: sum(v, []) for k, v in streams_sync.items()}
   assert outs_ahead[0][1][0] == expected[1][:expected[1].index(stop) + 1]  # greedy through its stop token
+
+
+@pytest.mark.parametrize("ahead", [False, True])
+def test_round_wall_times_tile_the_run(tiny_llm, ar_outputs, ahead):
+  """Each round's wall time (what a strategy's calibration reads) is the time it adds: consecutive rounds do not
+  overlap, pipelined or not, so their sum stays within the run's wall time. Timed from its dispatch, a call run
+  ahead also counted the reading and applying of the call before it."""
+  prompts, _ = ar_outputs
+  eng = tiny_llm.engine
+  strategy = ARStrategy()
+  strategy.plans_ahead = lambda batch: ahead
+  tiny_llm.set_policy(strategy)
+  params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
+  tiny_llm.generate(prompts[:3], params, use_tqdm=False)  # compiles what the timed run uses
+  eng.round_log = []
+  try:
+    for p in prompts[:3]:
+      eng.add_request(p, params)
+    start = time.perf_counter()
+    eng.run_until_done()
+    wall = time.perf_counter() - start
+    log = eng.round_log
+  finally:
+    eng.round_log = None
+  assert len(log) >= 10 and all(o.seconds > 0 for o in log)
+  assert sum(o.seconds for o in log) <= wall
 
 
 def test_pipelined_rounds_keep_the_pages_the_next_round_reserves(tiny_llm, ar_outputs):

@@ -394,6 +394,10 @@ class Engine:
       if not ok:
         rows = None  # (the failed dispatch stopped its requests: read them again)
     self._finish_round(batch, lambda: batch.round.collect(self.runner, batch, handle), t0, rows)
+    if self._pending is not None:
+      # the call in flight ran on the device while this one was read and applied: its round's wall time is what it
+      # adds after this one's (timed from its dispatch, a strategy's calibration counted their shared time twice)
+      self._pending = (*self._pending[:2], time.perf_counter())
     self._drain_if_idle()
 
   def _next_ahead(self, batch: Batch, live: np.ndarray, generated: np.ndarray) -> Batch | None:
