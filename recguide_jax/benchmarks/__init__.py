@@ -8,7 +8,9 @@
 - `driver`: closed-loop drivers over the engine (`run_concurrent`: a prompt set to the last token; `run_steady`:
   timed over the window that holds C requests in flight) and per-run metrics;
 - `steady`: the held-load comparison of policies (interleaved repeats, medians, paired intervals);
-- `stats`: paired bootstrap intervals; `report`: `<name>.json` + `<name>.md` writers.
+- `stats`: paired bootstrap intervals; `report`: `<name>.json` + `<name>.md` writers;
+- `llama_cpp`: llama.cpp as a peer (`launch/bench_peer.py --gguf`): a GGUF's weights written at another precision,
+  and greedy decoding through llama-cpp-python.
 
 The functions of `driver`, `stats`, `report` and `gsm8k` are re-exported here (`from recguide_jax import benchmarks as
 bench; bench.run_concurrent(...)`)."""
