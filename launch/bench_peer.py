@@ -162,6 +162,11 @@ class PeerConfig:
         raise ValueError("--gguf needs --model: the checkpoint converted from that GGUF")
       if not os.path.isfile(self.gguf):
         raise ValueError(f"--gguf {self.gguf} is not a file")
+      from recguide_jax.benchmarks import llama_cpp
+      try:
+        llama_cpp.llama_cpp_module()
+      except ImportError as e:
+        raise ValueError(f"--gguf: {e}") from e
     if self.checkpoint is None and "recguide" in self.policies:
       raise ValueError("--policies recguide needs --model with fitted recguide_tables.json")
     return self

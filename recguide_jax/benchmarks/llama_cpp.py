@@ -37,12 +37,13 @@ def gguf_precision(path: str | os.PathLike) -> str:
 
 
 def _field_value(field: gguf.ReaderField):
+  """A metadata field's value as the writer takes it (a list for an array)."""
   if field.types[0] == gguf.GGUFValueType.ARRAY:
-    return [_scalar(field, field.parts[i], field.types[-1]) for i in field.data]
-  return _scalar(field, field.parts[field.data[0]], field.types[0])
+    return [_scalar(field.parts[i], field.types[-1]) for i in field.data]
+  return _scalar(field.parts[field.data[0]], field.types[0])
 
 
-def _scalar(field: gguf.ReaderField, part: np.ndarray, vtype: gguf.GGUFValueType):
+def _scalar(part: np.ndarray, vtype: gguf.GGUFValueType):
   if vtype == gguf.GGUFValueType.STRING:
     return bytes(part).decode("utf-8")
   value = part.tolist()
