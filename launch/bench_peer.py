@@ -468,25 +468,22 @@ def compare_rows(a: list[list[int]], b: list[list[int]]) -> list[dict]:
 
 # ---- the benchmark ---------------------------------------------------------------------------------------------
 
-def our_configs(cfg: PeerConfig, checkpoint_dir) -> dict:
-  """Label -> decoding strategy of each of our configs: AR, LinearSS at each of --block_sizes, RecGuide."""
-  from recguide_jax.decoding.builtin import ARStrategy, LinearStrategy
-  from recguide_jax.decoding.registry import make_strategy
-  from recguide_jax.llm import recguide_defaults
+def config_labels(cfg: PeerConfig) -> dict[str, tuple[str, int | None]]:
+  """Label -> (policy, block size) of each of our configs: AR, LinearSS at each of --block_sizes, RecGuide."""
   out = {}
   for name in cfg.policies:
-    if name == "ar":
-      out["ar"] = ARStrategy()
-    elif name == "linear":
-      out.update({f"linear B={b}": LinearStrategy(b) for b in cfg.block_sizes})
-    else:
-      out[name] = make_strategy(name, **recguide_defaults(checkpoint_dir))
+    out.update({f"linear B={b}": (name, b) for b in cfg.block_sizes} if name == "linear" else {name: (name, None)})
   return out
 
 
-def config_labels(cfg: PeerConfig) -> list[str]:
-  return [label for name in cfg.policies
-          for label in ([f"linear B={b}" for b in cfg.block_sizes] if name == "linear" else [name])]
+def our_configs(cfg: PeerConfig, checkpoint_dir) -> dict:
+  """Label -> decoding strategy of each of our configs (`config_labels`)."""
+  from recguide_jax.decoding.builtin import ARStrategy, LinearStrategy
+  from recguide_jax.decoding.registry import make_strategy
+  from recguide_jax.llm import recguide_defaults
+  return {label: ARStrategy() if name == "ar" else LinearStrategy(blk) if name == "linear"
+          else make_strategy(name, **recguide_defaults(checkpoint_dir))
+          for label, (name, blk) in config_labels(cfg).items()}
 
 
 def run_peer(cfg: PeerConfig, log=print) -> dict:
@@ -557,7 +554,7 @@ def run_peer(cfg: PeerConfig, log=print) -> dict:
   meta = {
       "model": model_desc, "dtypes": list(cfg.dtypes), "batch_sizes": list(cfg.batch_sizes),
       "prompt_lens": list(cfg.prompt_lens), "new_tokens": cfg.new_tokens, "repeats": cfg.repeats,
-      "policies": config_labels(cfg), "max_model_len": cfg.max_model_len or "tight",
+      "policies": list(config_labels(cfg)), "max_model_len": cfg.max_model_len or "tight",
       "max_cell_tokens": cfg.max_cell_tokens, "skipped_cells": [list(c) for c in _all_cells(cfg) if c not in cells],
       "torch_threads": torch.get_num_threads(), "cpu_count": os.cpu_count(), "cpu_model": host_cpu.cpu_model(),
       "xla_threads": "XLA CPU client default (one intra-op pool over all cores)",
