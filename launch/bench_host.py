@@ -35,8 +35,10 @@ for _p in (ROOT, os.path.join(ROOT, "launch")):
     sys.path.insert(0, _p)
 
 
-def build_model(directory: pathlib.Path) -> pathlib.Path:
-  """A random 2-layer, 64-wide NLD checkpoint (the bundled model's vocabulary and tokenizer), written once."""
+def build_model(directory: pathlib.Path, num_layers: int = 2) -> pathlib.Path:
+  """A random `num_layers`-layer, 64-wide NLD checkpoint (the bundled model's vocabulary and tokenizer), written
+  once per depth."""
+  directory = directory / f"layers{num_layers}"
   if (directory / "params").exists():
     return directory
   import dataclasses
@@ -48,8 +50,8 @@ def build_model(directory: pathlib.Path) -> pathlib.Path:
   from recguide_jax.model.config import NLDConfig
   from recguide_jax.model.nld import NLDModel
   base = NLDConfig.from_json_file(BUNDLED_CHECKPOINT / "config.json")
-  cfg = dataclasses.replace(base, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                            num_key_value_heads=2, head_dim=16, lora_rank=8)
+  cfg = dataclasses.replace(base, hidden_size=64, intermediate_size=128, num_hidden_layers=num_layers,
+                            num_attention_heads=4, num_key_value_heads=2, head_dim=16, lora_rank=8)
   ckpt_lib.save_model(directory, NLDModel(cfg, rngs=nnx.Rngs(0)))
   for name in ("tokenizer.json", "tokenizer_config.json"):
     shutil.copy(BUNDLED_CHECKPOINT / name, directory / name)
@@ -67,8 +69,8 @@ class Recorder:
 
 
 def timed_steps(llm, policy: str, c: int, max_tokens: int, prompt_len: int, profile: bool = False, replays: int = 0):
-  """Runs C requests to the end; returns [(step seconds, [(key, args)] of its calls, their bare seconds)] of the
-  steps where all C decoded, and the profile of those steps (or None)."""
+  """Runs C requests to the end; returns [(step seconds, [(key, args)] of its calls, their bare seconds, host work
+  seconds, dispatch seconds)] of the steps where all C decoded, and the profile of those steps (or None)."""
   from recguide_jax.engine.requests import SamplingParams
   from recguide_jax.runtime.compilation import CompileCounter
   eng = llm.engine
@@ -81,19 +83,21 @@ def timed_steps(llm, policy: str, c: int, max_tokens: int, prompt_len: int, prof
   import jax
   prof = cProfile.Profile() if profile else None
   steps, skipped = [], 0
-  # time inside the device calls (dispatch) and their read-backs: the rest of a step is the engine's host work
-  inside = [0.0]
+  # time inside the device calls (dispatch: the host launching them, which returns before the device is done) and
+  # their read-backs: the rest of a step is the engine's host work
+  inside, dispatch = [0.0], [0.0]
   execute, device_get = llm.runner.execute, jax.device_get
 
-  def timed(fn):
+  def timed(fn, *counters):
     def call(*args, **kwargs):
       t = time.perf_counter()
       try:
         return fn(*args, **kwargs)
       finally:
-        inside[0] += time.perf_counter() - t
+        for counter in counters:
+          counter[0] += time.perf_counter() - t
     return call
-  llm.runner.execute, jax.device_get = timed(execute), timed(device_get)
+  llm.runner.execute, jax.device_get = timed(execute, inside, dispatch), timed(device_get, inside)
   try:
     while eng.has_work():
       full = (not eng.waiting and len(eng.running) == c
@@ -101,13 +105,13 @@ def timed_steps(llm, policy: str, c: int, max_tokens: int, prompt_len: int, prof
       rec.calls = []
       if prof is not None and full:
         prof.enable()
-      inside[0] = 0.0
+      inside[0] = dispatch[0] = 0.0
       compiles = CompileCounter.total()
       t0 = time.perf_counter()
       eng.step()
       dt = time.perf_counter() - t0
       compiled = CompileCounter.total() > compiles
-      device = inside[0]
+      device, launching = inside[0], dispatch[0]
       if prof is not None and full:
         prof.disable()
       # a step where every request decoded and none finished: the steady state. Every third one's calls are replayed
@@ -124,7 +128,7 @@ def timed_steps(llm, policy: str, c: int, max_tokens: int, prompt_len: int, prof
         if replays and k % 3 == 1:
           jax.block_until_ready(llm.runner.cache)  # the engine's call in flight, if any, first
           bare = bare_seconds(llm.runner, calls, replays)
-        steps.append((dt, calls, bare, dt - device))
+        steps.append((dt, calls, bare, dt - device, launching))
   finally:
     llm.runner.before_execute = None
     llm.runner.execute, jax.device_get = execute, device_get
@@ -148,16 +152,17 @@ def bare_seconds(runner, calls, repeats: int) -> float:
 def measure(llm, policy: str, c: int, cfg) -> dict:
   timed_steps(llm, policy, c, cfg["max_tokens"], cfg["prompt_len"])  # compiles what this point calls
   from recguide_jax.engine.gc_heap import GCPauses
-  walls, bares, hosts, calls_per_step, steps_per_call = [], [], [], [], []
+  walls, bares, hosts, dispatches, calls_per_step, steps_per_call = [], [], [], [], [], []
   engine_steps = llm.engine.step_count
   with GCPauses() as pauses:
     runs = [timed_steps(llm, policy, c, cfg["max_tokens"], cfg["prompt_len"], replays=3)[0]
             for _ in range(cfg["repeats"])]
   engine_steps = llm.engine.step_count - engine_steps
   for steps in runs:
-    for dt, calls, bare, host in steps:
+    for dt, calls, bare, host, launching in steps:
       walls.append(dt)
       hosts.append(host)
+      dispatches.append(launching / len(calls))
       if bare is not None:
         bares.append(bare)
       calls_per_step.append(len(calls))
@@ -178,6 +183,7 @@ def measure(llm, policy: str, c: int, cfg) -> dict:
                 f"engine_vs_bare{stat}": wall / bare, f"host_per_step_ms{stat}": (wall - bare) * 1e3,
                 f"host_per_request_step_us{stat}": (wall - bare) * 1e6 / (c * out["ar_steps_per_call"]),
                 f"host_work_per_step_ms{stat}": fn(hosts) * 1e3,
+                f"dispatch_per_call_ms{stat}": fn(dispatches) * 1e3,
                 f"host_work_per_request_step_us{stat}": fn(hosts) * 1e6 / (c * out["ar_steps_per_call"])})
   # a pipelined engine's steps alternate (one waits for the device, the next finds its call done): the mean over
   # the steady window is its rate
@@ -211,23 +217,27 @@ def markdown(result: dict) -> str:
            "Each cell: median / minimum over the timed steps (engine, host work) and the replays (bare). A step is "
            "one engine iteration: one AR call, one LinearSS round (draft + verify), or RecGuide's round(s).", "",
            "Host work: a step's wall time outside the device calls and their read-backs (the engine's own Python, "
-           "measured directly; with the pipeline it runs while the device computes). Engine / bare: mean engine wall "
+           "measured directly; with the pipeline it runs while the device computes). Dispatch: the host time a "
+           "device call takes to launch (its arguments flattened and handed over; counted inside the device calls "
+           "above, not in host work). Engine / bare: mean engine wall "
            "per call over the steady window against the mean bare call (a pipelined engine's single steps alternate "
            "between waiting and not). GC: Python's collector over the whole generations, per engine step (its "
            f"longest pause); the start-up heap {'frozen' if meta.get('freeze_gc') else 'not frozen'} "
            "(`launch/serve.py` freezes it).", "",
-           "| policy | C | steps | host work per step (ms) | host work per request-step (us) | engine per call (ms) | "
-           "bare call (ms) | engine / bare (mean) | GC per step (ms; longest pause) |",
-           "|---|---|---|---|---|---|---|---|---|"]
+           "| policy | C | steps | host work per step (ms) | host work per request-step (us) | "
+           "dispatch per call (ms) | engine per call (ms) | bare call (ms) | engine / bare (mean) | "
+           "GC per step (ms; longest pause) |",
+           "|---|---|---|---|---|---|---|---|---|---|"]
   for p in result["points"]:
     if not p.get("steps"):
-      lines.append(f"| {p['policy']} | {p['concurrency']} | 0 | | | | | | |")
+      lines.append(f"| {p['policy']} | {p['concurrency']} | 0 | | | | | | | |")
       continue
 
     def cell(key, fmt):
       return f"{p[key]:{fmt}} / {p[key + '_min']:{fmt}}"
     lines.append(f"| {p['policy']} | {p['concurrency']} | {p['steps']} | {cell('host_work_per_step_ms', '.3f')} | "
-                 f"{cell('host_work_per_request_step_us', '.1f')} | {cell('engine_per_call_ms', '.3f')} | "
+                 f"{cell('host_work_per_request_step_us', '.1f')} | {cell('dispatch_per_call_ms', '.3f')} | "
+                 f"{cell('engine_per_call_ms', '.3f')} | "
                  f"{cell('bare_per_call_ms', '.3f')} | {p['engine_vs_bare_mean']:.2f} | "
                  f"{p['gc_ms_per_engine_step']:.3f} ({p['gc_longest_pause_ms']:.1f}) |")
   for prof in result.get("profiles", []):
@@ -248,11 +258,11 @@ def main(argv):
   from recguide_jax.llm import LLM
   f = flags.FLAGS
   quiet_logging()
-  model = build_model(pathlib.Path(f.model_dir))
+  model = build_model(pathlib.Path(f.model_dir), f.num_layers)
   cfg = {"max_tokens": f.max_tokens, "prompt_len": f.prompt_len, "repeats": f.repeats}
   concurrency = cli.int_list("concurrency")
   llm = LLM(str(model), policy="recguide", max_num_seqs=max(concurrency), max_model_len=256, page_size=16,
-            prefill_chunk=32, warmup=False, decode_steps=f.decode_steps)
+            prefill_chunk=32, warmup=False, decode_steps=f.decode_steps, layer_loop=f.layer_loop)
   if hasattr(llm.engine, "pipeline"):
     llm.engine.pipeline = f.pipeline
   if f.freeze_gc:
@@ -266,7 +276,9 @@ def main(argv):
       points.append(p)
       print(p, flush=True)
   profiles = [profile_top(llm, policy, max(concurrency), cfg) for policy in f.profile_policies if policy]
-  meta = {"model": "2 layers, hidden 64, vocab 2048", "prompt_len": f.prompt_len, "max_tokens": f.max_tokens,
+  arrays = len(jax.tree.leaves(llm.runner.state))
+  meta = {"model": f"{f.num_layers} layers ({llm.runner.layer_loop.value}, {arrays} weight arrays), hidden 64, "
+                   "vocab 2048", "prompt_len": f.prompt_len, "max_tokens": f.max_tokens,
           "decode_steps": f.decode_steps, "repeats": f.repeats, "jax": jax.__version__,
           "backend": jax.default_backend(), "cpu_count": os.cpu_count(), "load_start": load_start,
           "load_end": os.getloadavg()[0], "time_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
@@ -292,7 +304,11 @@ def _define_flags():
                     "does.")
   flags.DEFINE_list("profile_policies", ["ar", "linear"], "Policies profiled at the largest C.")
   flags.DEFINE_string("model_dir", os.path.join(ROOT, "runs", "bench_host", "model"),
-                      "Where the random model is written (once).")
+                      "Where the random models are written (once per depth).")
+  flags.DEFINE_integer("num_layers", 2, "Decoder layers of the random model: a deep model's many weight arrays "
+                       "show in each call's dispatch (NLD-8B has 32).")
+  flags.DEFINE_enum("layer_loop", "auto", ["auto", "scan", "unrolled"], "How the forward runs the layers (LLM's "
+                    "layer_loop; unrolled, one weight array per layer and kernel, is what a GPU runs).")
   cli.define_output_flags("bench_host")
 
 

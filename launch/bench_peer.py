@@ -116,6 +116,7 @@ class PeerConfig:
   attention: str = "auto"
   layer_loop: str = "auto"  # our engine's (model.LayerLoop: auto, scan, unrolled)
   kernel_layout: str = "auto"  # our engine's (model.KernelLayout: auto, in_out, out_in)
+  projection_fusion: str = "auto"  # our engine's (model.ProjectionFusion: auto, separate, fused)
   decode_steps: int | None = None  # our engine's AR decode steps per device call (None: LLM's default)
   seed: int = 0
   gguf: str | None = None  # the model's GGUF: llama.cpp rows in the batch-1 cells
@@ -535,7 +536,7 @@ def run_peer(cfg: PeerConfig, log=print) -> dict:
                                                                             if p in group_lens),
                   max_model_len=max_len, warmup=False, dtype=dtype, compile_cache_dir=None,
                   attention=cfg.attention, layer_loop=cfg.layer_loop,
-                  kernel_layout=cfg.kernel_layout,
+                  kernel_layout=cfg.kernel_layout, projection_fusion=cfg.projection_fusion,
                   **({} if cfg.decode_steps is None else {"decode_steps": cfg.decode_steps}))
         load_s = time.perf_counter() - t0
         tokenizer = llm.tokenizer
@@ -563,6 +564,7 @@ def run_peer(cfg: PeerConfig, log=print) -> dict:
       "DynamicCache, sdpa attention, eos_token_id=None", "ours": "LLM.generate, temperature 0, ignore_eos",
       "layer_loops": sorted({c["layer_loop"] for c in results}),
       "kernel_layouts": sorted({c.get("kernel_layout", "in_out") for c in results}),
+      "projection_fusions": sorted({c.get("projection_fusion", "separate") for c in results}),
       "decode_steps": sorted({c.get("decode_steps", 1) for c in results}),
       "load_average_start": list(load_start),
       "load_average_end": list(os.getloadavg()),
@@ -687,7 +689,8 @@ def _run_cell(cfg, llm, theirs_model, peers, ckpt_dir, dtype, batch, plen, max_l
                                                                    rows[same]["decode_s_all"])
   cell = {"dtype": dtype, "batch": batch, "prompt_len": plen, "new_tokens": cfg.new_tokens, "max_model_len": max_len,
           "prompt_source": source, "engine_load_s": load_s, "layer_loop": llm.runner.layer_loop.value,
-          "kernel_layout": llm.runner.kernel_layout.value, "decode_steps": llm.runner.config.decode_steps,
+          "kernel_layout": llm.runner.kernel_layout.value, "projection_fusion": llm.runner.projection_fusion.value,
+          "decode_steps": llm.runner.config.decode_steps,
           "configs": rows,
           # equal, or first apart at a near-tie of fp32 rounding
           "ar_equal_to_theirs": (rows["ours ar"]["equal_rows_vs_theirs"] +
@@ -718,7 +721,8 @@ def markdown(result: dict) -> str:
       "and one warm-up run per config.",
       f"Ours: {meta['ours']}, max_model_len {meta['max_model_len']}, layer loop "
       f"{', '.join(meta.get('layer_loops', [])) or 'scan'}, dense kernels "
-      f"{', '.join(meta.get('kernel_layouts', [])) or 'in_out'}, AR decode steps per call "
+      f"{', '.join(meta.get('kernel_layouts', [])) or 'in_out'}, projections "
+      f"{', '.join(meta.get('projection_fusions', [])) or 'separate'}, AR decode steps per call "
       f"{', '.join(str(n) for n in meta.get('decode_steps', [])) or '1'}, jax {meta['jax']} ({meta['jax_backend']}). "
       f"Theirs: transformers {meta['transformers']} {meta['theirs']}, torch {meta['torch']} with "
       f"{meta['torch_threads']} threads; XLA: {meta['xla_threads']} ({meta['cpu_count']} cores of "
@@ -839,6 +843,8 @@ def _define_flags():
                     "on a CPU when the weights exceed its last-level cache).")
   flags.DEFINE_enum("kernel_layout", "auto", ["auto", "in_out", "out_in"], "How our dense layers hold their "
                     "kernels (auto: out_in, [out, in], on a CPU without a mesh).")
+  flags.DEFINE_enum("projection_fusion", "auto", ["auto", "separate", "fused"], "Whether our q/k/v and gate/up "
+                    "run as one matmul each (auto: fused on a CPU without a mesh).")
   flags.DEFINE_integer("decode_steps", None, "Our engine's AR decode steps per device call when nothing waits "
                        "(LLM(decode_steps); default: the LLM's; 1: one call per token).", lower_bound=1)
   flags.DEFINE_enum("attention", "auto", ["auto", "reference", "pallas"], "Our attention implementation.")
@@ -882,8 +888,8 @@ def main(argv):
                    prompt_lens=_ints("prompt_lens"), new_tokens=f.max_tokens, repeats=f.repeats,
                    policies=tuple(f.policies), block_sizes=_ints("block_sizes"), threads=f.threads,
                    max_model_len=f.max_model_len, max_cell_tokens=f.max_cell_tokens, prompt_source=f.prompt_source,
-                   data=data, attention=f.attention, layer_loop=f.layer_loop,
-                   kernel_layout=f.kernel_layout, decode_steps=f.decode_steps, seed=f.seed, gguf=f.gguf,
+                   data=data, attention=f.attention, layer_loop=f.layer_loop, kernel_layout=f.kernel_layout,
+                   projection_fusion=f.projection_fusion, decode_steps=f.decode_steps, seed=f.seed, gguf=f.gguf,
                    llama_cpp=tuple(f.llama_cpp))
   try:
     cfg.validate()

@@ -76,6 +76,11 @@ _KERNEL_LAYOUT = flags.DEFINE_enum("kernel_layout", "auto", ["auto", "in_out", "
                                    "meshes), out_in (transposed at load; XLA:CPU runs decode-sized matmuls with "
                                    "the weight on the left about 2x faster, a batch-8 decode step 1.3x), auto "
                                    "(out_in on a CPU device without a mesh, else in_out).")
+_PROJECTION_FUSION = flags.DEFINE_enum("projection_fusion", "auto", ["auto", "separate", "fused"],
+                                       "Whether q/k/v and gate/up run as one matmul each: separate (the "
+                                       "checkpoint's; meshes), fused (concatenated at load, vLLM's merged "
+                                       "projections; not under a mesh), auto (fused on a CPU device without a mesh, "
+                                       "else separate).")
 _DECODE_STEPS = flags.DEFINE_integer(
     "decode_steps", 4,  # llm.DEFAULT_DECODE_STEPS (not imported here: --help stays light)
     "AR decode steps one device call may run while no request waits to be admitted or prefilled (vLLM's multi-step "
@@ -320,7 +325,8 @@ def main(argv):
                       gpu_memory_utilization=_GPU_MEMORY_UTILIZATION.value, device_memory_gb=_DEVICE_MEMORY_GB.value,
                       background_compile=_BACKGROUND_COMPILE.value, mesh=mesh,
                       warmup_prompt_logprobs=_WARMUP_PROMPT_LOGPROBS.value, layer_loop=_LAYER_LOOP.value,
-                      kernel_layout=_KERNEL_LAYOUT.value, decode_steps=_DECODE_STEPS.value,
+                      kernel_layout=_KERNEL_LAYOUT.value, projection_fusion=_PROJECTION_FUSION.value,
+                      decode_steps=_DECODE_STEPS.value,
                       enable_prefix_caching=_ENABLE_PREFIX_CACHING.value)
   except (CheckpointError, ConfigError, TokenizerError, OSError) as e:
     _fail(f"--model: {e}")

@@ -13,8 +13,8 @@ from recguide_jax.decoding.registry import make_strategy
 from recguide_jax.decoding.strategy import Strategy
 from recguide_jax.engine.config import EngineConfig
 from recguide_jax.engine.build import build_engine
-from recguide_jax.model.nld import (NLDModel, resolve_kernel_layout, resolve_layer_loop, with_kernel_layout,
-                                    with_layer_loop)
+from recguide_jax.model.nld import (NLDModel, resolve_kernel_layout, resolve_layer_loop, resolve_projection_fusion,
+                                    with_kernel_layout, with_layer_loop, with_projection_fusion)
 from recguide_jax.engine.requests import Request, RequestError, SamplingParams, best_samples
 from recguide_jax.text.tokenizer import Tokenizer
 
@@ -127,7 +127,8 @@ class LLM:
                policy_kwargs: dict | None = None, gpu_memory_utilization: float | None = None,
                device_memory_gb: float | None = None, background_compile: bool = False, mesh=None,
                runner_options: dict | None = None, bucketing: bool | str = "auto", warmup_prompt_logprobs: bool = False,
-               layer_loop: str = "auto", kernel_layout: str = "auto", decode_steps: int = DEFAULT_DECODE_STEPS,
+               layer_loop: str = "auto", kernel_layout: str = "auto", projection_fusion: str = "auto",
+               decode_steps: int = DEFAULT_DECODE_STEPS,
                enable_prefix_caching: bool = True):
     """vLLM's names where they exist: `model` (a checkpoint directory: config.json, params/, tokenizer files;
     default `$RECGUIDE_CHECKPOINT`, else the bundled model; or an `NLDModel` already in memory), `max_num_seqs` (the
@@ -158,6 +159,8 @@ class LLM:
     unrolled on a CPU device without a mesh for weights larger than its last-level cache, else scanned).
     `kernel_layout`: "auto", "in_out" or "out_in", how the dense layers hold their kernels (`model.KernelLayout`;
     auto: out_in, whose small matmuls XLA:CPU runs faster, on a CPU device without a mesh, else in_out).
+    `projection_fusion`: "auto", "separate" or "fused", whether q/k/v and gate/up run as one matmul each
+    (`model.ProjectionFusion`; auto: fused on a CPU device without a mesh, else separate; fused refuses a mesh).
     `decode_steps`: AR decode steps one device call may run (vLLM's multi-step scheduling; `RunnerConfig`): used
     while no request waits to be admitted or prefilled, it saves a dispatch, a read-back and the host's per-step work
     on all but one of the steps; a request stops at its own stop condition inside the call. 1 turns it off.
@@ -216,7 +219,8 @@ class LLM:
         attention=attention, bucketing=bucketing, gpu_memory_utilization=fraction, device_memory_gb=device_memory_gb,
         enable_prefix_caching=enable_prefix_caching,
         runner_options={"background_compile": background_compile, "layer_loop": layer_loop,
-                        "kernel_layout": kernel_layout, "decode_steps": decode_steps,
+                        "kernel_layout": kernel_layout, "projection_fusion": projection_fusion,
+                        "decode_steps": decode_steps,
                         **(runner_options or {})})
     config = self.engine_config.runner_config(sizes, num_pages=2)  # the memory plan sizes the cache
     if compile_cache_dir:  # the memory probe's compiles are cached too
@@ -237,11 +241,12 @@ class LLM:
     # arranged here, not only in the runner, so that the stacked weights are not also kept alive by `self.model`
     loop = resolve_layer_loop(config.layer_loop, model, self.mesh)
     layout = resolve_kernel_layout(config.kernel_layout, model, self.mesh)
-    model = with_kernel_layout(with_layer_loop(model, loop), layout)
+    fusion = resolve_projection_fusion(config.projection_fusion, model, self.mesh)
+    model = with_kernel_layout(with_projection_fusion(with_layer_loop(model, loop), fusion), layout)
     self.model = model
     self.tokenizer = tokenizer
     self.runner_config = dataclasses.replace(config, num_pages=self.memory_plan.num_pages, layer_loop=loop,
-                                             kernel_layout=layout)
+                                             kernel_layout=layout, projection_fusion=fusion)
     self.engine = build_engine(model, self.runner_config, self.strategy, mesh=self.mesh,
                                tokenizer=tokenizer, max_queue=max_queue, bucketing=self.engine_config.bucketing,
                                enable_prefix_caching=self.engine_config.enable_prefix_caching)

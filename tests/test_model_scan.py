@@ -5,6 +5,7 @@ default and the CPU's for weights larger than the host's cache) computes the sam
 buffers that no step slices. The CPU's dense kernels held [out, in] (`KernelLayout.OUT_IN`) compute the same
 function, with the weight on the left of every decode-sized matmul."""
 
+import dataclasses
 import re
 import types
 
@@ -19,7 +20,8 @@ from pallas_kernels.common import causal_mask
 from recguide_jax.model.nld import (ForwardInputs, KernelLayout, LayerLoop, NLDModel, kernel_layout_of,
                                     layer_loop_of, resolve_kernel_layout, resolve_layer_loop, shard_model,
                                     with_kernel_layout, with_layer_loop)
-from recguide_jax.model.nld import SWAPPED_MATMUL_MAX_ROWS, Dense
+from recguide_jax.model.nld import (SWAPPED_MATMUL_MAX_ROWS, Dense, ProjectionFusion, projection_fusion_of,
+                                    resolve_projection_fusion, with_projection_fusion)
 from recguide_jax.runtime.runner import Runner, RunnerConfig
 from recguide_jax.runtime.steps import SamplingArrays
 from recguide_jax.runtime.step_key import StepKey, StepKind
@@ -219,6 +221,73 @@ def test_kernel_layout_resolves_and_round_trips(tiny_model):
                                                                CFG.hidden_size)
 
 
+def _lora_model() -> NLDModel:
+  """A model whose draft LoRA covers some of the fused parts (q, v, up) and not others (k, gate), with nonzero B
+  matrices (a fresh adapter's are zero: its delta would be nothing to check)."""
+  cfg = tiny_config(lora_rank=4, lora_alpha=8.0, lora_target_modules=("q_proj", "v_proj", "o_proj", "up_proj"))
+  model = NLDModel(cfg, rngs=nnx.Rngs(3))
+  rng = np.random.default_rng(3)
+  for layer_module in (model.layers.self_attn.q_proj, model.layers.self_attn.v_proj, model.layers.mlp.up_proj):
+    b = layer_module.lora_b
+    b.set_value(jnp.asarray(rng.normal(0, 0.05, b.shape), b.dtype))
+  return model
+
+
+def test_projection_fusion_resolves_and_round_trips(tiny_model):
+  model = _lora_model()
+  assert projection_fusion_of(model) is ProjectionFusion.SEPARATE  # as built, loaded and saved
+  assert resolve_projection_fusion("auto", model) is ProjectionFusion.FUSED  # concrete weights on the CPU
+  mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]), ("tp",))
+  assert resolve_projection_fusion(ProjectionFusion.AUTO, model, mesh) is ProjectionFusion.SEPARATE
+  with pytest.raises(ValueError, match="projection_fusion=fused cannot run under a mesh"):
+    resolve_projection_fusion("fused", model, mesh)
+  abstract = nnx.eval_shape(lambda: NLDModel(CFG))
+  assert resolve_projection_fusion("auto", abstract) is ProjectionFusion.SEPARATE  # lowers for accelerators
+  assert Runner.abstract(CFG, _runner_config(8), jnp.float32).projection_fusion is ProjectionFusion.SEPARATE
+  assert Runner(tiny_model, _runner_config(8)).projection_fusion is ProjectionFusion.FUSED
+  with pytest.raises(ValueError, match="projection_fusion"):
+    RunnerConfig(projection_fusion="interleaved")
+
+  cfg = model.cfg
+  q, kv = cfg.num_attention_heads * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim
+  fused = with_projection_fusion(model, "fused")
+  assert projection_fusion_of(fused) is ProjectionFusion.FUSED and with_projection_fusion(fused, "fused") is fused
+  attn, mlp = fused.layers.self_attn, fused.layers.mlp
+  assert not hasattr(attn, "q_proj") and not hasattr(mlp, "up_proj")
+  assert attn.qkv_proj.kernel.shape == (cfg.num_hidden_layers, cfg.hidden_size, q + 2 * kv)
+  assert mlp.gate_up_proj.kernel.shape == (cfg.num_hidden_layers, cfg.hidden_size, 2 * cfg.intermediate_size)
+  # the LoRA of the parts that have one, zeros for k_proj's: A side by side, B block-diagonal
+  assert attn.qkv_proj.lora_b.shape == (cfg.num_hidden_layers, 3 * cfg.lora_rank, q + 2 * kv)
+  np.testing.assert_array_equal(np.asarray(attn.qkv_proj.lora_b[...][:, :4, q:]), 0)
+  np.testing.assert_array_equal(np.asarray(attn.qkv_proj.lora_b[...][:, 4:8]), 0)  # k_proj has none
+  # back to the checkpoint's form exactly (k_proj and gate_proj without a LoRA again), from either layout and loop
+  want = nnx.state(model, nnx.Param).to_pure_dict()
+  for arranged in (fused, with_kernel_layout(with_layer_loop(fused, LayerLoop.UNROLLED), KernelLayout.OUT_IN)):
+    back = with_kernel_layout(with_layer_loop(with_projection_fusion(arranged, "separate"), LayerLoop.SCAN),
+                              KernelLayout.IN_OUT)
+    assert not hasattr(back.layers.self_attn.k_proj, "lora_a") and hasattr(back.layers.self_attn.q_proj, "lora_a")
+    jax.tree.map(np.testing.assert_array_equal, nnx.state(back, nnx.Param).to_pure_dict(), want)
+  abstract_fused = with_projection_fusion(abstract, ProjectionFusion.FUSED)
+  assert isinstance(abstract_fused.layers.mlp.gate_up_proj.kernel.get_value(), jax.ShapeDtypeStruct)
+
+
+@pytest.mark.parametrize("loop", [LayerLoop.SCAN, LayerLoop.UNROLLED])
+@pytest.mark.parametrize("layout", [KernelLayout.IN_OUT, KernelLayout.OUT_IN])
+def test_fused_projections_compute_the_same_function_with_and_without_the_draft_lora(loop, layout):
+  model = _lora_model()
+  cfg = model.cfg
+  tokens = jnp.asarray(np.random.default_rng(0).integers(4, cfg.vocab_size, (2, 8)), jnp.int32)
+  lora_mask = jnp.asarray(np.arange(8)[None, :] >= np.array([[3], [5]]))  # draft tokens after each row's prefix
+  inp = ForwardInputs(tokens=tokens, positions=jnp.broadcast_to(jnp.arange(8), tokens.shape),
+                      block_mask=causal_mask(8), lora_mask=lora_mask)
+  want, _ = model(inp)
+  without_lora, _ = model(dataclasses.replace(inp, lora_mask=None))
+  assert not np.allclose(np.asarray(want), np.asarray(without_lora), atol=1e-4)  # the LoRA does change the output
+  fused = with_kernel_layout(with_projection_fusion(with_layer_loop(model, loop), "fused"), layout)
+  got, _ = fused(inp)
+  np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5)
+
+
 @pytest.mark.parametrize("loop", [LayerLoop.SCAN, LayerLoop.UNROLLED])
 @pytest.mark.parametrize("rows_per_request", [1, 40])  # 2 and 80 matmul rows: the weight on the left, then not
 def test_out_in_kernels_compute_the_same_function(tiny_model, loop, rows_per_request):
@@ -253,18 +322,20 @@ def test_out_in_bf16_dense_rounds_an_f32_product_and_copies_no_weight_to_f32(row
 def test_out_in_runner_puts_the_weight_left_of_few_rows_and_right_of_many(tiny_model):
   """The point of OUT_IN: XLA:CPU's GEMM fills its register panels from the left operand, so a decode's matmuls
   take the weight there ([out, rows] results); a prefill chunk of more rows than SWAPPED_MATMUL_MAX_ROWS keeps the
-  activations there ([rows, out])."""
-  runner = Runner(tiny_model, _runner_config(24, layer_loop=LayerLoop.UNROLLED, kernel_layout="out_in"))
+  activations there ([rows, out]). With fused projections a layer runs 4 dense dots (qkv, o, gate_up, down)."""
+  runner = Runner(tiny_model, _runner_config(24, layer_loop=LayerLoop.UNROLLED, kernel_layout="out_in",
+                                             projection_fusion="fused"))
 
   def dense_dots(hlo):  # result shapes of the 2-D (unbatched) dots: the dense layers'
     return [(int(m), int(n)) for m, n in re.findall(r"= f32\[(\d+),(\d+)\]\{1,0\} dot\(", hlo)]
 
   decode = dense_dots(runner.compiled(StepKey.parse("decode", 1, 2)).as_text())
-  assert len(decode) == 7 * CFG.num_hidden_layers + 1 and all(n == 2 for _, n in decode), decode
+  assert len(decode) == 4 * CFG.num_hidden_layers + 1 and all(n == 2 for _, n in decode), decode
+  assert sum(m == 2 * CFG.intermediate_size for m, _ in decode) == CFG.num_hidden_layers
   rows = 48 * 2
   assert rows > SWAPPED_MATMUL_MAX_ROWS
   prefill = dense_dots(runner.compiled(StepKey.parse("prefill", 48, 2)).as_text())
-  assert sum(m == rows for m, _ in prefill) == 7 * CFG.num_hidden_layers, prefill  # the head reads 2 rows
+  assert sum(m == rows for m, _ in prefill) == 4 * CFG.num_hidden_layers, prefill  # the head reads 2 rows
   assert not any(n == rows for _, n in prefill), prefill
 
 

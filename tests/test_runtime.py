@@ -89,6 +89,19 @@ def test_bucket_for_without_warmup_compiles_on_demand(tiny_model):
     runner.bucket_for(5)
 
 
+def test_a_call_passes_the_weights_as_a_flat_list_of_the_states_arrays(tiny_model):
+  """A call's weights are the leaves of the model's nnx.State as a plain list: flattening the State's Variables
+  again on every call cost milliseconds of host time per call at hundreds of weights."""
+  import jax
+  runner = Runner(tiny_model, RunnerConfig(num_pages=24, page_size=8, max_model_len=64, max_batch=1,
+                                           block_sizes=(8,), prefill_chunk=16, compile_cache_dir=None))
+  assert isinstance(runner.weights, list) and all(isinstance(x, jax.Array) for x in runner.weights)
+  assert all(a is b for a, b in zip(runner.weights, jax.tree.leaves(runner.state), strict=True))
+  weights_arg = runner.lower(StepKey.parse("decode", 1, 1)).args_info[0][0]
+  assert jax.tree.structure(weights_arg) == jax.tree.structure(list(runner.weights))
+  assert _decode_one(runner, 1) == _decode_one(runner, 1)
+
+
 def _decode_one(runner: Runner, bucket: int) -> int:
   """One AR decode step of a single real row (token 5 at position 0, page 1) padded to `bucket` rows; the
   padding rows write the trash page."""

@@ -143,7 +143,7 @@ def test_nld8b_step_lowers_on_a_tp_mesh(tp, platform, kernel_call):
   key = StepKey(StepKind.VERIFY, 16, 8)
   inputs = example_inputs(key, rc.pages_per_seq, model.cfg.vocab_size)
   with attention_dispatch.target_platform(platform), sharding.mesh_context(amesh):
-    traced = runner._jit(key, inputs).trace(runner._state_spec, runner._cache_spec, inputs)
+    traced = runner._jit(key, inputs).trace(runner._weights_spec, runner._cache_spec, inputs)
   try:
     text = traced.lower(lowering_platforms=(platform,)).as_text()
   except ValueError as e:

@@ -27,8 +27,8 @@ import orbax.checkpoint as ocp
 from flax import nnx
 
 from recguide_jax.model.config import NLDConfig
-from recguide_jax.model.nld import (KernelLayout, LayerLoop, NLDModel, model_from_params, with_kernel_layout,
-                                    with_layer_loop)
+from recguide_jax.model.nld import (KernelLayout, LayerLoop, NLDModel, ProjectionFusion, model_from_params,
+                                    with_kernel_layout, with_layer_loop, with_projection_fusion)
 from recguide_jax.model.params import flatten_params
 
 PARAMS_DIR = "params"
@@ -130,8 +130,10 @@ def save_params(directory: str | os.PathLike, flat: dict[str, np.ndarray | jax.A
 
 
 def save_model(directory: str | os.PathLike, model: NLDModel) -> None:
-  """Writes `model` in the checkpoint form (stacked layers, [in, out] kernels), however the runner arranged it."""
-  model = with_kernel_layout(with_layer_loop(model, LayerLoop.SCAN), KernelLayout.IN_OUT)
+  """Writes `model` in the checkpoint form (stacked layers, separate projections, [in, out] kernels), however the
+  runner arranged it."""
+  separate = with_projection_fusion(with_layer_loop(model, LayerLoop.SCAN), ProjectionFusion.SEPARATE)
+  model = with_kernel_layout(separate, KernelLayout.IN_OUT)
   directory = pathlib.Path(directory)
   directory.mkdir(parents=True, exist_ok=True)
   model.cfg.save_json(directory / CONFIG_FILE)

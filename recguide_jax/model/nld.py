@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import itertools
 import logging
 import math
 import re
@@ -87,6 +88,27 @@ class KernelLayout(_WeightArrangement):
   AUTO = "auto"
   IN_OUT = "in_out"
   OUT_IN = "out_in"
+
+
+class ProjectionFusion(_WeightArrangement):
+  """Whether the projections that read the same input are one matmul.
+
+  SEPARATE: q_proj, k_proj, v_proj and gate_proj, up_proj, as checkpoints, sharding rules and training hold them.
+  FUSED: `self_attn.qkv_proj` and `mlp.gate_up_proj`, their kernels concatenated along the output axis (vLLM's
+  QKVParallelLinear and MergedColumnParallelLinear): one read of the input and one matmul instead of three and two.
+  A draft LoRA fuses with them: its A matrices side by side, its B matrices block-diagonal (zeros elsewhere), so
+  each part's delta is its own. Not under a mesh: the concatenated output axis would split over tp shards unevenly.
+  AUTO: FUSED for concrete weights on a CPU device without a mesh (a decode step 1.06x: docs/cpu_tuning.md),
+  SEPARATE otherwise.
+  """
+  AUTO = "auto"
+  SEPARATE = "separate"
+  FUSED = "fused"
+
+
+# (module, fused name, part names): the projections FUSED joins
+FUSED_PROJECTIONS = (("self_attn", "qkv_proj", ("q_proj", "k_proj", "v_proj")),
+                     ("mlp", "gate_up_proj", ("gate_proj", "up_proj")))
 
 
 # Rows up to which an OUT_IN matmul puts the weight on the left; past it x @ kernel^T is faster (docs/cpu_tuning.md).
@@ -206,9 +228,15 @@ class Attention(nnx.Module):
     cfg = self.cfg
     b, nq_tok, _ = x.shape
     lora = (inp.lora_mask if cfg.lora_rank else None), cfg.lora_scale
-    q = self.q_proj(x, *lora).reshape(b, nq_tok, cfg.num_attention_heads, cfg.head_dim)
-    k = self.k_proj(x, *lora).reshape(b, nq_tok, cfg.num_key_value_heads, cfg.head_dim)
-    v = self.v_proj(x, *lora).reshape(b, nq_tok, cfg.num_key_value_heads, cfg.head_dim)
+    nq, nkv = cfg.num_attention_heads * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim
+    if hasattr(self, "qkv_proj"):  # ProjectionFusion.FUSED
+      qkv = self.qkv_proj(x, *lora)
+      q, k, v = qkv[..., :nq], qkv[..., nq:nq + nkv], qkv[..., nq + nkv:]
+    else:
+      q, k, v = self.q_proj(x, *lora), self.k_proj(x, *lora), self.v_proj(x, *lora)
+    q = q.reshape(b, nq_tok, cfg.num_attention_heads, cfg.head_dim)
+    k = k.reshape(b, nq_tok, cfg.num_key_value_heads, cfg.head_dim)
+    v = v.reshape(b, nq_tok, cfg.num_key_value_heads, cfg.head_dim)
     # under a tp mesh each device keeps its own heads from here to o_proj (no-ops on one device)
     q = sharding.constrain(q, "batch", "length", "act_heads", "head_dim")
     k = sharding.constrain(k, "batch", "length", "act_kv_heads", "head_dim")
@@ -256,7 +284,13 @@ class MLP(nnx.Module):
 
   def __call__(self, x, lora_mask: jax.Array | None = None):
     lora = lora_mask, self.lora_scale
-    return self.down_proj(jax.nn.silu(self.gate_proj(x, *lora)) * self.up_proj(x, *lora), *lora)
+    if hasattr(self, "gate_up_proj"):  # ProjectionFusion.FUSED
+      gate_up = self.gate_up_proj(x, *lora)
+      half = gate_up.shape[-1] // 2
+      gate, up = gate_up[..., :half], gate_up[..., half:]
+    else:
+      gate, up = self.gate_proj(x, *lora), self.up_proj(x, *lora)
+    return self.down_proj(jax.nn.silu(gate) * up, *lora)
 
 
 class DecoderLayer(nnx.Module):
@@ -436,7 +470,7 @@ def with_layer_loop(model: NLDModel, loop: LayerLoop | str) -> NLDModel:
 
 def kernel_layout_of(model: NLDModel) -> KernelLayout:
   first = model.layers[0] if isinstance(model.layers, nnx.List) else model.layers
-  return first.self_attn.q_proj.kernel_layout  # every Dense holds the same layout (with_kernel_layout sets all)
+  return first.self_attn.o_proj.kernel_layout  # every Dense holds the same layout (with_kernel_layout sets all)
 
 
 def resolve_kernel_layout(layout: KernelLayout | str, model: NLDModel, mesh=None) -> KernelLayout:
@@ -465,6 +499,119 @@ def with_kernel_layout(model: NLDModel, layout: KernelLayout | str) -> NLDModel:
     if isinstance(module, Dense):
       module.kernel = nnx.Param(transpose(module.kernel.get_value()))
       module.kernel_layout = layout
+  return arranged
+
+
+def projection_fusion_of(model: NLDModel) -> ProjectionFusion:
+  first = model.layers[0] if isinstance(model.layers, nnx.List) else model.layers
+  return ProjectionFusion.FUSED if hasattr(first.self_attn, "qkv_proj") else ProjectionFusion.SEPARATE
+
+
+def resolve_projection_fusion(fusion: ProjectionFusion | str, model: NLDModel, mesh=None) -> ProjectionFusion:
+  """AUTO -> FUSED for concrete weights on a CPU device with no mesh, else SEPARATE (see `ProjectionFusion`)."""
+  fusion = ProjectionFusion.parse(fusion)
+  if fusion is ProjectionFusion.AUTO:
+    return (ProjectionFusion.FUSED if weights_platform(model) == "cpu" and mesh is None
+            else ProjectionFusion.SEPARATE)
+  if fusion is ProjectionFusion.FUSED and mesh is not None:
+    raise ValueError("projection_fusion=fused cannot run under a mesh (a fused output axis would split over the tp "
+                     "shards unevenly); use separate or auto")
+  return fusion
+
+
+def _part_sizes(cfg: NLDConfig, part_names: tuple[str, ...]) -> list[int]:
+  q, kv, i = cfg.num_attention_heads * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim, cfg.intermediate_size
+  return [{"q_proj": q, "k_proj": kv, "v_proj": kv, "gate_proj": i, "up_proj": i}[n] for n in part_names]
+
+
+def _arrays_op(fn, *xs):
+  """fn over arrays, or its abstract result over jax.ShapeDtypeStructs (an abstract model stays abstract)."""
+  if any(isinstance(x, jax.ShapeDtypeStruct) for x in jax.tree.leaves(xs)):
+    return jax.eval_shape(fn, *xs)
+  return fn(*xs)
+
+
+def _fused_dense(parts: list[Dense], sizes: list[int]) -> Dense:
+  """One Dense computing `parts` side by side along the output axis (their draft LoRAs too: A matrices side by
+  side, B block-diagonal; a part without one gets zeros)."""
+  out_axis = -1 if parts[0].kernel_layout is KernelLayout.IN_OUT else -2
+  fused = nnx.merge(*nnx.split(parts[0]))  # the first part's settings (dtype, precision, layout); new arrays below
+  fused.kernel = nnx.Param(_arrays_op(lambda *ks: jnp.concatenate(ks, axis=out_axis),
+                                      *[p.kernel.get_value() for p in parts]))
+  fused.out_features = sum(sizes)
+  lora = [p for p in parts if hasattr(p, "lora_a")]
+  if lora:
+    a0 = lora[0].lora_a.get_value()
+    lead, rank = a0.shape[:-2], a0.shape[-1]
+
+    def join(*ab):
+      a_parts, b_parts = [], []
+      it = iter(ab)
+      for p, size in zip(parts, sizes):
+        if hasattr(p, "lora_a"):
+          a_parts.append(next(it))
+          b_parts.append(next(it))
+        else:
+          a_parts.append(jnp.zeros((*lead, a0.shape[-2], rank), a0.dtype))
+          b_parts.append(jnp.zeros((*lead, rank, size), a0.dtype))
+      b = jnp.zeros((*lead, rank * len(parts), sum(sizes)), a0.dtype)
+      offset = 0
+      for j, (b_part, size) in enumerate(zip(b_parts, sizes)):
+        b = b.at[..., j * rank:(j + 1) * rank, offset:offset + size].set(b_part)
+        offset += size
+      return jnp.concatenate(a_parts, axis=-1), b
+    fused.lora_a, fused.lora_b = (nnx.Param(x) for x in _arrays_op(
+        join, *[x for p in lora for x in (p.lora_a.get_value(), p.lora_b.get_value())]))
+  return fused
+
+
+def _split_dense(fused: Dense, sizes: list[int], lora_parts: list[bool]) -> list[Dense]:
+  """`_fused_dense`'s inverse: the parts, each with its draft LoRA where `lora_parts` says it has one."""
+  out_axis = -1 if fused.kernel_layout is KernelLayout.IN_OUT else -2
+  bounds = list(itertools.accumulate(sizes))[:-1]
+  kernels = _arrays_op(lambda k: jnp.split(k, bounds, axis=out_axis), fused.kernel.get_value())
+  if hasattr(fused, "lora_a"):
+    rank = fused.lora_a.shape[-1] // len(sizes)
+    starts = [0, *bounds]
+
+    def blocks(a, b):
+      return ([a[..., j * rank:(j + 1) * rank] for j in range(len(sizes))],
+              [b[..., j * rank:(j + 1) * rank, s:s + n] for j, (s, n) in enumerate(zip(starts, sizes))])
+    lora_a, lora_b = _arrays_op(blocks, fused.lora_a.get_value(), fused.lora_b.get_value())
+  parts = []
+  for j, (kernel, size) in enumerate(zip(kernels, sizes)):
+    part = nnx.merge(*nnx.split(fused))
+    part.kernel, part.out_features = nnx.Param(kernel), size
+    if hasattr(fused, "lora_a"):
+      if lora_parts[j]:
+        part.lora_a, part.lora_b = nnx.Param(lora_a[j]), nnx.Param(lora_b[j])
+      else:
+        del part.lora_a, part.lora_b
+    parts.append(part)
+  return parts
+
+
+def with_projection_fusion(model: NLDModel, fusion: ProjectionFusion | str) -> NLDModel:
+  """`model` with its projections held for `fusion` (AUTO resolved with no mesh): the same model when they already
+  are, else a new NLDModel sharing every other weight whose fused (or split) projections are new buffers (the old
+  ones can be freed). The forward computes the same function either way (up to the order of its sums)."""
+  fusion = resolve_projection_fusion(fusion, model)
+  if fusion is projection_fusion_of(model):
+    return model
+  arranged = nnx.merge(*nnx.split(model))  # a new module tree over the same arrays
+  cfg = arranged.cfg
+  for layer in (arranged.layers if isinstance(arranged.layers, nnx.List) else [arranged.layers]):
+    for module_name, fused_name, part_names in FUSED_PROJECTIONS:
+      module, sizes = getattr(layer, module_name), _part_sizes(cfg, part_names)
+      if fusion is ProjectionFusion.FUSED:
+        setattr(module, fused_name, _fused_dense([getattr(module, n) for n in part_names], sizes))
+        for name in part_names:
+          delattr(module, name)
+      else:
+        lora_parts = [_lora_rank(cfg, n) > 0 for n in part_names]
+        for name, part in zip(part_names, _split_dense(getattr(module, fused_name), sizes, lora_parts)):
+          setattr(module, name, part)
+        delattr(module, fused_name)
   return arranged
 
 

@@ -35,8 +35,9 @@ from recguide_jax.runtime import sampling
 
 from recguide_jax.parallel import sharding
 from recguide_jax.cache.kv_cache import KVCache, pages_per_seq, storage_dtype
-from recguide_jax.model.nld import (KernelLayout, LayerLoop, NLDModel, resolve_kernel_layout, resolve_layer_loop,
-                                    weights_platform, with_kernel_layout, with_layer_loop)
+from recguide_jax.model.nld import (KernelLayout, LayerLoop, NLDModel, ProjectionFusion, resolve_kernel_layout,
+                                    resolve_layer_loop, resolve_projection_fusion, weights_platform,
+                                    with_kernel_layout, with_layer_loop, with_projection_fusion)
 from recguide_jax.runtime.compilation import (BackgroundCompiler, CompileCounter, check_mapping_headroom,
                                               compile_with_options, enable_compile_cache, variant_compiler_options)
 from recguide_jax.model.config import BLOCK_SIZES
@@ -64,6 +65,8 @@ class RunnerConfig:
   layer_loop: LayerLoop = LayerLoop.AUTO
   # how the dense layers hold their kernels (model/nld.py `KernelLayout`; AUTO: [out, in] on a CPU without a mesh)
   kernel_layout: KernelLayout = KernelLayout.AUTO
+  # whether q/k/v and gate/up are one matmul each (model/nld.py `ProjectionFusion`; AUTO: fused on a CPU, no mesh)
+  projection_fusion: ProjectionFusion = ProjectionFusion.AUTO
   # XLA options ({name: value} or pairs) of every variant this runner compiles: per executable, not per process
   compiler_options: tuple[tuple[str, Any], ...] = ()
   # AR decode steps one device call may run (vLLM's multi-step scheduling): the host dispatches and reads back once
@@ -73,6 +76,7 @@ class RunnerConfig:
   def __post_init__(self):
     object.__setattr__(self, "layer_loop", LayerLoop.parse(self.layer_loop))
     object.__setattr__(self, "kernel_layout", KernelLayout.parse(self.kernel_layout))
+    object.__setattr__(self, "projection_fusion", ProjectionFusion.parse(self.projection_fusion))
     opts = dict(self.compiler_options)  # a mapping or (name, value) pairs
     object.__setattr__(self, "compiler_options", tuple(sorted((str(k), v) for k, v in opts.items())))
     for name in ("num_pages", "page_size", "max_model_len", "max_batch", "prefill_chunk", "decode_steps"):
@@ -156,9 +160,12 @@ class Runner:
     self.platform = (sharding.mesh_platform(mesh) if mesh is not None
                      else weights_platform(model) or jax.default_backend())
     self.kernel_layout = resolve_kernel_layout(config.kernel_layout, model, mesh)
-    self.graphdef, self.state = nnx.split(with_kernel_layout(with_layer_loop(model, self.layer_loop),
-                                                             self.kernel_layout))
-    self.steps = StepFunctions(self.cfg, self.graphdef, config.rule)
+    self.projection_fusion = resolve_projection_fusion(config.projection_fusion, model, mesh)
+    arranged = with_projection_fusion(with_layer_loop(model, self.layer_loop), self.projection_fusion)
+    self.graphdef, self.state = nnx.split(with_kernel_layout(arranged, self.kernel_layout))
+    # what every call passes: the state's leaves as a flat list (steps.py)
+    self.weights, state_def = jax.tree.flatten(self.state)
+    self.steps = StepFunctions(self.cfg, self.graphdef, state_def, config.rule)
     embedding = jax.tree.leaves(nnx.state(model.embed_tokens, nnx.Param))[0]
     self._weight_dtype = embedding.dtype
     if cache_sharding is None and mesh is not None:
@@ -175,7 +182,7 @@ class Runner:
                                   sharding=cache_sharding or (embedding.sharding if placed else None))
     # what a variant is lowered against: shapes, dtypes and shardings only (never the live arrays, which a step
     # running concurrently with a background compile may have donated)
-    self._state_spec = jax.tree.map(_spec_of, self.state)
+    self._weights_spec = [_spec_of(x) for x in self.weights]
     self._cache_spec = jax.tree.map(_spec_of, self.cache)
     self.buckets = batch_buckets(config.max_batch)
     self._compiled: dict[StepKey, Any] = {}
@@ -243,12 +250,12 @@ class Runner:
       return jax.jit(fn, donate_argnums=donate)
     replicated = NamedSharding(self.mesh, PartitionSpec())
     placed = lambda spec: spec.sharding if isinstance(spec.sharding, NamedSharding) else replicated
-    state_sh = jax.tree.map(placed, self._state_spec)
+    weights_sh = [placed(x) for x in self._weights_spec]
     cache_sh = jax.tree.map(placed, self._cache_spec)
     io = lambda x: sharding.step_io_sharding(self.mesh, x.shape, self.cfg.vocab_size)
-    in_sh = (state_sh, cache_sh, jax.tree.map(io, inputs))
+    in_sh = (weights_sh, cache_sh, jax.tree.map(io, inputs))
     with sharding.mesh_context(self.mesh):
-      outs = jax.eval_shape(fn, self._state_spec, self._cache_spec, inputs)
+      outs = jax.eval_shape(fn, self._weights_spec, self._cache_spec, inputs)
     out_sh = jax.tree.map(io, outs)
     if key.kind.writes_cache:
       out_sh = (cache_sh,) + tuple(out_sh[1:])
@@ -259,7 +266,7 @@ class Runner:
     inputs = example_inputs(key, self.config.pages_per_seq, self.cfg.vocab_size)
     jitted = self._jit(key, inputs)
     with sharding.mesh_context(self.mesh):  # traced inside the mesh: activation constraints, per-shard kernels
-      return jitted.lower(self._state_spec, self._cache_spec, inputs)
+      return jitted.lower(self._weights_spec, self._cache_spec, inputs)
 
   def compiled(self, key: StepKey):
     fn = self._compiled.get(key)
@@ -392,7 +399,7 @@ class Runner:
 
   # ---- execution -------------------------------------------------------------------------------------------------
   def execute(self, key: StepKey, inputs) -> tuple:
-    """Runs variant `key` on (state, cache, inputs), `inputs` the kind's typed inputs (steps.py); a step that writes
+    """Runs variant `key` on (weights, cache, inputs), `inputs` the kind's typed inputs (steps.py); a step that writes
     K/V replaces the cache (the old one is donated). Returns the step's other outputs as device arrays. The inputs
     are numpy arrays, except the draft distributions a VERIFY takes, which a DRAFT returned on the device."""
     fn = self._compiled.get(key)
@@ -401,7 +408,7 @@ class Runner:
     if self.before_execute is not None:
       self.before_execute(key, inputs)
     fn = fn or self.compiled(key)
-    outs = fn(self.state, self.cache, inputs)
+    outs = fn(self.weights, self.cache, inputs)
     if key.kind.writes_cache:
       self.cache, outs = outs[0], outs[1:]
     return tuple(outs)

@@ -1,9 +1,11 @@
-"""The pure step functions over (model state, paged KV cache, small per-request arrays), one per `StepKind`, their
+"""The pure step functions over (model weights, paged KV cache, small per-request arrays), one per `StepKind`, their
 typed inputs (one registered-dataclass pytree per kind) and the example inputs each variant is lowered with.
 
-Every function takes `(state, cache, inputs)`; kinds that write K/V return the new cache first (the runner
-donates the old one), and everything else they return is small ([b], [b, B], [b, B, K]) except the draft
-distributions, which stay on the device until the verify that consumes them.
+Every function takes `(weights, cache, inputs)`, `weights` the leaves of the model's `nnx.State` in flatten order
+(a call then passes a flat list of arrays: flattening a State of Variables on every call costs milliseconds of host
+time at hundreds of weights); kinds that write K/V return the new cache first (the runner donates the old one), and
+everything else they return is small ([b], [b, B], [b, B, K]) except the draft distributions, which stay on the
+device until the verify that consumes them.
 """
 
 from __future__ import annotations
@@ -65,7 +67,7 @@ def unpack_sampling(samp: SamplingArrays):
   return samp.temperature, samp.top_k, samp.top_p, samp.keys, samp.top_logprobs, samp.controls
 
 
-# ---- typed step inputs: one pytree per step kind (after the model state and the cache) ----------------------------
+# ---- typed step inputs: one pytree per step kind (after the weights and the cache) --------------------------------
 # [b] rows unless noted; P = pages per sequence. Field order is the order the compiled program takes its leaves in.
 def _step_inputs(cls):
   return jax.tree_util.register_dataclass(dataclasses.dataclass(frozen=True)(cls))
@@ -166,8 +168,8 @@ def with_next_inputs(fn: Callable, decode: bool = False) -> Callable:
   pipelined engine dispatches the next call from them before it reads this one back, with no op between the
   two calls (nothing to compile after warm-up, no extra dispatch)."""
 
-  def chained(state, cache, inputs: VerifyInputs | DecodeInputs):
-    cache, accepted, out, *rest = fn(state, cache, inputs)
+  def chained(weights, cache, inputs: VerifyInputs | DecodeInputs):
+    cache, accepted, out, *rest = fn(weights, cache, inputs)
     prefix_len = inputs.prefix_len
     if decode:
       seed = out[:, -1:]
@@ -180,13 +182,15 @@ def with_next_inputs(fn: Callable, decode: bool = False) -> Callable:
 
 @dataclasses.dataclass(frozen=True)
 class StepFunctions:
-  """Builds the step function of a `StepKey` for one model graph (`nnx.split`'s graphdef) and acceptance rule."""
+  """Builds the step function of a `StepKey` for one model graph (`nnx.split`'s graphdef, and the treedef of its
+  state, whose leaves the step functions take) and acceptance rule."""
   cfg: Any  # NLDConfig
   graphdef: Any
+  state_def: Any  # jax.tree.structure of the nnx.State
   rule: str
 
-  def _model(self, state) -> NLDModel:
-    return nnx.merge(self.graphdef, state)
+  def _model(self, weights) -> NLDModel:
+    return nnx.merge(self.graphdef, jax.tree.unflatten(self.state_def, weights))
 
   def build(self, key: StepKey) -> Callable:
     if key.kind == StepKind.PREFILL:
@@ -219,14 +223,14 @@ class StepFunctions:
     cfg = self.cfg
     mask = jnp.asarray(causal_mask(chunk))
 
-    def fn(state, cache, inputs: PrefillInputs):
+    def fn(weights, cache, inputs: PrefillInputs):
       tokens, valid, prefix_len, page_table, last_idx = (inputs.tokens, inputs.valid, inputs.prefix_len,
                                                          inputs.page_table, inputs.last_idx)
       temperature, top_k, top_p, keys, top_logprobs, controls = unpack_sampling(inputs.samp)
       positions = prefix_len[:, None] + jnp.arange(chunk)[None, :]
       inp = ForwardInputs(tokens=tokens, positions=positions, block_mask=mask, prefix_len=prefix_len,
                           page_table=page_table, kv_write=valid)
-      model = self._model(state)
+      model = self._model(weights)
       h, cache = model.hidden(inp, cache)
       h_last = jnp.take_along_axis(h, last_idx[:, None, None], axis=1)  # only the last valid token's logits
       logits = model.logits(h_last)  # [b, 1, V]
@@ -244,7 +248,7 @@ class StepFunctions:
     cfg = self.cfg
     mask = jnp.asarray(draft_head.block_mask(cfg.draft_head, blk))
 
-    def fn(state, cache, inputs: DraftInputs):
+    def fn(weights, cache, inputs: DraftInputs):
       seed, prefix_len, page_table = inputs.seed, inputs.prefix_len, inputs.page_table
       temperature, top_k, top_p, keys, _, controls = unpack_sampling(inputs.samp)  # a draft reports no logprobs
       b = seed.shape[0]
@@ -253,7 +257,7 @@ class StepFunctions:
       lora_mask = draft_head.adapter_rows(cfg.draft_head, tokens, cfg.mask_token_id) if cfg.lora_rank else None
       inp = ForwardInputs(tokens=tokens, positions=positions, block_mask=mask, prefix_len=prefix_len,
                           page_table=page_table, lora_mask=lora_mask)
-      model = self._model(state)
+      model = self._model(weights)
       h, _ = model.hidden(inp, cache)
       draft_keys = sampling.stream_keys(keys, sampling.DRAFT_STREAM)
 
@@ -279,11 +283,11 @@ class StepFunctions:
     cfg, rule = self.cfg, self.rule
     mask = jnp.asarray(causal_mask(blk))
 
-    def body(state, cache, tokens, q, write, prefix_len, page_table, samp, extra=None, offset=0):
+    def body(weights, cache, tokens, q, write, prefix_len, page_table, samp, extra=None, offset=0):
       positions = prefix_len[:, None] + jnp.arange(blk)[None, :]
       inp = ForwardInputs(tokens=tokens, positions=positions, block_mask=mask, prefix_len=prefix_len,
                           page_table=page_table, kv_write=jnp.broadcast_to(write[:, None], tokens.shape))
-      model = self._model(state)
+      model = self._model(weights)
       h, cache = model.hidden(inp, cache)
       # AR decode (q None): a block of 1 has no draft token, so acceptance only draws the bonus token from p
       return (cache,) + verified_block(cfg, rule, model.logits, h, tokens, q, samp, extra, offset)
@@ -292,8 +296,8 @@ class StepFunctions:
 
   def _verify(self, blk: int):
     body = self._verify_body(blk)
-    return lambda state, cache, inputs: body(state, cache, inputs.tokens, inputs.q, inputs.write, inputs.prefix_len,
-                                             inputs.page_table, inputs.samp)
+    return lambda weights, cache, inputs: body(weights, cache, inputs.tokens, inputs.q, inputs.write,
+                                               inputs.prefix_len, inputs.page_table, inputs.samp)
 
   def _decode(self, steps: int = 1):
     """`steps` AR decode forwards in one call: each writes its input token's K/V and samples the next one, which
@@ -303,18 +307,18 @@ class StepFunctions:
     condition and drops what the later steps wrote)."""
     verify = self._verify_body(1)
 
-    def fn(state, cache, inputs: DecodeInputs):
+    def fn(weights, cache, inputs: DecodeInputs):
       tokens, write, prefix_len, page_table, samp = (inputs.tokens, inputs.write, inputs.prefix_len,
                                                      inputs.page_table, inputs.samp)
       if steps == 1:
-        return verify(state, cache, tokens, None, write, prefix_len, page_table, samp)
+        return verify(weights, cache, tokens, None, write, prefix_len, page_table, samp)
       keys = samp.keys
 
       def step(carry, s):
         cache, tok, sampled = carry
         step_samp = dataclasses.replace(samp, keys=keys.at[:, 1].add(s.astype(keys.dtype)))
         # the controls of step s count the s tokens earlier steps sampled
-        cache, _, out, lp, top_lp, top_ids, ent = verify(state, cache, tok, None, write, prefix_len + s, page_table,
+        cache, _, out, lp, top_lp, top_ids, ent = verify(weights, cache, tok, None, write, prefix_len + s, page_table,
                                                          step_samp, extra=sampled, offset=s)
         sampled = jax.lax.dynamic_update_slice_in_dim(sampled, out, s, axis=1)
         return (cache, out, sampled), (out[:, 0], lp[:, 0], top_lp[:, 0], top_ids[:, 0], ent[:, 0])
@@ -333,13 +337,13 @@ class StepFunctions:
     branches = 0 this is a greedy verify of host-provided draft tokens (GVERIFY)."""
     cfg = self.cfg
 
-    def fn(state, cache, inputs: FusedInputs):
+    def fn(weights, cache, inputs: FusedInputs):
       tokens, positions, mask, lora, write = inputs.tokens, inputs.positions, inputs.mask, inputs.lora, inputs.write
       prefix_len, page_table = inputs.prefix_len, inputs.page_table
       b = tokens.shape[0]
       inp = ForwardInputs(tokens=tokens, positions=positions, block_mask=mask, prefix_len=prefix_len,
                           page_table=page_table, kv_write=write, lora_mask=lora if cfg.lora_rank else None)
-      model = self._model(state)
+      model = self._model(weights)
       h, cache = model.hidden(inp, cache)
       if branches and cfg.draft_head is not DraftHead.SAME_POSITION:
         h = jnp.concatenate([h[:, :blk], draft_head.align(cfg.draft_head, h[:, blk:], blk)], axis=1)
@@ -388,13 +392,13 @@ class StepFunctions:
     mask = jnp.asarray(draft_head.block_mask(cfg.draft_head, blk))
     eos = jnp.asarray(cfg.eos_token_ids, jnp.int32)
 
-    def fn(state, cache, inputs: DenoiseInputs):
+    def fn(weights, cache, inputs: DenoiseInputs):
       seed, prefix_len, page_table, threshold, active = (inputs.seed, inputs.prefix_len, inputs.page_table,
                                                          inputs.threshold, inputs.active)
       # diffusion decoding reports no logprobs; the engine refuses sampling controls for it (no AR distribution)
       temperature, top_k, top_p, keys, _, _ = unpack_sampling(inputs.samp)
       b = seed.shape[0]
-      model = self._model(state)
+      model = self._model(weights)
       positions = prefix_len[:, None] + jnp.arange(blk)[None, :]
       tokens0 = jnp.full((b, blk), cfg.mask_token_id, jnp.int32).at[:, 0].set(seed)
       typed = jax.random.wrap_key_data(keys)
@@ -444,7 +448,7 @@ class StepFunctions:
     reads."""
     cfg = self.cfg
 
-    def fn(state, cache, inputs: RaggedDraftInputs):
+    def fn(weights, cache, inputs: RaggedDraftInputs):
       seed, row_len, prefix_len, page_table = inputs.seed, inputs.row_len, inputs.prefix_len, inputs.page_table
       temperature, top_k, top_p, keys, _, _ = unpack_sampling(inputs.samp)  # no logprobs, no controls
       rows = seed.shape[0]
@@ -457,7 +461,7 @@ class StepFunctions:
       inp = ragged_inputs(layout, j, tokens, prefix_len, page_table, mask, None, None)
       if cfg.lora_rank:
         inp = dataclasses.replace(inp, lora_mask=draft_head.adapter_rows(cfg.draft_head, inp.tokens, cfg.mask_token_id))
-      model = self._model(state)
+      model = self._model(weights)
       h, _ = model.hidden(inp, cache)
       # [R, width, V]: the head runs on each row's slots
       logits = model.logits(draft_head.align(cfg.draft_head, h[0][layout.token], width))
@@ -475,7 +479,7 @@ class StepFunctions:
     decodes its seed token. Writes the K/V of the live rows' tokens. Results as VERIFY's, [R, width]."""
     cfg, rule = self.cfg, self.rule
 
-    def fn(state, cache, inputs: RaggedVerifyInputs):
+    def fn(weights, cache, inputs: RaggedVerifyInputs):
       drafted, q, seed, row_len, write = inputs.drafted, inputs.q, inputs.seed, inputs.row_len, inputs.write
       prefix_len, page_table = inputs.prefix_len, inputs.page_table
       temperature, top_k, top_p, keys, top_logprobs, _ = unpack_sampling(inputs.samp)  # no controls
@@ -485,7 +489,7 @@ class StepFunctions:
       mask = jnp.asarray(causal_mask(width))[None] & (jnp.arange(width)[None, None, :] < row_len[:, None, None])
       kv_write = write[:, None] & (jnp.arange(width)[None, :] < row_len[:, None])
       inp = ragged_inputs(layout, j, tokens, prefix_len, page_table, mask, kv_write, None)
-      model = self._model(state)
+      model = self._model(weights)
       h, cache = model.hidden(inp, cache)
       logits = model.logits(h[0][layout.token])  # [R, width, V]
       p = sampling.processed_probs(logits, temperature, top_k, top_p, cfg.mask_token_id)
@@ -624,7 +628,7 @@ def verified_block(cfg, rule: str, logits_of: Callable, src: jax.Array, tokens: 
 
 
 def example_inputs(key: StepKey, pages_per_seq: int, vocab_size: int):
-  """The typed inputs a variant is called with (after state and cache), as zeros of their shapes and dtypes (the
+  """The typed inputs a variant is called with (after weights and cache), as zeros of their shapes and dtypes (the
   draft distributions of VERIFY as a `ShapeDtypeStruct`: they arrive from the device)."""
   b, blk, P = key.batch, key.block, pages_per_seq
   i32 = lambda *s: np.zeros(s, np.int32)
