@@ -3,7 +3,9 @@ of the cache, whatever its size), AR decode takes no draft distribution, and war
 concurrently without changing what counts as compiled. The unrolled layer loop (`LayerLoop.UNROLLED`, one GPU's
 default and the CPU's for weights larger than the host's cache) computes the same function over per-layer weight
 buffers that no step slices. The CPU's dense kernels held [out, in] (`KernelLayout.OUT_IN`) compute the same
-function, with the weight on the left of every decode-sized matmul."""
+function, with the weight on the left of every decode-sized matmul, and so do its fused projections
+(`ProjectionFusion.FUSED`: q/k/v and gate/up as one matmul each, a draft LoRA included), which split back to the
+checkpoint's form exactly."""
 
 import dataclasses
 import re

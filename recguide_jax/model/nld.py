@@ -544,24 +544,16 @@ def _fused_dense(parts: list[Dense], sizes: list[int]) -> Dense:
     a0 = lora[0].lora_a.get_value()
     lead, rank = a0.shape[:-2], a0.shape[-1]
 
-    def join(*ab):
-      a_parts, b_parts = [], []
-      it = iter(ab)
-      for p, size in zip(parts, sizes):
-        if hasattr(p, "lora_a"):
-          a_parts.append(next(it))
-          b_parts.append(next(it))
-        else:
-          a_parts.append(jnp.zeros((*lead, a0.shape[-2], rank), a0.dtype))
-          b_parts.append(jnp.zeros((*lead, rank, size), a0.dtype))
+    def join(lora_a, lora_b):  # the factors of the parts that have them, in part order
+      a_of, b_of = iter(lora_a), iter(lora_b)
+      a = [next(a_of) if hasattr(p, "lora_a") else jnp.zeros((*lead, a0.shape[-2], rank), a0.dtype) for p in parts]
       b = jnp.zeros((*lead, rank * len(parts), sum(sizes)), a0.dtype)
-      offset = 0
-      for j, (b_part, size) in enumerate(zip(b_parts, sizes)):
-        b = b.at[..., j * rank:(j + 1) * rank, offset:offset + size].set(b_part)
-        offset += size
-      return jnp.concatenate(a_parts, axis=-1), b
+      for j, (p, start, size) in enumerate(zip(parts, [0, *itertools.accumulate(sizes)], sizes)):
+        if hasattr(p, "lora_a"):
+          b = b.at[..., j * rank:(j + 1) * rank, start:start + size].set(next(b_of))
+      return jnp.concatenate(a, axis=-1), b
     fused.lora_a, fused.lora_b = (nnx.Param(x) for x in _arrays_op(
-        join, *[x for p in lora for x in (p.lora_a.get_value(), p.lora_b.get_value())]))
+        join, [p.lora_a.get_value() for p in lora], [p.lora_b.get_value() for p in lora]))
   return fused
 
 
