@@ -4,7 +4,8 @@ writes a "recguide-profile/1" JSON for launch/fit_tables.py and the regime switc
 For every batch bucket C up to --max_num_seqs (or those --concurrency names) and every B, with every variant compiled
 first (--compile_workers at once): the median over --repeats (after --warmup untimed runs) of one draft + one
 verify forward for a full bucket of C requests at --prefix_len committed tokens, timed around
-`jax.block_until_ready`; one AR decode step (verify of a block of 1); and, when the runner has a fused verify+branches
+`jax.block_until_ready`; AR decode per token (one call of --decode_steps steps, as the engine runs AR, divided by
+its steps); and, when the runner has a fused verify+branches
 step (`Runner.fused`), one fused forward over a full tree (4B query tokens per request). Only the device steps are
 timed: no prefill, no host-side batch assembly, no scheduling (the B200 protocol times graph
 replays only).
@@ -74,6 +75,9 @@ def _define_flags():
   flags.DEFINE_bool("fused", True, "Time the fused verify+branches step when the runner has one.")
   flags.DEFINE_integer("compile_workers", 0, "Variants compiled at once before timing (0: the runner's default).")
   flags.DEFINE_integer("seed", 0, "Seed of the random tokens (and of the tiny model).")
+  flags.DEFINE_integer("decode_steps", 4,  # llm.DEFAULT_DECODE_STEPS (not imported here: --help stays light)
+                       "AR decode steps per device call, as the engine runs them (LLM(decode_steps)): ar_step_ms is "
+                       "one such call divided by its steps.", lower_bound=1)
   from recguide_jax.parallel import multihost as distributed
   distributed.define_mesh_flags()  # --tensor_parallel_size/--mesh: times one group's steps on its tp devices
 
@@ -167,7 +171,8 @@ def main(argv):
     model, model_name = ckpt_lib.load_model(path, dtype=None if FLAGS.dtype == "auto" else FLAGS.dtype), str(path)
   max_block = max(blocks)
   rc = RunnerConfig(num_pages=1, page_size=FLAGS.page_size, max_model_len=FLAGS.prefix_len + max_block,
-                    max_batch=max_num_seqs, block_sizes=tuple(blocks), prefill_chunk=min(blocks))
+                    max_batch=max_num_seqs, block_sizes=tuple(blocks), prefill_chunk=min(blocks),
+                    decode_steps=FLAGS.decode_steps)
   # every bucket row owns its pages (+ the trash page); pages_per_seq comes from the config itself
   rc = dataclasses.replace(rc, num_pages=max_num_seqs * rc.pages_per_seq + 1,
                            compile_cache_dir=FLAGS.compile_cache_dir)
@@ -198,7 +203,8 @@ def main(argv):
            f"full buckets of C requests, {FLAGS.prefix_len} committed tokens each (KV contents not meaningful), "
            f"page size {FLAGS.page_size}; jax {jax.__version__}, {runner.layer_loop.value} layers; timed around "
            f"jax.block_until_ready, device steps only (no prefill, batch assembly or scheduling); draft_verify_ms = "
-           f"median of per-run draft + verify sums. ar_step_ms = one verify of a block of 1. " +
+           f"median of per-run draft + verify sums. ar_step_ms = one AR decode call of {FLAGS.decode_steps} step(s) "
+           f"divided by its steps. " +
            ("fused_ms = one Runner.fused forward over a full tree (verifier block + 3 branches, 4B query tokens per "
             "request)." if has_fused else "No fused step was timed (fused_ms absent)."))
   draft_verify, draft_ms, verify_ms, fused_ms, ar_ms = {}, {}, {}, {}, {}
@@ -222,12 +228,12 @@ def main(argv):
     samp = SamplingArrays.greedy(c)
     tokens = lambda shape: rng.integers(4, cfg.vocab_size, shape).astype(np.int32)  # noqa: E731
 
-    def ar_step():
+    def ar_step():  # per token of the engine's AR decode call (one dispatch and read-back per decode_steps)
       seed = tokens((c, 1))
       t0 = time.perf_counter()
-      runner.verify(seed, None, write, prefix_len, page_table, samp)
+      runner.verify(seed, None, write, prefix_len, page_table, samp, steps=FLAGS.decode_steps)
       jax.block_until_ready(runner.cache)
-      return (time.perf_counter() - t0,)
+      return ((time.perf_counter() - t0) / FLAGS.decode_steps,)
 
     ar_ms[c] = _median_ms(ar_step, FLAGS.repeats, FLAGS.warmup)[0]
     draft_verify[c], draft_ms[c], verify_ms[c], fused_ms[c] = {}, {}, {}, {}

@@ -494,11 +494,12 @@ def test_profile_script_random_tiny(tmp_path):
   out = tmp_path / "profile_cpu_tiny.json"
   # --concurrency: only the buckets asked for, every variant compiled before timing
   stdout = _run(["launch/profile.py", "--random_tiny", "--concurrency=1,2", "--block_sizes=8", "--repeats=1",
-                 "--prefix_len=32", "--name=cpu_tiny", f"--output_dir={tmp_path}"], timeout=240)
-  assert "wrote" in stdout and "(0 variants compiled after the warm-up)" in stdout
+                 "--prefix_len=32", "--name=cpu_tiny", "--decode_steps=2", f"--output_dir={tmp_path}"], timeout=240)
+  assert "wrote" in stdout and "(0 variants compiled after the warm-up)" in stdout  # the 2-step decode call too
   p = pf.load_profile(out)
   assert p.levels == (1, 2) and p.block_sizes == (8,) and p.name == "cpu_tiny" and p.backend == "cpu"
   assert p.cost(1, 8) > 0 and not p.ar_estimated and p.draft_ms is not None
+  assert "ar_step_ms = one AR decode call of 2 step(s) divided by its steps" in p.notes  # priced as the engine runs
   assert p.cost(2, 8) == pytest.approx(p.forward_costs(2, 8)[0] + p.forward_costs(2, 8)[1], rel=0.5)
   from recguide_jax.runtime.runner import Runner
   if hasattr(Runner, "fused"):

@@ -9,7 +9,7 @@ JSON schema "recguide-profile/1" (keys of the ms maps are decimal strings; all m
     "name": "b200_nld8b",                     # optional; how `load_profile` finds shipped profiles
     "source": "...", "backend": "...", "device": "...", "model": "...", "notes": "...",
     "draft_verify_ms": {"<C>": {"<B>": ms, ...}, ...},   # required; every C row has the same B columns
-    "ar_step_ms": {"<C>": ms},                           # optional: one AR decode forward for a full bucket of C
+    "ar_step_ms": {"<C>": ms},                           # optional: one AR decode token for a full bucket of C
     "fused_ms": {"<C>": {"<B>": ms}},                    # optional: one fused verify+branches forward (~4B queries)
     "draft_ms": {"<C>": {"<B>": ms}},                    # optional split of draft_verify_ms
     "verify_ms": {"<C>": {"<B>": ms}}
@@ -180,8 +180,10 @@ class HardwareProfile:
     return half, half
 
   def ar_cost(self, c: float) -> float:
-    """One AR decode forward for a full bucket of C. Estimated, when not measured, as the verify forward at the
-    smallest block: at serving sizes a forward is weight-bound, so 1 vs B query tokens barely differ."""
+    """One AR decode token for a full bucket of C (launch/profile.py times the engine's multi-step decode call and
+    divides by its steps; profiles before it timed a single-step call). Estimated, when not measured, as the verify
+    forward at the smallest block: at serving sizes a forward is weight-bound, so 1 vs B query tokens barely
+    differ."""
     if self.ar_step_ms is not None:
       self._check_c(c)
       return _interp(self.ar_step_ms, c)
