@@ -4,11 +4,10 @@ writes a "recguide-profile/1" JSON for launch/fit_tables.py and the regime switc
 For every batch bucket C up to --max_num_seqs (or those --concurrency names) and every B, with every variant compiled
 first (--compile_workers at once): the median over --repeats (after --warmup untimed runs) of one draft + one
 verify forward for a full bucket of C requests at --prefix_len committed tokens, timed around
-`jax.block_until_ready`; AR decode per token (one call of --decode_steps steps, as the engine runs AR, divided by
-its steps); and, when the runner has a fused verify+branches
-step (`Runner.fused`), one fused forward over a full tree (4B query tokens per request). Only the device steps are
-timed: no prefill, no host-side batch assembly, no scheduling (the B200 protocol times graph
-replays only).
+`jax.block_until_ready`; AR decode per token (one call of --decode_steps steps, as the engine runs AR, divided by its
+steps); and, when the runner has a fused verify+branches step (`Runner.fused`), one fused forward over a full tree
+(4B query tokens per request). Only the device steps are timed: no prefill, no host-side batch assembly, no
+scheduling (the B200 protocol times graph replays only).
 
 The KV contents are whatever the cache holds (zeros): attention reads every page of the page table whatever the
 values, so the cost depends on the prefix length (through max_model_len, set to --prefix_len + the largest block),
