@@ -98,8 +98,8 @@ class ProjectionFusion(_WeightArrangement):
   QKVParallelLinear and MergedColumnParallelLinear): one read of the input and one matmul instead of three and two.
   A draft LoRA fuses with them: its A matrices side by side, its B matrices block-diagonal (zeros elsewhere), so
   each part's delta is its own. Not under a mesh: the concatenated output axis would split over tp shards unevenly.
-  AUTO: FUSED for concrete weights on a CPU device without a mesh (a decode step 1.06x: docs/cpu_tuning.md),
-  SEPARATE otherwise.
+  AUTO: FUSED for concrete weights on a CPU device without a mesh (measurements: docs/cpu_tuning.md), SEPARATE
+  otherwise (not measured on accelerators).
   """
   AUTO = "auto"
   SEPARATE = "separate"
