@@ -188,17 +188,26 @@ def test_unrolled_layers_compute_the_scanned_function(tiny_model):
 
 
 # ---- the kernel layout ---------------------------------------------------------------------------------------------
+def _assert_auto_is_the_cpus_alone(model, resolve, option: str, bad: str, *, cpu, elsewhere):
+  """A CPU-tuned weight arrangement: AUTO gives `cpu` for concrete weights on the CPU (and a runner there), and
+  `elsewhere` under a mesh (the sharding rules' form) and for abstract weights (lowered for accelerators); a value
+  it does not know is refused naming the option. Returns the abstract model."""
+  assert resolve("auto", model) is cpu
+  mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]), ("tp",))
+  assert resolve(type(cpu).AUTO, model, mesh) is elsewhere
+  abstract = nnx.eval_shape(lambda: NLDModel(CFG))
+  assert resolve("auto", abstract) is elsewhere
+  assert getattr(Runner.abstract(CFG, _runner_config(8), jnp.float32), option) is elsewhere
+  assert getattr(Runner(model, _runner_config(8)), option) is cpu
+  with pytest.raises(ValueError, match=option):
+    RunnerConfig(**{option: bad})
+  return abstract
+
+
 def test_kernel_layout_resolves_and_round_trips(tiny_model):
   assert kernel_layout_of(tiny_model) is KernelLayout.IN_OUT  # as built, loaded and saved
-  assert resolve_kernel_layout("auto", tiny_model) is KernelLayout.OUT_IN  # concrete weights on the CPU
-  mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]), ("tp",))
-  assert resolve_kernel_layout(KernelLayout.AUTO, tiny_model, mesh) is KernelLayout.IN_OUT  # sharding rules' form
-  abstract = nnx.eval_shape(lambda: NLDModel(CFG))
-  assert resolve_kernel_layout("auto", abstract) is KernelLayout.IN_OUT  # lowers for accelerators
-  assert Runner.abstract(CFG, _runner_config(8), jnp.float32).kernel_layout is KernelLayout.IN_OUT
-  assert Runner(tiny_model, _runner_config(8)).kernel_layout is KernelLayout.OUT_IN
-  with pytest.raises(ValueError, match="kernel_layout"):
-    RunnerConfig(kernel_layout="diagonal")
+  abstract = _assert_auto_is_the_cpus_alone(tiny_model, resolve_kernel_layout, "kernel_layout", "diagonal",
+                                            cpu=KernelLayout.OUT_IN, elsewhere=KernelLayout.IN_OUT)
 
   out_in = with_kernel_layout(tiny_model, "out_in")
   assert kernel_layout_of(out_in) is KernelLayout.OUT_IN and kernel_layout_of(tiny_model) is KernelLayout.IN_OUT
@@ -238,17 +247,11 @@ def _lora_model() -> NLDModel:
 def test_projection_fusion_resolves_and_round_trips(tiny_model):
   model = _lora_model()
   assert projection_fusion_of(model) is ProjectionFusion.SEPARATE  # as built, loaded and saved
-  assert resolve_projection_fusion("auto", model) is ProjectionFusion.FUSED  # concrete weights on the CPU
+  abstract = _assert_auto_is_the_cpus_alone(model, resolve_projection_fusion, "projection_fusion", "interleaved",
+                                            cpu=ProjectionFusion.FUSED, elsewhere=ProjectionFusion.SEPARATE)
   mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]), ("tp",))
-  assert resolve_projection_fusion(ProjectionFusion.AUTO, model, mesh) is ProjectionFusion.SEPARATE
   with pytest.raises(ValueError, match="projection_fusion=fused cannot run under a mesh"):
     resolve_projection_fusion("fused", model, mesh)
-  abstract = nnx.eval_shape(lambda: NLDModel(CFG))
-  assert resolve_projection_fusion("auto", abstract) is ProjectionFusion.SEPARATE  # lowers for accelerators
-  assert Runner.abstract(CFG, _runner_config(8), jnp.float32).projection_fusion is ProjectionFusion.SEPARATE
-  assert Runner(tiny_model, _runner_config(8)).projection_fusion is ProjectionFusion.FUSED
-  with pytest.raises(ValueError, match="projection_fusion"):
-    RunnerConfig(projection_fusion="interleaved")
 
   cfg = model.cfg
   q, kv = cfg.num_attention_heads * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim

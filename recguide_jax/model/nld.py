@@ -473,12 +473,17 @@ def kernel_layout_of(model: NLDModel) -> KernelLayout:
   return first.self_attn.o_proj.kernel_layout  # every Dense holds the same layout (with_kernel_layout sets all)
 
 
+def _cpu_without_mesh(model: NLDModel, mesh) -> bool:
+  """Where the CPU-tuned arrangements apply under AUTO: concrete weights on a CPU device, no mesh."""
+  return weights_platform(model) == "cpu" and mesh is None
+
+
 def resolve_kernel_layout(layout: KernelLayout | str, model: NLDModel, mesh=None) -> KernelLayout:
   """AUTO -> OUT_IN for concrete weights on a CPU device with no mesh, else IN_OUT (see `KernelLayout`)."""
   layout = KernelLayout.parse(layout)
   if layout is not KernelLayout.AUTO:
     return layout
-  return KernelLayout.OUT_IN if weights_platform(model) == "cpu" and mesh is None else KernelLayout.IN_OUT
+  return KernelLayout.OUT_IN if _cpu_without_mesh(model, mesh) else KernelLayout.IN_OUT
 
 
 def with_kernel_layout(model: NLDModel, layout: KernelLayout | str) -> NLDModel:
@@ -511,8 +516,7 @@ def resolve_projection_fusion(fusion: ProjectionFusion | str, model: NLDModel, m
   """AUTO -> FUSED for concrete weights on a CPU device with no mesh, else SEPARATE (see `ProjectionFusion`)."""
   fusion = ProjectionFusion.parse(fusion)
   if fusion is ProjectionFusion.AUTO:
-    return (ProjectionFusion.FUSED if weights_platform(model) == "cpu" and mesh is None
-            else ProjectionFusion.SEPARATE)
+    return ProjectionFusion.FUSED if _cpu_without_mesh(model, mesh) else ProjectionFusion.SEPARATE
   if fusion is ProjectionFusion.FUSED and mesh is not None:
     raise ValueError("projection_fusion=fused cannot run under a mesh (a fused output axis would split over the tp "
                      "shards unevenly); use separate or auto")
