@@ -75,6 +75,7 @@ def as_json(report) -> dict:
     row = {k: getattr(v, k) for k in ("variant", "label", "compile_s", "argument_bytes", "temp_bytes", "output_bytes",
                                       "alias_bytes", "transient_bytes", "kernel_calls")}
     row["large_buffers"] = [b.__dict__ for b in v.large_buffers[:5]]
+    row["weight_copies"] = [b.__dict__ for b in v.weight_copies[:5]]
     row["vocabulary_sorts"] = list(v.vocabulary_sorts)
     row["problems"] = v.problems(report.cache_bytes_per_device, report.temp_limit, report.plan.activation_bytes)
     variants.append(row)
@@ -94,10 +95,10 @@ def markdown(runs: list[dict]) -> str:
            "inputs and outputs that are neither weights nor cache; reserve: the plan's activation reserve, from every "
            "variant compiled at the plan's cache size (first: the largest variant of each kind, compiled at a cache "
            "that leaves 10% of the budget to activations, where the plan starts; memory_plan.fit_activation). A run "
-           "is OK "
-           "when every variant's temporaries are under the limit of the cache, its transient memory within the "
-           "reserve, and no step sorts the vocabulary. Layers: the layer loop the target runs (`--layer_loop auto`: "
-           "unrolled on GPUs, where XLA:GPU copies the weight slices a scan takes; scan on TPUs).", "",
+           "is OK when every variant's temporaries are under the limit of the cache, its transient memory within "
+           "the reserve, no step copies a weight into another layout (docs/aot/tpu_weight_layout.md), and none sorts "
+           "the vocabulary. Layers: the layer loop the target runs (`--layer_loop auto`: unrolled on GPUs, where "
+           "XLA:GPU copies the weight slices a scan takes; scan on TPUs).", "",
            "| model | target | tp | policy | layers | variants | weights GB | KV cache GB | reserve GB (first) | "
            "largest temp GB (variant) | largest transient GB (variant) | compile s (sum) | OK |",
            "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
@@ -113,6 +114,8 @@ def markdown(runs: list[dict]) -> str:
     # each kind of problem once, with the variants it hits ("temporaries > 10% of the device's KV cache in 12 of 15")
     problems = collections.Counter(re.sub(r" [\d.]+ GB", "", p.split(" (")[0]) for v in vs for p in v["problems"])
     verdict = "yes" if r["ok"] else "no: " + "; ".join(f"{p} in {n} of {len(vs)}" for p, n in sorted(problems.items()))
+    if any("weight_copies" not in v for v in vs):
+      verdict += " (written before weight copies were checked)"
     lines.append(f"| {r['preset']} | {r['target']} | {r['tp']} | {r['policy']} | {r.get('layer_loop', 'scan')} | "
                  f"{len(vs)} ({r['scope']}) | "
                  f"{gb(plan['weights_bytes'])} | {gb(r['cache_bytes_per_device'])} | "
@@ -120,7 +123,7 @@ def markdown(runs: list[dict]) -> str:
                  f"{gb(peak['transient_bytes'])} ({peak['variant']}) | {sum(v['compile_s'] for v in vs):.0f} | "
                  f"{verdict} |")
   lines += ["", "Per variant: the JSON files beside this one (`variants`: bytes, compile seconds, kernel custom calls, "
-            "the largest buffers, vocabulary sorts)."]
+            "the largest buffers, weight copies, vocabulary sorts)."]
   return "\n".join(lines) + "\n"
 
 

@@ -68,6 +68,46 @@ def test_vocabulary_sorts_and_kernel_calls():
   assert hlo.kernel_calls(PROGRAM) == {"tpu_custom_call": 1}
 
 
+# what libtpu made of a decode before its projections' outputs were pinned row-major (model/nld.py `row_major`): the
+# stacked q kernel copied into a head-major layout once before the steps' loop, each layer's k slice in the loop
+WEIGHT_PROGRAM = """HloModule jit_chained, is_scheduled=true
+
+%body.1 (p: (s32[], bf16[4,3072,1024])) -> (s32[], bf16[4,3072,1024]) {
+  %p = (s32[], bf16[4,3072,1024]{1,2,0}) parameter(0)
+  %w = bf16[4,3072,1024]{1,2,0:T(8,128)(2,1)} get-tuple-element(%p), index=1
+  %slice_fusion.4 = bf16[1,3072,1024]{2,1,0:T(8,128)(2,1)} fusion(%w), kind=kLoop, calls=%fused.2
+  %copy.930 = bf16[1,3072,1024]{1,2,0:T(8,128)(2,1)S(1)} copy(%slice_fusion.4), metadata={op_name="jit(fn)/ds"}
+  %copy.931 = bf16[1,3072,1024]{2,1,0:T(8,128)(2,1)S(1)} copy(%slice_fusion.4)
+  %act = bf16[8,1024]{0,1} copy(%x)
+  %k_fusion.3 = bf16[3072,1024]{1,0} fusion(%x), kind=kLoop, calls=%fused.3
+  %copy.940 = bf16[3072,1024]{0,1} copy(%k_fusion.3)
+}
+
+ENTRY %main.3 (weights_9: bf16[4,3072,4096], weights_2: bf16[4,4096,3072]) -> bf16[8,4096] {
+  %weights_9 = bf16[4,3072,4096]{2,1,0:T(8,128)(2,1)} parameter(0)
+  %weights_2 = bf16[4,4096,3072]{2,1,0:T(8,128)(2,1)} parameter(1)
+  %copy.902 = bf16[4,3072,4096]{1,2,0:T(8,128)(2,1)} copy(%weights_9)
+  %start = (bf16[4,4096,3072], bf16[4,4096,3072]) copy-start(%weights_2)
+  %done = bf16[4,4096,3072]{2,1,0:T(8,128)(2,1)S(1)} copy-done(%start)
+  %slice.8 = bf16[1,4096,3072]{2,1,0} slice(%done), slice={[0:1], [0:4096], [0:3072]}
+  ROOT %transpose.7 = bf16[1,3072,4096]{2,1,0} transpose(%slice.8), dimensions={0,2,1}
+}
+"""
+
+
+def test_weight_copies_names_relaid_weights_and_layer_slices_but_not_moves_or_activations():
+  shapes = [(4, 3072, 4096), (4, 3072, 1024), (4, 4096, 3072)]
+  found = hlo.weight_copies(WEIGHT_PROGRAM, shapes, layer_axis=True)
+  # copy.931 keeps its operand's layout (a move into another memory space), %act is an activation and copy.940 one of
+  # a weight's shape (computed, not a view of a weight), copy-start/done move the weight, and the transpose re-lays
+  # one layer's o_proj slice
+  assert [(b.name, b.shape) for b in found] == [("copy.902", "bf16[4,3072,4096]"), ("transpose.7", "bf16[1,3072,4096]"),
+                                                ("copy.930", "bf16[1,3072,1024]")]
+  assert found[2].op_name == "jit(fn)/ds"
+  # without a layer axis one layer's slice is no weight of these
+  assert [b.name for b in hlo.weight_copies(WEIGHT_PROGRAM, shapes, layer_axis=False)] == ["copy.902"]
+
+
 def _small_lane_dense_model(tmp_path) -> str:
   """The bundled model's config at 2 layers with 128-lane KV pages (one KV head of 128 per device at tp=2)."""
   with open(os.path.join(ROOT, "checkpoints", "nld-tiny-gsm8k", "config.json")) as f:
@@ -103,7 +143,7 @@ def _check(runs, kernel: str):
     labels = {v["label"] for v in r["variants"]}
     assert {"prefill", "decode", "draft", "verify"} <= labels, labels
     for v in r["variants"]:
-      assert v["problems"] == [] and v["vocabulary_sorts"] == [], v
+      assert v["problems"] == [] and v["vocabulary_sorts"] == [] and v["weight_copies"] == [], v
       assert v["temp_bytes"] < 0.1 * r["cache_bytes_per_device"], v
       assert v["transient_bytes"] <= r["plan"]["activation_bytes"], v
     paged = [v for v in r["variants"] if v["label"] in ("decode", "verify")]

@@ -6,6 +6,8 @@ compiled at the plan's cache size, planned again while one needs more than the r
 then checked:
 - its temporaries stay under `temp_limit` of the device's KV cache (a larger one is a copy of the cache),
 - its transient memory stays within the activation peak the plan reserved,
+- no weight is copied into another layout (a decode step exists to read the weights once; a re-laid copy reads
+  and writes them again, and a copy hoisted out of a loop holds a second set of them),
 - no sort runs over the whole vocabulary (top-p by sorting; the sampler selects without sorting).
 """
 
@@ -33,6 +35,7 @@ class VariantReport:
   alias_bytes: int
   transient_bytes: int  # temporaries + inputs and outputs that are neither weights nor cache
   large_buffers: tuple[hlo.Buffer, ...]  # instructions creating >= temp_limit of the cache
+  weight_copies: tuple[hlo.Buffer, ...]  # weights (or a layer's slice of them) re-laid out
   vocabulary_sorts: tuple[str, ...]
   kernel_calls: dict
 
@@ -45,6 +48,10 @@ class VariantReport:
     if activation_bytes is not None and self.transient_bytes > activation_bytes:
       out.append(f"transient {self.transient_bytes / 1e9:.3f} GB > the plan's activation reserve "
                  f"{activation_bytes / 1e9:.3f} GB")
+    if self.weight_copies:
+      out.append(f"weights copied into another layout ({len(self.weight_copies)} copies, "
+                 f"{sum(b.nbytes for b in self.weight_copies) / 1e9:.3f} GB): "
+                 + "; ".join(f"{b.opcode} {b.shape} ({b.op_name or b.name})" for b in self.weight_copies[:3]))
     if self.vocabulary_sorts:
       out.append(f"{len(self.vocabulary_sorts)} sort(s) over the whole vocabulary")
     return out
@@ -124,7 +131,7 @@ def plan_and_compile(cfg, target: Target, *, policy: str, tp: int, dtype: str = 
   """The memory plan of `target` for `policy`, then every variant compiled at its cache size and checked.
   Raises memory_plan.MemoryPlanError when the plan does not fit the chip."""
   from recguide_jax.attention import dispatch as attention_dispatch
-  from recguide_jax.cache.memory_plan import _abstract_runner, _nbytes
+  from recguide_jax.cache.memory_plan import _abstract_runner, _nbytes, shard_shape
   _, rc, kinds, blocks = policy_runner_config(policy, block_size=block_size, max_num_seqs=max_num_seqs,
                                               max_model_len=max_model_len, page_size=page_size,
                                               prefill_chunk=prefill_chunk)
@@ -155,6 +162,8 @@ def plan_and_compile(cfg, target: Target, *, policy: str, tp: int, dtype: str = 
     plan, runner = fitted.plan, fitted.runner
     cache_bytes = _nbytes(runner.cache)
     vocab = runner.cfg.vocab_size // tp  # a sort of any vocabulary shard is a sort of the vocabulary
+    weight_shapes = [shard_shape(w) for w in runner.weights]
+    stacked = runner.layer_loop.value == "scan"
     worst = max(fitted.transients, key=fitted.transients.get)
     progress(f"plan vs compiled: the largest variant of each kind reserved {fitted.probe.base_bytes / 1e9:.3f} GB; "
              f"the plan reserves {plan.activation_bytes / 1e9:.3f} GB; compiled at {plan.num_pages} pages, the most "
@@ -169,6 +178,7 @@ def plan_and_compile(cfg, target: Target, *, policy: str, tp: int, dtype: str = 
           argument_bytes=int(m.argument_size_in_bytes), temp_bytes=int(m.temp_size_in_bytes),
           output_bytes=int(m.output_size_in_bytes), alias_bytes=int(m.alias_size_in_bytes), transient_bytes=transient,
           large_buffers=tuple(hlo.large_buffers(text, int(temp_limit * cache_bytes))),
+          weight_copies=tuple(hlo.weight_copies(text, weight_shapes, layer_axis=stacked)),
           vocabulary_sorts=tuple(hlo.vocabulary_sorts(text, vocab)), kernel_calls=hlo.kernel_calls(text))
       reports.append(report)
       flags = report.problems(cache_bytes, temp_limit, plan.activation_bytes)

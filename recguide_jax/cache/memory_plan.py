@@ -153,15 +153,17 @@ def _abstract_runner(cfg, dtype: str, runner_config, attention: str, mesh=None) 
   return Runner(model, runner_config)
 
 
+def shard_shape(x) -> tuple[int, ...]:
+  """The shape of one device's part of `x` (its shard under a NamedSharding, else the whole)."""
+  import jax
+  sh = getattr(x, "sharding", None)
+  return tuple(sh.shard_shape(x.shape) if isinstance(sh, jax.sharding.NamedSharding) else x.shape)
+
+
 def _nbytes(tree) -> int:
   """Bytes on one device (a sharded leaf counts its shard, as XLA's per-device memory analysis does)."""
   import jax
-
-  def shard(x):
-    sh = getattr(x, "sharding", None)
-    return sh.shard_shape(x.shape) if isinstance(sh, jax.sharding.NamedSharding) else x.shape
-
-  return sum(math.prod(shard(x)) * x.dtype.itemsize for x in jax.tree.leaves(tree))
+  return sum(math.prod(shard_shape(x)) * x.dtype.itemsize for x in jax.tree.leaves(tree))
 
 
 def _transient_bytes(compiled, persistent: int) -> int:

@@ -29,6 +29,7 @@ import re
 
 import jax
 import jax.numpy as jnp
+from jax.experimental.layout import Layout, with_layout_constraint
 from flax import nnx
 
 from recguide_jax.attention import reference as attn_lib
@@ -177,6 +178,15 @@ class Dense(nnx.Linear):
     return y
 
 
+def row_major(x: jax.Array) -> jax.Array:
+  """`x` laid out row-major (`with_layout_constraint`). For the separate q, k and v projections' outputs: left free,
+  libtpu lays q and k out heads-first for the attention after RoPE and gets there by copying the weights into that
+  layout (each layer's slice in every step, or all of them once per multi-step decode call), where re-laying the
+  activation costs kilobytes. Only there: pinned on the vocabulary-sharded head output too, a tp=4 CPU program's
+  logprobs came out 3e-3 off one device's (docs/aot/tpu_weight_layout.md)."""
+  return with_layout_constraint(x, Layout(major_to_minor=tuple(range(x.ndim))))
+
+
 def matmul_out_in(x: jax.Array, w: jax.Array, precision=None) -> jax.Array:
   """x [..., in] @ w[out, in]^T -> [..., out] in x's dtype, the weight on the left for few rows (see KernelLayout):
   an OUT_IN Dense, and the tied output head, whose weight is the [V, H] embedding."""
@@ -232,8 +242,8 @@ class Attention(nnx.Module):
     if hasattr(self, "qkv_proj"):  # ProjectionFusion.FUSED
       qkv = self.qkv_proj(x, *lora)
       q, k, v = qkv[..., :nq], qkv[..., nq:nq + nkv], qkv[..., nq + nkv:]
-    else:
-      q, k, v = self.q_proj(x, *lora), self.k_proj(x, *lora), self.v_proj(x, *lora)
+    else:  # the accelerators' and meshes' arrangement: projected in place, not from re-laid weights
+      q, k, v = (row_major(proj(x, *lora)) for proj in (self.q_proj, self.k_proj, self.v_proj))
     q = q.reshape(b, nq_tok, cfg.num_attention_heads, cfg.head_dim)
     k = k.reshape(b, nq_tok, cfg.num_key_value_heads, cfg.head_dim)
     v = v.reshape(b, nq_tok, cfg.num_key_value_heads, cfg.head_dim)
