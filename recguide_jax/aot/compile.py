@@ -132,6 +132,7 @@ def plan_and_compile(cfg, target: Target, *, policy: str, tp: int, dtype: str = 
   Raises memory_plan.MemoryPlanError when the plan does not fit the chip."""
   from recguide_jax.attention import dispatch as attention_dispatch
   from recguide_jax.cache.memory_plan import _abstract_runner, _nbytes, shard_shape
+  from recguide_jax.model.nld import LayerLoop
   _, rc, kinds, blocks = policy_runner_config(policy, block_size=block_size, max_num_seqs=max_num_seqs,
                                               max_model_len=max_model_len, page_size=page_size,
                                               prefill_chunk=prefill_chunk)
@@ -163,7 +164,7 @@ def plan_and_compile(cfg, target: Target, *, policy: str, tp: int, dtype: str = 
     cache_bytes = _nbytes(runner.cache)
     vocab = runner.cfg.vocab_size // tp  # a sort of any vocabulary shard is a sort of the vocabulary
     weight_shapes = [shard_shape(w) for w in runner.weights]
-    stacked = runner.layer_loop.value == "scan"
+    stacked = runner.layer_loop is LayerLoop.SCAN  # a layer's weights are slices of stacked arrays
     worst = max(fitted.transients, key=fitted.transients.get)
     progress(f"plan vs compiled: the largest variant of each kind reserved {fitted.probe.base_bytes / 1e9:.3f} GB; "
              f"the plan reserves {plan.activation_bytes / 1e9:.3f} GB; compiled at {plan.num_pages} pages, the most "
