@@ -7,8 +7,10 @@ the end; the steps where every request decodes (no prefill, nobody finished yet)
 they made is recorded (`Runner.before_execute`). Right after every third such step its compiled calls are replayed
 alone with the recorded arguments (under the same machine load), back to back, their outputs read back as the
 engine reads them: the bare device time of a step (the step after a replay is not timed). Host work per step is
-measured directly: the step's wall time outside the device calls and their read-backs; per request-step it is
-divided by C and by the AR steps one call runs (a 4-step decode call is 4 request-steps per request).
+measured directly: the step's wall time outside the device calls and their read-backs, and the engine thread's CPU
+time over the same span (on this CPU XLA's threads compete with it for the cores: the CPU time is the host work
+alone); per request-step it is divided by C and by the AR steps one call runs (a 4-step decode call is 4
+request-steps per request).
 
 A cProfile of the engine's host side at the largest C (the same timed steps, AR and LinearSS) says which
 functions cost what.
@@ -70,7 +72,8 @@ class Recorder:
 
 def timed_steps(llm, policy: str, c: int, max_tokens: int, prompt_len: int, profile: bool = False, replays: int = 0):
   """Runs C requests to the end; returns [(step seconds, [(key, args)] of its calls, their bare seconds, host work
-  seconds, dispatch seconds)] of the steps where all C decoded, and the profile of those steps (or None)."""
+  seconds, dispatch seconds, host CPU seconds)] of the steps where all C decoded, and the profile of those steps
+  (or None)."""
   from recguide_jax.engine.requests import SamplingParams
   from recguide_jax.runtime.compilation import CompileCounter
   eng = llm.engine
@@ -84,18 +87,20 @@ def timed_steps(llm, policy: str, c: int, max_tokens: int, prompt_len: int, prof
   prof = cProfile.Profile() if profile else None
   steps, skipped = [], 0
   # time inside the device calls (dispatch: the host launching them, which returns before the device is done) and
-  # their read-backs: the rest of a step is the engine's host work
-  inside, dispatch = [0.0], [0.0]
+  # their read-backs: the rest of a step is the engine's host work. Also the engine thread's own CPU time outside
+  # them: XLA computes on its own threads, so this is the host work without their competing for the cores
+  inside, dispatch, inside_cpu = [0.0], [0.0], [0.0]
   execute, device_get = llm.runner.execute, jax.device_get
 
   def timed(fn, *counters):
     def call(*args, **kwargs):
-      t = time.perf_counter()
+      t, cpu = time.perf_counter(), time.thread_time()
       try:
         return fn(*args, **kwargs)
       finally:
         for counter in counters:
           counter[0] += time.perf_counter() - t
+        inside_cpu[0] += time.thread_time() - cpu
     return call
   llm.runner.execute, jax.device_get = timed(execute, inside, dispatch), timed(device_get, inside)
   try:
@@ -105,13 +110,13 @@ def timed_steps(llm, policy: str, c: int, max_tokens: int, prompt_len: int, prof
       rec.calls = []
       if prof is not None and full:
         prof.enable()
-      inside[0] = dispatch[0] = 0.0
+      inside[0] = dispatch[0] = inside_cpu[0] = 0.0
       compiles = CompileCounter.total()
-      t0 = time.perf_counter()
+      t0, cpu0 = time.perf_counter(), time.thread_time()
       eng.step()
-      dt = time.perf_counter() - t0
+      dt, cpu = time.perf_counter() - t0, time.thread_time() - cpu0
       compiled = CompileCounter.total() > compiles
-      device, launching = inside[0], dispatch[0]
+      device, launching, host_cpu = inside[0], dispatch[0], cpu - inside_cpu[0]
       if prof is not None and full:
         prof.disable()
       # a step where every request decoded and none finished: the steady state. Every third one's calls are replayed
@@ -128,7 +133,7 @@ def timed_steps(llm, policy: str, c: int, max_tokens: int, prompt_len: int, prof
         if replays and k % 3 == 1:
           jax.block_until_ready(llm.runner.cache)  # the engine's call in flight, if any, first
           bare = bare_seconds(llm.runner, calls, replays)
-        steps.append((dt, calls, bare, dt - device, launching))
+        steps.append((dt, calls, bare, dt - device, launching, host_cpu))
   finally:
     llm.runner.before_execute = None
     llm.runner.execute, jax.device_get = execute, device_get
@@ -152,16 +157,17 @@ def bare_seconds(runner, calls, repeats: int) -> float:
 def measure(llm, policy: str, c: int, cfg) -> dict:
   timed_steps(llm, policy, c, cfg["max_tokens"], cfg["prompt_len"])  # compiles what this point calls
   from recguide_jax.engine.gc_heap import GCPauses
-  walls, bares, hosts, dispatches, calls_per_step, steps_per_call = [], [], [], [], [], []
+  walls, bares, hosts, host_cpus, dispatches, calls_per_step, steps_per_call = [], [], [], [], [], [], []
   engine_steps = llm.engine.step_count
   with GCPauses() as pauses:
     runs = [timed_steps(llm, policy, c, cfg["max_tokens"], cfg["prompt_len"], replays=3)[0]
             for _ in range(cfg["repeats"])]
   engine_steps = llm.engine.step_count - engine_steps
   for steps in runs:
-    for dt, calls, bare, host, launching in steps:
+    for dt, calls, bare, host, launching, host_cpu in steps:
       walls.append(dt)
       hosts.append(host)
+      host_cpus.append(host_cpu)
       dispatches.append(launching / len(calls))
       if bare is not None:
         bares.append(bare)
@@ -183,6 +189,8 @@ def measure(llm, policy: str, c: int, cfg) -> dict:
                 f"engine_vs_bare{stat}": wall / bare, f"host_per_step_ms{stat}": (wall - bare) * 1e3,
                 f"host_per_request_step_us{stat}": (wall - bare) * 1e6 / (c * out["ar_steps_per_call"]),
                 f"host_work_per_step_ms{stat}": fn(hosts) * 1e3,
+                f"host_cpu_per_step_ms{stat}": fn(host_cpus) * 1e3,
+                f"host_cpu_per_request_step_us{stat}": fn(host_cpus) * 1e6 / (c * out["ar_steps_per_call"]),
                 f"dispatch_per_call_ms{stat}": fn(dispatches) * 1e3,
                 f"host_work_per_request_step_us{stat}": fn(hosts) * 1e6 / (c * out["ar_steps_per_call"])})
   # a pipelined engine's steps alternate (one waits for the device, the next finds its call done): the mean over
@@ -217,7 +225,9 @@ def markdown(result: dict) -> str:
            "Each cell: median / minimum over the timed steps (engine, host work) and the replays (bare). A step is "
            "one engine iteration: one AR call, one LinearSS round (draft + verify), or RecGuide's round(s).", "",
            "Host work: a step's wall time outside the device calls and their read-backs (the engine's own Python, "
-           "measured directly; with the pipeline it runs while the device computes). Dispatch: the host time a "
+           "measured directly; with the pipeline it runs while the device computes). Host CPU: the engine "
+           "thread's CPU time over the same span (XLA computes on its own threads: this is the host work without "
+           "them competing for this machine's cores, as an accelerator's would not). Dispatch: the host time a "
            "device call takes to launch (its arguments flattened and handed over; counted inside the device calls "
            "above, not in host work). Engine / bare: mean engine wall "
            "per call over the steady window against the mean bare call (a pipelined engine's single steps alternate "
@@ -225,18 +235,20 @@ def markdown(result: dict) -> str:
            f"longest pause); the start-up heap {'frozen' if meta.get('freeze_gc') else 'not frozen'} "
            "(`launch/serve.py` freezes it).", "",
            "| policy | C | steps | host work per step (ms) | host work per request-step (us) | "
+           "host CPU per step (ms) | host CPU per request-step (us) | "
            "dispatch per call (ms) | engine per call (ms) | bare call (ms) | engine / bare (mean) | "
            "GC per step (ms; longest pause) |",
-           "|---|---|---|---|---|---|---|---|---|---|"]
+           "|---|---|---|---|---|---|---|---|---|---|---|---|"]
   for p in result["points"]:
     if not p.get("steps"):
-      lines.append(f"| {p['policy']} | {p['concurrency']} | 0 | | | | | | | |")
+      lines.append(f"| {p['policy']} | {p['concurrency']} | 0 | | | | | | | | | |")
       continue
 
     def cell(key, fmt):
       return f"{p[key]:{fmt}} / {p[key + '_min']:{fmt}}"
     lines.append(f"| {p['policy']} | {p['concurrency']} | {p['steps']} | {cell('host_work_per_step_ms', '.3f')} | "
-                 f"{cell('host_work_per_request_step_us', '.1f')} | {cell('dispatch_per_call_ms', '.3f')} | "
+                 f"{cell('host_work_per_request_step_us', '.1f')} | {cell('host_cpu_per_step_ms', '.3f')} | "
+                 f"{cell('host_cpu_per_request_step_us', '.1f')} | {cell('dispatch_per_call_ms', '.3f')} | "
                  f"{cell('engine_per_call_ms', '.3f')} | "
                  f"{cell('bare_per_call_ms', '.3f')} | {p['engine_vs_bare_mean']:.2f} | "
                  f"{p['gc_ms_per_engine_step']:.3f} ({p['gc_longest_pause_ms']:.1f}) |")

@@ -156,6 +156,23 @@ def test_round_entropy_valid_positions():
     sig.round_entropy(ent, 9, 8)
 
 
+def test_round_entropies_equal_round_entropy_row_by_row():
+  """The batched signal (a step's rows at once) is the per-row one to the last bit, whatever the rows' blocks,
+  acceptance, EOS and head cap; it validates as the per-row one does."""
+  rng = np.random.default_rng(0)
+  for _ in range(50):
+    rows = int(rng.integers(1, 40))
+    ent = (rng.random((rows, 32)) * rng.choice([1.0, 10.0, 1e3])).astype(rng.choice([np.float32, np.float64]))
+    blocks = rng.choice([1, 8, 16, 32], rows)
+    accepted = np.array([rng.integers(1, b + 1) for b in blocks])
+    eos = rng.random(rows) < 0.3
+    cap = [None, 1, 7, 20][int(rng.integers(4))]
+    want = [sig.round_entropy(ent[i], int(accepted[i]), int(blocks[i]), bool(eos[i]), cap) for i in range(rows)]
+    assert sig.round_entropies(ent, accepted, blocks, eos, cap) == want
+  with pytest.raises(ValueError, match="accepted"):
+    sig.round_entropies(np.ones((1, 8)), [9], [8], [False])
+
+
 def test_signal_and_stratum():
   R = sig.RoundRecord
   assert sig.signal_s([]) is None and sig.stratum([]) is None

@@ -380,6 +380,77 @@ def test_tables_priced_for_other_hardware_keep_their_values_but_not_their_prices
   assert other._adaptive_block(Req(), 1) == want == 32 and local_ratio == 8
 
 
+def _history_requests(n: int, seed: int) -> list:
+  """Requests with random RecGuide histories (some none, some AR only) and budgets (some near their end)."""
+  import types
+
+  from recguide_jax.recguide.config import RecGuideState
+  from recguide_jax.recguide.signals import RoundRecord
+  rng = np.random.default_rng(seed)
+  reqs = []
+  for _ in range(n):
+    hist = []
+    for _ in range(int(rng.integers(0, 4))):
+      blk = int(rng.choice([1, 8, 16, 32]))
+      acc = int(rng.integers(1, blk + 1))
+      hist.append(RoundRecord(blk, acc, None if blk == 1 else float(rng.choice([0.1, 0.5, 1.5, 3.0]))))
+    max_tokens = int(rng.choice([64, 512]))
+    reqs.append(types.SimpleNamespace(strategy_state=RecGuideState(hist), output_ids=[0] * int(rng.integers(0, 60)),
+                                      params=SamplingParams(max_tokens=max_tokens), finished=False))
+  return reqs
+
+
+def _fitted_tables(profile_name: str):
+  from recguide_jax.recguide import adaptive
+  from recguide_jax.recguide.fit import value_fit
+  rng = np.random.default_rng(3)
+  strata = [None, "b8_partial", "b8_full", "b16_partial", "b32_full"]
+  rows = [{"dataset": "syn", "request_id": r, "round": t, "s": None if t == 0 else -float(rng.random() * 3),
+           "z": None if t == 0 else strata[int(rng.integers(1, 5))],
+           "A": {"8": int(rng.integers(1, 9)), "16": int(rng.integers(1, 17)), "32": int(rng.integers(1, 33))}}
+          for r in range(60) for t in range(4)]
+  model = value_fit.fit_value_model(rows, bins=4)
+  flat = flat_profile()
+  levels = tuple(adaptive.LevelTable(c, rho, flat.costs(c), cold)
+                 for c, rho, cold in ((1, 10.0, 32), (8, 8.0, 16)))
+  return adaptive.RecGuideTables(value_model=model, levels=levels, profile=profile_name)
+
+
+@pytest.mark.parametrize("tables", [None, "flat", "elsewhere"])
+def test_a_steps_rule_and_verifications_taken_together_equal_one_request_at_a_time(tables):
+  """`price_step` decides the rule once per distinct input and `observe` takes a step's verifications together:
+  the same blocks, histories and running estimates as one request at a time, with no tables, tables priced on this
+  profile and tables of another."""
+  import copy
+  import types
+
+  tables = None if tables is None else _fitted_tables(tables)
+  for c in (1, 8, 32):
+    pol = RecGuideStrategy(16, profile=flat_profile(), tables=tables, overlap=False)
+    reqs = _history_requests(48, c)
+    costs, values = pol._linear_costs(c), [pol._values(r) for r in reqs]
+    assert pol._rule_blocks(reqs, c, costs, values) == [pol._adaptive_block(r, c) for r in reqs]
+    assert len(set(pol._rule_blocks(reqs, c, costs, values))) > 1 or tables is None
+
+  rng = np.random.default_rng(7)
+  reqs = _history_requests(24, 1)
+  blocks = rng.choice([1, 8, 16, 32], len(reqs))
+  accepted = np.array([rng.integers(1, b + 1) for b in blocks])
+  result = types.SimpleNamespace(tokens=rng.integers(0, 6, (len(reqs), 32)),
+                                 entropy=rng.random((len(reqs), 32)).astype(np.float32))
+  lefts = np.array([r.params.max_tokens - len(r.output_ids) for r in reqs])
+  together, alone = (RecGuideStrategy(16, profile=flat_profile(), tables=tables) for _ in range(2))
+  together._eos = alone._eos = frozenset({2, 5})
+  reqs_alone = copy.deepcopy(reqs)
+  together.observe_verifications(reqs, blocks, accepted, result, lefts)
+  for i, r in enumerate(reqs_alone):
+    alone.observe_verification(r, int(blocks[i]), int(accepted[i]), result, i, int(lefts[i]))
+  assert [r.strategy_state.history for r in reqs] == [r.strategy_state.history for r in reqs_alone]
+  assert any(rec.entropy is not None for r in reqs for rec in r.strategy_state.history)
+  assert together.stats == alone.stats
+  assert together.value_calibration == alone.value_calibration
+
+
 def test_value_calibration_scales_predictions_by_what_verification_returned():
   from recguide_jax.recguide.estimates import ValueCalibration
   cal = ValueCalibration(min_rounds=4)

@@ -181,11 +181,9 @@ class RecGuideStrategy(AdaptiveRule, RegimeSwitch, CostModel, Strategy):
       if (block <= 1).all():  # AR rows only (a decode call): nothing but their histories to move
         self._observe_ar(batch.reqs, out.rounds)
       else:
-        blocks, accepted = block.tolist(), np.asarray(out.accepted).tolist()
-        before = np.asarray(outcome.generated_before).tolist()
-        for i, r in enumerate(batch.reqs):
-          left = r.params.max_tokens - before[i]  # its budget before this round emitted
-          self.observe_verification(r, blocks[i], accepted[i], res, i, left, rounds=out.rounds)
+        before = np.asarray(outcome.generated_before)
+        lefts = np.fromiter((r.params.max_tokens for r in batch.reqs), np.int64, len(batch.reqs)) - before
+        self.observe_verifications(batch.reqs, block, np.asarray(out.accepted), res, lefts, out.rounds)
     if isinstance(out.extra, OverlapResult):
       self._observe_overlap(batch, out, out.extra)
     self.observe_round(out.label, batch.block, batch.n, outcome.seconds / out.rounds)
@@ -195,15 +193,38 @@ class RecGuideStrategy(AdaptiveRule, RegimeSwitch, CostModel, Strategy):
     """`rounds` verifications of `req` (`result` row `row`) of `block_size` that accepted `accepted` each (a
     multi-step AR call's steps); `left`: the tokens it could still emit before them (default: what it can emit
     now)."""
-    if block_size <= 1:
-      self._observe_ar([req], rounds)
-      return
-    state = self.state(req)
-    # a prefetched overlap branch is a draft for the round right after the one that made it: any verification,
-    # of whatever kind, moves the committed state past it (an overlap round's new one is stored after this)
-    state.prefetched = None
-    for _ in range(rounds):
-      self._observe_block(req, state, block_size, accepted, result, row, left)
+    self.observe_verifications([req], [block_size], [accepted], result, [left], rounds, rows=[row])
+
+  def observe_verifications(self, reqs, blocks, accepted, result, lefts, rounds: int = 1, rows=None) -> None:
+    """`observe_verification` of each of `reqs` at once (`result` rows `rows`, default 0..len - 1), their rounds'
+    signals (entropies, EOS) computed together. Requests are observed in order: the running estimates move as
+    they did one request at a time."""
+    rows = np.arange(len(reqs)) if rows is None else np.asarray(rows, np.int64)
+    blocks, accepted = np.asarray(blocks, np.int64), np.asarray(accepted, np.int64)
+    drafted = np.flatnonzero(blocks > 1)
+    entropies: list = []
+    if len(drafted):
+      at = rows[drafted]
+      # EOS among each round's accepted tokens (its entropy then averages one position less)
+      tokens = result.tokens[at]
+      eos = (tokens[:, :, None] == np.fromiter(self._eos, np.int64, len(self._eos))).any(axis=2)
+      eos &= np.arange(tokens.shape[1])[None, :] < accepted[drafted, None]
+      cap = self.tables.head_cap if self.tables is not None else self.entropy_head_cap
+      entropies = signals.round_entropies(result.entropy[at], accepted[drafted], blocks[drafted], eos.any(axis=1),
+                                          cap)
+    entropy = dict(zip(drafted.tolist(), entropies))
+    blocks, accepted = blocks.tolist(), accepted.tolist()
+    for i, req in enumerate(reqs):
+      if blocks[i] <= 1:
+        self._observe_ar([req], rounds)
+        continue
+      state = self.state(req)
+      # a prefetched overlap branch is a draft for the round right after the one that made it: any verification,
+      # of whatever kind, moves the committed state past it (an overlap round's new one is stored after this)
+      state.prefetched = None
+      record = signals.RoundRecord(blocks[i], accepted[i], entropy[i])
+      for _ in range(rounds):
+        self._observe_block(req, state, record, lefts[i])
 
   def _observe_ar(self, reqs, rounds: int) -> None:
     """`rounds` AR verifications of each of `reqs`. They drop a prefetched branch, as any verification does. An AR
@@ -223,16 +244,14 @@ class RecGuideStrategy(AdaptiveRule, RegimeSwitch, CostModel, Strategy):
     self._ar_settled = reqs if records is None or rounds >= HISTORY or all(
         self.state(r).ar_tail >= HISTORY for r in reqs) else None
 
-  def _observe_block(self, req, state, block_size: int, accepted: int, result, row: int, left: int | None) -> None:
-    """One verification of a drafted block (`observe_verification`)."""
+  def _observe_block(self, req, state, record: signals.RoundRecord, left: int | None) -> None:
+    """One verification of a drafted block (`observe_verifications`), as its history `record`."""
+    block_size, accepted = record.block_size, record.accepted
     if self.calibrate and self.tables is not None and block_size in BLOCK_SIZES:
       # what the value model predicted for this round (the history before it) against what it returned
-      predicted = self._model_values(req, self._remaining(req) if left is None else left)[block_size]
+      predicted = self._model_values(req, self._remaining(req) if left is None else int(left))[block_size]
       self.value_calibration.observe(block_size, predicted, accepted)
-    cap = self.tables.head_cap if self.tables is not None else self.entropy_head_cap
-    # a set test on a short list: cheaper per request and round than np.isin
-    eos = not self._eos.isdisjoint(result.tokens[row, :accepted].tolist())
-    state.history.append(signals.make_record(result.entropy[row], accepted, block_size, eos=eos, head_cap=cap))
+    state.history.append(record)
     if len(state.history) > HISTORY:
       del state.history[0]
     state.ar_tail, state.signals = 0, None

@@ -7,12 +7,13 @@ per-request choices priced together as the batch the engine runs them as, agains
 
 from __future__ import annotations
 
+import math
 from typing import Sequence
 
 from recguide_jax.decoding import grouping
 from recguide_jax.decoding.strategy import RoundKind
 from recguide_jax.model.config import BLOCK_SIZES
-from recguide_jax.recguide import pricing, signals
+from recguide_jax.recguide import adaptive, pricing, signals
 from recguide_jax.recguide.config import Regime
 
 
@@ -41,35 +42,80 @@ class AdaptiveRule:
 
   def _model_values(self, req, left: int) -> dict[int, float]:
     """The fitted value model's V_B(s, z) of `req`'s next round (capped at `left` tokens)."""
-    state = self.state(req)
+    s, z = self._signals(req)
     model = self.tables.value_model
-    if state.signals is None or state.signals[0] != model.window:
-      hist = state.history
-      state.signals = (model.window, *((signals.signal_s(hist, model.window), signals.stratum(hist)) if hist
-                                       else (None, None)))
-    _, s, z = state.signals
     return model.values(s, z) if left >= BLOCK_SIZES[-1] else model.values_capped(s, z, left)
 
-  def _adaptive_block(self, req, concurrency: int, costs: dict[int, float] | None = None) -> int:
-    """The per-request rule. `costs`: the LinearSS round cost per B at this concurrency when the caller has them
-    (one step's requests share them)."""
+  def _signals(self, req) -> tuple[float | None, str | None]:
+    """`req`'s (s, z) for the fitted value model, kept in its state until its history next changes."""
+    state = self.state(req)
+    window = self.tables.value_model.window
+    if state.signals is None or state.signals[0] != window:
+      hist = state.history
+      state.signals = (window, *((signals.signal_s(hist, window), signals.stratum(hist)) if hist else (None, None)))
+    return state.signals[1:]
+
+  def _adaptive_block(self, req, concurrency: int, costs: dict[int, float] | None = None,
+                      values: dict[int, float] | None = None) -> int:
+    """The per-request rule. `costs`: the LinearSS round cost per B at this concurrency, `values`: `req`'s
+    `_values`, when the caller has them (one step's requests share the costs)."""
     if not self.adaptive:
       return self.block_size
     c = max(concurrency, 1)
     if self.tables is not None and self._tables_priced_here:
       # the paper's rule: rho is a price against the costs it was solved with, so the tables' own costs
       return self.tables.next_block(c, self.state(req).history)
-    values = self._values(req)
-    if costs is None:
-      costs = self._linear_costs(c)
+    if self.tables is not None and not self.state(req).history:
+      return self.tables.level(c).cold_start_block
+    return self._block_for_values(self._values(req) if values is None else values, c,
+                                  self._linear_costs(c) if costs is None else costs)
+
+  def _block_for_values(self, values: dict[int, float], c: int, costs: dict[int, float]) -> int:
+    """The rule's block for a request with history, from its values alone (requests with equal values get the same
+    block)."""
     if self.tables is not None:
       # tables of other hardware keep the fitted rule V - rho T on this policy's own costs, rho rescaled to their
       # time unit (`pricing.rescaled_rho`): V / T is a different rule, one the paper's search rejected
-      if not self.state(req).history:
-        return self.tables.level(c).cold_start_block
       return pricing.decide_rescaled(values, self.tables.rho_for(c), self.tables.costs_for(c), costs)
-    scores = {b: values[b] / costs[b] for b in BLOCK_SIZES}
-    return max(BLOCK_SIZES, key=lambda b: (scores[b], -b))
+    best, best_score = BLOCK_SIZES[0], -math.inf
+    for b in BLOCK_SIZES:  # argmax V / T, the smaller block on ties
+      score = values[b] / costs[b]
+      if score > best_score:
+        best, best_score = b, score
+    return best
+
+  def _rule_blocks(self, reqs, c: int, costs: dict[int, float], values: list) -> list[int]:
+    """`_adaptive_block` of each of `reqs` (`values`: theirs), each distinct input of the rule decided once: the
+    requests of a step mostly share one (the engine-wide estimates, or a table row)."""
+    if not self.adaptive:
+      return [self.block_size] * len(reqs)
+    decided: dict = {}  # the rule's input -> block
+    blocks = []
+    tables = self.tables
+    if tables is not None and self._tables_priced_here:  # `tables.next_block`, on the requests' cached signals
+      level, model = tables.level(c), tables.value_model
+      for r in reqs:
+        if not self.state(r).history:
+          blocks.append(level.cold_start_block)
+          continue
+        s, z = self._signals(r)
+        key = (z, model.table(z).bin_index(s))  # V_B(s, z) depends on s through its bin alone
+        blk = decided.get(key)
+        if blk is None:
+          blk = decided[key] = adaptive.decide(model, level.rho, level.costs_ms, s, z)
+        blocks.append(blk)
+      return blocks
+    cold = tables.level(c).cold_start_block if tables is not None else None
+    for r, v in zip(reqs, values):
+      if cold is not None and not self.state(r).history:
+        blocks.append(cold)
+        continue
+      key = tuple(v.items())
+      blk = decided.get(key)
+      if blk is None:
+        blk = decided[key] = self._block_for_values(v, c, costs)
+      blocks.append(blk)
+    return blocks
 
   def price_step(self, reqs, concurrency: int, values=None) -> tuple[str, list[int]]:
     """The plan for a step's adaptive requests, priced as a batch: (name, block per request, 1 for AR). `values`:
@@ -85,17 +131,18 @@ class AdaptiveRule:
     batch" (5))."""
     c = max(concurrency, 1)
     costs = self._linear_costs(c)
-    rule = [self._adaptive_block(r, c, costs) for r in reqs]
+    values = [self._values(r) for r in reqs] if values is None else values
+    rule = self._rule_blocks(reqs, c, costs, values)
     if not self.batch_priced or self.probing or not reqs:
       return "rule", rule
-    values = [self._values(r) for r in reqs] if values is None else values
     n = len(reqs)
     best_name, best_blocks, best_rate = None, rule, -1.0
     if self.switch and not self.fixed_regime:  # AR is the switch's candidate (a pinned regime stays LinearSS)
       best_name, best_blocks, best_rate = Regime.AR.value, [1] * n, n / self._round_cost(RoundKind.AR, 1, n)
-    for name, blocks in [*((f"linear{b}", [b] * n) for b in BLOCK_SIZES), ("rule", rule)]:
-      cost = self.plan_cost(blocks)
-      rate = sum(v[b] for v, b in zip(values, blocks)) / cost
+    candidates = [(f"linear{b}", [b] * n, sum(v[b] for v in values)) for b in BLOCK_SIZES]
+    candidates.append(("rule", rule, sum(v[b] for v, b in zip(values, rule))))
+    for name, blocks, tokens in candidates:
+      rate = tokens / self.plan_cost(blocks)
       if rate > best_rate * (1 + max(self.tie_margin, 1e-9)):
         best_name, best_blocks, best_rate = name, blocks, rate
     return best_name, best_blocks

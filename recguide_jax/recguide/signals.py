@@ -48,6 +48,32 @@ def round_entropy(entropies_row: Sequence[float], accepted: int, block_size: int
   return float(row[:n].mean(dtype=np.float64))  # accumulated in float64 whatever the row's dtype
 
 
+def round_entropies(entropies: np.ndarray, accepted: Sequence[int], block_size: Sequence[int],
+                    eos: Sequence[bool], head_cap: int | None = None) -> list[float | None]:
+  """`round_entropy` of each row of `entropies` [rows, width] at once (equal to it row by row: rows averaging the
+  same number of positions are reduced together, as one row would be)."""
+  accepted, block_size = np.asarray(accepted, np.int64), np.asarray(block_size, np.int64)
+  if np.any(block_size < 1) or np.any(accepted < 1) or np.any(accepted > block_size):
+    raise ValueError(f"round_entropies needs 1 <= accepted <= block_size per row, got accepted={accepted.tolist()}, "
+                     f"block_size={block_size.tolist()}")
+  if head_cap is not None and head_cap < 1:
+    raise ValueError(f"head_cap must be >= 1 or None, got {head_cap}")
+  n = np.where(np.asarray(eos, bool), accepted - 1, np.where(accepted >= block_size, block_size - 1, accepted))
+  if head_cap is not None:
+    n = np.minimum(n, head_cap)
+  if entropies.ndim != 2 or len(n) != entropies.shape[0] or (len(n) and n.max() > entropies.shape[1]):
+    raise ValueError(f"entropies must be [rows, >= {int(n.max(initial=0))}] with one row per round, got shape "
+                     f"{entropies.shape}")
+  out: list[float | None] = [None] * len(n)
+  for k in np.unique(n).tolist():
+    if k <= 0:
+      continue
+    rows = np.flatnonzero(n == k)
+    for i, e in zip(rows.tolist(), entropies[rows, :k].mean(axis=1, dtype=np.float64).tolist()):
+      out[i] = e
+  return out
+
+
 @dataclasses.dataclass(frozen=True)
 class RoundRecord:
   """One verification round of a request, as the adaptive policy remembers it."""

@@ -6,11 +6,12 @@ and then (a probe) so machine drift cannot freeze a wrong choice, and a regime n
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Callable
 
 from recguide_jax.decoding.strategy import RoundKind
 from recguide_jax.model.config import BLOCK_SIZES
-from recguide_jax.recguide.config import Regime
+from recguide_jax.recguide.config import RecGuideState, Regime
 from recguide_jax.recguide.kinds import OverlapKind
 
 
@@ -67,14 +68,25 @@ class RegimeSwitch:
     drafts 1 + (R - 1)(1 - hit) times, so entering is worth it only when enough rounds are left to recover the
     draft (docs/recguide.md, "Priced as a batch" (6)). A request holding a branch drafts 1 - hit per round less."""
     hit, accepted = self.stats.overlap_hit, max(self.stats.accepted[self.block_size], 1.0)
+    # `_overlap_remaining` and `state` inlined, and no builtin calls: this runs over every request of every step the
+    # switch prices
+    max_temperature, miss = self.overlap_max_temperature, 1.0 - hit
+    floor = -math.inf if self.fixed_regime else self.stats.accepted[self.block_size]
     shares = []
+    append = shares.append
     for req in batch:
-      remaining = self._overlap_remaining(req)
-      if remaining is None:
+      params = req.params
+      if params.temperature > max_temperature:
         continue
-      left = max(1.0, remaining / accepted)
-      first = 0.0 if self.state(req).prefetched is not None else 1.0
-      shares.append((first + (left - 1.0) * (1.0 - hit)) / left)
+      remaining = params.max_tokens - len(req.output_ids)
+      if remaining <= floor:
+        continue
+      left = remaining / accepted
+      if left < 1.0:
+        left = 1.0
+      state = req.strategy_state
+      first = 0.0 if isinstance(state, RecGuideState) and state.prefetched is not None else 1.0
+      append((first + (left - 1.0) * miss) / left)
     return shares
 
   def _rate(self, rate_key: str, c: int, cost: Callable[[str, int, int], float], estimates: StepEstimates) -> float:
