@@ -45,3 +45,20 @@ def test_row_cache_is_keyed_by_the_requests_themselves():
   # the least recently used composition was evicted (size 2); the entry kept its requests alive meanwhile
   cache.get(reqs, lambda: build(reqs))
   assert len(built) == 4
+
+
+def test_row_cache_lets_go_of_finished_requests():
+  """A composition with a finished request is never batched again: the next miss drops it (and its requests)."""
+  import gc
+  import weakref
+  cache = RowCache(size=8)
+  old = [_request(i) for i in range(3)]
+  cache.get(old, lambda: gather_rows(old, np.arange(3), None))
+  old[1].finish_reason = "stop"
+  alive = weakref.ref(old[1])
+  running = [old[0], old[2]]
+  cache.get(running, lambda: gather_rows(running, np.arange(2), None))
+  del old
+  gc.collect()
+  assert alive() is None
+  assert cache.get(list(running), lambda: None) is not None  # the running composition stays cached

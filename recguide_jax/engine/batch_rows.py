@@ -68,6 +68,10 @@ class RowCache:
     key = tuple(map(id, reqs))  # no request is read
     hit = self._rows.get(key)
     if hit is None:
+      # a composition holding a finished request is never asked for again (a batch takes running requests only):
+      # its entry would only keep those requests, and their outputs, alive
+      for dead in [k for k, (rs, _) in self._rows.items() if any(r.finish_reason is not None for r in rs)]:
+        del self._rows[dead]
       hit = self._rows[key] = (tuple(reqs), build())
       if len(self._rows) > self.size:
         self._rows.popitem(last=False)

@@ -214,24 +214,38 @@ class RecGuideStrategy(AdaptiveRule, RegimeSwitch, CostModel, Strategy):
                                           cap)
     entropy = dict(zip(drafted.tolist(), entropies))
     blocks, accepted = blocks.tolist(), accepted.tolist()
+    predicts = self.calibrate and self.tables is not None  # `ValueCalibration`: predicted against returned
+    stats = self.stats
     for i, req in enumerate(reqs):
-      if blocks[i] <= 1:
+      blk, got = blocks[i], accepted[i]
+      if blk <= 1:
         self._observe_ar([req], rounds)
         continue
       state = self.state(req)
       # a prefetched overlap branch is a draft for the round right after the one that made it: any verification,
       # of whatever kind, moves the committed state past it (an overlap round's new one is stored after this)
       state.prefetched = None
-      record = signals.RoundRecord(blocks[i], accepted[i], entropy[i])
+      record = signals.RoundRecord(blk, got, entropy[i])
+      known = blk in BLOCK_SIZES  # an overlap round's too: it verifies a block of its B as LinearSS does
+      history = state.history
       for _ in range(rounds):
-        self._observe_block(req, state, record, lefts[i])
+        if predicts and known:  # what the value model predicted for this round (the history before it)
+          left = self._remaining(req) if lefts[i] is None else int(lefts[i])
+          self.value_calibration.observe(blk, self._model_values(req, left)[blk], got)
+        history.append(record)
+        if len(history) > HISTORY:
+          del history[0]
+        state.ar_tail, state.signals = 0, None
+        if known:
+          stats.observe_verified(blk, got)
+      self._ar_settled = None
 
   def _observe_ar(self, reqs, rounds: int) -> None:
     """`rounds` AR verifications of each of `reqs`. They drop a prefetched branch, as any verification does. An AR
     round carries no signal, so two in a row return a request to the value model's prior: otherwise a request that
     looked unsure once would be priced out of speculation for good."""
     if reqs is self._ar_settled:
-      return  # none of their states changed since (`_observe_block` and `_observe_overlap` clear it)
+      return  # none of their states changed since (`observe_verifications` and `_observe_overlap` clear it)
     records = [AR_RECORD] * min(rounds, HISTORY) if self.batch_priced else None
     for req in reqs:
       state = self.state(req)
@@ -243,21 +257,6 @@ class RecGuideStrategy(AdaptiveRule, RegimeSwitch, CostModel, Strategy):
         state.signals = None
     self._ar_settled = reqs if records is None or rounds >= HISTORY or all(
         self.state(r).ar_tail >= HISTORY for r in reqs) else None
-
-  def _observe_block(self, req, state, record: signals.RoundRecord, left: int | None) -> None:
-    """One verification of a drafted block (`observe_verifications`), as its history `record`."""
-    block_size, accepted = record.block_size, record.accepted
-    if self.calibrate and self.tables is not None and block_size in BLOCK_SIZES:
-      # what the value model predicted for this round (the history before it) against what it returned
-      predicted = self._model_values(req, self._remaining(req) if left is None else int(left))[block_size]
-      self.value_calibration.observe(block_size, predicted, accepted)
-    state.history.append(record)
-    if len(state.history) > HISTORY:
-      del state.history[0]
-    state.ar_tail, state.signals = 0, None
-    self._ar_settled = None
-    if block_size in BLOCK_SIZES:  # an overlap round's too: it verifies a block of its B as LinearSS does
-      self.stats.observe_verified(block_size, accepted)
 
   def _observe_overlap(self, batch, out, ovr: "OverlapResult") -> None:
     self.saved_drafts += ovr.saved_drafts
