@@ -476,6 +476,34 @@ def test_fused_cost_for_other_tree_widths():
     split.fused_cost(1, 8, 0)
 
 
+# ---- out-of-fold validation -------------------------------------------------------------------------------------------
+def test_out_of_fold_validation_keeps_requests_whole_and_tells_signal_from_noise():
+  """Folds split requests, never a request's rounds; an informative s shows held-out skill and a rule that beats
+  the best fixed B on held-out requests, an s of pure noise shows neither however finely it is binned."""
+  from recguide_jax.recguide.fit import validation
+  rows = synthetic_rows(n_datasets=2, n_requests=40, n_rounds=12, seed=3)
+  assert len({validation.fold_of(r["dataset"], r["request_id"], 5) for r in rows}) == 5
+  for r in rows:  # stable: a request's fold is a function of its name alone
+    assert validation.fold_of(r["dataset"], r["request_id"], 5) == validation.fold_of(
+        str(r["dataset"]), str(r["request_id"]), 5)
+  levels = {c: (pf.load_profile("b200_nld8b").costs(c), ad.cold_start_block(c)) for c in (1, 32)}
+  fit = lambda rs: vf.fit_value_model(rs, bins=8)  # noqa: E731
+  informative = validation.cross_validate(rows, levels, folds=5, fit=fit)
+  assert informative.folds == 5 and informative.requests == 80
+  assert all(e.skill > 0.1 for e in informative.value_errors)
+  assert all(abs(e.mean_predicted - e.mean_realized) < 0.15 * e.mean_realized for e in informative.value_errors)
+  assert informative.levels[0].concurrency == 1 and informative.levels[0].gain > 1.0
+  rng = np.random.default_rng(0)
+  noise = [dict(r, s=None if r["s"] is None else float(rng.uniform(-3.0, 0.0))) for r in rows]
+  fine = lambda rs: vf.fit_value_model(rs, bins=24, strata=False)  # noqa: E731
+  held_out = validation.cross_validate(noise, levels, folds=5, fit=fine)
+  assert all(e.skill < 0.01 for e in held_out.value_errors)
+  assert all(lv.gain < 1.02 for lv in held_out.levels)  # nothing to adapt to: no gain over a fixed B
+  json.dumps(held_out.to_json())
+  with pytest.raises(ValueError, match="2 folds"):
+    validation.cross_validate(rows, levels, folds=1)
+
+
 # ---- launch scripts --------------------------------------------------------------------------------------------------
 def _run(args, timeout):
   env = dict(os.environ, JAX_PLATFORMS="cpu")
@@ -493,6 +521,9 @@ def test_fit_tables_end_to_end(tmp_path):
   stdout = _run(["launch/fit_tables.py", f"--traces={trace}", "--profile=b200_nld8b",
                  "--concurrency=1,16,128", "--bins=4", f"--output_dir={tmp_path}"], timeout=120)
   assert "C=16" in stdout and "best fixed B=" in stdout
+  assert "out of fold (5 folds of 24 requests" in stdout and "skill" in stdout
+  checked = json.loads((tmp_path / "recguide_tables_validation.json").read_text())
+  assert [lv["concurrency"] for lv in checked["levels"]] == [1, 16, 128]
   tables = ad.load_tables(out)
   assert tables.concurrency_levels == (1, 16, 128) and tables.profile == "b200_nld8b"
   groups = rs.group_rows(rows)
