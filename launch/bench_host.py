@@ -4,7 +4,8 @@ The model is near-zero-cost on purpose (a random 2-layer, 64-wide NLD written wi
 the bundled tokenizer beside it), so what the engine adds per step between device calls is what is measured. For
 each policy and concurrency C, C requests (the same prompt length, greedy, `--max_tokens` each, EOS ignored) run to
 the end; the steps where every request decodes (no prefill, nobody finished yet) are timed, and every device call
-they made is recorded (`Runner.before_execute`). Right after every third such step its compiled calls are replayed
+they made is recorded (`Runner.before_execute`). Each generation starts a fresh strategy (RecGuide's first
+measurements of each regime are in every one). Right after every third such step its compiled calls are replayed
 alone with the recorded arguments (under the same machine load), back to back, their outputs read back as the
 engine reads them: the bare device time of a step (the step after a replay is not timed). Host work per step is
 measured directly: the step's wall time outside the device calls and their read-backs, and the engine thread's CPU
@@ -12,7 +13,7 @@ time over the same span (on this CPU XLA's threads compete with it for the cores
 alone); per request-step it is divided by C and by the AR steps one call runs (a 4-step decode call is 4
 request-steps per request).
 
-A cProfile of the engine's host side at the largest C (the same timed steps, AR and LinearSS) says which
+A cProfile of the engine's host side at the largest C (the same timed steps; `--profile_policies`) says which
 functions cost what.
 
   python launch/bench_host.py                              # ar, linear, recguide; C = 1, 8, 32, 128
@@ -314,7 +315,7 @@ def _define_flags():
   flags.DEFINE_bool("pipeline", True, "Run AR and LinearSS calls ahead (Engine.pipeline).")
   flags.DEFINE_bool("freeze_gc", True, "Freeze the start-up heap out of Python's collector, as launch/serve.py "
                     "does.")
-  flags.DEFINE_list("profile_policies", ["ar", "linear"], "Policies profiled at the largest C.")
+  flags.DEFINE_list("profile_policies", ["ar", "linear", "recguide"], "Policies profiled at the largest C.")
   flags.DEFINE_string("model_dir", os.path.join(ROOT, "runs", "bench_host", "model"),
                       "Where the random models are written (once per depth).")
   flags.DEFINE_integer("num_layers", 2, "Decoder layers of the random model: a deep model's many weight arrays "
