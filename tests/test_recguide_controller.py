@@ -451,6 +451,34 @@ def test_a_steps_rule_and_verifications_taken_together_equal_one_request_at_a_ti
   assert together.value_calibration == alone.value_calibration
 
 
+@pytest.mark.parametrize("fixed_regime", [None, "overlap"])
+def test_overlap_draft_shares_follow_each_requests_own_overlap_test(fixed_regime):
+  """The switch's per-request draft shares (computed inline for speed) skip exactly the requests
+  `_overlap_remaining` rules out (sampled, or ending within a round) and price the rest by their own budget and
+  branch."""
+  import dataclasses
+
+  from recguide_jax.recguide import overlap as ov
+  reqs = _history_requests(40, 5)
+  rng = np.random.default_rng(5)
+  for i, r in enumerate(reqs):
+    r.params = dataclasses.replace(r.params, temperature=float(rng.choice([0.0, 0.2, 0.3, 0.4, 0.7])),
+                                   max_tokens=int(rng.choice([len(r.output_ids) + 2, 300])))
+    if i % 3 == 0:
+      r.strategy_state.prefetched = ov.Prefetched(np.zeros(16, np.int32), np.zeros((3, 16), np.float32), "p1")
+  pol = RecGuideStrategy(16, profile=flat_profile(), fixed_regime=fixed_regime)
+  pol.stats.overlap_hit = 0.4
+  hit, accepted = pol.stats.overlap_hit, max(pol.stats.accepted[16], 1.0)
+  want = []
+  for r in reqs:
+    remaining = pol._overlap_remaining(r)
+    if remaining is not None:
+      left = max(1.0, remaining / accepted)
+      first = 0.0 if pol.state(r).prefetched is not None else 1.0
+      want.append((first + (left - 1.0) * (1.0 - hit)) / left)
+  assert pol.overlap_draft_shares(reqs) == want and 0 < len(want) < len(reqs)
+
+
 def test_value_calibration_scales_predictions_by_what_verification_returned():
   from recguide_jax.recguide.estimates import ValueCalibration
   cal = ValueCalibration(min_rounds=4)
