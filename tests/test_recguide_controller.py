@@ -424,12 +424,22 @@ def test_a_steps_rule_and_verifications_taken_together_equal_one_request_at_a_ti
   import copy
   import types
 
+  from recguide_jax.recguide.pricing import decide_rescaled
   tables = None if tables is None else _fitted_tables(tables)
   for c in (1, 8, 32):
     pol = RecGuideStrategy(16, profile=flat_profile(), tables=tables, overlap=False)
     reqs = _history_requests(48, c)
     costs, values = pol._linear_costs(c), [pol._values(r) for r in reqs]
     assert pol._rule_blocks(reqs, c, costs, values) == [pol._adaptive_block(r, c) for r in reqs]
+
+    def reference(r, v):  # the rule written out, one request at a time
+      hist = r.strategy_state.history
+      if tables is None:
+        return max((8, 16, 32), key=lambda b: (v[b] / costs[b], -b))
+      if pol._tables_priced_here or not hist:
+        return tables.next_block(c, hist)
+      return decide_rescaled(v, tables.rho_for(c), tables.costs_for(c), costs)
+    assert pol._rule_blocks(reqs, c, costs, values) == [reference(r, v) for r, v in zip(reqs, values)]
     assert len(set(pol._rule_blocks(reqs, c, costs, values))) > 1 or tables is None
 
   rng = np.random.default_rng(7)

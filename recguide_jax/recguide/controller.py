@@ -181,8 +181,8 @@ class RecGuideStrategy(AdaptiveRule, RegimeSwitch, CostModel, Strategy):
       if (block <= 1).all():  # AR rows only (a decode call): nothing but their histories to move
         self._observe_ar(batch.reqs, out.rounds)
       else:
-        before = np.asarray(outcome.generated_before)
-        lefts = np.fromiter((r.params.max_tokens for r in batch.reqs), np.int64, len(batch.reqs)) - before
+        # each row's budget before this round emitted (the engine's per-request rows hold max_tokens)
+        lefts = batch.request_rows.max_tokens - np.asarray(outcome.generated_before)
         self.observe_verifications(batch.reqs, block, np.asarray(out.accepted), res, lefts, out.rounds)
     if isinstance(out.extra, OverlapResult):
       self._observe_overlap(batch, out, out.extra)

@@ -55,20 +55,11 @@ class AdaptiveRule:
       state.signals = (window, *((signals.signal_s(hist, window), signals.stratum(hist)) if hist else (None, None)))
     return state.signals[1:]
 
-  def _adaptive_block(self, req, concurrency: int, costs: dict[int, float] | None = None,
-                      values: dict[int, float] | None = None) -> int:
-    """The per-request rule. `costs`: the LinearSS round cost per B at this concurrency, `values`: `req`'s
-    `_values`, when the caller has them (one step's requests share the costs)."""
-    if not self.adaptive:
-      return self.block_size
+  def _adaptive_block(self, req, concurrency: int, costs: dict[int, float] | None = None) -> int:
+    """The per-request rule for one request (`_rule_blocks`). `costs`: the LinearSS round cost per B at this
+    concurrency when the caller has them."""
     c = max(concurrency, 1)
-    if self.tables is not None and self._tables_priced_here:
-      # the paper's rule: rho is a price against the costs it was solved with, so the tables' own costs
-      return self.tables.next_block(c, self.state(req).history)
-    if self.tables is not None and not self.state(req).history:
-      return self.tables.level(c).cold_start_block
-    return self._block_for_values(self._values(req) if values is None else values, c,
-                                  self._linear_costs(c) if costs is None else costs)
+    return self._rule_blocks([req], c, self._linear_costs(c) if costs is None else costs)[0]
 
   def _block_for_values(self, values: dict[int, float], c: int, costs: dict[int, float]) -> int:
     """The rule's block for a request with history, from its values alone (requests with equal values get the same
@@ -84,9 +75,12 @@ class AdaptiveRule:
         best, best_score = b, score
     return best
 
-  def _rule_blocks(self, reqs, c: int, costs: dict[int, float], values: list) -> list[int]:
-    """`_adaptive_block` of each of `reqs` (`values`: theirs), each distinct input of the rule decided once: the
-    requests of a step mostly share one (the engine-wide estimates, or a table row)."""
+  def _rule_blocks(self, reqs, c: int, costs: dict[int, float], values: list | None = None) -> list[int]:
+    """The per-request rule's block for each of `reqs` at load `c` (`values`: their `_values`, when the caller has
+    them): the tables' own rule V - rho T where they were priced on this profile (cold-start block before a
+    request's first verification), the same rule rho rescaled to this policy's costs for tables of other hardware,
+    argmax V / T without tables. Each distinct input of the rule is decided once: the requests of a step mostly
+    share one (the engine-wide estimates, or a table row)."""
     if not self.adaptive:
       return [self.block_size] * len(reqs)
     decided: dict = {}  # the rule's input -> block
@@ -106,10 +100,11 @@ class AdaptiveRule:
         blocks.append(blk)
       return blocks
     cold = tables.level(c).cold_start_block if tables is not None else None
-    for r, v in zip(reqs, values):
+    for r, v in zip(reqs, values or [None] * len(reqs)):
       if cold is not None and not self.state(r).history:
         blocks.append(cold)
         continue
+      v = self._values(r) if v is None else v
       key = tuple(v.items())
       blk = decided.get(key)
       if blk is None:

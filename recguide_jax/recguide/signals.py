@@ -17,6 +17,19 @@ from recguide_jax.model.config import BLOCK_SIZES
 STRATA = tuple(f"b{b}_{'full' if full else 'partial'}" for b in BLOCK_SIZES for full in (False, True))
 
 
+def valid_positions(accepted, block_size, eos, head_cap: int | None = None) -> np.ndarray:
+  """How many verify positions of a round are causally valid (`round_entropy`), for one round or an array of them:
+  accepted - 1 with an EOS among the emitted tokens, B - 1 for a full block, else accepted; at most `head_cap`."""
+  accepted, block_size = np.asarray(accepted, np.int64), np.asarray(block_size, np.int64)
+  if np.any(block_size < 1) or np.any(accepted < 1) or np.any(accepted > block_size):
+    raise ValueError(f"a round needs 1 <= accepted <= block_size, got accepted={accepted.tolist()}, "
+                     f"block_size={block_size.tolist()}")
+  if head_cap is not None and head_cap < 1:
+    raise ValueError(f"head_cap must be >= 1 or None, got {head_cap}")
+  n = np.where(np.asarray(eos, bool), accepted - 1, np.where(accepted >= block_size, block_size - 1, accepted))
+  return n if head_cap is None else np.minimum(n, head_cap)
+
+
 def round_entropy(entropies_row: Sequence[float], accepted: int, block_size: int, eos: bool = False,
                   head_cap: int | None = None) -> float | None:
   """e_t: mean verifier entropy over the causally valid verify positions of one round (None when there are none).
@@ -27,19 +40,7 @@ def round_entropy(entropies_row: Sequence[float], accepted: int, block_size: int
   - EOS in the emitted tokens: accepted-1 positions, with `accepted` counted through the first EOS.
   `head_cap` keeps only the first min(head_cap, #valid) positions (the author's code uses 7, the paper none).
   """
-  if block_size < 1 or accepted < 1 or accepted > block_size:
-    raise ValueError(f"round_entropy needs 1 <= accepted <= block_size, got accepted={accepted}, "
-                     f"block_size={block_size}")
-  if head_cap is not None and head_cap < 1:
-    raise ValueError(f"head_cap must be >= 1 or None, got {head_cap}")
-  if eos:
-    n = accepted - 1
-  elif accepted >= block_size:
-    n = block_size - 1
-  else:
-    n = accepted
-  if head_cap is not None:
-    n = min(n, head_cap)
+  n = int(valid_positions(accepted, block_size, eos, head_cap))
   row = entropies_row if isinstance(entropies_row, np.ndarray) else np.asarray(entropies_row, np.float64)
   if row.ndim != 1 or row.shape[0] < n:
     raise ValueError(f"entropies_row must be 1-D with >= {n} positions, got shape {row.shape}")
@@ -52,15 +53,7 @@ def round_entropies(entropies: np.ndarray, accepted: Sequence[int], block_size: 
                     eos: Sequence[bool], head_cap: int | None = None) -> list[float | None]:
   """`round_entropy` of each row of `entropies` [rows, width] at once (equal to it row by row: rows averaging the
   same number of positions are reduced together, as one row would be)."""
-  accepted, block_size = np.asarray(accepted, np.int64), np.asarray(block_size, np.int64)
-  if np.any(block_size < 1) or np.any(accepted < 1) or np.any(accepted > block_size):
-    raise ValueError(f"round_entropies needs 1 <= accepted <= block_size per row, got accepted={accepted.tolist()}, "
-                     f"block_size={block_size.tolist()}")
-  if head_cap is not None and head_cap < 1:
-    raise ValueError(f"head_cap must be >= 1 or None, got {head_cap}")
-  n = np.where(np.asarray(eos, bool), accepted - 1, np.where(accepted >= block_size, block_size - 1, accepted))
-  if head_cap is not None:
-    n = np.minimum(n, head_cap)
+  n = valid_positions(accepted, block_size, eos, head_cap)
   if entropies.ndim != 2 or len(n) != entropies.shape[0] or (len(n) and n.max() > entropies.shape[1]):
     raise ValueError(f"entropies must be [rows, >= {int(n.max(initial=0))}] with one row per round, got shape "
                      f"{entropies.shape}")

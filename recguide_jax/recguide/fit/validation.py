@@ -83,7 +83,7 @@ def cross_validate(rows: Sequence[Mapping], levels: Mapping[int, tuple[Mapping[i
   used = sorted(set(fold.tolist()))
   if len(used) < 2:
     raise TraceError(f"{requests} request(s) fill fewer than 2 of {folds} folds: too few to cross-validate")
-  blocks = tuple(next(r for r in rows)["A"])
+  blocks = tuple(rows[0]["A"])
   errors = {b: [] for b in blocks}  # per fold: (weights, predicted, baseline, realized)
   per_level: dict[int, list[tuple[float, float]]] = {c: [] for c in levels}
   for k in used:
