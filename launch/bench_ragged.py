@@ -36,6 +36,8 @@ flags.DEFINE_string("recguide_tables", None, "RecGuide's fitted adaptive-B table
 flags.DEFINE_bool("check_ar", True, "Also run AR at each C and check the ragged run's greedy output against it.")
 flags.DEFINE_string("fixed_from", os.path.join(ROOT, "docs", "bench_recguide_priced.json"), "Priced fixed-B "
                     "LinearSS results to compare with (bench_recguide.py --mode=priced, same prompts and profile).")
+flags.DEFINE_bool("verify_truncation", True, "Also run the ragged steps with RecGuide's verify truncation (each row "
+                  "verifies the head of its draft that pays at the load) and price that run by its own ledger.")
 cli.define_output_flags("bench_ragged")
 
 GROUPINGS = ("bucketing", "padding", "auto", "ragged")
@@ -67,6 +69,37 @@ def price_step(blocks, grouping: str, profile) -> tuple[float, int, int]:
     fwd += 2
     tok += 2 * rows * blk
   return ms, fwd, tok
+
+
+def truncated_run(llm, prompts, params, c, price, tables, ar_out, ragged, best_fixed) -> dict:
+  """The ragged run again with verify truncation on, priced by the engine's own ledger (its verify forwards run
+  fewer tokens, and its plans may part from the untruncated run's as the histories do)."""
+  import numpy as np
+  from recguide_jax import benchmarks as bench
+  from recguide_jax.recguide.controller import RecGuideStrategy
+  pol = RecGuideStrategy(16, profile=price, tables=tables, fixed_regime="adaptive", overlap=False,
+                         batch_priced=False, calibrate=False, verify_truncation=True)
+  llm.set_policy(pol)
+  llm.engine.bucketing = "ragged"
+  llm.engine.forward_log = []
+  reqs, _ = bench.run_concurrent(llm.engine, prompts, params, c)
+  log, llm.engine.forward_log = llm.engine.forward_log, None
+  outs = [r.output_ids for r in reqs]
+  tokens = sum(len(o) for o in outs)
+  ms = bench.priced_ms(log, price)
+  blocks = [b for r in reqs for b in r.stats.block_sizes]
+  decode = [e for e in log if e[0] in ("ragged_draft", "ragged_verify", "decode")]
+  return {"grouping": "ragged_truncated", "concurrency": c, "priced_ms": ms, "priced_tokens_per_ms": tokens / ms,
+          "decode_forwards": len(decode), "query_tokens": int(sum(t * (1 if k != "decode" else n)
+                                                                  for k, t, n in decode)),
+          "generated_tokens": tokens, "steps": sum(1 for e in log if e[0] in ("ragged_verify", "decode")),
+          "vs_best_fixed": (tokens / ms) / best_fixed if best_fixed else None,
+          "block_size_share": {str(b): float(np.mean([x == b for x in blocks])) for b in (1, 8, 16, 32)},
+          "lossless": None if ar_out is None else outs == ar_out,
+          # the untruncated ragged run's tokens/ms over this one's, as every row's `ragged_gain`
+          "ragged_gain": (ragged["generated_tokens"] / ragged["priced_ms"]) / (tokens / ms),
+          "unverified_drafts": bench.unverified_drafts(log),
+          "drafted_tokens": sum(t for k, t, _ in log if k == "ragged_draft")}
 
 
 def main(argv):
@@ -148,6 +181,13 @@ def main(argv):
     rows["ragged"]["ledger_matches"] = abs(ledger_ms - rows["ragged"]["priced_ms"]) <= 1e-6 * ledger_ms
     if not rows["ragged"]["ledger_matches"]:
       print(f"WARNING: the ragged run's ledger prices {ledger_ms:.3f} ms, its steps {rows['ragged']['priced_ms']:.3f}")
+    if FLAGS.verify_truncation:
+      r = truncated_run(llm, prompts, params, c, price, tables, ar_out, rows["ragged"], best_fixed)
+      results.append(r)
+      print(f"C={c:<3} {r['grouping']:<10} priced {r['priced_tokens_per_ms']:.3f} tok/ms  forwards "
+            f"{r['decode_forwards']:5d}  query tokens {r['query_tokens']:7d}  over ragged "
+            f"{1 / r['ragged_gain']:.3f}  unverified drafts {r['unverified_drafts']}  lossless={r['lossless']}",
+            flush=True)
   meta = {"checkpoint": str(FLAGS.model or "bundled"), "num_prompts": FLAGS.num_prompts,
           "max_tokens": FLAGS.max_tokens, "price_profile": FLAGS.price_profile, "recguide_tables": tables_path,
           "fixed_from": FLAGS.fixed_from, "fixed_b": {str(c): v for c, v in fixed.items()},

@@ -64,6 +64,15 @@ _OVERLAP_MAX_TEMPERATURE = flags.DEFINE_float(
     "recguide_overlap_max_temperature", 0.3, "Requests of at most this temperature may run RecGuide's overlap rounds "
     "(0: greedy requests only). Lossless at any temperature, but a sampled request accepts the argmax draft less "
     "often than LinearSS's sampled one at higher temperatures (docs/recguide.md).")
+_VERIFY_TRUNCATION = flags.DEFINE_boolean(
+    "recguide_verify_truncation", False, "On ragged steps (--bucketing=ragged), each LinearSS row verifies only the "
+    "head of its draft whose running confidence pays for the verify tokens at the load, priced with the hardware "
+    "profile (lossless; docs/ragged.md).")
+_BUCKETING = flags.DEFINE_enum(
+    "bucketing", "auto", ["auto", "per_block", "padded", "ragged"], "How a step's requests planned at different "
+    "block sizes run: auto (whichever the policy's cost model prices cheaper per step), per_block (a batch per "
+    "block size), padded (one batch padded to the largest block) or ragged (one draft + one verify forward, each "
+    "row at its own block).")
 _ATTENTION = flags.DEFINE_enum("attention", "auto", ["auto", "reference", "pallas"],
                                "Attention implementation: Pallas kernels on GPU/TPU, the jnp reference on CPU.")
 _LAYER_LOOP = flags.DEFINE_enum("layer_loop", "auto", ["auto", "scan", "unrolled"],
@@ -140,6 +149,9 @@ def _check(ok: bool, flag: str, message: str) -> None:
     _fail(f"--{flag}: {message}")
 
 
+BUCKETING = {"auto": "auto", "per_block": True, "padded": False, "ragged": "ragged"}  # --bucketing -> LLM's
+
+
 def _check_flags() -> None:
   """Checks that need no jax, so a typo is reported at once rather than after loading the model."""
   _check(bool(_HOST.value), "host", "must not be empty")
@@ -149,6 +161,8 @@ def _check_flags() -> None:
   _check(_MAX_NUM_SEQS.value >= 1, "max_num_seqs", f"must be >= 1, got {_MAX_NUM_SEQS.value}")
   _check(_OVERLAP_MAX_TEMPERATURE.value >= 0, "recguide_overlap_max_temperature",
          f"must be >= 0, got {_OVERLAP_MAX_TEMPERATURE.value}")
+  _check(not _VERIFY_TRUNCATION.value or _BUCKETING.value == "ragged", "recguide_verify_truncation",
+         "truncates the verifies of ragged steps: pass --bucketing=ragged too")
   _check(_NUM_PAGES.value == 0 or _NUM_PAGES.value >= 2, "num_pages",
          f"must be 0 (auto) or >= 2, got {_NUM_PAGES.value}")
   fraction = _GPU_MEMORY_UTILIZATION.value
@@ -230,6 +244,7 @@ def _make_policy(checkpoint: str):
       except (OSError, ValueError) as e:
         _fail(f"--recguide_tables: {e}")
     kwargs["overlap_max_temperature"] = _OVERLAP_MAX_TEMPERATURE.value
+    kwargs["verify_truncation"] = _VERIFY_TRUNCATION.value
   elif _PROFILE.value is not None:
     logging.info("--profile %s is stored; the %s policy does not use a hardware profile", _PROFILE.value, name)
   try:
@@ -326,7 +341,7 @@ def main(argv):
                       background_compile=_BACKGROUND_COMPILE.value, mesh=mesh,
                       warmup_prompt_logprobs=_WARMUP_PROMPT_LOGPROBS.value, layer_loop=_LAYER_LOOP.value,
                       kernel_layout=_KERNEL_LAYOUT.value, projection_fusion=_PROJECTION_FUSION.value,
-                      decode_steps=_DECODE_STEPS.value,
+                      decode_steps=_DECODE_STEPS.value, bucketing=BUCKETING[_BUCKETING.value],
                       enable_prefix_caching=_ENABLE_PREFIX_CACHING.value)
   except (CheckpointError, ConfigError, TokenizerError, OSError) as e:
     _fail(f"--model: {e}")

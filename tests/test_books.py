@@ -17,8 +17,11 @@ def test_books_match_the_per_request_bookkeeping_they_replace():
     block = rng.choice([1, 8, 16, 32], size=len(rows))
     accepted = np.minimum(rng.integers(1, 34, size=len(rows)), block + 1)
     spec = block > 1
+    # half the rounds' verifies truncated: draft tokens are the ones offered to the verifier
+    verified = np.minimum(block, rng.integers(1, 33, size=len(rows))) if rng.random() < 0.5 else None
+    offered = block if verified is None else verified
     forwards = {"verify": np.ones(len(rows), np.int64), "draft": spec.astype(np.int64)}
-    books.record(rows, block, accepted, rounds, forwards, spec)
+    books.record(rows, block, accepted, rounds, forwards, spec, verified)
     for i, row in enumerate(rows.tolist()):
       st = want.setdefault(row, RequestStats())
       st.rounds += rounds
@@ -27,7 +30,7 @@ def test_books_match_the_per_request_bookkeeping_they_replace():
       st.forwards["verify"] += 1
       st.forwards["draft"] += int(spec[i])
       if spec[i]:
-        st.draft_tokens += int(block[i]) - 1
+        st.draft_tokens += int(offered[i]) - 1
         st.accepted_draft_tokens += int(accepted[i]) - 1
   for row, st in want.items():
     got = RequestStats()
@@ -47,7 +50,8 @@ def _tally_rounds(seed: int, n: int):
     rounds = int(rng.choice([1, 4]))
     block = rng.choice([1, 8, 16, 32], size=size)
     accepted = np.minimum(rng.integers(1, 34, size=size), block + 1)
-    yield block, accepted, rounds, (block > 1 if rng.random() < 0.7 else None)
+    verified = np.minimum(block, rng.integers(1, 33, size=size)) if rng.random() < 0.3 else None
+    yield block, accepted, rounds, (block > 1 if rng.random() < 0.7 else None), verified
 
 
 def test_the_round_tally_folds_to_the_counters_of_each_round_alone():
@@ -56,12 +60,13 @@ def test_the_round_tally_folds_to_the_counters_of_each_round_alone():
   totals = collections.Counter()
   tally = RoundTally(totals, fold_every=5)
   want_totals, want_pos, want_blocks = collections.Counter(), collections.Counter(), collections.Counter()
-  for i, (block, accepted, rounds, spec) in enumerate(_tally_rounds(0, 60)):
-    tally.add(block, accepted, rounds, spec)
+  for i, (block, accepted, rounds, spec, verified) in enumerate(_tally_rounds(0, 60)):
+    tally.add(block, accepted, rounds, spec, verified)
     for b, a in zip(block.tolist(), accepted.tolist()):
       want_blocks[b] += rounds
     if spec is not None:
-      for b, a in zip(block[spec].tolist(), accepted[spec].tolist()):
+      offered = block if verified is None else verified  # a truncated verify offers fewer drafts
+      for b, a in zip(offered[spec].tolist(), accepted[spec].tolist()):
         want_totals["drafts"] += 1
         want_totals["draft_tokens"] += b - 1
         want_totals["accepted_draft_tokens"] += a - 1
@@ -95,6 +100,6 @@ def test_a_fold_on_another_thread_loses_no_round():
     stop.set()
     scraper.join()
   tally.fold()
-  assert sum(tally.block_sizes.values()) == sum(len(b) * n for b, _, n, _ in rounds)
-  assert totals["accepted_draft_tokens"] == sum(int(a[s].sum()) - int(s.sum()) for _, a, _, s in rounds
+  assert sum(tally.block_sizes.values()) == sum(len(b) * n for b, _, n, _, _ in rounds)
+  assert totals["accepted_draft_tokens"] == sum(int(a[s].sum()) - int(s.sum()) for _, a, _, s, _ in rounds
                                                 if s is not None)

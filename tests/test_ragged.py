@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from pallas_kernels.common import causal_mask
-from recguide_jax import SamplingParams
+from recguide_jax import SamplingParams, benchmarks as bench
 from recguide_jax.decoding.builtin import ARStrategy
 from recguide_jax.decoding import rounds
 from recguide_jax.decoding.strategy import RoundPlan, StepPlan, Strategy
@@ -21,17 +21,19 @@ MIXES = {  # per-request block choices a step draws from (1: an AR row)
 
 
 class MixedBlocks(Strategy):
-  """Plans each request at a block drawn per (request, step) from `choices`: every step mixes block sizes."""
+  """Plans each request at a block drawn per (request, step) from `choices`: every step mixes block sizes; LinearSS
+  rows carry `verify_price`."""
   name = "mixed"
 
-  def __init__(self, choices):
+  def __init__(self, choices, verify_price=0.0):
     self.choices = choices
+    self.verify_price = verify_price
 
   def plan_step(self, view):
     plans = []
     for req in view.requests:
       blk = self.choices[(zlib.crc32(req.request_id.encode()) + 7 * view.step) % len(self.choices)]
-      plans.append(RoundPlan(rounds.AR if blk == 1 else rounds.LINEAR, blk))
+      plans.append(RoundPlan(rounds.AR, 1) if blk == 1 else RoundPlan(rounds.LINEAR, blk, self.verify_price))
     return StepPlan(tuple(plans))
 
   def block_sizes(self):
@@ -55,7 +57,6 @@ def ar_reference(tiny_llm):
 
 
 def run(llm, ps, strategy, bucketing, concurrency, params=PARAMS):
-  from recguide_jax import benchmarks as bench
   llm.set_policy(strategy)
   llm.engine.bucketing = bucketing
   llm.engine.forward_log = []
@@ -92,6 +93,28 @@ def test_ragged_equals_ar(tiny_llm, ar_reference, mix):
   assert "ragged_verify" in kinds and kinds <= {"ragged_draft", "ragged_verify", "decode"}, kinds
 
 
+def test_truncated_lengths_keep_the_head_whose_running_confidence_pays():
+  conf = np.array([[1.0, 0.9, 0.8, 0.9, 0.5],  # running products 0.9, 0.72, 0.648, 0.324
+                   [1.0, 0.9, 0.8, 0.9, 0.5],
+                   [1.0, 0.1, 1.0, 1.0, 1.0],
+                   [1.0, 0.2, 0.2, 0.2, 0.2]])
+  blocks = np.array([5, 3, 5, 1])
+  lengths = rounds.truncated_lengths(conf, blocks, np.array([0.7, 0.0, 0.5, 0.5]))
+  # the seed and drafts 1..2 (0.72 >= 0.7); the whole block at price 0; the seed alone; an AR row stays 1
+  assert lengths.tolist() == [3, 3, 1, 1]
+  assert rounds.truncated_lengths(conf, np.array([5, 5, 5, 5]), np.zeros(4)).tolist() == [5] * 4
+
+
+@pytest.mark.parametrize("price", [0.05, 0.4])
+def test_truncated_verifies_equal_ar(tiny_llm, ar_reference, price):
+  """Rows verifying only the head of their drafts that pays at `price`: the same tokens as AR, fewer verify tokens
+  than drafted."""
+  ps, ar = ar_reference
+  out, log = run(tiny_llm, ps, MixedBlocks(MIXES["linear_ar"], verify_price=price), "ragged", 8)
+  assert out == ar
+  assert bench.unverified_drafts(log) > 0
+
+
 def test_ragged_equals_bucketed_and_padded(tiny_llm, ar_reference):
   """The same requests and plans grouped per block size, padded to the largest, and ragged: the same tokens."""
   ps, _ = ar_reference
@@ -114,9 +137,11 @@ def test_ragged_variants_do_not_grow_with_block_sizes(tiny_llm):
   assert len(few) == 2 * len(runner.config.ragged_buckets)
 
 
-def test_ragged_sampling_keeps_the_ar_distribution():
+@pytest.mark.parametrize("verify_price", [0.0, 0.3])
+def test_ragged_sampling_keeps_the_ar_distribution(verify_price):
   """Sampled ragged steps over several rounds whose rows switch between AR and LinearSS at blocks 2 and 3 from step
-  to step: the continuations follow the exact AR distribution (chi-square over every continuation)."""
+  to step, with and without truncated verifies: the continuations follow the exact AR distribution (chi-square
+  over every continuation)."""
   from flax import nnx
   from recguide_jax import LLM
   from recguide_jax.model.nld import NLDModel
@@ -125,14 +150,16 @@ def test_ragged_sampling_keeps_the_ar_distribution():
   n_tokens, n_samples = 6, 2000  # the prefill samples the first token: 5 decoded over >= 3 rounds
   cfg = tiny_config(vocab_size=VOCAB, mask_token_id=MASK, eos_token_ids=(0,), bos_token_id=1)
   model = NLDModel(cfg, rngs=nnx.Rngs(3))
-  llm = LLM(model=model, policy=MixedBlocks((1, 1, 1, 2, 3)), max_num_seqs=32, max_model_len=32, page_size=4,
-            prefill_chunk=4, block_sizes=(2, 3), warmup=False, compile_cache_dir=None, bucketing="ragged")
+  llm = LLM(model=model, policy=MixedBlocks((1, 1, 1, 2, 3), verify_price), max_num_seqs=32, max_model_len=32,
+            page_size=4, prefill_chunk=4, block_sizes=(2, 3), warmup=False, compile_cache_dir=None,
+            bucketing="ragged")
   params = SamplingParams(max_tokens=n_tokens, temperature=0.9, ignore_eos=True)
   llm.engine.forward_log = []
   outs = llm.generate([PROMPT] * n_samples, [params.__class__(**{**params.__dict__, "seed": 7000 + i})
                                               for i in range(n_samples)])
-  kinds = {k for k, _, _ in llm.engine.forward_log}
-  assert {"ragged_draft", "ragged_verify"} <= kinds
+  log = llm.engine.forward_log
+  assert {"ragged_draft", "ragged_verify"} <= {k for k, _, _ in log}
+  assert (bench.unverified_drafts(log) > 0) == (verify_price > 0)
   rounds = [len(o.metrics["block_sizes"]) for o in outs]
   assert np.mean(rounds) >= 3 and min(rounds) >= 2, np.mean(rounds)
   assert all(len(set(o.metrics["block_sizes"])) > 1 for o in outs[:50])  # each request's rows switch blocks
@@ -236,6 +263,13 @@ def test_ragged_step_prices_below_bucketing_and_padding_on_the_b200_table():
   assert pricing.ragged_step_cost([1, 1], prof) == prof.ar_cost(2)
 
 
+def _times_three(prof):
+  """`prof` in another time unit: every cost 3x."""
+  from recguide_jax.recguide.profile import HardwareProfile
+  return HardwareProfile(draft_verify_ms={c: {b: 3 * ms for b, ms in row.items()}
+                                          for c, row in prof.draft_verify_ms.items()}, name=f"{prof.name}_times_3")
+
+
 def _recguide_fixtures():
   from tests import test_recguide_priced as tp
   return tp
@@ -265,11 +299,10 @@ def test_recguide_off_its_tables_profile_keeps_the_fitted_rule():
   """Tables fitted on one profile, the policy priced on another in a different time unit (3x every cost): the same
   blocks as the tables' own rule V - rho T (rho rescaled), not the ratio V / T."""
   from recguide_jax.recguide.controller import RecGuideStrategy
-  from recguide_jax.recguide.profile import HardwareProfile, load_profile
+  from recguide_jax.recguide.profile import load_profile
   tp = _recguide_fixtures()
   prof = load_profile("b200_nld8b")
-  slow = HardwareProfile(draft_verify_ms={c: {b: 3 * ms for b, ms in row.items()}
-                                          for c, row in prof.draft_verify_ms.items()}, name="b200_times_3")
+  slow = _times_three(prof)
   accepts = {"confident": {8: 8, 16: 12, 32: 14}, "unsure": {8: 3, 16: 3, 32: 3}}
   tables = tp._tables(prof, 0.12, accepts)
   pol = RecGuideStrategy(16, profile=slow, tables=tables, overlap=False, calibrate=False, batch_priced=False)
@@ -344,3 +377,81 @@ def test_ragged_forward_matches_each_rows_own_forward(impl):
     for got_pages, want_pages in ((new_cache.k, want_cache.k), (new_cache.v, want_cache.v)):
       np.testing.assert_allclose(np.asarray(got_pages)[:, table[r]], np.asarray(want_pages)[:, table[r]],
                                  rtol=1e-5, atol=1e-5)
+
+
+def _truncating_recguide(prof, tables, **kw):
+  from recguide_jax.recguide.controller import RecGuideStrategy
+  return RecGuideStrategy(16, profile=prof, tables=tables, overlap=False, calibrate=False,
+                          fixed_regime="adaptive", **kw)
+
+
+def test_recguide_prices_verified_tokens_on_ragged_steps():
+  """With verify truncation, a ragged step's LinearSS rows carry the step's rate times its verify's last token cost
+  (none on bucketed steps, none with truncation off); a profile in another time unit prices them alike."""
+  from recguide_jax.decoding.strategy import StepView
+  from recguide_jax.recguide import pricing
+  from recguide_jax.recguide.profile import load_profile
+  tp = _recguide_fixtures()
+  prof = load_profile("b200_nld8b")
+  slow = _times_three(prof)
+  accepts = {"confident": {8: 8, 16: 15, 32: 28}, "unsure": {8: 3, 16: 3, 32: 3}}
+  tables = tp._tables(prof, 0.1, accepts)
+  reqs = tuple(tp._Req(k, accepts) for k in ["confident", "unsure"] * 16)
+
+  def prices(ragged, profile=prof, **kw):
+    pol = _truncating_recguide(profile, tables, **kw)
+    plans = pol.plan_step(StepView(0, reqs, 32, 1024, 32, frozenset({2}), ragged_steps=ragged)).plans
+    return [p.block_size for p in plans], [p.verify_price for p in plans], pol
+
+  blocks, price, pol = prices(True, verify_truncation=True)
+  assert blocks == [32, 8] * 16
+  tokens = sum(pol._values(r)[b] for r, b in zip(reqs, blocks))
+  want = pricing.verify_token_price(blocks, tokens, prof)
+  assert want > 0 and price == pytest.approx([want] * 32)
+  assert prices(True, slow, verify_truncation=True)[1] == pytest.approx(price)  # a ratio of costs: unit-free
+  assert set(prices(False, verify_truncation=True)[1]) == {0.0}
+  assert set(prices(True)[1]) == {0.0}
+  # rows at the profile's smallest block: a shorter verify costs the same, nothing to truncate
+  assert pricing.verify_token_price([8] * 32, 100.0, prof) == 0.0
+
+
+def test_recguide_truncated_verifies_equal_ar_and_record_what_they_verified(tiny_llm, ar_reference):
+  """RecGuide deciding with the B200 table on ragged steps with verify truncation: AR's tokens, some drafts left
+  unverified, and a truncated round that accepted all it verified is remembered at the length it verified (it says
+  nothing of the block's further tokens); any other round at its planned block."""
+  from recguide_jax.recguide.profile import load_profile
+  ps, ar = ar_reference
+  pol = _truncating_recguide(load_profile("b200_nld8b"), None, verify_truncation=True, batch_priced=False)
+  rounds_seen = []  # (planned, verified, accepted, blocks observed)
+  observe, observe_verifications = pol.observe, pol.observe_verifications
+
+  def spy_observe(outcome):
+    out = outcome.output
+    rounds_seen.append([out.block, out.verified, np.asarray(out.accepted), None])
+    observe(outcome)
+
+  def spy_verifications(reqs, blocks, *args, **kw):
+    rounds_seen[-1][3] = np.asarray(blocks)
+    observe_verifications(reqs, blocks, *args, **kw)
+
+  pol.observe, pol.observe_verifications = spy_observe, spy_verifications
+  tiny_llm.set_policy(pol)
+  tiny_llm.engine.bucketing = "ragged"
+  tiny_llm.engine.forward_log = []
+  try:
+    reqs, _ = bench.run_concurrent(tiny_llm.engine, ps, PARAMS, 8)
+    log = tiny_llm.engine.forward_log
+  finally:
+    tiny_llm.engine.bucketing = "auto"
+    tiny_llm.engine.forward_log = None
+  assert tiny_llm.engine.allocator.num_used == 0
+  assert [r.output_ids for r in reqs] == ar
+  assert bench.unverified_drafts(log) > 0
+  censored = 0
+  for planned, verified, accepted, observed in rounds_seen:
+    if verified is None or observed is None:
+      continue
+    cut = (verified < planned) & (accepted >= verified)
+    assert observed.tolist() == np.where(cut, verified, planned).tolist()
+    censored += int(cut.sum())
+  assert censored > 0

@@ -188,7 +188,8 @@ def test_cli_rejects_bad_flags(ckpt, server_proc, tmp_path):
   cases = [(["--port=abc"], "--port"), (["--port=70000"], "--port"), (["--block_size=1"], "--block_size"),
            (["--threshold=1.5"], "--threshold"), (["--max-num-seqs=0"], "--max_num_seqs"), (["--rule=fast"], "--rule"),
            (["--model=/no/such/dir"], "--model"), ([f"--profile={bad_json}"], "--profile"),
-           (["--policy=bogus"], "--policy"), (["--port", str(taken.getsockname()[1])], "--port")]
+           (["--policy=bogus"], "--policy"), (["--port", str(taken.getsockname()[1])], "--port"),
+           (["--bucketing=wide"], "--bucketing"), (["--recguide_verify_truncation"], "--recguide_verify_truncation")]
   for args, flag in cases:
     argv = args if any(a.startswith("--model") for a in args) else [f"--model={ckpt}", *args]
     res = sf.run_cli(*argv)

@@ -17,7 +17,7 @@ bench; bench.run_concurrent(...)`)."""
 
 from recguide_jax.benchmarks.driver import (SteadyRun, ledger_counts, loop_share, median_of,  # noqa: F401
                                             median_runs, overlap_counts, priced_ms, run_concurrent, run_steady,
-                                            split_sequential_ledger, summarize)
+                                            split_sequential_ledger, summarize, unverified_drafts)
 from recguide_jax.benchmarks.gsm8k import GSM8K_ENV, default_gsm8k_dir, gsm8k_file, gsm8k_prompts  # noqa: F401
 from recguide_jax.benchmarks.report import write_report  # noqa: F401
 from recguide_jax.benchmarks.stats import (paired_rate_ratio, paired_ratio_interval, paired_tau_gain,  # noqa: F401
@@ -26,4 +26,4 @@ from recguide_jax.benchmarks.stats import (paired_rate_ratio, paired_ratio_inter
 __all__ = ["GSM8K_ENV", "SteadyRun", "default_gsm8k_dir", "gsm8k_file", "gsm8k_prompts", "ledger_counts",
            "loop_share", "median_of", "median_runs", "overlap_counts", "paired_rate_ratio", "paired_ratio_interval",
            "paired_tau_gain", "paired_wall_ratios", "pooled_ratio_interval", "priced_ms", "run_concurrent",
-           "run_steady", "split_sequential_ledger", "summarize", "write_report"]
+           "run_steady", "split_sequential_ledger", "summarize", "unverified_drafts", "write_report"]

@@ -186,6 +186,18 @@ def priced_ms(forward_log, profile) -> float:
   return total
 
 
+def unverified_drafts(forward_log) -> int:
+  """Drafted tokens of a run's ragged steps that no verify ran (0 unless verifies were truncated), from the
+  engine's forward ledger: a ragged verify runs each drafting row's block and one token per AR row."""
+  totals = {k: [0, 0] for k in ("ragged_draft", "ragged_verify")}
+  for kind, tokens, rows in forward_log:
+    if kind in totals:
+      totals[kind][0] += tokens
+      totals[kind][1] += rows
+  (drafted, drafting), (verified, rows) = totals["ragged_draft"], totals["ragged_verify"]
+  return drafted + (rows - drafting) - verified
+
+
 def split_sequential_ledger(forward_log) -> list[list]:
   """A forward ledger of requests run one after another (concurrency 1) cut into one ledger per request: each
   starts at its prefill (one or more chunks). Per-prompt priced times are what a bootstrap over prompts resamples.

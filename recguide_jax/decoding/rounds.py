@@ -97,7 +97,10 @@ class RaggedRound(Round):
   one ragged draft of the LinearSS rows, one ragged verify of every row (an AR row's verify decodes its seed).
   Nothing is padded to another row's block and no block size gets a batch of its own: the forwards compute
   sum(B_i) and sum(B_i) + #AR query tokens (in the runner's packed-token buckets). Each row's tokens, sampling key
-  and acceptance are those of a LinearSS round at its own block (or an AR step), so the output is the same."""
+  and acceptance are those of a LinearSS round at its own block (or an AR step), so the output is the same.
+
+  Rows with a `Batch.verify_price` verify only the head of their draft that pays at it (`truncated_lengths`): the
+  draft's signals are read back between the two forwards, and the verify runs (and is priced by) fewer tokens."""
   kind = RoundKind.RAGGED
 
   def run(self, runner, batch: Batch) -> RoundOutput:
@@ -108,14 +111,36 @@ class RaggedRound(Round):
     row_len[:n] = planned
     draft_len = np.where(row_len > 1, row_len, 0).astype(np.int32)
     drafted, q, signals = runner.ragged_draft(seed, draft_len, prefix_len, page_table, samp)
-    res = runner.ragged_verify(drafted, q, seed, row_len, live, prefix_len, page_table, samp)
+    verify_len, verified = row_len, None
+    price = batch.verify_price
+    if price is not None and (planned > 1).any() and (price > 0).any():
+      confidence = np.asarray(jax.device_get(signals[:n, 0]))  # [n, W]: the draft's top probability per slot
+      verified = truncated_lengths(confidence, planned, np.asarray(price, np.float64))
+      verify_len = row_len.copy()
+      verify_len[:n] = verified
+    res = runner.ragged_verify(drafted, q, seed, verify_len, live, prefix_len, page_table, samp)
     res.draft_tokens, res.draft_signals = drafted, signals  # device arrays: only analysis reads them back
     linear = (planned > 1).astype(np.int64)
     accepted = res.accepted[:n].astype(np.int64)
     forwards = [(StepKind.RAGGED_DRAFT, int(draft_len.sum()), int(linear.sum())),
-                (StepKind.RAGGED_VERIFY, int(row_len.sum()), n)]
+                (StepKind.RAGGED_VERIFY, int(verify_len.sum()), n)]
     return verified_output(self.kind, res, batch, accepted, forwards,
-                           {StepKind.DRAFT: linear, StepKind.VERIFY: linear, StepKind.DECODE: 1 - linear})
+                           {StepKind.DRAFT: linear, StepKind.VERIFY: linear, StepKind.DECODE: 1 - linear},
+                           verified=verified)
+
+
+def truncated_lengths(confidence: np.ndarray, blocks: np.ndarray, price: np.ndarray) -> np.ndarray:
+  """Verify lengths [n] of rows planned at `blocks` [n] (1: AR) whose drafts put top probability `confidence`
+  [n, W] on slots 0..W-1 (slot 0 the seed): a drafting row verifies its seed and the drafted tokens 1..k whose
+  running product of confidences is at least its `price` [n] (the running product only falls, so they are a
+  head of the block), at least its seed, at most its block. Lossless under sampling too: k is a function of the
+  draft's distributions alone, not of the tokens drawn from them, so each verified token is still a draw from q
+  where the acceptance test meets it, and a token past k is drawn from the verifier as the bonus."""
+  blocks = np.asarray(blocks, np.int64)
+  width = confidence.shape[1]
+  running = np.cumprod(np.asarray(confidence[:, 1:], np.float64), axis=1)  # [n, W - 1]: through drafted token j
+  keep = (running >= np.asarray(price, np.float64)[:, None]) & (np.arange(1, width)[None, :] < blocks[:, None])
+  return np.where(blocks > 1, 1 + keep.sum(axis=1), blocks).astype(np.int32)
 
 
 def pad_rows(batch: Batch, rows: int) -> tuple:

@@ -58,9 +58,12 @@ class StepView:
 
 @dataclasses.dataclass(frozen=True)
 class RoundPlan:
-  """One request's round: which round object runs it, at which block size (1 for AR)."""
+  """One request's round: which round object runs it, at which block size (1 for AR). `verify_price`: on a ragged
+  step, the verify keeps a drafted token only while the running product of the draft's top probabilities through it
+  is at least this (what one more verified token must be expected to return at this load; 0: the whole block)."""
   round: "Round"
   block_size: int
+  verify_price: float = 0.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -94,6 +97,7 @@ class Batch:
   steps: int = 1
   bucket_for: Any = None  # n -> the batch bucket of n rows (sub-batches)
   request_rows: Any = None  # the engine's per-request rows of `reqs` (`engine.batch_rows.BatchRows`)
+  verify_price: np.ndarray | None = None  # [n] float: each row's `RoundPlan.verify_price` (None: all 0)
 
   @property
   def n(self) -> int:
@@ -104,7 +108,8 @@ class Batch:
     rows = np.asarray(rows, np.int64)
     b = self.bucket_for(len(rows))
     out = Batch(self.round, self.block, [self.reqs[i] for i in rows], self.planned[rows], b,
-                steps=self.steps, bucket_for=self.bucket_for)
+                steps=self.steps, bucket_for=self.bucket_for,
+                verify_price=None if self.verify_price is None else self.verify_price[rows])
     out.page_table = np.zeros((b, self.page_table.shape[1]), np.int32)
     out.page_table[:len(rows)] = self.page_table[rows]
     out.prefix_len = np.zeros((b,), np.int32)
@@ -127,7 +132,8 @@ class RoundOutput:
   - emission: row i emits `tokens[i, :emit[i]]` with `logprobs` (and top entries when computed);
   - the cache: `commit[i]` more tokens of row i hold committed K/V (what the round wrote past them is dropped);
   - the books: each row's `rounds` decode rounds at `block[i]` with `accepted[i]` tokens each (multi-step AR: `steps`
-    rounds of 1 at block 1); `speculative`: the rounds verified drafts (the draft counters);
+    rounds of 1 at block 1); `speculative`: the rounds verified drafts (the draft counters); `verified[i]`: the
+    tokens row i's verify forward ran (fewer than `block[i]` where it was truncated; None: all of them);
   - the device: `forwards` (kind, block, live rows) in the order they ran, `row_forwards` (kind -> [n]);
   - `label`: what its wall time is recorded under; `key_rounds`: sampling-key rounds it used;
   - `verify`: the verification result (per-position entropy etc.) and `extra`: the round's own data, both for the
@@ -149,6 +155,7 @@ class RoundOutput:
   trim: bool = True  # the round may have written past what it commits (a verify): drop those pages
   verify: Any = None  # the runner's VerifyResult, rows as in the batch
   extra: Any = None
+  verified: np.ndarray | None = None  # [n]
 
 
 @dataclasses.dataclass

@@ -46,10 +46,12 @@ class DecodeBooks:
     self.accepted, self.blocks = widen(self.accepted), widen(self.blocks)
 
   def record(self, rows: np.ndarray, block: np.ndarray, accepted: np.ndarray, rounds: int,
-             row_forwards: Mapping[str, np.ndarray], speculative: np.ndarray | None) -> None:
+             row_forwards: Mapping[str, np.ndarray], speculative: np.ndarray | None,
+             verified: np.ndarray | None = None) -> None:
     """One applied round output for the table rows `rows` (distinct): each ran `rounds` rounds at `block` with
-    `accepted` tokens each (`speculative`: the rows whose rounds verified drafts; None: none did), and
-    `row_forwards[kind]` forwards."""
+    `accepted` tokens each (`speculative`: the rows whose rounds verified drafts; None: none did; `verified`: the
+    tokens their verifies ran, the drafts offered + 1, where a verify was truncated), and `row_forwards[kind]`
+    forwards."""
     if not len(rows):
       return
     if int(rows.max()) >= len(self.history_len):
@@ -63,7 +65,7 @@ class DecodeBooks:
         self.forwards[kind] = np.zeros_like(self.history_len)
       self.forwards[kind][rows] += counts
     if speculative is not None and speculative.any():
-      self.draft_tokens[rows] += np.where(speculative, block - 1, 0)
+      self.draft_tokens[rows] += np.where(speculative, (block if verified is None else verified) - 1, 0)
       self.accepted_draft_tokens[rows] += np.where(speculative, accepted - 1, 0)
     if rounds == 1:
       self.accepted[rows, start] = accepted
@@ -107,12 +109,14 @@ class RoundTally:
     self._verified: list[tuple[np.ndarray, np.ndarray, np.ndarray]] = []  # (block, accepted, which rows verified)
     self._folding = threading.Lock()  # a metrics scrape folds on its own thread, beside the engine's
 
-  def add(self, block: np.ndarray, accepted: np.ndarray, rounds: int, speculative: np.ndarray | None) -> None:
+  def add(self, block: np.ndarray, accepted: np.ndarray, rounds: int, speculative: np.ndarray | None,
+          verified: np.ndarray | None = None) -> None:
     """One applied round output's rows (arrays the caller no longer changes): each ran `rounds` rounds at `block`,
-    and the `speculative` ones verified a draft of `block` tokens and accepted `accepted` of them."""
+    and the `speculative` ones verified `verified` tokens (default `block`: a truncated verify offers fewer
+    drafts) and accepted `accepted` of them."""
     self._runs.append((block, rounds))
     if speculative is not None:
-      self._verified.append((block, accepted, speculative))
+      self._verified.append((block if verified is None else verified, accepted, speculative))
     if len(self._runs) >= self.fold_every:
       self.fold()
 

@@ -252,13 +252,20 @@ class Engine:
         groups = group_plans(planned, True, self.strategy.round_cost)
       for group in groups:
         for i in range(0, len(group.reqs), self.rc.max_batch):
-          rows = [(r, p) for r, p in zip(group.reqs[i:i + self.rc.max_batch],
-                                         group.planned[i:i + self.rc.max_batch]) if not r.finished]
+          part = slice(i, i + self.rc.max_batch)
+          rows = [row for row in zip(group.reqs[part], group.planned[part], group.verify_price[part])
+                  if not row[0].finished]
           if rows:
-            self._run_or_wait(rows, lambda rows, group=group: self.run_round(Batch(
-                group.round, group.block, [r for r, _ in rows], np.array([p for _, p in rows], np.int64))),
-                request=lambda row: row[0])
+            self._run_or_wait(rows, lambda rows, group=group: self.run_round(self._group_batch(group, rows)),
+                              request=lambda row: row[0])
     return self.scheduler.take_finished()
+
+  @staticmethod
+  def _group_batch(group, rows: list) -> Batch:
+    """The batch of a group's `rows` ((request, planned block, verify price) each)."""
+    prices = np.array([p for _, _, p in rows], np.float64)
+    return Batch(group.round, group.block, [r for r, _, _ in rows], np.array([b for _, b, _ in rows], np.int64),
+                 verify_price=prices if prices.any() else None)
 
   @property
   def stalled_on_compile(self) -> bool:
@@ -477,9 +484,11 @@ class Engine:
         self.forward_log.append((str(kind), blk, n))
     rows = np.flatnonzero(live)
     block, accepted, commit = np.asarray(out.block), np.asarray(out.accepted), np.asarray(out.commit)
+    verified = None if out.verified is None else np.asarray(out.verified, np.int64)  # truncated: the drafts offered + 1
     table_rows, row_forwards = req_rows.table_rows, {kind: np.asarray(c) for kind, c in out.row_forwards.items()}
     if len(rows) < len(reqs):  # (every row is live in a steady step: no gathers then)
       block, accepted, commit, table_rows = block[rows], accepted[rows], commit[rows], table_rows[rows]
+      verified = None if verified is None else verified[rows]
       row_forwards = {kind: c[rows] for kind, c in row_forwards.items()}
     alloc = self.allocator
     alloc.commit_rows(table_rows, alloc.lengths(table_rows) + commit)
@@ -493,9 +502,9 @@ class Engine:
         keep = pending.round.reserve(pending.block, pending.steps) + pending.round.ahead(pending)[0]
       alloc.trim_rows(table_rows, keep)
     spec = block > 1 if out.speculative else None
-    self._tally.add(block, accepted, rounds, spec)  # engine-wide counters
+    self._tally.add(block, accepted, rounds, spec, verified)  # engine-wide counters
     # each request's own books, by its page-table row
-    self.books.record(table_rows, block, accepted, rounds, row_forwards, spec)
+    self.books.record(table_rows, block, accepted, rounds, row_forwards, spec, verified)
     self._emit_batch(reqs, out, rows, req_rows.max_tokens - generated, req_rows)
 
   def _emit_batch(self, reqs: Sequence[Request], out: RoundOutput, rows: np.ndarray, left: np.ndarray,

@@ -26,11 +26,13 @@ def check_queue(queued: int, max_queue: int) -> None:
 
 @dataclasses.dataclass
 class Group:
-  """Requests whose plans share a round, run at `block`; `planned[i]` is the block request i was planned at."""
+  """Requests whose plans share a round, run at `block`; `planned[i]` is the block request i was planned at and
+  `verify_price[i]` its plan's `RoundPlan.verify_price`."""
   round: Round
   block: int
   reqs: list
   planned: list[int]
+  verify_price: list[float] = dataclasses.field(default_factory=list)
 
 
 class Scheduler:
@@ -114,6 +116,7 @@ def group_plans(planned: list[tuple[Request, RoundPlan]], bucketing: bool | str,
       g = groups[(plan.round, plan.block_size)] = Group(plan.round, plan.block_size, [], [])
     g.reqs.append(req)
     g.planned.append(plan.block_size)
+    g.verify_price.append(plan.verify_price)
   out = list(groups.values())
   if bucketing == "ragged" and isinstance(bucketing, str):
     return ragged_groups(out)
@@ -148,6 +151,7 @@ def merge_groups(groups: list[Group], rnd, round_cost: Callable[[int, int], floa
     for i in run:
       merged.reqs.extend(mine[i].reqs)
       merged.planned.extend(mine[i].planned)
+      merged.verify_price.extend(mine[i].verify_price)
     out.append(merged)
   return out
 
@@ -165,5 +169,6 @@ def ragged_groups(groups: list[Group]) -> list[Group]:
     for g in mine:
       merged.reqs.extend(g.reqs)
       merged.planned.extend(g.planned)
+      merged.verify_price.extend(g.verify_price)
     out = [g for g in out if g.round.ragged_round is not ragged] + [merged]
   return out

@@ -66,6 +66,12 @@ class RecGuideConfig:
   # rows accept a point-mass draft with probability p(draft) instead of LinearSS's sum(min(p, q)), which loses at
   # higher temperatures (docs/recguide.md, "Sampling")
   overlap_max_temperature: float = 0.3
+  # True: on ragged steps, each LinearSS row verifies only the head of its draft whose running confidence still
+  # pays for the verify tokens at this load (`pricing.verify_token_price`; lossless at any temperature)
+  verify_truncation: bool = False
+  # gamma of P(accepted through a draft token) ~ (running confidence)^gamma, what truncation prices a token by: the
+  # tables' fitted one, else the plain product (1.0)
+  verify_confidence_exponent: float | None = None
 
   def __post_init__(self):
     tables, set_ = self.tables, lambda name, value: object.__setattr__(self, name, value)
@@ -94,6 +100,11 @@ class RecGuideConfig:
     if self.fixed_regime and self.fixed_regime not in tuple(Regime):
       raise ValueError(f"fixed_regime must be one of {[r.value for r in Regime]}, got {self.fixed_regime!r}")
     set_("fixed_regime", Regime(self.fixed_regime) if self.fixed_regime else None)
+    if self.verify_confidence_exponent is None:
+      fitted = tables.verify_confidence_exponent if tables is not None else None
+      set_("verify_confidence_exponent", fitted or 1.0)
+    if not 0.0 < self.verify_confidence_exponent <= 2.0:
+      raise ValueError(f"verify_confidence_exponent must lie in (0, 2], got {self.verify_confidence_exponent}")
     if not self.overlap_max_temperature >= 0.0:
       raise ValueError(f"overlap_max_temperature must be >= 0, got {self.overlap_max_temperature}")
     if not 0.0 <= self.tie_margin < 1.0:

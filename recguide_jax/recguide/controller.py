@@ -17,7 +17,7 @@ import numpy as np
 from recguide_jax.decoding import rounds
 from recguide_jax.decoding.strategy import RoundOutcome, RoundPlan, StepPlan, StepView, Strategy, StrategyMetric
 from recguide_jax.model.config import BLOCK_SIZES
-from recguide_jax.recguide import calibration, overlap as ov, signals
+from recguide_jax.recguide import calibration, overlap as ov, pricing, signals
 from recguide_jax.recguide.config import HISTORY, RecGuideConfig, RecGuideState, Regime
 from recguide_jax.recguide.costs import CostModel
 from recguide_jax.recguide.estimates import OnlineStats, ValueCalibration
@@ -136,14 +136,28 @@ class RecGuideStrategy(AdaptiveRule, RegimeSwitch, CostModel, Strategy):
       else:
         adaptive.append(i)
     if adaptive:
-      name, blocks = self.price_step([reqs[i] for i in adaptive], concurrency,
-                                     None if values is None else [values[i] for i in adaptive])
+      mine = None if values is None else [values[i] for i in adaptive]
+      name, blocks = self.price_step([reqs[i] for i in adaptive], concurrency, mine)
       self.step_plans[name] += 1
+      linear = self._linear_plans
+      if self.verify_truncation and view.ragged_steps and self.profile is not None:
+        price = self._verify_price([reqs[i] for i in adaptive], blocks, mine)
+        if price > 0:
+          linear = {b: dataclasses.replace(p, verify_price=price) for b, p in linear.items()}
       for i, blk in zip(adaptive, blocks):
-        plans[i] = (self._plans[Regime.AR] if blk == 1
-                    else self._linear_plans.get(blk) or RoundPlan(rounds.LINEAR, blk))
+        plans[i] = self._plans[Regime.AR] if blk == 1 else linear.get(blk) or RoundPlan(rounds.LINEAR, blk)
         self.regime_counts[Regime.AR if blk == 1 else Regime.ADAPTIVE] += 1
     return StepPlan(tuple(plans))
+
+  def _verify_price(self, reqs, blocks, values=None) -> float:
+    """The verify price of a ragged step's rows planned at `blocks`, on the scale of the draft's running confidence:
+    its expected tokens (the requests' values at their blocks, 1 per AR row) over its profiled cost, times the
+    cost of its verify's last query token (`pricing.verify_token_price`), through the fitted calibration
+    P(accepted) ~ confidence^gamma (`verify_confidence_exponent`)."""
+    values = [self._values(r) for r in reqs] if values is None else values
+    tokens = sum(1.0 if b == 1 else v[b] for v, b in zip(values, blocks))
+    price = pricing.verify_token_price(blocks, tokens, self.profile)
+    return min(price, 1.0) ** (1.0 / self.verify_confidence_exponent)
 
   def plans_ahead(self, batch) -> bool:
     """The switch decides the step after `batch`'s now, one step late (on what was observed before `batch`'s round),
@@ -183,7 +197,10 @@ class RecGuideStrategy(AdaptiveRule, RegimeSwitch, CostModel, Strategy):
       else:
         # each row's budget before this round emitted (the engine's per-request rows hold max_tokens)
         lefts = batch.request_rows.max_tokens - np.asarray(outcome.generated_before)
-        self.observe_verifications(batch.reqs, block, np.asarray(out.accepted), res, lefts, out.rounds)
+        accepted = np.asarray(out.accepted)
+        if out.verified is not None:  # a truncated verify that accepted all it ran says no more than its length
+          block = np.where((out.verified < block) & (accepted >= out.verified), out.verified, block)
+        self.observe_verifications(batch.reqs, block, accepted, res, lefts, out.rounds)
     if isinstance(out.extra, OverlapResult):
       self._observe_overlap(batch, out, out.extra)
     self.observe_round(out.label, batch.block, batch.n, outcome.seconds / out.rounds)

@@ -26,6 +26,21 @@ def ragged_step_cost(blocks: Sequence[int], profile) -> float:
           + profile.ragged_cost(len(blocks), sum(blocks), draft=False))
 
 
+def verify_token_price(blocks: Sequence[int], tokens: float, profile) -> float:
+  """What one more verified draft token must be expected to return (in tokens) for a step planned at `blocks` on
+  ragged steps that expects `tokens`: the step's planned rate (tokens per profile ms) times what the last query
+  token of its verify forward costs (`HardwareProfile.ragged_cost` at one token fewer). A ratio of two costs, so
+  any uniform rescaling of the profile (a wall-clock calibration) leaves it as it is. 0 where a shorter verify
+  costs the same (a forward below the profile's smallest block per row is priced as that block: weight-bound)."""
+  blocks = [int(b) for b in blocks]
+  n = sum(blocks)
+  if not any(b > 1 for b in blocks) or tokens <= 0:
+    return 0.0
+  c = len(blocks)
+  saved = profile.ragged_cost(c, n, draft=False) - profile.ragged_cost(c, n - 1, draft=False)
+  return max(0.0, float(tokens) / ragged_step_cost(blocks, profile) * saved)
+
+
 def drafting_rows_distribution(shares: Sequence[float]) -> np.ndarray:
   """P(K = k) for k = 0..n, K the number of rows that draft when row i drafts with probability shares[i]
   independently (Poisson-binomial). From its characteristic function at the n + 1 roots of unity, inverted by one
