@@ -157,6 +157,9 @@ class RecGuideTables:
   # the share of planned overlap rounds whose branch was reused, as the fitted planner measured it
   # (launch/fit_delta.py): the controller's prior for it (None: a generic prior)
   overlap_hit_rate: float | None = None
+  # gamma with P(a draft accepted through token j) ~ (running product of its top probabilities through j)^gamma,
+  # fitted on LinearSS rounds (launch/fit_verify_calibration.py): what verify truncation prices a token by
+  verify_confidence_exponent: float | None = None
 
   def __post_init__(self):
     if not self.levels:
@@ -183,6 +186,8 @@ class RecGuideTables:
       raise TablesError(f"overlap_prefix_exponent must lie in (0, 2], got {self.overlap_prefix_exponent}")
     if self.overlap_hit_rate is not None and not 0.0 <= self.overlap_hit_rate <= 1.0:
       raise TablesError(f"overlap_hit_rate must lie in [0, 1], got {self.overlap_hit_rate}")
+    if self.verify_confidence_exponent is not None and not 0.0 < self.verify_confidence_exponent <= 2.0:
+      raise TablesError(f"verify_confidence_exponent must lie in (0, 2], got {self.verify_confidence_exponent}")
     if not self.version:
       object.__setattr__(self, "version", self.content_hash())
 
@@ -232,6 +237,8 @@ class RecGuideTables:
       out["overlap_prefix_exponent"] = self.overlap_prefix_exponent
     if self.overlap_hit_rate is not None:
       out["overlap_hit_rate"] = self.overlap_hit_rate
+    if self.verify_confidence_exponent is not None:
+      out["verify_confidence_exponent"] = self.verify_confidence_exponent
     return out
 
   def content_hash(self) -> str:
@@ -273,7 +280,7 @@ class RecGuideTables:
       if slots is not None and (isinstance(slots, bool) or not isinstance(slots, int)):
         raise TablesError(f"field 'overlap_slots' must be an integer, got {slots!r}")
       numbers = {}
-      for field in ("overlap_prefix_exponent", "overlap_hit_rate"):
+      for field in ("overlap_prefix_exponent", "overlap_hit_rate", "verify_confidence_exponent"):
         value = raw.get(field)
         if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))):
           raise TablesError(f"field {field!r} must be a number, got {value!r}")
