@@ -34,7 +34,10 @@ carries a 95% interval from a bootstrap over the set's prompts; --c1_samples add
 (how far the ratio moves between samples of one distribution).
 
 Reports go to --output_dir (default runs/bench_recguide): bench_recguide.{json,md}, bench_recguide_steady.{json,md}
-or bench_recguide_priced.{json,md}.
+or bench_recguide_priced.{json,md}. --mode=set's report also holds the overlap rows' branch coverage and reuse (the
+paper's Table 3), the Table 5 (overlap parts) and Table 6 (adaptive B: padded, bucketed, cost-aware grouping,
+ragged steps, ragged with verify truncation) ablation rows, and the throughput frontiers across C (the paper's
+Figure 5; bench_recguide_frontier_{wall,priced}.png); --report_from=bench_recguide.json rewrites them from a run.
 """
 
 import json
@@ -74,13 +77,16 @@ flags.DEFINE_bool("unseen", True, "--mode=priced: also run C = 1 on prompt sets 
 flags.DEFINE_list("c1_samples", [], "--mode=priced: further GSM8K samples run at C = 1 like the unseen sets, each "
                   "SPLIT@OFFSET (test@200: --num_prompts test questions from 200), to show how far the C = 1 ratio "
                   "moves between prompt samples of one distribution.")
+flags.DEFINE_string("report_from", None, "--mode=set: write bench_recguide.md and its plots from this "
+                    "bench_recguide.json instead of running.")
 flags.DEFINE_integer("steady_requests_per_slot", 8, "--mode=steady: requests per level = max(--num_prompts, this * C) "
                      "(GSM8K questions, reused in turn if the file has fewer).")
 cli.define_output_flags("bench_recguide")
 
 # Table 6 rows: one mixed batch padded to the largest planned B, one batch per B, or per step whichever the policy's
 # cost model prices cheaper (the engine's default, used by every other row)
-BUCKETING = {"adaptive no bucketing": False, "adaptive + bucketing": True}
+BUCKETING = {"adaptive no bucketing": False, "adaptive + bucketing": True, "adaptive + ragged steps": "ragged",
+             "adaptive + ragged, verify truncation": "ragged"}
 # rows compared on this machine's wall clock (repeated --repeats times); every other row is priced (run once)
 BASELINE_ROWS = ("ar", "linear B=8", "linear B=16", "linear B=32")
 WALL_ROWS = BASELINE_ROWS + ("recguide",)
@@ -99,6 +105,9 @@ def main(argv):
   from recguide_jax.decoding.builtin import ARStrategy, LinearStrategy
   from recguide_jax.recguide import profile as prof_lib
   from recguide_jax.recguide.controller import RecGuideStrategy
+  if FLAGS.report_from:  # --mode=set's report from an earlier run's JSON
+    with open(FLAGS.report_from) as f:
+      return write_set_report(json.load(f))
   levels = cli.int_list("concurrency")
   if FLAGS.repeats < 1 or FLAGS.num_prompts < 1 or FLAGS.max_tokens < 1 or FLAGS.steady_requests_per_slot < 1:
     sys.exit("error: --repeats, --num_prompts, --max_tokens and --steady_requests_per_slot must be >= 1")
@@ -125,10 +134,10 @@ def main(argv):
     return RecGuideStrategy(16, delta=FLAGS.delta, profile=profile or local, tables=tables, **kw)
 
   default = recguide()  # the delta, planner and tree width the checkpoint's tables resolve to
-  # the checkpoint's kinds plus the paper's 3-slot tree (the Table 5 rows)
-  table5 = ("fused3",) if FLAGS.ablations and FLAGS.mode == "set" else ()  # the Table 5 rows' 3-slot tree
+  # the checkpoint's kinds plus the Table 5 rows' 3-slot tree (the paper's) and the Table 6 rows' ragged steps
+  ablation_kinds = ("fused3", "ragged") if FLAGS.ablations and FLAGS.mode == "set" else ()
   if FLAGS.mode != "priced":  # priced runs are judged by their ledgers, not timed: variants compile as first used
-    llm.runner.warmup(default.step_kinds() + table5, (8, 16, 32))
+    llm.runner.warmup(default.step_kinds() + ablation_kinds, (8, 16, 32))
   if FLAGS.mode == "steady":
     return held_load(llm, recguide, default, levels, params, data, tables_path)
   if FLAGS.mode == "priced":
@@ -162,7 +171,9 @@ def main(argv):
       # the paper's per-request rule as it is (batch_priced=False): what bucketing and grouping do to it
       table6 = dict(profile=price, fixed_regime="adaptive", overlap=False, batch_priced=False)
       configs += [("adaptive no bucketing", recguide(**table6)), ("adaptive + bucketing", recguide(**table6)),
-                  ("adaptive + cost-aware grouping", recguide(**table6))]
+                  ("adaptive + cost-aware grouping", recguide(**table6)),
+                  ("adaptive + ragged steps", recguide(**table6)),  # ours: one draft + verify forward per step
+                  ("adaptive + ragged, verify truncation", recguide(verify_truncation=True, **table6))]
     # repeats are interleaved across configs so a slow spell of the machine hits every config alike, and the order
     # of the wall-clock rows rotates by one each repeat (A B C, B C A, C A B, ...) so that no config always runs
     # right after the same (heavier or lighter) one; rows judged by their price or tokens per forward only (greedy
@@ -231,9 +242,18 @@ def main(argv):
           "delta": default.delta, "planner": default.planner, "overlap_slots": default.overlap_slots,
           "prefix_exponent": default.prefix_exponent,
           "compiles_after_warmup": llm.runner.compiles_after_warmup, **_host_meta(llm)}
+  write_set_report({"meta": meta, "results": results, "recguide_vs_best_baseline_wall_pooled": pooled})
+
+
+def write_set_report(report: dict) -> None:
+  """--mode=set's bench_recguide.json and .md: the table, the overlap rows' branch coverage and reuse (the paper's
+  Table 3) and the throughput frontiers (Figure 5: aggregate against per-request speed across C, on this machine's
+  wall clock and priced) as PNGs beside it."""
+  from recguide_jax.benchmarks import report as rep
+  meta, results, pooled = report["meta"], report["results"], report.get("recguide_vs_best_baseline_wall_pooled")
   out_json, out_md = cli.report_path("bench_recguide.json"), cli.report_path("bench_recguide.md")
   with open(out_json, "w") as f:
-    json.dump({"meta": meta, "results": results, "recguide_vs_best_baseline_wall_pooled": pooled}, f, indent=2)
+    json.dump(report, f, indent=2)
   lines = ["| C | policy | tok/s | per-req tok/s | TPF | tau | vs best baseline (wall) | paired vs that baseline: "
            "geomean (95% CI) | priced tok/ms | vs official fixed B (priced) | B share 1/8/16/32 | lossless |",
            "|" + "---|" * 12]
@@ -251,14 +271,36 @@ def main(argv):
                  f"{wall} | {interval} | {r['priced_tokens_per_ms']:.3f} | {vs} | {share} | "
                  f"{r['lossless']} |")
   if pooled:
-    lines.append(f"\nRecGuide vs the fastest baseline of each level, pooled over {len(levels_iv)} levels "
+    n_levels = sum(1 for r in results if r["policy"] == "recguide" and "vs_best_baseline_wall_interval" in r)
+    lines.append(f"\nRecGuide vs the fastest baseline of each level, pooled over {n_levels} levels "
                  f"({pooled['repeats']} paired repeats): {pooled['geomean']:.3f}x (95% CI {pooled['ci95'][0]:.3f}-"
                  f"{pooled['ci95'][1]:.3f}), {pooled['verdict']}.")
+  overlap = [(f"{r['policy']} (C = {r['concurrency']})", r["overlap"]) for r in results if r.get("overlap")]
+  if overlap:
+    lines += ["", "Overlap rounds by how they ended (the paper's Table 3): coverage = a planned branch covered the "
+              "round's end (the rejected position, or the token after a block accepted whole); reuse = that branch "
+              "became the next round's draft (its draft forward saved).", ""] + rep.overlap_reuse_table(overlap)
+  plots = {}
+  for key, x, y, xlabel, ylabel in (
+      ("wall", "per_request_tokens_per_s", "tokens_per_s", "per-request speed (tokens/s)",
+       "aggregate throughput (tokens/s)"),
+      ("priced", None, "priced_tokens_per_ms", "per-request priced speed (tokens/ms, aggregate / C)",
+       f"aggregate priced throughput (tokens/ms, {meta.get('price_profile')})")):
+    series: dict = {}
+    for r in results:  # RecGuide as it decides for this machine on the wall clock, for the pricing profile priced
+      if r["policy"] in BASELINE_ROWS or (r["policy"] == "recguide" if key == "wall"
+                                          else r["policy"].startswith("recguide@")):
+        per_request = r[x] if x else r[y] / r["concurrency"]
+        series.setdefault(r["policy"], []).append((per_request, r[y], f"C={r['concurrency']}"))
+    name = f"bench_recguide_frontier_{key}.png"
+    plots[key] = rep.plot_frontier(series, cli.report_path(name), xlabel, ylabel,
+                                   f"Throughput vs per-request speed across C ({key})")
+    lines += ["", f"![throughput frontier, {key}]({name})"]
   with open(out_md, "w") as f:
-    f.write(f"GSM8K test, {FLAGS.num_prompts} prompts, greedy, max {FLAGS.max_tokens} new tokens; wall clock on this "
-            f"machine, priced with `{FLAGS.price_profile}`.\n\n" + "\n".join(lines) + "\n")
+    f.write(f"GSM8K test, {meta['num_prompts']} prompts, greedy, max {meta['max_tokens']} new tokens; wall clock on "
+            f"this machine, priced with `{meta['price_profile']}`.\n\n" + "\n".join(lines) + "\n")
   print("\n".join(lines))
-  print(f"wrote {out_json} and {out_md}")
+  print(f"wrote {out_json}, {out_md} and {', '.join(plots.values())}")
 
 
 def _host_meta(llm) -> dict:

@@ -728,31 +728,19 @@ def plot(report: dict, output_dir: str, name: str) -> dict[str, str]:
   import matplotlib
   matplotlib.use("Agg")
   import matplotlib.pyplot as plt
+
+  from recguide_jax.benchmarks.report import plot_frontier
   runs = report["runs"]
   paths = {}
   sweep_over = report["config"]["sweep_over"]
 
   # 1. throughput vs per-request speed across load (the paper's Figure 5)
-  fig, ax = plt.subplots(figsize=(6.4, 4.8))
-  for run in runs:
-    pts = [(lv["per_request_output_tok_s"]["mean"], lv["output_throughput"], lv["name"]) for lv in run["levels"]
-           if lv["per_request_output_tok_s"]["mean"] is not None]
-    if not pts:
-      continue
-    xs, ys, names = zip(*pts)
-    ax.plot(xs, ys, marker="o", label=run["label"])
-    for x, y, n in pts:
-      ax.annotate(n, (x, y), textcoords="offset points", xytext=(4, 4), fontsize=8)
-  ax.margins(x=0.1, y=0.1)  # room for the point labels
-  ax.set_xlabel("per-request output speed (tokens/s, mean over requests)")
-  ax.set_ylabel("total output throughput (tokens/s)")
-  ax.set_title("Throughput vs per-request speed across load")
-  ax.grid(alpha=0.3)
-  ax.legend()
-  fig.tight_layout()
-  paths["throughput vs per-request speed"] = os.path.join(output_dir, f"{name}_frontier.png")
-  fig.savefig(paths["throughput vs per-request speed"], dpi=110)
-  plt.close(fig)
+  series = {run["label"]: [(lv["per_request_output_tok_s"]["mean"], lv["output_throughput"], lv["name"])
+                           for lv in run["levels"] if lv["per_request_output_tok_s"]["mean"] is not None]
+            for run in runs}
+  paths["throughput vs per-request speed"] = plot_frontier(
+      series, os.path.join(output_dir, f"{name}_frontier.png"), "per-request output speed (tokens/s, mean over "
+      "requests)", "total output throughput (tokens/s)", "Throughput vs per-request speed across load")
 
   # 2. accepted length per round, pooled over the levels of each run
   fig, ax = plt.subplots(figsize=(6.4, 4.0))

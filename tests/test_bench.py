@@ -19,6 +19,26 @@ def test_priced_ms_charges_each_forward_by_kind_and_batch():
   assert bench.priced_ms([("draft", 8, 2)], prof) == pytest.approx(4.0 + 4.0 / 3)  # interpolated in C
 
 
+def test_unverified_drafts_count_what_truncated_verifies_left_out():
+  # 2 drafting rows at 8 + 16 tokens and 1 AR row: an untruncated verify runs 25 tokens
+  log = [("prefill", 64, 3), ("ragged_draft", 24, 2), ("ragged_verify", 25, 3), ("decode", 1, 3),
+         ("ragged_draft", 16, 2), ("ragged_verify", 11, 2)]
+  assert bench.unverified_drafts(log) == 5
+  assert bench.unverified_drafts(log[:4]) == 0
+
+
+def test_overlap_reuse_reads_table_3_off_the_branch_outcomes():
+  from recguide_jax.benchmarks import report
+  t = report.overlap_reuse({"correction_hit": 30, "correction_miss": 10, "no_hit": 60, "continuation_hit": 3,
+                            "continuation_miss": 1, "continuation_absent": 6})
+  assert (t["rounds"], t["rejected_rounds"], t["full_rounds"]) == (110, 100, 10)
+  assert (t["correction_coverage"], t["correction_reuse"]) == (0.4, 0.3)
+  assert (t["continuation_coverage"], t["continuation_reuse"]) == (0.4, 0.3)
+  assert t["saved_draft_share"] == pytest.approx(33 / 110)
+  lines = report.overlap_reuse_table([("a", {"no_hit": 2}), ("none", {})])
+  assert len(lines) == 3 and lines[2].startswith("| a | 2 | 2 / 0 | 0.0% | 0.0% | - | - | 0.0% |")
+
+
 def test_paired_tau_gain_is_pooled_and_bootstrapped_over_prompts():
   rng = np.random.default_rng(0)
   small = [(int(n) * 4, int(n)) for n in rng.integers(5, 30, 50)]  # tau 4 on every prompt
