@@ -44,6 +44,8 @@ _LORA_RANK = flags.DEFINE_integer("lora_rank", 128, "Draft LoRA rank (NLD's line
 _DTYPE = flags.DEFINE_enum("dtype", "bfloat16", ["bfloat16", "float32"], "Weight and KV cache dtype.")
 _POLICIES = flags.DEFINE_list("policies", ["linear", "recguide"], "Policies whose variants are compiled.")
 _BLOCK_SIZE = flags.DEFINE_integer("block_size", 16, "Block size of the linear policy.")
+_BUCKETING = flags.DEFINE_enum("bucketing", "auto", ["auto", "ragged"], "serve.py's --bucketing: ragged also "
+                               "compiles the ragged draft and verify of every packed-token bucket.")
 _MAX_NUM_SEQS = flags.DEFINE_integer("max_num_seqs", 32, "Largest batch bucket (serve.py's --max_num_seqs).")
 _MAX_MODEL_LEN = flags.DEFINE_integer("max_model_len", 4096, "Longest sequence (serve.py's --max_model_len).")
 _PAGE_SIZE = flags.DEFINE_integer("page_size", 16, "Tokens per KV page.")
@@ -102,9 +104,10 @@ def markdown(runs: list[dict]) -> str:
            "| model | target | tp | policy | layers | variants | weights GB | KV cache GB | reserve GB (first) | "
            "largest temp GB (variant) | largest transient GB (variant) | compile s (sum) | OK |",
            "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
-  for r in sorted(runs, key=lambda r: (r["preset"], r["target"], r["tp"], r["policy"])):
+  for r in sorted(runs, key=lambda r: (r["preset"], r["target"], r["tp"], r["policy"], r.get("bucketing", "auto"))):
+    policy = r["policy"] + (" (ragged steps)" if r.get("bucketing") == "ragged" else "")
     if not r["fits"]:
-      lines.append(f"| {r['preset']} | {r['target']} | {r['tp']} | {r['policy']} | - | - | - | - | - | - | - | - | "
+      lines.append(f"| {r['preset']} | {r['target']} | {r['tp']} | {policy} | - | - | - | - | - | - | - | - | "
                    f"does not fit: {r['error']} |")
       continue
     vs, plan = r["variants"], r["plan"]
@@ -116,7 +119,7 @@ def markdown(runs: list[dict]) -> str:
     verdict = "yes" if r["ok"] else "no: " + "; ".join(f"{p} in {n} of {len(vs)}" for p, n in sorted(problems.items()))
     if any("weight_copies" not in v for v in vs):
       verdict += " (written before weight copies were checked)"
-    lines.append(f"| {r['preset']} | {r['target']} | {r['tp']} | {r['policy']} | {r.get('layer_loop', 'scan')} | "
+    lines.append(f"| {r['preset']} | {r['target']} | {r['tp']} | {policy} | {r.get('layer_loop', 'scan')} | "
                  f"{len(vs)} ({r['scope']}) | "
                  f"{gb(plan['weights_bytes'])} | {gb(r['cache_bytes_per_device'])} | "
                  f"{gb(plan['activation_bytes'] or 0)}{first} | {gb(top['temp_bytes'])} ({top['variant']}) | "
@@ -150,6 +153,7 @@ def main(argv):
   failed = False
   for policy in _POLICIES.value:
     run = {"preset": preset, "target": target.name, "chip": target.chip.description, "tp": tp, "policy": policy,
+           "bucketing": _BUCKETING.value,
            "scope": _SCOPE.value if not _VARIANTS.value else f"{_SCOPE.value}, {','.join(_VARIANTS.value)}", "dtype": _DTYPE.value, "attention": _ATTENTION.value, "jax": jax.__version__,
            "max_num_seqs": _MAX_NUM_SEQS.value, "max_model_len": _MAX_MODEL_LEN.value, "page_size": _PAGE_SIZE.value,
            "time": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")}
@@ -159,14 +163,15 @@ def main(argv):
           max_num_seqs=_MAX_NUM_SEQS.value, max_model_len=_MAX_MODEL_LEN.value, page_size=_PAGE_SIZE.value,
           prefill_chunk=_PREFILL_CHUNK.value, num_pages=_NUM_PAGES.value or None, fraction=_UTILIZATION.value,
           attention=_ATTENTION.value, temp_limit=_TEMP_LIMIT.value, startup_only=_SCOPE.value == "startup",
-          only=tuple(_VARIANTS.value),
+          only=tuple(_VARIANTS.value), bucketing=_BUCKETING.value,
           progress=lambda line: print(line, flush=True))
       run.update(as_json(report))
     except MemoryPlanError as e:
       print(f"{target.name} tp={tp} {policy}: {e}", flush=True)
       run.update(fits=False, ok=False, error=str(e).split(";")[0])
     failed |= not run["ok"]
-    name = f"aot_{preset}_{target.name.replace(':', '_')}_tp{tp}_{policy}.json"
+    ragged = "_ragged" if _BUCKETING.value == "ragged" else ""
+    name = f"aot_{preset}_{target.name.replace(':', '_')}_tp{tp}_{policy}{ragged}.json"
     with open(os.path.join(_OUTPUT_DIR.value, name), "w") as f:
       json.dump(run, f, indent=1)
     print(f"{policy}: {'OK' if run['ok'] else 'FAILED'} -> {os.path.join(_OUTPUT_DIR.value, name)}", flush=True)

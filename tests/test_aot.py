@@ -293,12 +293,13 @@ from recguide_jax.runtime.step_key import StepKey, StepKind
 cfg = shapes_config("nld-8b", 16)
 tp, b, blk = 4, 32, 32
 _, rc, _, _ = policy_runner_config("recguide", block_size=blk, max_num_seqs=b, max_model_len=256, page_size=16,
-                                   prefill_chunk=64)
+                                   prefill_chunk=64, bucketing="ragged")
 temps = {{}}
 with attention_dispatch.target_platform("tpu"):
   runner = _abstract_runner(cfg, "bfloat16", dataclasses.replace(rc, num_pages=64), "pallas",
                             target_mesh(targets.parse_target("v5e:2x2"), tp))
-  for key in (StepKey(StepKind.VERIFY, blk, b), StepKey(StepKind.GVERIFY, blk, b)):
+  for key in (StepKey(StepKind.VERIFY, blk, b), StepKey(StepKind.GVERIFY, blk, b),
+              runner.ragged_key(StepKind.RAGGED_DRAFT, 16), runner.ragged_key(StepKind.RAGGED_VERIFY, 16)):
     temps[key.label] = runner.compiled(key).memory_analysis().temp_size_in_bytes
 print("RESULT" + json.dumps({{"temp": temps, "logits": b * blk * cfg.vocab_size // tp * 4}}))
 """
@@ -309,8 +310,10 @@ def test_a_verify_keeps_few_vocabulary_sized_temporaries_on_a_tpu(tmp_path):
   KV cache: 17 of them at B = 16 while the top logprobs took a masked copy of the logprobs per pass (each pass now
   masks inside its own reduction), then about 8 at B = 32 (1.08 GB in GVERIFY) while the verified block's sampling
   pipeline ran over the whole block (now a position slice at a time). NLD-8B's shapes from abstract weights; the
-  small test model's verify does not show it (libtpu schedules it differently)."""
+  small test model's verify does not show it (libtpu schedules it differently). Ragged steps' rows [32, 32] too:
+  their head and acceptance over the whole [R, W, V] float32 held 3.2 GB (draft) and 4.3 GB (verify) per v6e chip
+  at tp=1 before they went a position slice at a time."""
   out = _tpu_probe(tmp_path, _VERIFY_PROBE)
-  assert set(out["temp"]) == {"verify", "gverify"}, out
+  assert set(out["temp"]) == {"verify", "gverify", "ragged_draft", "ragged_verify"}, out
   for kind, temp in out["temp"].items():
     assert temp < 5 * out["logits"], (kind, out)

@@ -90,9 +90,10 @@ def target_mesh(target: Target, tp: int):
 
 
 def policy_runner_config(policy_name: str, *, block_size: int, max_num_seqs: int, max_model_len: int,
-                         page_size: int, prefill_chunk: int, num_pages: int = 2, **runner_options):
-  """(strategy, RunnerConfig, kinds, block sizes) as `LLM(policy=policy_name)` builds them (its memory plan then
-  sets num_pages)."""
+                         page_size: int, prefill_chunk: int, num_pages: int = 2, bucketing: bool | str = "auto",
+                         **runner_options):
+  """(strategy, RunnerConfig, kinds, block sizes) as `LLM(policy=policy_name, bucketing=bucketing)` builds them (its
+  memory plan then sets num_pages): ragged steps add the ragged draft and verify of every packed-token bucket."""
   from recguide_jax.decoding.registry import make_strategy
   from recguide_jax.engine.config import EngineConfig
   from recguide_jax.llm import DEFAULT_DECODE_STEPS
@@ -101,7 +102,8 @@ def policy_runner_config(policy_name: str, *, block_size: int, max_num_seqs: int
   engine_config = EngineConfig(max_num_seqs=max_num_seqs, max_model_len=max_model_len, page_size=page_size,
                                prefill_chunk=prefill_chunk,
                                runner_options={"decode_steps": DEFAULT_DECODE_STEPS, **runner_options})
-  return strategy, engine_config.runner_config(sizes, num_pages), strategy.step_kinds(), strategy.block_sizes()
+  kinds = tuple(strategy.step_kinds()) + (("ragged",) if bucketing == "ragged" and isinstance(bucketing, str) else ())
+  return strategy, engine_config.runner_config(sizes, num_pages), kinds, strategy.block_sizes()
 
 
 def shapes_config(preset: str, lora_rank: int):
@@ -126,7 +128,7 @@ def plan_and_compile(cfg, target: Target, *, policy: str, tp: int, dtype: str = 
                      max_num_seqs: int = 32, max_model_len: int = 4096, page_size: int = 16, prefill_chunk: int = 64,
                      num_pages: int | None = None, fraction: float = memory_plan_lib.DEFAULT_FRACTION,
                      attention: str = "pallas", temp_limit: float = 0.1, startup_only: bool = False,
-                     only: Sequence[str] = (), workers: int = 1,
+                     only: Sequence[str] = (), workers: int = 1, bucketing: bool | str = "auto",
                      progress: Callable[[str], None] = print) -> TargetReport:
   """The memory plan of `target` for `policy`, then every variant compiled at its cache size and checked.
   Raises memory_plan.MemoryPlanError when the plan does not fit the chip."""
@@ -135,7 +137,7 @@ def plan_and_compile(cfg, target: Target, *, policy: str, tp: int, dtype: str = 
   from recguide_jax.model.nld import LayerLoop
   _, rc, kinds, blocks = policy_runner_config(policy, block_size=block_size, max_num_seqs=max_num_seqs,
                                               max_model_len=max_model_len, page_size=page_size,
-                                              prefill_chunk=prefill_chunk)
+                                              prefill_chunk=prefill_chunk, bucketing=bucketing)
   mesh = target_mesh(target, tp)
   plan = functools.partial(
       memory_plan_lib.plan_memory, cfg, dtype=dtype, page_size=page_size, max_model_len=max_model_len,

@@ -338,22 +338,20 @@ def settle(rule: str, verdicts: Verdicts, x: jax.Array):
 
 
 def accept(rule: str, key_data: jax.Array, p: jax.Array, q: jax.Array | None, draft: jax.Array,
-           greedy: jax.Array | None = None, lengths: jax.Array | None = None):
-  """Speculative acceptance for a batch of blocks, all positions at once (`position_verdicts`, then `settle`).
+           greedy: jax.Array | None = None):
+  """Speculative acceptance for a batch of blocks, all positions at once (`position_verdicts`, then `settle`; the
+  steps decide a position slice at a time, `steps.verified_block`, with the same verdicts).
 
   p: [b, B, V] verifier distributions (index j predicts block index j+1); q: [b, B, V] the draft distributions
   (index j is the distribution draft[j] was drawn from; index 0, the seed, is unused; None: an AR step, B = 1);
   draft: [b, B] (draft[0] is the seed); greedy: [b] bool, rows whose p and q are one-hot (enables the no-noise fast
-  path when all are). lengths: [b] int32, each row's own block (1..B) when rows of different blocks share the
-  [b, B] layout (a ragged step): a row accepts none of the draft tokens past its block, and after a fully accepted
-  block of its own it draws its bonus token from p at its last index, as a batch of its own block would. None:
-  every row's block is B. Returns (accepted [b] in 1..B, out [b, B]) where out[:accepted] are the tokens to emit.
+  path when all are). Returns (accepted [b] in 1..B, out [b, B]) where out[:accepted] are the tokens to emit.
   """
   if rule not in RULES:
     raise ValueError(f"unknown acceptance rule {rule!r}; expected one of {RULES}")
   b, blk, _ = p.shape
   greedy = jnp.zeros((b,), bool) if greedy is None else greedy
-  last = jnp.full((b,), blk - 1, jnp.int32) if lengths is None else lengths.astype(jnp.int32) - 1
+  last = jnp.full((b,), blk - 1, jnp.int32)
   x, q_x, u = draft_tests(rule, key_data, q, draft)
   pos = jnp.broadcast_to(jnp.arange(blk, dtype=jnp.int32)[None, :], (b, blk))
   return settle(rule, position_verdicts(rule, key_data, p, x, pos, greedy, last, q, q_x, u), x)

@@ -463,13 +463,21 @@ class StepFunctions:
         inp = dataclasses.replace(inp, lora_mask=draft_head.adapter_rows(cfg.draft_head, inp.tokens, cfg.mask_token_id))
       model = self._model(weights)
       h, _ = model.hidden(inp, cache)
-      # [R, width, V]: the head runs on each row's slots
-      logits = model.logits(draft_head.align(cfg.draft_head, h[0][layout.token], width))
-      q = sampling.processed_probs(logits, temperature, top_k, top_p, cfg.mask_token_id)
+      draft_keys = sampling.stream_keys(keys, sampling.DRAFT_STREAM)
+
+      def one(h_slice, pos_slice):
+        logits = model.logits(h_slice)
+        q = sampling.processed_probs(logits, temperature, top_k, top_p, cfg.mask_token_id)
+        drafted = sampling.draw_per_position(draft_keys, q, pos_slice, temperature <= 0)
+        drafted = jnp.where(pos_slice == 0, seed[:, None], drafted)
+        return drafted, q, draft_signals(logits, drafted, cfg).swapaxes(1, 2)
+
+      # the head runs on each row's slots [R, width], in position slices as DRAFT's (its [R, width, V] float32
+      # temporaries whole were 3.2 GB on a v6e chip for NLD-8B at 32 rows of 32)
       pos = jnp.broadcast_to(jnp.arange(width, dtype=jnp.int32)[None, :], (rows, width))
-      drafted = sampling.draw_per_position(sampling.stream_keys(keys, sampling.DRAFT_STREAM), q, pos, temperature <= 0)
-      drafted = drafted.at[:, 0].set(seed)
-      return drafted, q, draft_signals(logits, drafted, cfg)
+      drafted, q, signals = map_position_slices(
+          one, (draft_head.align(cfg.draft_head, h[0][layout.token], width), pos), vocab_shard_size(cfg.vocab_size))
+      return drafted, q, signals.swapaxes(1, 2)
 
     return fn
 
@@ -482,7 +490,6 @@ class StepFunctions:
     def fn(weights, cache, inputs: RaggedVerifyInputs):
       drafted, q, seed, row_len, write = inputs.drafted, inputs.q, inputs.seed, inputs.row_len, inputs.write
       prefix_len, page_table = inputs.prefix_len, inputs.page_table
-      temperature, top_k, top_p, keys, top_logprobs, _ = unpack_sampling(inputs.samp)  # no controls
       layout, j = ragged_layout(row_len, width, total)
       prefix_len = jnp.where(row_len > 0, prefix_len, 0)
       tokens = drafted.at[:, 0].set(seed)
@@ -491,11 +498,11 @@ class StepFunctions:
       inp = ragged_inputs(layout, j, tokens, prefix_len, page_table, mask, kv_write, None)
       model = self._model(weights)
       h, cache = model.hidden(inp, cache)
-      logits = model.logits(h[0][layout.token])  # [R, width, V]
-      p = sampling.processed_probs(logits, temperature, top_k, top_p, cfg.mask_token_id)
-      accepted, out = sampling.accept(rule, keys, p, q, tokens, temperature <= 0, lengths=jnp.maximum(row_len, 1))
-      lp, top_lp, top_ids = sampling.raw_logprobs(logits, out, cfg.mask_token_id, top_logprobs)
-      return cache, accepted, out, lp, top_lp, top_ids, verifier_entropy(logits, cfg)
+      # each row's slots [R, width] verified as VERIFY's blocks (position slices), acceptance capped at the row's
+      # own block
+      samp = dataclasses.replace(inputs.samp, controls=None)
+      return (cache,) + verified_block(cfg, rule, model.logits, h[0][layout.token], tokens, q, samp,
+                                       last=jnp.maximum(row_len, 1) - 1)
 
     return fn
 
@@ -594,20 +601,22 @@ def score_chunk(model: NLDModel, h: jax.Array, targets: jax.Array, mask_token_id
 
 
 def verified_block(cfg, rule: str, logits_of: Callable, src: jax.Array, tokens: jax.Array, q: jax.Array | None,
-                   samp: SamplingArrays, extra: jax.Array | None = None, offset=0):
+                   samp: SamplingArrays, extra: jax.Array | None = None, offset=0, last: jax.Array | None = None):
   """Acceptance, emitted tokens, logprobs (with the top entries) and verifier entropy of verified blocks tokens
   [b, B] whose logits are `logits_of(src)` (src: the block's hidden states, or its logits with the identity):
   (accepted [b], out [b, B], lp [b, B], top_lp [b, B, K], top_ids [b, B, K], entropy [b, B]). The logits and
   every [b, w, V] array made from them are built a position slice at a time (`map_position_slices`): each position
   is decided on its own (sampling.position_verdicts), so slicing changes no token, and a batch of long blocks never
   holds its float32 distributions whole (issue 33: about eight [32, 32, V / 4] arrays, 1.1 GB per v5e chip for
-  NLD-8B at tp=4). Position j follows the draft tokens 1..j (`extra`, default tokens[:, 1:]) under the controls."""
+  NLD-8B at tp=4). Position j follows the draft tokens 1..j (`extra`, default tokens[:, 1:]) under the controls.
+  `last` [b]: each row's last block index where rows of shorter blocks share the layout (a ragged step; default
+  B - 1): a row accepts nothing past it and draws its bonus there."""
   temperature, top_k, top_p, keys, top_logprobs, controls = unpack_sampling(samp)
   b, blk = tokens.shape
   greedy = temperature <= 0
   if extra is None and blk > 1:
     extra = tokens[:, 1:]
-  last = jnp.full((b,), blk - 1, jnp.int32)
+  last = jnp.full((b,), blk - 1, jnp.int32) if last is None else last.astype(jnp.int32)
   x, q_x, u = sampling.draft_tests(rule, keys, q, tokens)
   pos = jnp.broadcast_to(jnp.arange(blk, dtype=jnp.int32)[None, :], (b, blk))
 
