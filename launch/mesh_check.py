@@ -6,7 +6,7 @@ compile after warm-up, and the checkpoint restored straight into the mesh's shar
   python launch/mesh_check.py --meshes='tp=8;dp=2,tp=4' --policies=ar,linear16,overlap --model=tiny
 
 Policies: ar, linear8/16/32 (LinearSS at that block), overlap and adaptive (RecGuide with its regime fixed, so each
-is exercised whatever the load). Per mesh, one LLM warms up every variant the policies may route to (as a server
+is exercised whatever the load), ragged (adaptive on ragged steps, verifies truncated as the B200 table prices them). Per mesh, one LLM warms up every variant the policies may route to (as a server
 does at start-up), then runs each policy; nothing may compile after the warm-up. Writes a JSON report (`--out`);
 exit status 1 if any check fails.
 """
@@ -47,12 +47,21 @@ def _policy(name: str, tables=None):
     return make_strategy("ar")
   if name.startswith("linear"):
     return make_strategy("linear", int(name[len("linear"):]))
-  if name in ("overlap", "adaptive"):
+  if name in ("overlap", "adaptive", "ragged"):
     kwargs = {"fixed_regime": name}
+    if name == "ragged":  # adaptive blocks on ragged steps, verifies truncated as the B200 table prices them
+      from recguide_jax.recguide.profile import load_profile
+      kwargs = {"fixed_regime": "adaptive", "verify_truncation": True, "profile": load_profile("b200_nld8b"),
+                "calibrate": False}
     if tables is not None:
       kwargs["tables"] = tables
     return make_strategy("recguide", 16, **kwargs)
   raise ValueError(f"--policies: unknown {name!r}")
+
+
+def _step_kinds(name: str, tables=None) -> tuple:
+  """The step kinds policy `name` routes to (ragged steps' own for "ragged")."""
+  return tuple(_policy(name, tables).step_kinds()) + (("ragged",) if name == "ragged" else ())
 
 
 def _model_and_prompts():
@@ -87,8 +96,12 @@ def _llm(model, mesh):
 def _generate(llm, name, prompts, tables):
   from recguide_jax import SamplingParams
   llm.set_policy(_policy(name, tables))
-  outs = llm.generate(prompts, SamplingParams(max_tokens=_MAX_TOKENS.value, temperature=0.0, ignore_eos=True),
-                      use_tqdm=False)
+  llm.engine.bucketing = "ragged" if name == "ragged" else "auto"
+  try:
+    outs = llm.generate(prompts, SamplingParams(max_tokens=_MAX_TOKENS.value, temperature=0.0, ignore_eos=True),
+                        use_tqdm=False)
+  finally:
+    llm.engine.bucketing = "auto"
   return [list(o.outputs[0].token_ids) for o in outs]
 
 
@@ -225,7 +238,7 @@ def main(argv) -> int:
   base_llm = _llm(model, None) if meshes else None
   base = {name: _generate(base_llm, name, prompts, tables) for name in _POLICIES.value} if meshes else {}
   report["one_device_seconds"] = round(time.perf_counter() - t0, 1)
-  kinds = tuple(dict.fromkeys(k for name in _POLICIES.value for k in _policy(name, tables).step_kinds()))
+  kinds = tuple(dict.fromkeys(k for name in _POLICIES.value for k in _step_kinds(name, tables)))
   sizes = tuple(sorted({b for name in _POLICIES.value for b in _policy(name, tables).block_sizes()}))
   for spec in meshes:
     t0 = time.perf_counter()

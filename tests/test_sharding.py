@@ -208,7 +208,8 @@ def test_unrolled_layers_on_a_tp_mesh_keep_their_shardings_and_tokens():
 
 def test_mesh_equality_on_eight_cpu_devices(tmp_path):
   """dp=2,tp=4 on 8 simulated CPU devices (two groups of 4, each with the tiny model's 2 KV heads replicated 2x):
-  greedy AR and LinearSS 8 give the tokens of one device, logits within 1e-4, nothing compiles after warm-up, and
+  greedy AR, LinearSS 8 and ragged steps (RecGuide's adaptive blocks, verifies truncated) give the tokens of one
+  device, logits within 1e-4, nothing compiles after warm-up, and
   a checkpoint restored with `load_model(mesh=...)` lands in its shards with the saved values.
   Kept small (every variant compiles once per group); the sweep over tp=2/4/8 and dp=2,tp=4, LinearSS 8/16/32,
   overlap, adaptive and the chi-square test is `launch/mesh_check.py` (docs/scale_out.md)."""
@@ -216,14 +217,15 @@ def test_mesh_equality_on_eight_cpu_devices(tmp_path):
   env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
   env["XLA_FLAGS"] = COMPILE_FLAGS  # the session's compile options; mesh_check adds its device count
   proc = subprocess.run([sys.executable, os.path.join(REPO, "launch", "mesh_check.py"), "--model=tiny",
-                         "--meshes=dp=2,tp=4", "--policies=ar,linear8", "--max_num_seqs=1", "--num_prompts=2",
+                         "--meshes=dp=2,tp=4", "--policies=ar,linear8,ragged", "--max_num_seqs=1", "--num_prompts=2",
                          "--max_tokens=10", f"--output_dir={tmp_path}"],
                         cwd=REPO, env=env, capture_output=True, text=True, timeout=1500)
   assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
   report = json.loads(out.read_text())
   assert report["devices"] == 8 and report["ok"]
   row = report["meshes"]["dp=2,tp=4"]
-  assert row["policies"] == {"ar": {"same_tokens": True}, "linear8": {"same_tokens": True}}
+  assert row["policies"] == {"ar": {"same_tokens": True}, "linear8": {"same_tokens": True},
+                             "ragged": {"same_tokens": True}}
   assert row["compiles_after_warmup"] == 0 and row["logits_max_abs_diff"] < 1e-4
   # the checkpoint restored straight into one group's shards (2 KV heads replicated to 4) equals the saved weights
   assert row["restore"] == {"max_abs_diff": 0.0, "on_rule_shardings": True, "kv_heads": 4}

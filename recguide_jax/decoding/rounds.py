@@ -114,7 +114,9 @@ class RaggedRound(Round):
     verify_len, verified = row_len, None
     price = batch.verify_price
     if price is not None and (planned > 1).any() and (price > 0).any():
-      confidence = np.asarray(jax.device_get(signals[:n, 0]))  # [n, W]: the draft's top probability per slot
+      # [n, W]: the draft's top probability per slot (the whole [R, 3, W] read back: a slice on the device would
+      # compile a program of its own)
+      confidence = np.asarray(jax.device_get(signals))[:n, 0]
       verified = truncated_lengths(confidence, planned, np.asarray(price, np.float64))
       verify_len = row_len.copy()
       verify_len[:n] = verified

@@ -222,6 +222,16 @@ class DataParallelEngine:
     for i, e in enumerate(self.engines):
       e.strategy = strategy if i == 0 else strategy_copy(strategy)
 
+  @property
+  def bucketing(self):
+    """How the groups run a step's mixed block sizes (`EngineConfig.bucketing`), set on every group alike."""
+    return self.engines[0].bucketing
+
+  @bucketing.setter
+  def bucketing(self, bucketing) -> None:
+    for e in self.engines:
+      e.bucketing = bucketing
+
   def close(self) -> None:
     self._pool.shutdown(wait=False)
 
