@@ -6,7 +6,8 @@ compile after warm-up, and the checkpoint restored straight into the mesh's shar
   python launch/mesh_check.py --meshes='tp=8;dp=2,tp=4' --policies=ar,linear16,overlap --model=tiny
 
 Policies: ar, linear8/16/32 (LinearSS at that block), overlap and adaptive (RecGuide with its regime fixed, so each
-is exercised whatever the load), ragged (adaptive on ragged steps, verifies truncated as the B200 table prices them). Per mesh, one LLM warms up every variant the policies may route to (as a server
+is exercised whatever the load), ragged (adaptive on ragged steps, verifies truncated as the B200 table prices
+them). Per mesh, one LLM warms up every variant the policies may route to (as a server
 does at start-up), then runs each policy; nothing may compile after the warm-up. Writes a JSON report (`--out`);
 exit status 1 if any check fails.
 """
