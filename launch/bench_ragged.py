@@ -71,15 +71,20 @@ def price_step(blocks, grouping: str, profile) -> tuple[float, int, int]:
   return ms, fwd, tok
 
 
+def rule_policy(price, tables, **options):
+  """RecGuide as the paper's per-request adaptive rule alone (overlap off, no batch pricing), deciding with the
+  pricing profile."""
+  from recguide_jax.recguide.controller import RecGuideStrategy
+  return RecGuideStrategy(16, profile=price, tables=tables, fixed_regime="adaptive", overlap=False,
+                          batch_priced=False, calibrate=False, **options)
+
+
 def truncated_run(llm, prompts, params, c, price, tables, ar_out, ragged, best_fixed) -> dict:
   """The ragged run again with verify truncation on, priced by the engine's own ledger (its verify forwards run
   fewer tokens, and its plans may part from the untruncated run's as the histories do)."""
   import numpy as np
   from recguide_jax import benchmarks as bench
-  from recguide_jax.recguide.controller import RecGuideStrategy
-  pol = RecGuideStrategy(16, profile=price, tables=tables, fixed_regime="adaptive", overlap=False,
-                         batch_priced=False, calibrate=False, verify_truncation=True)
-  llm.set_policy(pol)
+  llm.set_policy(rule_policy(price, tables, verify_truncation=True))
   llm.engine.bucketing = "ragged"
   llm.engine.forward_log = []
   reqs, _ = bench.run_concurrent(llm.engine, prompts, params, c)
@@ -111,7 +116,6 @@ def main(argv):
   from recguide_jax.engine import core as engine_core
   from recguide_jax.recguide import adaptive
   from recguide_jax.recguide import profile as prof_lib
-  from recguide_jax.recguide.controller import RecGuideStrategy
   levels = cli.int_list("concurrency")
   price = prof_lib.load_profile(FLAGS.price_profile)
   llm = LLM(FLAGS.model, policy="ar", block_sizes=(8, 16, 32), max_num_seqs=max(levels),
@@ -147,9 +151,7 @@ def main(argv):
       llm.engine.bucketing = "auto"
       reqs, _ = bench.run_concurrent(llm.engine, prompts, params, c)
       ar_out = [r.output_ids for r in reqs]
-    pol = RecGuideStrategy(16, profile=price, tables=tables, fixed_regime="adaptive", overlap=False,
-                           batch_priced=False, calibrate=False)
-    llm.set_policy(pol)
+    llm.set_policy(rule_policy(price, tables))
     llm.engine.bucketing = "ragged"
     llm.engine.forward_log = []
     steps.clear()

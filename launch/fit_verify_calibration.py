@@ -8,7 +8,6 @@ checkpoint's `recguide_tables.json` (`RecGuideStrategy` uses it when not given).
 """
 
 import dataclasses
-import json
 import os
 import sys
 
@@ -76,18 +75,16 @@ def main(argv):
     updated = dataclasses.replace(tables, verify_confidence_exponent=gamma, version="")
     updated.save(tables_path)
     print(f"wrote verify_confidence_exponent={gamma} to {tables_path} (version {updated.version})")
-  out_json, out_md = cli.report_path("fit_verify_calibration.json"), cli.report_path("fit_verify_calibration.md")
-  with open(out_json, "w") as f:
-    json.dump({"checkpoint": checkpoint, "data": os.path.basename(data), "offset": FLAGS.offset,
-               "num_prompts": FLAGS.num_prompts, "max_tokens": FLAGS.max_tokens, "block_sizes": sizes,
-               "concurrency": FLAGS.concurrency, "rounds": len(confidence), "drafted_tokens": int(len(pi)),
-               "gamma": gamma, "log_likelihood": {str(g): v for g, v in scores.items()}, "reliability": table,
-               "command": "python launch/fit_verify_calibration.py " + " ".join(sys.argv[1:])}, f, indent=2)
-  with open(out_md, "w") as f:
-    f.write(f"Draft confidence calibration ({os.path.basename(str(checkpoint))}, GSM8K {os.path.basename(data)} "
-            f"prompts {FLAGS.offset}..{FLAGS.offset + FLAGS.num_prompts - 1}, LinearSS B = {sizes}, greedy): "
-            f"P(accepted through a drafted token) ~ (running confidence)^{gamma:g} "
-            f"(launch/fit_verify_calibration.py).\n\n" + "\n".join(lines) + "\n")
+  result = {"checkpoint": checkpoint, "data": os.path.basename(data), "offset": FLAGS.offset,
+            "num_prompts": FLAGS.num_prompts, "max_tokens": FLAGS.max_tokens, "block_sizes": sizes,
+            "concurrency": FLAGS.concurrency, "rounds": len(confidence), "drafted_tokens": int(len(pi)),
+            "gamma": gamma, "log_likelihood": {str(g): v for g, v in scores.items()}, "reliability": table,
+            "command": "python launch/fit_verify_calibration.py " + " ".join(sys.argv[1:])}
+  md = (f"Draft confidence calibration ({os.path.basename(str(checkpoint))}, GSM8K {os.path.basename(data)} "
+        f"prompts {FLAGS.offset}..{FLAGS.offset + FLAGS.num_prompts - 1}, LinearSS B = {sizes}, greedy): "
+        f"P(accepted through a drafted token) ~ (running confidence)^{gamma:g} "
+        f"(launch/fit_verify_calibration.py).\n\n" + "\n".join(lines) + "\n")
+  out_json, out_md = bench.write_report(result, md, cli.output_dir(), "fit_verify_calibration")
   print(f"wrote {out_json} and {out_md}")
 
 

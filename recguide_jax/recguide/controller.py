@@ -136,12 +136,16 @@ class RecGuideStrategy(AdaptiveRule, RegimeSwitch, CostModel, Strategy):
       else:
         adaptive.append(i)
     if adaptive:
-      mine = None if values is None else [values[i] for i in adaptive]
-      name, blocks = self.price_step([reqs[i] for i in adaptive], concurrency, mine)
+      mine = [reqs[i] for i in adaptive]
+      truncates = self.verify_truncation and view.ragged_steps and self.profile is not None
+      # their values, once: the batch pricing and the verify price share them
+      mine_values = ([values[i] for i in adaptive] if values is not None
+                     else [self._values(r) for r in mine] if truncates else None)
+      name, blocks = self.price_step(mine, concurrency, mine_values)
       self.step_plans[name] += 1
       linear = self._linear_plans
-      if self.verify_truncation and view.ragged_steps and self.profile is not None:
-        price = self._verify_price([reqs[i] for i in adaptive], blocks, mine)
+      if truncates:
+        price = self._verify_price(blocks, mine_values)
         if price > 0:
           linear = {b: dataclasses.replace(p, verify_price=price) for b, p in linear.items()}
       for i, blk in zip(adaptive, blocks):
@@ -149,12 +153,11 @@ class RecGuideStrategy(AdaptiveRule, RegimeSwitch, CostModel, Strategy):
         self.regime_counts[Regime.AR if blk == 1 else Regime.ADAPTIVE] += 1
     return StepPlan(tuple(plans))
 
-  def _verify_price(self, reqs, blocks, values=None) -> float:
-    """The verify price of a ragged step's rows planned at `blocks`, on the scale of the draft's running confidence:
-    its expected tokens (the requests' values at their blocks, 1 per AR row) over its profiled cost, times the
-    cost of its verify's last query token (`pricing.verify_token_price`), through the fitted calibration
-    P(accepted) ~ confidence^gamma (`verify_confidence_exponent`)."""
-    values = [self._values(r) for r in reqs] if values is None else values
+  def _verify_price(self, blocks, values) -> float:
+    """The verify price of a ragged step's rows planned at `blocks` (`values`: their requests' `_values`), on the
+    scale of the draft's running confidence: its expected tokens (the values at their blocks, 1 per AR row) over
+    its profiled cost, times the cost of its verify's last query token (`pricing.verify_token_price`), through the
+    fitted calibration P(accepted) ~ confidence^gamma (`verify_confidence_exponent`)."""
     tokens = sum(1.0 if b == 1 else v[b] for v, b in zip(values, blocks))
     price = pricing.verify_token_price(blocks, tokens, self.profile)
     return min(price, 1.0) ** (1.0 / self.verify_confidence_exponent)

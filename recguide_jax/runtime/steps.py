@@ -250,7 +250,6 @@ class StepFunctions:
 
     def fn(weights, cache, inputs: DraftInputs):
       seed, prefix_len, page_table = inputs.seed, inputs.prefix_len, inputs.page_table
-      temperature, top_k, top_p, keys, _, controls = unpack_sampling(inputs.samp)  # a draft reports no logprobs
       b = seed.shape[0]
       tokens = jnp.full((b, blk), cfg.mask_token_id, jnp.int32).at[:, 0].set(seed)
       positions = prefix_len[:, None] + jnp.arange(blk)[None, :]
@@ -259,22 +258,7 @@ class StepFunctions:
                           page_table=page_table, lora_mask=lora_mask)
       model = self._model(weights)
       h, _ = model.hidden(inp, cache)
-      draft_keys = sampling.stream_keys(keys, sampling.DRAFT_STREAM)
-
-      def one(h_slice, pos_slice):
-        logits = model.logits(h_slice)
-        # the controls as of the committed output (any draft distribution keeps the verify lossless; this one is
-        # closer to the verifier's, so more of it is accepted)
-        q = sampling.processed_probs(logits, temperature, top_k, top_p, cfg.mask_token_id, controls)
-        drafted = sampling.draw_per_position(draft_keys, q, pos_slice, temperature <= 0)
-        drafted = jnp.where(pos_slice == 0, seed[:, None], drafted)
-        return drafted, q, draft_signals(logits, drafted, cfg).swapaxes(1, 2)
-
-      # in position slices, as a verified block (issue 33: the draft was the largest step left on a v5e chip)
-      pos = jnp.broadcast_to(jnp.arange(blk, dtype=jnp.int32)[None, :], (b, blk))
-      drafted, q, signals = map_position_slices(one, (draft_head.align(cfg.draft_head, h, blk), pos),
-                                                vocab_shard_size(cfg.vocab_size))
-      return drafted, q, signals.swapaxes(1, 2)
+      return drafted_block(cfg, model.logits, draft_head.align(cfg.draft_head, h, blk), seed, inputs.samp)
 
     return fn
 
@@ -450,7 +434,6 @@ class StepFunctions:
 
     def fn(weights, cache, inputs: RaggedDraftInputs):
       seed, row_len, prefix_len, page_table = inputs.seed, inputs.row_len, inputs.prefix_len, inputs.page_table
-      temperature, top_k, top_p, keys, _, _ = unpack_sampling(inputs.samp)  # no logprobs, no controls
       rows = seed.shape[0]
       layout, j = ragged_layout(row_len, width, total)
       prefix_len = jnp.where(row_len > 0, prefix_len, 0)  # a row with no draft reads no prefix
@@ -463,21 +446,9 @@ class StepFunctions:
         inp = dataclasses.replace(inp, lora_mask=draft_head.adapter_rows(cfg.draft_head, inp.tokens, cfg.mask_token_id))
       model = self._model(weights)
       h, _ = model.hidden(inp, cache)
-      draft_keys = sampling.stream_keys(keys, sampling.DRAFT_STREAM)
-
-      def one(h_slice, pos_slice):
-        logits = model.logits(h_slice)
-        q = sampling.processed_probs(logits, temperature, top_k, top_p, cfg.mask_token_id)
-        drafted = sampling.draw_per_position(draft_keys, q, pos_slice, temperature <= 0)
-        drafted = jnp.where(pos_slice == 0, seed[:, None], drafted)
-        return drafted, q, draft_signals(logits, drafted, cfg).swapaxes(1, 2)
-
-      # the head runs on each row's slots [R, width], in position slices as DRAFT's (its [R, width, V] float32
-      # temporaries whole were 3.2 GB on a v6e chip for NLD-8B at 32 rows of 32)
-      pos = jnp.broadcast_to(jnp.arange(width, dtype=jnp.int32)[None, :], (rows, width))
-      drafted, q, signals = map_position_slices(
-          one, (draft_head.align(cfg.draft_head, h[0][layout.token], width), pos), vocab_shard_size(cfg.vocab_size))
-      return drafted, q, signals.swapaxes(1, 2)
+      # the head runs on each row's slots [R, width] as DRAFT's does on its block
+      return drafted_block(cfg, model.logits, draft_head.align(cfg.draft_head, h[0][layout.token], width), seed,
+                           dataclasses.replace(inputs.samp, controls=None))
 
     return fn
 
@@ -598,6 +569,29 @@ def score_chunk(model: NLDModel, h: jax.Array, targets: jax.Array, mask_token_id
   lp, top_lp, top_ids = jax.lax.map(one, (hs, ts))
   unslice = lambda x: x.swapaxes(0, 1).reshape((b, t) + x.shape[3:])
   return unslice(lp), unslice(top_lp), unslice(top_ids)
+
+
+def drafted_block(cfg, logits_of: Callable, h: jax.Array, seed: jax.Array, samp: SamplingArrays):
+  """Draft tokens [b, B] (the seed at index 0), distributions q [b, B, V] and signals [b, 3, B] of draft blocks
+  whose head inputs are h [b, B, D] (aligned: index j drafts block token j), built a position slice at a time
+  (`map_position_slices`, as `verified_block`; issue 33: the draft was the largest step left on a v5e chip, and a
+  ragged step's [32, 32, V] float32 whole held 3.2 GB on a v6e for NLD-8B). The draft samples under the batch's
+  controls as of the committed output (any draft distribution keeps the verify lossless; this one is closer to the
+  verifier's, so more of it is accepted)."""
+  temperature, top_k, top_p, keys, _, controls = unpack_sampling(samp)  # a draft reports no logprobs
+  draft_keys = sampling.stream_keys(keys, sampling.DRAFT_STREAM)
+
+  def one(h_slice, pos_slice):
+    logits = logits_of(h_slice)
+    q = sampling.processed_probs(logits, temperature, top_k, top_p, cfg.mask_token_id, controls)
+    drafted = sampling.draw_per_position(draft_keys, q, pos_slice, temperature <= 0)
+    drafted = jnp.where(pos_slice == 0, seed[:, None], drafted)
+    return drafted, q, draft_signals(logits, drafted, cfg).swapaxes(1, 2)
+
+  b, blk = h.shape[:2]
+  pos = jnp.broadcast_to(jnp.arange(blk, dtype=jnp.int32)[None, :], (b, blk))
+  drafted, q, signals = map_position_slices(one, (h, pos), vocab_shard_size(cfg.vocab_size))
+  return drafted, q, signals.swapaxes(1, 2)
 
 
 def verified_block(cfg, rule: str, logits_of: Callable, src: jax.Array, tokens: jax.Array, q: jax.Array | None,
