@@ -263,6 +263,30 @@ def test_ragged_step_prices_below_bucketing_and_padding_on_the_b200_table():
   assert pricing.ragged_step_cost([1, 1], prof) == prof.ar_cost(2)
 
 
+def test_ragged_verify_below_the_smallest_block_prices_down_to_a_measured_ar_step():
+  """On a profile that measured its AR step, a ragged verify of fewer than the smallest block's tokens per row (AR
+  rows, truncated verifies) costs linearly less, down to the AR step at one per row, never above the smallest
+  block and never below a cheaper verify; without a measured AR step it is the smallest block's cost."""
+  from recguide_jax.recguide import pricing
+  from recguide_jax.recguide.profile import load_profile
+  for name in ("h200_nld8b", "docs/profile_cpu.json"):
+    prof = load_profile(name)
+    for c in (1, 2, 8, 32):
+      v8 = prof.forward_costs(c, 8)[1]
+      costs = [prof.ragged_cost(c, n, draft=False) for n in range(c, 8 * c + 1)]
+      assert costs[-1] == pytest.approx(v8) and costs[0] == pytest.approx(min(prof.ar_cost(c), v8))
+      assert all(a <= b + 1e-12 for a, b in zip(costs, costs[1:]))
+    # h200's AR step at C = 1 is slower than its B = 8 verify: flat there; the CPU's is far cheaper
+    flat = prof.ragged_cost(1, 4, draft=False) == pytest.approx(prof.forward_costs(1, 8)[1])
+    assert flat == (prof.name == "h200_nld8b")
+    # a mixed step of AR and B = 8 rows prices below the same rows all at B = 8
+    assert pricing.ragged_step_cost([1] * 4 + [8] * 4, prof) < pricing.ragged_step_cost([8] * 8, prof)
+    # and a truncated B = 8 row saves: its last verify token has a price
+    assert pricing.verify_token_price([8] * 8, 30.0, prof) > 0
+  b200 = load_profile("b200_nld8b")
+  assert b200.ragged_cost(8, 20, draft=False) == b200.forward_costs(8, 8)[1]
+
+
 def _times_three(prof):
   """`prof` in another time unit: every cost 3x."""
   from recguide_jax.recguide.profile import HardwareProfile

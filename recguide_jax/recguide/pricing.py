@@ -31,7 +31,7 @@ def verify_token_price(blocks: Sequence[int], tokens: float, profile) -> float:
   ragged steps that expects `tokens`: the step's planned rate (tokens per profile ms) times what the last query
   token of its verify forward costs (`HardwareProfile.ragged_cost` at one token fewer). A ratio of two costs, so
   any uniform rescaling of the profile (a wall-clock calibration) leaves it as it is. 0 where a shorter verify
-  costs the same (a forward below the profile's smallest block per row is priced as that block: weight-bound)."""
+  costs the same (below the profile's smallest block per row without a measured AR step: weight-bound)."""
   blocks = [int(b) for b in blocks]
   n = sum(blocks)
   if not any(b > 1 for b in blocks) or tokens <= 0:

@@ -192,14 +192,20 @@ class HardwareProfile:
   def ragged_cost(self, c: float, tokens: int, draft: bool) -> float:
     """One ragged forward (runtime/steps.py) of `c` rows holding `tokens` packed query tokens, rows at blocks of
     their own: the profile's draft (`draft`) or verify forward of c rows at the mean block tokens / c, linear
-    between the measured blocks and the smallest block's cost below it (at serving sizes a forward of fewer query
-    tokens per row is weight-bound: `ar_cost`'s estimate). It charges the tokens the forward computes, with no
-    padding row and no second forward for a second block size; the largest measured block bounds it above."""
+    between the measured blocks. It charges the tokens the forward computes, with no padding row and no second
+    forward for a second block size; the largest measured block bounds it above. Below the smallest block (AR rows,
+    truncated verifies) a verify is linear down to the measured AR step at one token per row, which never costs more
+    than the smallest block (a profile whose AR step was slower, as h200's at C = 1, is weight-bound there: flat);
+    without a measured AR step it is the smallest block's cost (`ar_cost`'s estimate)."""
     self._check_c(c)
     blocks = self.block_sizes
-    mean = min(max(tokens / c, blocks[0]), blocks[-1])
     role = 0 if draft else 1
     costs = [self.forward_costs(c, b)[role] for b in blocks]
+    mean = tokens / c
+    if mean < blocks[0] and not draft and self.ar_step_ms is not None:
+      floor = min(self.ar_cost(c), costs[0])
+      return float(np.interp(mean, (1.0, float(blocks[0])), (floor, costs[0])))
+    mean = min(max(mean, blocks[0]), blocks[-1])
     return float(np.interp(mean, np.asarray(blocks, float), np.asarray(costs)))
 
   def fused_cost(self, c: float, b: int, slots: int = FUSED_SLOTS) -> float:
