@@ -218,13 +218,21 @@ def test_switch_re_measures_a_stale_runner_up():
   measure(pol, "linear", 8, 5.0)  # the probe's rounds, in today's state of the machine: 0.8 tokens/ms
   assert pol.regime(1) == "adaptive" and pol.calibrated.clock.median("linear", 8, 1) == pytest.approx(5.0)
   assert pol.probes == 1
-  # probes are spaced so they take at most probe_budget of the time: a long runner-up round is probed rarely
+  # probes take at most probe_budget of the engine's busy time (a long runner-up round is probed rarely), and idle
+  # time is not busy: a short burst after a pause does not buy a probe
   t[0] = 6.0
   measure(pol, "linear", 8, 6.0)  # LinearSS is now the best (0.67 tokens/ms), AR (0.5) is stale
-  pol.probe_budget = 0.001  # 3 AR rounds of 2 ms: one probe per 6 s at most
-  assert pol.regime(1) == "adaptive" and pol.probes == 1  # 6 s since the last probe: not yet
-  t[0] = 9.5
+  pol.probe_budget = 0.001  # 3 AR rounds of 2 ms: one probe per 6 s of work at most
+  assert pol.regime(1) == "adaptive" and pol.probes == 1  # 6 s of wall clock since the last probe, little work
+  t[0] = 100.0
   measure(pol, "linear", 8, 6.0)
+  assert pol.regime(1) == "adaptive" and pol.probes == 1  # an idle minute later: still not
+  for _ in range(9):  # 5.4 s of LinearSS rounds
+    t[0] += 1.0
+    measure(pol, "linear", 8, 6.0, n=100)
+  assert pol.regime(1) == "adaptive" and pol.probes == 1
+  t[0] += 1.0
+  measure(pol, "linear", 8, 6.0, n=100)  # 6 s of work since the last probe
   assert pol.regime(1) == "ar" and pol.probes == 2
   # a runner-up estimated far below the best is not worth a probe
   t[0] = 0.0
@@ -239,6 +247,26 @@ def test_switch_re_measures_a_stale_runner_up():
   assert len({fixed.regime(1) for _ in range(5)}) == 1 and fixed.probes == 0
 
 
+def test_a_probe_runs_the_block_whose_measurement_it_refreshes():
+  """A probe of adaptive B runs every row at the block its rate stands on (the stale clock key): the rule's own
+  blocks would measure other keys, and cost more than the probe was budgeted at where they are longer."""
+  from recguide_jax.decoding.strategy import StepView
+  t = [0.0]
+  pol = clocked_strategy(t)
+  measure(pol, "ar", 1, 2.0, rows=4)
+  for b in (8, 16, 32):
+    measure(pol, "linear", b, 9.0 if b == 8 else 30.0, rows=4)  # B = 8 is adaptive's best: the probe's basis
+  t[0] = 3.0
+  measure(pol, "ar", 1, 2.0, rows=4)
+  reqs = tuple(_history_requests(4, 1))
+  pol._rule_blocks = lambda *args: [8, 32, 16, 32]  # what the per-request rule would plan
+  blocks = []
+  for step in range(4):
+    plan = pol.plan_step(StepView(step + 1, reqs, 4, 1024, 32, frozenset())).plans
+    blocks.append(([p.block_size for p in plan], pol.probing))
+  assert blocks[:3] == [([8] * 4, True)] * 3 and not blocks[3][1] and pol.probes == 1, blocks
+
+
 def test_switch_measures_a_regime_it_never_ran_whatever_the_profile_says():
   """A regime none of whose rounds ever ran here is priced by the profile's ratio to the kinds that did, which a
   profile of other hardware (or none) can get several-fold wrong: it is measured once, for as many steps as its
@@ -250,10 +278,12 @@ def test_switch_measures_a_regime_it_never_ran_whatever_the_profile_says():
     measure(pol, "linear", b, 11.0)  # as profiled: 0.36 tokens/ms; AR, never run, is priced at its profiled 9 ms
   rates = pol.expected_rates(1)
   assert pol.probe_margin * rates["linear8"] > rates["ar"] > pol.explore_margin * rates["linear8"]
-  assert pol.regime(1) == "adaptive" and pol.probes == 0  # the first decision: 3 AR rounds of 9 ms wait 0.27 s
-  t[0] = 0.2
+  # the first decision: 3 AR rounds of 9 ms wait for 0.27 s of work (LinearSS rounds here), not of wall clock
   assert pol.regime(1) == "adaptive" and pol.probes == 0
-  t[0] = 0.3
+  t[0] = 1.0
+  measure(pol, "linear", 8, 11.0, n=20)
+  assert pol.regime(1) == "adaptive" and pol.probes == 0
+  measure(pol, "linear", 8, 11.0, n=5)
   assert pol.regime(1) == "ar" and pol.probing and pol.probes == 1
   # the live rows change between the probe's steps, so no clock key has its median yet: the probe goes on
   for rows in (2, 3, 2):
@@ -268,14 +298,14 @@ def test_switch_measures_a_regime_it_never_ran_whatever_the_profile_says():
   for b in (8, 16, 32):
     measure(again, "linear", b, 11.0)
   again.regime(1)
-  t[0] = 0.3
+  measure(again, "linear", 8, 11.0, n=25)
   assert [again.regime(1) for _ in range(again.explore_rounds + 1)] == ["ar"] * again.explore_rounds + ["adaptive"]
   # estimated beyond explore_margin of the best: not worth even a first measurement
   far = clocked_strategy(t, ar_ms=60.0)
   for b in (8, 16, 32):
     measure(far, "linear", b, 11.0)
   assert far.regime(1) == "adaptive"
-  t[0] = 1.9
+  measure(far, "linear", 8, 11.0, n=200)
   assert far.regime(1) == "adaptive" and far.probes == 0
 
 
@@ -487,6 +517,45 @@ def test_overlap_draft_shares_follow_each_requests_own_overlap_test(fixed_regime
       first = 0.0 if pol.state(r).prefetched is not None else 1.0
       want.append((first + (left - 1.0) * (1.0 - hit)) / left)
   assert pol.overlap_draft_shares(reqs) == want and 0 < len(want) < len(reqs)
+
+
+@pytest.mark.parametrize("calibrate", [False, True])
+def test_switch_skips_overlaps_draft_shares_only_where_they_cannot_change_its_decision(calibrate):
+  """Where overlap's best case (its fused round alone) cannot change the switch's decision, the switch skips the pass
+  over every request that overlap's draft shares take: its decisions, probes included, are those it makes with the
+  shares, over random loads, requests and (calibrated) measured round times, fresh and stale."""
+  from recguide_jax.llm import BUNDLED_CHECKPOINT, recguide_defaults
+  from recguide_jax.recguide.profile import load_profile
+  from recguide_jax.recguide.signals import RoundRecord
+  rng = np.random.default_rng(3)
+  t = [0.0]
+  kwargs = dict(recguide_defaults(BUNDLED_CHECKPOINT), profile=load_profile("b200_nld8b"), calibrate=calibrate)
+  fast, exact = (RecGuideStrategy(16, **kwargs) for _ in range(2))
+  exact._overlap_out_of_reach = lambda *args: False
+  skipped, decided = [], collections.Counter()
+  out_of_reach = fast._overlap_out_of_reach
+  fast._overlap_out_of_reach = lambda *args: skipped.append(out_of_reach(*args)) or skipped[-1]
+  for pol in (fast, exact):
+    pol.calibrated.clock.now = lambda: t[0]
+  for step in range(400):
+    c = int(rng.choice([1, 2, 4, 8, 16, 32, 64, 128]))
+    reqs = _history_requests(c, step)
+    if rng.random() < 0.5:  # greedy requests whose drafts were all accepted lately, far from their end: overlap's load
+      for r in reqs:
+        r.strategy_state.history = [RoundRecord(16, 16, 0.05)] * 3
+        r.params = SamplingParams(temperature=0.0, max_tokens=1000)
+    if calibrate:  # both clocks measure the same rounds (random kinds and costs; overlap only in the second half)
+      kind, blk = rng.choice([("linear", 16), ("linear", 8), ("ar", 1)] + [("overlap_draft", 16)] * (step > 200))
+      ms = {"ar": 1.0, "linear": 4.0, "overlap_draft": 9.0}[kind] * rng.uniform(0.3, 3.0) + rng.uniform(0, 0.05) * c
+      for pol in (fast, exact):
+        for _ in range(3):
+          pol.observe_round(kind, int(blk), c, ms / 1e3)
+    values = [fast._values(r) for r in reqs]
+    got, want = fast.regime(c, reqs, values), exact.regime(c, reqs, values)
+    assert (got, fast.probing) == (want, exact.probing), (step, c, got, want)
+    decided[got, fast.probing] += 1
+    t[0] += float(rng.choice([0.1, 0.5, 3.0]))
+  assert sum(skipped) > 40 and len(decided) >= (5 if calibrate else 2), (sum(skipped), decided)
 
 
 def test_value_calibration_scales_predictions_by_what_verification_returned():

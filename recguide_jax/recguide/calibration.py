@@ -55,8 +55,12 @@ class RoundClock:
     self._last: dict[tuple[str, int, int], float] = {}  # when each key last ran
     self.measured_kinds: frozenset[str] = frozenset()  # kinds that have had a median at some (B, rows), ever
     self.observations = 0
+    # seconds of rounds observed, ever: the engine's busy time (what probes are budgeted against; idle time is not)
+    self.busy_s = 0.0
 
-  def observe(self, kind: str, block_size: int, rows: int, seconds: float) -> None:
+  def observe(self, kind: str, block_size: int, rows: int, seconds: float, rounds: int = 1) -> None:
+    """One call's rounds of `kind`, `seconds` each (a multi-step AR call: `rounds` steps at their share)."""
+    self.busy_s += float(seconds) * rounds
     key = (kind, int(block_size), int(rows))
     t = self.now()
     buf = self._samples.get(key)
@@ -129,6 +133,11 @@ class CalibratedCosts:
         cached["*"] = statistics.median([r for v in per_kind.values() for r in v])
       self._ratios[fresh] = (self.clock.observations, self.clock.measured_kinds, cached)
     return cached
+
+  def refresh(self) -> None:
+    """Re-derives the ratios where they are due, as the next `cost` or `fresh_cost` asking for them would."""
+    self.ratios()
+    self.ratios(fresh=True)
 
   def cost(self, kind: str, blk: int, rows: int) -> float:
     measured = self.clock.median(kind, blk, rows)

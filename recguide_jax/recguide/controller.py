@@ -67,8 +67,8 @@ class RecGuideStrategy(AdaptiveRule, RegimeSwitch, CostModel, Strategy):
     # re-measuring a stale runner-up regime (calibrated switch only): how close it must be, how much of the time
     # probes may take, probes run, the one in progress
     self.probe_margin = 0.7
-    self.probe_budget = 0.02  # probes take at most this share of the time
-    # a first measurement of a regime's kinds (`_probe_or_best`): at most this share of the time, for a regime
+    self.probe_budget = 0.02  # probes take at most this share of the engine's busy time
+    # a first measurement of a regime's kinds (`_probe_or_best`): at most this share of the busy time, for a regime
     # estimated within this factor of the best (the profile's ratios between kinds may be off that much)
     self.explore_budget = 0.1
     self.explore_margin = 0.25
@@ -76,8 +76,10 @@ class RecGuideStrategy(AdaptiveRule, RegimeSwitch, CostModel, Strategy):
     self.probes = 0
     self._probe: tuple[str, int, str | None] | None = None  # (regime, steps left, rate key it first measures)
     self.probing = False  # this step's regime is a probe (then it runs as chosen, not re-priced as a batch)
-    self._last_probe_at = -float("inf")
-    self._first_decision_at: float | None = None  # when the calibrated switch first chose (spaces the first probes)
+    self._probe_basis: str | None = None  # the rate key the probe in progress measures ("ar", "linear<B>", ...)
+    self._last_probe_at = -float("inf")  # wall clock
+    self._last_probe_busy = -float("inf")  # the clock's busy seconds then
+    self._first_decision_busy: float | None = None  # busy seconds when the switch first chose (spaces first probes)
     # the request list of the last AR round that left every state of it settled (no prefetched branch, a history
     # all AR records): a pipelined AR call's successor is the same list, and its round changes no state
     self._ar_settled: list | None = None
@@ -206,7 +208,7 @@ class RecGuideStrategy(AdaptiveRule, RegimeSwitch, CostModel, Strategy):
         self.observe_verifications(batch.reqs, block, accepted, res, lefts, out.rounds)
     if isinstance(out.extra, OverlapResult):
       self._observe_overlap(batch, out, out.extra)
-    self.observe_round(out.label, batch.block, batch.n, outcome.seconds / out.rounds)
+    self.observe_round(out.label, batch.block, batch.n, outcome.seconds / out.rounds, out.rounds)
 
   def observe_verification(self, req, block_size: int, accepted: int, result, row: int, left: int | None = None,
                            rounds: int = 1) -> None:
@@ -235,7 +237,8 @@ class RecGuideStrategy(AdaptiveRule, RegimeSwitch, CostModel, Strategy):
     entropy = dict(zip(drafted.tolist(), entropies))
     blocks, accepted = blocks.tolist(), accepted.tolist()
     predicts = self.calibrate and self.tables is not None  # `ValueCalibration`: predicted against returned
-    stats = self.stats
+    # `OnlineStats.observe_verified`, inlined (a call per request and round)
+    estimate, decay = self.stats.accepted, self.stats.decay
     for i, req in enumerate(reqs):
       blk, got = blocks[i], accepted[i]
       if blk <= 1:
@@ -257,7 +260,7 @@ class RecGuideStrategy(AdaptiveRule, RegimeSwitch, CostModel, Strategy):
           del history[0]
         state.ar_tail, state.signals = 0, None
         if known:
-          stats.observe_verified(blk, got)
+          estimate[blk] = decay * estimate.get(blk, got) + (1 - decay) * got
       self._ar_settled = None
 
   def _observe_ar(self, reqs, rounds: int) -> None:

@@ -81,7 +81,7 @@ class CostModel:
       self._draft_affine[(blk, rows)] = pricing.affine_costs(costs)
     return costs
 
-  def observe_round(self, kind: str, block_size: int, rows: int, seconds: float) -> None:
-    """One round's wall seconds (a multi-step call: each step's share), for the calibrated costs."""
+  def observe_round(self, kind: str, block_size: int, rows: int, seconds: float, rounds: int = 1) -> None:
+    """One round's wall seconds (a multi-step call: each of its `rounds` steps' share), for the calibrated costs."""
     if self.calibrate:
-      self.calibrated.clock.observe(kind, block_size, rows, seconds)
+      self.calibrated.clock.observe(kind, block_size, rows, seconds, rounds)

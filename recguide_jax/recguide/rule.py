@@ -123,8 +123,12 @@ class AdaptiveRule:
     (`round_cost`). The step runs the plan with the most tokens per unit time; a near-tie keeps the plan listed
     first (AR, then B ascending, then the rule: the cheaper round, and a fixed plan before the mixed one): a later
     plan replaces the best so far only when priced more than `tie_margin` above it (docs/recguide.md, "Priced as a
-    batch" (5))."""
+    batch" (5)). A probe's step runs as the switch chose it, unpriced: every row at the probed block."""
     c = max(concurrency, 1)
+    if self.probing and (self._probe_basis or "").startswith(Regime.LINEAR):
+      # a probe runs the block whose measurement it refreshes, every row alike: the rule's own blocks would measure
+      # other keys (and cost more than the probe was budgeted at when they are longer)
+      return "probe", [int(self._probe_basis[len(Regime.LINEAR):])] * len(reqs)
     costs = self._linear_costs(c)
     values = [self._values(r) for r in reqs] if values is None else values
     rule = self._rule_blocks(reqs, c, costs, values)

@@ -7,8 +7,7 @@ every verification of a request from completed causal-verify information only:
 
 from __future__ import annotations
 
-import dataclasses
-from typing import Mapping, Sequence
+from typing import Mapping, NamedTuple, Sequence
 
 import numpy as np
 
@@ -67,9 +66,9 @@ def round_entropies(entropies: np.ndarray, accepted: Sequence[int], block_size: 
   return out
 
 
-@dataclasses.dataclass(frozen=True)
-class RoundRecord:
-  """One verification round of a request, as the adaptive policy remembers it."""
+class RoundRecord(NamedTuple):
+  """One verification round of a request, as the adaptive policy remembers it (a named tuple: one is made per
+  request and round, so it is cheap to build)."""
   block_size: int
   accepted: int
   entropy: float | None  # e_t from round_entropy (None when no position was valid)

@@ -51,12 +51,12 @@ class RegimeSwitch:
     mean V_B over the whole batch too, and the requests that would not overlap (sampled, or finishing this round)
     cost overlap a LinearSS round of their own beside the fused one (why: docs/recguide.md, "Priced as a batch"
     (2))."""
+    accepted = (self.stats.accepted if values is None
+                else {b: sum(v[b] for v in values) / len(values) for b in BLOCK_SIZES})
     shares = tuple(self.overlap_draft_shares(batch)) if batch and self.overlap else ()
     share = sum(shares) / len(shares) if shares else 1.0 - self.stats.overlap_hit
     left_out = len(batch) - len(shares) if batch and self.overlap else 0  # a share per overlapping request
-    if values is None:
-      return StepEstimates(self.stats.accepted, share, left_out, shares)
-    return StepEstimates({b: sum(v[b] for v in values) / len(values) for b in BLOCK_SIZES}, share, left_out, shares)
+    return StepEstimates(accepted, share, left_out, shares)
 
   def overlap_draft_shares(self, batch) -> list[float]:
     """Per request of `batch` that would run overlap rounds, the share of them that pay a draft forward, from this
@@ -113,10 +113,18 @@ class RegimeSwitch:
     if not self.switch:
       return Regime.OVERLAP if (self.overlap and concurrency <= 1) else Regime.ADAPTIVE
     c = max(concurrency, 1)
-    estimates = self.step_estimates(batch, values)
-    rates = self._rates(c, estimates)
-    if not self.overlap:
-      rates.pop(Regime.OVERLAP)
+    if self.calibrate:  # the cost ratios as of this decision, whichever costs it asks for (the shortcut, fewer)
+      self.calibrated.refresh()
+    accepted = self.step_estimates(None, values).accepted
+    if self._overlap_out_of_reach(c, accepted, batch):  # its draft shares need a pass over every request: skipped
+      estimates = StepEstimates(accepted, 1.0)
+      rates = {key: self._rate(key, c, self._round_cost, estimates)
+               for key in (Regime.AR.value, *(f"linear{b}" for b in BLOCK_SIZES))}
+    else:
+      estimates = self.step_estimates(batch, values)
+      rates = self._rates(c, estimates)
+      if not self.overlap:
+        rates.pop(Regime.OVERLAP)
     # one rate per regime: adaptive B is as good as its best block size
     basis: dict[Regime, str] = {}  # regime -> the rate it stands on
     for key, rate in rates.items():
@@ -131,6 +139,34 @@ class RegimeSwitch:
     if not self.calibrate or len(ranked) < 2:
       return ranked[0]
     return self._probe_or_best(ranked, basis, rates, c, estimates)
+
+  def _overlap_out_of_reach(self, c: int, accepted: dict[int, float], batch) -> bool:
+    """Whether overlap cannot change the switch's decision at this load whatever its rows' draft shares (`accepted`:
+    the step's expected tokens per B): its rate is at most its fused round's alone (no row drafting, none left out),
+    and that best case is below the best of AR and adaptive B. Calibrated, a probe also looks past the best
+    (`_probe_or_best`): overlap must be below the margin it would be probed at (`explore_margin` while never
+    measured, else `probe_margin`) at the costs a probe judges by (`_current_cost`), and where it might rank above
+    the other regime, that regime's probe must not hang on its being the runner-up (measured, and fresh or below
+    `probe_margin`)."""
+    if not (batch and self.overlap):
+      return False
+    blk, cost = self.block_size, self._round_cost
+    adaptive = max(BLOCK_SIZES, key=lambda b: accepted[b] / cost(RoundKind.LINEAR, b, c))  # `regime`'s basis
+    estimates = StepEstimates(accepted, 1.0)
+    rates = {key: self._rate(key, c, cost, estimates) for key in (Regime.AR.value, f"linear{adaptive}")}
+    best, other = sorted(rates, key=lambda key: -rates[key])
+    best_case = accepted[blk] / cost(OverlapKind.OVERLAP, blk, c)
+    if best_case >= rates[best]:
+      return False
+    if not self.calibrate:
+      return True
+    margin = self.explore_margin if self._never_measured(Regime.OVERLAP) else self.probe_margin
+    if accepted[blk] / self._current_cost(OverlapKind.OVERLAP, blk, c) >= margin * rates[best]:
+      return False
+    if best_case < rates[other] or self._never_measured(other):
+      return True  # last either way, or `other` is probed (or not) at any rank
+    current = self._rate(other, c, self._current_cost, estimates)
+    return self.calibrated.clock.is_fresh(*self._clock_key(other, c)) or current < self.probe_margin * rates[best]
 
   def _clock_key(self, rate_key: str, concurrency: int) -> tuple[str, int, int]:
     """The measured round a regime's rate rests on."""
@@ -153,8 +189,10 @@ class RegimeSwitch:
     stale (or was never measured) and the runner-up is estimated close enough to matter (>= `probe_margin` of the
     best's rate), the runner-up runs for `min_samples` steps, so the two are compared in one state of the
     machine: a regime measured in a slow spell of a shared machine must not lose the switch for good. Probes take
-    at most `probe_budget` of the time. The margin test prices the runner-up also from fresh rounds only
-    (`CalibratedCosts.fresh_cost`) and takes the more promising price.
+    at most `probe_budget` of the engine's busy time (the rounds it observed: idle time between requests would let
+    a probe land in every short burst) and come no sooner than the last probe's rounds go stale. The margin test
+    prices the runner-up also from fresh rounds only (`CalibratedCosts.fresh_cost`) and takes the more promising
+    price.
 
     A regime none of whose round kinds has ever run here, ranked anywhere below the best, is probed when its
     estimate is within `explore_margin` of the best's: that estimate is the profile's cost ratio between kinds, and
@@ -169,9 +207,9 @@ class RegimeSwitch:
       self._probe = None  # a first measurement that has its median: decide as usual
     best = ranked[0]
     clock = self.calibrated.clock
-    now = clock.now()
-    if self._first_decision_at is None:
-      self._first_decision_at = now
+    now, busy = clock.now(), clock.busy_s
+    if self._first_decision_busy is None:
+      self._first_decision_busy = busy
     if not clock.is_fresh(*self._clock_key(basis[best], c)):
       return best
     for rank, name in enumerate(ranked[1:]):
@@ -181,16 +219,18 @@ class RegimeSwitch:
         continue  # only the runner-up, or a regime never measured, is worth a probe
       probe_s = clock.min_samples * self._round_cost(key[0], key[1], c) / 1e3
       if unmeasured:  # a first measurement: its own budget, counted from the first decision too
-        since = now - max(self._last_probe_at, self._first_decision_at)
-        wait, margin = probe_s / self.explore_budget, self.explore_margin
+        due = busy - max(self._last_probe_busy, self._first_decision_busy) >= probe_s / self.explore_budget
+        margin = self.explore_margin
       else:  # and never sooner than the last probe's rounds go stale
-        since = now - self._last_probe_at
-        wait, margin = max(clock.stale_after_s, probe_s / self.probe_budget), self.probe_margin
-      if since < wait:
+        due = (now - self._last_probe_at >= clock.stale_after_s
+               and busy - self._last_probe_busy >= probe_s / self.probe_budget)
+        margin = self.probe_margin
+      if not due:
         continue  # checked first: it is cheap, and most steps stop here
       if self._rate(basis[name], c, self._current_cost, estimates) < margin * rates[basis[best]]:
         continue
-      self._last_probe_at = now
+      self._last_probe_at, self._last_probe_busy = now, busy
+      self._probe_basis = basis[name]
       self.probes += 1
       # a first measurement runs until its kind has a median (the live rows can change between steps, and each row
       # count is its own clock key), for up to explore_rounds steps
