@@ -237,8 +237,7 @@ class RecGuideStrategy(AdaptiveRule, RegimeSwitch, CostModel, Strategy):
     entropy = dict(zip(drafted.tolist(), entropies))
     blocks, accepted = blocks.tolist(), accepted.tolist()
     predicts = self.calibrate and self.tables is not None  # `ValueCalibration`: predicted against returned
-    # `OnlineStats.observe_verified`, inlined (a call per request and round)
-    estimate, decay = self.stats.accepted, self.stats.decay
+    stats = self.stats
     for i, req in enumerate(reqs):
       blk, got = blocks[i], accepted[i]
       if blk <= 1:
@@ -260,7 +259,7 @@ class RecGuideStrategy(AdaptiveRule, RegimeSwitch, CostModel, Strategy):
           del history[0]
         state.ar_tail, state.signals = 0, None
         if known:
-          estimate[blk] = decay * estimate.get(blk, got) + (1 - decay) * got
+          stats.observe_verified(blk, got)
       self._ar_settled = None
 
   def _observe_ar(self, reqs, rounds: int) -> None:

@@ -51,8 +51,15 @@ class RegimeSwitch:
     mean V_B over the whole batch too, and the requests that would not overlap (sampled, or finishing this round)
     cost overlap a LinearSS round of their own beside the fused one (why: docs/recguide.md, "Priced as a batch"
     (2))."""
-    accepted = (self.stats.accepted if values is None
-                else {b: sum(v[b] for v in values) / len(values) for b in BLOCK_SIZES})
+    return self._with_shares(self._accepted(values), batch)
+
+  def _accepted(self, values) -> dict[int, float]:
+    """The step's expected tokens per B: its requests' mean `values`, or the engine-wide estimates."""
+    return (self.stats.accepted if values is None
+            else {b: sum(v[b] for v in values) / len(values) for b in BLOCK_SIZES})
+
+  def _with_shares(self, accepted: dict[int, float], batch) -> StepEstimates:
+    """`step_estimates` of expected tokens `accepted`: overlap's draft shares of `batch` added."""
     shares = tuple(self.overlap_draft_shares(batch)) if batch and self.overlap else ()
     share = sum(shares) / len(shares) if shares else 1.0 - self.stats.overlap_hit
     left_out = len(batch) - len(shares) if batch and self.overlap else 0  # a share per overlapping request
@@ -113,18 +120,16 @@ class RegimeSwitch:
     if not self.switch:
       return Regime.OVERLAP if (self.overlap and concurrency <= 1) else Regime.ADAPTIVE
     c = max(concurrency, 1)
-    if self.calibrate:  # the cost ratios as of this decision, whichever costs it asks for (the shortcut, fewer)
+    if self.calibrate:  # the cost ratios as of this decision, whichever costs it asks for (overlap's, or not)
       self.calibrated.refresh()
-    accepted = self.step_estimates(None, values).accepted
-    if self._overlap_out_of_reach(c, accepted, batch):  # its draft shares need a pass over every request: skipped
-      estimates = StepEstimates(accepted, 1.0)
-      rates = {key: self._rate(key, c, self._round_cost, estimates)
-               for key in (Regime.AR.value, *(f"linear{b}" for b in BLOCK_SIZES))}
-    else:
-      estimates = self.step_estimates(batch, values)
-      rates = self._rates(c, estimates)
-      if not self.overlap:
-        rates.pop(Regime.OVERLAP)
+    accepted = self._accepted(values)
+    estimates = StepEstimates(accepted, 1.0)  # AR and LinearSS need no draft shares
+    rates = {key: self._rate(key, c, self._round_cost, estimates)
+             for key in (Regime.AR.value, *(f"linear{b}" for b in BLOCK_SIZES))}
+    # overlap's rate needs a pass over every request (its draft shares): skipped where it cannot change the decision
+    if self.overlap and not self._overlap_out_of_reach(c, accepted, rates, batch):
+      estimates = self._with_shares(accepted, batch)
+      rates[Regime.OVERLAP.value] = self._rate(Regime.OVERLAP.value, c, self._round_cost, estimates)
     # one rate per regime: adaptive B is as good as its best block size
     basis: dict[Regime, str] = {}  # regime -> the rate it stands on
     for key, rate in rates.items():
@@ -140,22 +145,20 @@ class RegimeSwitch:
       return ranked[0]
     return self._probe_or_best(ranked, basis, rates, c, estimates)
 
-  def _overlap_out_of_reach(self, c: int, accepted: dict[int, float], batch) -> bool:
+  def _overlap_out_of_reach(self, c: int, accepted: dict[int, float], rates: dict[str, float], batch) -> bool:
     """Whether overlap cannot change the switch's decision at this load whatever its rows' draft shares (`accepted`:
-    the step's expected tokens per B): its rate is at most its fused round's alone (no row drafting, none left out),
-    and that best case is below the best of AR and adaptive B. Calibrated, a probe also looks past the best
-    (`_probe_or_best`): overlap must be below the margin it would be probed at (`explore_margin` while never
-    measured, else `probe_margin`) at the costs a probe judges by (`_current_cost`), and where it might rank above
-    the other regime, that regime's probe must not hang on its being the runner-up (measured, and fresh or below
-    `probe_margin`)."""
-    if not (batch and self.overlap):
+    the step's expected tokens per B; `rates`: AR's and each LinearSS block's): its rate is at most its fused round's
+    alone (no row drafting, none left out), and that best case is below the best of AR and adaptive B. Calibrated, a
+    probe also looks past the best (`_probe_or_best`): overlap must be below the margin it would be probed at
+    (`explore_margin` while never measured, else `probe_margin`) at the costs a probe judges by (`_current_cost`),
+    and where it might rank above the other regime, that regime's probe must not hang on its being the runner-up
+    (measured, and fresh or below `probe_margin`)."""
+    if not batch:
       return False
-    blk, cost = self.block_size, self._round_cost
-    adaptive = max(BLOCK_SIZES, key=lambda b: accepted[b] / cost(RoundKind.LINEAR, b, c))  # `regime`'s basis
-    estimates = StepEstimates(accepted, 1.0)
-    rates = {key: self._rate(key, c, cost, estimates) for key in (Regime.AR.value, f"linear{adaptive}")}
-    best, other = sorted(rates, key=lambda key: -rates[key])
-    best_case = accepted[blk] / cost(OverlapKind.OVERLAP, blk, c)
+    adaptive = max((key for key in rates if key != Regime.AR), key=rates.get)  # `regime`'s basis for adaptive B
+    best, other = sorted((Regime.AR.value, adaptive), key=lambda key: -rates[key])
+    blk = self.block_size
+    best_case = accepted[blk] / self._round_cost(OverlapKind.OVERLAP, blk, c)
     if best_case >= rates[best]:
       return False
     if not self.calibrate:
@@ -165,7 +168,7 @@ class RegimeSwitch:
       return False
     if best_case < rates[other] or self._never_measured(other):
       return True  # last either way, or `other` is probed (or not) at any rank
-    current = self._rate(other, c, self._current_cost, estimates)
+    current = self._rate(other, c, self._current_cost, StepEstimates(accepted, 1.0))
     return self.calibrated.clock.is_fresh(*self._clock_key(other, c)) or current < self.probe_margin * rates[best]
 
   def _clock_key(self, rate_key: str, concurrency: int) -> tuple[str, int, int]:
