@@ -14,7 +14,8 @@ alone); per request-step it is divided by C and by the AR steps one call runs (a
 request-steps per request).
 
 A cProfile of the engine's host side at the largest C (the same timed steps; `--profile_policies`) says which
-functions cost what.
+functions cost what: in the engine thread's CPU time, so a read-back's wait for the device counts only the work it
+does.
 
   python launch/bench_host.py                              # ar, linear, recguide; C = 1, 8, 32, 128
   python launch/bench_host.py --output_dir docs            # docs/bench_host.{json,md}
@@ -71,21 +72,69 @@ class Recorder:
     self.calls.append((key, args))
 
 
-def timed_steps(llm, policy: str, c: int, max_tokens: int, prompt_len: int, profile: bool = False, replays: int = 0):
+class Served:
+  """The server's side of streamed requests, as `launch/serve.py` runs it: each request's update callback is a real
+  `Tracker`'s (inter-token latency and finish metrics, its updates handed to the event loop through the loop's
+  outbox), on an event loop of its own thread that reads every tracker as a streaming response does. The engine is
+  stepped by the benchmark itself, so its thread's host work includes the callbacks'."""
+
+  def __init__(self, llm):
+    import asyncio
+    import threading
+
+    from recguide_jax.engine.thread import EngineThread
+    from recguide_jax.server.metrics import ServerMetrics
+    from recguide_jax.server.tracker import LoopOutbox
+    self.loop = asyncio.new_event_loop()
+    threading.Thread(target=self.loop.run_forever, name="bench-host-loop", daemon=True).start()
+    self.outbox = LoopOutbox(self.loop)
+    self.engine_thread = EngineThread(llm.engine)  # never started: it only gives the metrics the engine
+    self.metrics = ServerMetrics(self.engine_thread, "bench_host")
+    self.readers: list = []
+
+  def callback(self, prompt: list[int], params, rid: str):
+    """A tracker of a streamed request (read on the loop until it finishes); returns its `on_update`."""
+    import asyncio
+
+    from recguide_jax.server import protocol
+    from recguide_jax.server.tracker import Tracker
+    gen = protocol.GenerationRequest([protocol.Prompt(prompt, None)], params, stream=True)
+
+    async def start():
+      tracker = Tracker(self.outbox, self.engine_thread, rid, gen, self.metrics)
+      return tracker, asyncio.ensure_future(tracker.wait_finished())
+    tracker, reader = asyncio.run_coroutine_threadsafe(start(), self.loop).result()
+    self.readers.append(reader)
+    return tracker.on_update
+
+  def wait(self) -> None:
+    """Until every tracker read its final update."""
+    import asyncio
+
+    async def all_read(readers):
+      await asyncio.gather(*readers)
+    readers, self.readers = self.readers, []
+    asyncio.run_coroutine_threadsafe(all_read(readers), self.loop).result(60)
+
+
+def timed_steps(llm, policy: str, c: int, max_tokens: int, prompt_len: int, profile: bool = False, replays: int = 0,
+                served: Served | None = None):
   """Runs C requests to the end; returns [(step seconds, [(key, args)] of its calls, their bare seconds, host work
-  seconds, dispatch seconds, host CPU seconds)] of the steps where all C decoded, and the profile of those steps
-  (or None)."""
+  seconds, dispatch seconds, host CPU seconds)] of the steps where all C decoded, and the profiles of those steps
+  (one each, in the engine thread's CPU time; or None). `served`: the requests are streamed through the server's
+  trackers."""
   from recguide_jax.engine.requests import SamplingParams
   from recguide_jax.runtime.compilation import CompileCounter
   eng = llm.engine
   llm.set_policy(policy, block_size=16)
   params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
   for i in range(c):
-    eng.add_request([5 + (i + k) % 97 for k in range(prompt_len)], params)
+    prompt, rid = [5 + (i + k) % 97 for k in range(prompt_len)], f"bench-{eng.step_count}-{i}"
+    eng.add_request(prompt, params, rid, None if served is None else served.callback(prompt, params, rid))
   rec = Recorder()
   llm.runner.before_execute = rec
   import jax
-  prof = cProfile.Profile() if profile else None
+  profiles = [] if profile else None  # one per timed step (a step that is not timed drops its own)
   steps, skipped = [], 0
   # time inside the device calls (dispatch: the host launching them, which returns before the device is done) and
   # their read-backs: the rest of a step is the engine's host work. Also the engine thread's own CPU time outside
@@ -109,7 +158,8 @@ def timed_steps(llm, policy: str, c: int, max_tokens: int, prompt_len: int, prof
       full = (not eng.waiting and len(eng.running) == c
               and all(r.seed_token is not None and eng.prefilled(r) == len(r.prompt_ids) for r in eng.running))
       rec.calls = []
-      if prof is not None and full:
+      prof = cProfile.Profile(time.thread_time) if profile and full else None
+      if prof is not None:
         prof.enable()
       inside[0] = dispatch[0] = inside_cpu[0] = 0.0
       compiles = CompileCounter.total()
@@ -118,7 +168,7 @@ def timed_steps(llm, policy: str, c: int, max_tokens: int, prompt_len: int, prof
       dt, cpu = time.perf_counter() - t0, time.thread_time() - cpu0
       compiled = CompileCounter.total() > compiles
       device, launching, host_cpu = inside[0], dispatch[0], cpu - inside_cpu[0]
-      if prof is not None and full:
+      if prof is not None:
         prof.disable()
       # a step where every request decoded and none finished: the steady state. Every third one's calls are replayed
       # right after it, under the same machine load (a replay rewrites the same K/V from the same inputs: harmless);
@@ -135,11 +185,15 @@ def timed_steps(llm, policy: str, c: int, max_tokens: int, prompt_len: int, prof
           jax.block_until_ready(llm.runner.cache)  # the engine's call in flight, if any, first
           bare = bare_seconds(llm.runner, calls, replays)
         steps.append((dt, calls, bare, dt - device, launching, host_cpu))
+        if prof is not None:
+          profiles.append(prof)
   finally:
     llm.runner.before_execute = None
     llm.runner.execute, jax.device_get = execute, device_get
+  if served is not None:
+    served.wait()
   assert eng.allocator.num_used == 0
-  return steps, prof
+  return steps, profiles
 
 
 def bare_seconds(runner, calls, repeats: int) -> float:
@@ -155,13 +209,13 @@ def bare_seconds(runner, calls, repeats: int) -> float:
   return statistics.median(out)
 
 
-def measure(llm, policy: str, c: int, cfg) -> dict:
+def measure(llm, policy: str, c: int, cfg, served: Served | None = None) -> dict:
   timed_steps(llm, policy, c, cfg["max_tokens"], cfg["prompt_len"])  # compiles what this point calls
   from recguide_jax.engine.gc_heap import GCPauses
   walls, bares, hosts, host_cpus, dispatches, calls_per_step, steps_per_call = [], [], [], [], [], [], []
   engine_steps = llm.engine.step_count
   with GCPauses() as pauses:
-    runs = [timed_steps(llm, policy, c, cfg["max_tokens"], cfg["prompt_len"], replays=3)[0]
+    runs = [timed_steps(llm, policy, c, cfg["max_tokens"], cfg["prompt_len"], replays=3, served=served)[0]
             for _ in range(cfg["repeats"])]
   engine_steps = llm.engine.step_count - engine_steps
   for steps in runs:
@@ -175,9 +229,10 @@ def measure(llm, policy: str, c: int, cfg) -> dict:
       calls_per_step.append(len(calls))
       steps_per_call.append(max(k.steps for k, _ in calls))
   if not walls:
-    return {"policy": policy, "concurrency": c, "steps": 0}
+    return {"policy": policy, "concurrency": c, "served": served is not None, "steps": 0}
   # medians, and minima: on a shared machine a step's minimum over many is the better estimate of its own cost
-  out = {"policy": policy, "concurrency": c, "steps": len(walls), "bare_samples": len(bares),
+  out = {"policy": policy, "concurrency": c, "served": served is not None, "steps": len(walls),
+         "bare_samples": len(bares),
          "calls_per_step": statistics.median(calls_per_step), "ar_steps_per_call": statistics.median(steps_per_call),
          # Python's collector over the whole generations (every engine step, timed or not)
          "gc_runs_by_generation": pauses.runs, "gc_ms_per_engine_step": sum(pauses.seconds) * 1e3 / engine_steps,
@@ -204,13 +259,19 @@ def measure(llm, policy: str, c: int, cfg) -> dict:
 
 def profile_top(llm, policy: str, c: int, cfg, top: int = 25) -> str:
   timed_steps(llm, policy, c, cfg["max_tokens"], cfg["prompt_len"])
-  steps, prof = timed_steps(llm, policy, c, cfg["max_tokens"], cfg["prompt_len"], profile=True)
+  steps, profiles = timed_steps(llm, policy, c, cfg["max_tokens"], cfg["prompt_len"], profile=True)
+  head = f"{policy} C={c}, {len(steps)} timed steps (engine-thread CPU seconds; tottime: the function's own)"
+  if not profiles:
+    return head
   s = io.StringIO()
-  pstats.Stats(prof, stream=s).sort_stats("tottime").print_stats(top)
+  pstats.Stats(*profiles, stream=s).sort_stats("tottime").print_stats(top)
   lines = [ln for ln in s.getvalue().splitlines() if ln.strip()]
   start = next(i for i, ln in enumerate(lines) if ln.lstrip().startswith("ncalls"))
-  return f"{policy} C={c}, {len(steps)} timed steps (tottime: the function's own time)\n" + "\n".join(
-      ln.replace(ROOT + "/", "") for ln in lines[start:start + top + 1])
+  return "\n".join([head] + [ln.replace(ROOT + "/", "") for ln in lines[start:start + top + 1]])
+
+
+def label(point: dict) -> str:
+  return point["policy"] + (" (served)" if point.get("served") else "")
 
 
 def markdown(result: dict) -> str:
@@ -235,6 +296,10 @@ def markdown(result: dict) -> str:
            "between waiting and not). GC: Python's collector over the whole generations, per engine step (its "
            f"longest pause); the start-up heap {'frozen' if meta.get('freeze_gc') else 'not frozen'} "
            "(`launch/serve.py` freezes it).", "",
+           "(served): the same requests streamed through the server's trackers, as `launch/serve.py` runs them: "
+           "each request's update callback records its inter-token latency and hands its tokens to an event loop "
+           "(on its own thread, reading every stream), so the engine thread's host work includes what serving adds "
+           "per request and step.", "",
            "| policy | C | steps | host work per step (ms) | host work per request-step (us) | "
            "host CPU per step (ms) | host CPU per request-step (us) | "
            "dispatch per call (ms) | engine per call (ms) | bare call (ms) | engine / bare (mean) | "
@@ -242,12 +307,12 @@ def markdown(result: dict) -> str:
            "|---|---|---|---|---|---|---|---|---|---|---|---|"]
   for p in result["points"]:
     if not p.get("steps"):
-      lines.append(f"| {p['policy']} | {p['concurrency']} | 0 | | | | | | | | | |")
+      lines.append(f"| {label(p)} | {p['concurrency']} | 0 | | | | | | | | | |")
       continue
 
     def cell(key, fmt):
       return f"{p[key]:{fmt}} / {p[key + '_min']:{fmt}}"
-    lines.append(f"| {p['policy']} | {p['concurrency']} | {p['steps']} | {cell('host_work_per_step_ms', '.3f')} | "
+    lines.append(f"| {label(p)} | {p['concurrency']} | {p['steps']} | {cell('host_work_per_step_ms', '.3f')} | "
                  f"{cell('host_work_per_request_step_us', '.1f')} | {cell('host_cpu_per_step_ms', '.3f')} | "
                  f"{cell('host_cpu_per_request_step_us', '.1f')} | {cell('dispatch_per_call_ms', '.3f')} | "
                  f"{cell('engine_per_call_ms', '.3f')} | "
@@ -283,9 +348,10 @@ def main(argv):
     freeze_startup_heap()
   load_start = os.getloadavg()[0]
   points = []
-  for policy in f.policies:
+  served = Served(llm) if f.served_policies else None
+  for policy, how in [(p, None) for p in f.policies] + [(p, served) for p in f.served_policies]:
     for c in concurrency:
-      p = measure(llm, policy, c, cfg)
+      p = measure(llm, policy, c, cfg, how)
       points.append(p)
       print(p, flush=True)
   profiles = [profile_top(llm, policy, max(concurrency), cfg) for policy in f.profile_policies if policy]
@@ -315,6 +381,9 @@ def _define_flags():
   flags.DEFINE_bool("pipeline", True, "Run AR and LinearSS calls ahead (Engine.pipeline).")
   flags.DEFINE_bool("freeze_gc", True, "Freeze the start-up heap out of Python's collector, as launch/serve.py "
                     "does.")
+  flags.DEFINE_list("served_policies", ["ar", "linear", "recguide"], "Policies measured again with every request "
+                    "streamed through the server's trackers (`Served`): the engine thread's host work as "
+                    "launch/serve.py runs it.")
   flags.DEFINE_list("profile_policies", ["ar", "linear", "recguide"], "Policies profiled at the largest C.")
   flags.DEFINE_string("model_dir", os.path.join(ROOT, "runs", "bench_host", "model"),
                       "Where the random models are written (once per depth).")

@@ -14,6 +14,7 @@ def _request(i: int, **params) -> Request:
 def test_gather_rows_reads_each_request_once_into_arrays():
   reqs = [_request(0), _request(1, temperature=0.7, top_k=5, top_p=0.9, logprobs=2),
           _request(2, ignore_eos=True, stop=["x"]), _request(3, presence_penalty=0.5)]
+  reqs[2].on_update = lambda r, new: None
   rows = gather_rows(reqs, np.array([4, 0, 2, 1]), tokenizer=object())
   assert rows.table_rows.tolist() == [4, 0, 2, 1]
   np.testing.assert_allclose(rows.temperature, [1, 0.7, 1, 1])  # vLLM's default temperature is 1
@@ -21,6 +22,7 @@ def test_gather_rows_reads_each_request_once_into_arrays():
   assert rows.seed.tolist() == [r.sampling.seed for r in reqs]
   # logprobs and stop strings (with a tokenizer) need per-token emission; ignore_eos and budgets are per row
   assert rows.plain.tolist() == [True, False, False, True]
+  assert rows.notify.tolist() == [False, False, True, False]  # an update callback is called per step
   assert rows.ignore_eos.tolist() == [False, False, True, False]
   assert rows.max_tokens.tolist() == [10, 11, 12, 13]
   assert rows.has_controls and not gather_rows(reqs[:3], np.arange(3), None).has_controls

@@ -103,3 +103,18 @@ def test_a_fold_on_another_thread_loses_no_round():
   assert sum(tally.block_sizes.values()) == sum(len(b) * n for b, _, n, _, _ in rounds)
   assert totals["accepted_draft_tokens"] == sum(int(a[s].sum()) - int(s.sum()) for _, a, _, s, _ in rounds
                                                 if s is not None)
+
+
+def test_request_stats_as_dict_is_its_fields_copied_with_the_derived_values():
+  import dataclasses
+  stats = RequestStats(rounds=3, accepted_lengths=[1, 4, 2], block_sizes=[1, 8, 8], draft_tokens=14,
+                       accepted_draft_tokens=4, ttft_s=0.5, latency_s=1.5, queue_s=0.1)
+  stats.forwards["verify"] = 2
+  stats.forwards["prefill"] = 1
+  d = stats.as_dict()
+  assert d == {**dataclasses.asdict(stats), "decode_forwards": 2, "mean_accepted_length": 7 / 3}
+  d["accepted_lengths"].append(9)
+  d["block_sizes"].clear()
+  d["forwards"]["verify"] = 0
+  assert stats.accepted_lengths == [1, 4, 2] and stats.block_sizes == [1, 8, 8] and stats.forwards["verify"] == 2
+  assert RequestStats().as_dict()["mean_accepted_length"] == 0.0

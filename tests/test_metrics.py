@@ -209,3 +209,33 @@ def test_stats_thread_logs_while_active(served, caplog):
       stats.stop()
   lines = [rec.getMessage() for rec in caplog.records if "Avg generation throughput" in rec.getMessage()]
   assert lines, caplog.text
+
+
+def test_the_batched_inter_token_histogram_exports_what_prometheus_clients_would():
+  """`BatchedHistogram` (counted in batches, folded at every read and every FOLD_AT observations) against
+  prometheus_client's Histogram on the same values, bucket bounds themselves included."""
+  import numpy as np
+  from prometheus_client import Histogram
+
+  from recguide_jax.server.metric_types import ITL_BUCKETS, without_created
+  from recguide_jax.server.metrics import BatchedHistogram
+  values = np.random.default_rng(0).exponential(0.05, 2 * BatchedHistogram.FOLD_AT + 7).tolist()
+  values += list(ITL_BUCKETS) + [0.0, 1e3]
+  reference = Histogram("recguide:itl", "doc", ["model_name"], buckets=ITL_BUCKETS, registry=None)
+  batched = BatchedHistogram("recguide:itl", "doc", ITL_BUCKETS, ["model_name"], ["m"])
+  read_midway = None
+  for i, v in enumerate(values):
+    reference.labels("m").observe(v)
+    batched.observe(v)
+    if i == 100:
+      read_midway = list(without_created(batched))  # a scrape between observations loses none
+  assert read_midway[0].samples[-2].value == 101  # _count after 101 observations
+
+  def samples(metric):
+    (family,) = without_created(metric)
+    return family.name, family.type, family.documentation, [(s.name, s.labels, s.value) for s in family.samples]
+  name, kind, doc, want = samples(reference)
+  got = samples(batched)
+  assert got[:3] == (name, kind, doc)
+  assert [s[:2] for s in got[3]] == [s[:2] for s in want]
+  np.testing.assert_allclose([s[2] for s in got[3]], [s[2] for s in want], rtol=1e-12)

@@ -30,6 +30,7 @@ class BatchRows:
   top_logprobs: np.ndarray  # [n] int32 (SamplingParams.logprobs; 0 none)
   has_controls: bool  # some row sets sampling controls (penalties, min_p, min_tokens, logit_bias)
   plain: np.ndarray  # [n] bool: `output.plain` (emission needs no per-token work)
+  notify: np.ndarray  # [n] bool: the request has an update callback (`Request.on_update`)
   ignore_eos: np.ndarray  # [n] bool
   max_tokens: np.ndarray  # [n] int64
 
@@ -47,6 +48,7 @@ def gather_rows(reqs: Sequence[Request], table_rows: np.ndarray, tokenizer) -> B
       top_logprobs=np.fromiter((r.params.logprobs or 0 for r in reqs), np.int32, n),
       has_controls=any(s.controls is not None for s in rows),
       plain=np.fromiter((output.plain(r, tokenizer) for r in reqs), bool, n),
+      notify=np.fromiter((r.on_update is not None for r in reqs), bool, n),
       ignore_eos=np.fromiter((r.params.ignore_eos for r in reqs), bool, n),
       max_tokens=np.fromiter((r.params.max_tokens for r in reqs), np.int64, n))
 

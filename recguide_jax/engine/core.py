@@ -523,32 +523,52 @@ class Engine:
     # a plain row keeps its tokens up to its first EOS ("stop") or to its budget ("length"), whichever comes first
     stop = (first < emit) & (first < left)
     keep = np.where(stop, first + 1, np.minimum(emit, np.maximum(left, 0)))
-    ends = np.where(stop, 1, np.where(left <= emit, 2, 0)).tolist()
-    cols = [keep.tolist(), emit.tolist(), ends, req_rows.plain.tolist(), tokens.tolist(), logprobs.tolist()]
-    live_rows = rows.tolist()
-    if len(live_rows) < len(reqs):  # (every row is live in a steady step: nothing to pick then)
-      reqs = [reqs[i] for i in live_rows]
-      cols = [[col[i] for i in live_rows] for col in cols]
+    ends = np.where(stop, 1, np.where(left <= emit, 2, 0))
+    if len(rows) < len(reqs):  # (every row is live in a steady step: nothing to pick then)
+      reqs = [reqs[i] for i in rows.tolist()]
+      emit, keep, ends, tokens, logprobs = emit[rows], keep[rows], ends[rows], tokens[rows], logprobs[rows]
+    if out.key_rounds:
+      for r in reqs:
+        r.round_counter += out.key_rounds
+    # most rows (steady decoding) only append their tokens: a plain row that neither ends nor has a callback
+    quiet = req_rows.plain[rows] & ~req_rows.notify[rows] & (ends == 0) & (keep > 0)
+    quiet_rows = np.flatnonzero(quiet)
+    if len(quiet_rows):
+      n = keep[quiet_rows]
+      toks, lps = tokens[quiet_rows].tolist(), logprobs[quiet_rows].tolist()
+      if (n < width).any():  # (an AR call's rows keep every column)
+        cut = n.tolist()
+        toks, lps = [t[:k] for t, k in zip(toks, cut)], [lp[:k] for lp, k in zip(lps, cut)]
+      generated = int(n.sum())
+      for r, new, lp in zip([reqs[i] for i in quiet_rows.tolist()], toks, lps):
+        if r.finish_reason is not None:  # (a callback may have ended another request meanwhile)
+          generated -= len(new)
+          continue
+        r.output_ids += new
+        r.token_logprobs += lp
+        r.seed_token = new[-1]
+    else:
+      generated = 0
     top_lp, top_ids = out.top_logprobs, out.top_ids
-    generated, key_rounds = 0, out.key_rounds
-    for i, r, n, k, end, plain, toks, lps in zip(live_rows, reqs, *cols):
-      r.round_counter += key_rounds
+    for i in np.flatnonzero(~quiet).tolist():
+      r, k, n = reqs[i], int(emit[i]), int(keep[i])
       if not k or r.finish_reason is not None:
         continue
-      if not plain:
-        self.emit(r, toks[:k], lps[:k], None if top_lp is None else top_lp[i, :k],
-                  None if top_ids is None else top_ids[i, :k])
+      row = int(rows[i])
+      if not req_rows.plain[row]:
+        self.emit(r, tokens[i, :k].tolist(), logprobs[i, :k].tolist(), None if top_lp is None else top_lp[row, :k],
+                  None if top_ids is None else top_ids[row, :k])
         continue
-      new = toks[:n]
+      new = tokens[i, :n].tolist()
       r.output_ids += new
-      r.token_logprobs += lps[:n]
+      r.token_logprobs += logprobs[i, :n].tolist()
       if n:
         r.seed_token = new[-1]
       generated += n
       if r.on_update is not None and not self._notify(r, new):
         self.finish(r, "error", "engine error: the request's update callback failed")
-      elif end:
-        self.finish(r, "stop" if end == 1 else "length")
+      elif ends[i]:
+        self.finish(r, "stop" if ends[i] == 1 else "length")
     self._totals["generated_tokens"] += generated
 
   def sampling_arrays(self, reqs: Sequence[Request], rows: BatchRows, b: int, ahead: int = 0) -> SamplingArrays:

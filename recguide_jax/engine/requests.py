@@ -335,9 +335,13 @@ class RequestStats:
     return sum(v for k, v in self.forwards.items() if k != "prefill")
 
   def as_dict(self) -> dict:
-    d = dataclasses.asdict(self)
-    d["decode_forwards"] = self.decode_forwards
-    d["mean_accepted_length"] = (float(np.mean(self.accepted_lengths)) if self.accepted_lengths else 0.0)
+    # the fields' own values, their containers copied: dataclasses.asdict deep-copies every history entry one by
+    # one, and every request finishing in a step paid that on the engine thread
+    d = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+    d.update(accepted_lengths=list(self.accepted_lengths), block_sizes=list(self.block_sizes),
+             forwards=dict(self.forwards), decode_forwards=self.decode_forwards)
+    lengths = self.accepted_lengths
+    d["mean_accepted_length"] = sum(lengths) / len(lengths) if lengths else 0.0
     return d
 
 

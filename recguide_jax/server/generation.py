@@ -21,7 +21,7 @@ from recguide_jax.engine.requests import RequestError, best_samples
 from recguide_jax.server import protocol, responses
 from recguide_jax.server.metrics import ServerMetrics
 from recguide_jax.server.streaming import TextDeltas
-from recguide_jax.server.tracker import EventStream, Final, Tracker, disconnected
+from recguide_jax.server.tracker import EventStream, Final, LoopOutbox, Tracker, disconnected
 from recguide_jax.text.tokenizer import Tokenizer
 
 log = logging.getLogger("recguide_jax.server")
@@ -40,12 +40,21 @@ def failure(final: Final) -> protocol.APIError | None:
 @dataclasses.dataclass
 class Generation:
   """The generation routes' shared state: the engine thread, the tokenizer, the served name, the metrics, and the
-  engine ids in flight (a client's X-Request-Id reused while it runs gets a suffix)."""
+  engine ids in flight (a client's X-Request-Id reused while it runs gets a suffix), and the loop's outbox the
+  engine thread hands their updates to."""
   engine_thread: EngineThread
   tokenizer: Tokenizer
   model_name: str
   metrics: ServerMetrics
   live_ids: set = dataclasses.field(default_factory=set)
+  _outbox: LoopOutbox | None = dataclasses.field(default=None, init=False, repr=False)
+
+  def outbox(self) -> LoopOutbox:
+    """The running event loop's outbox (every tracker of the loop shares it)."""
+    loop = asyncio.get_running_loop()
+    if self._outbox is None or self._outbox.loop is not loop:
+      self._outbox = LoopOutbox(loop)
+    return self._outbox
 
   # ---- submission ------------------------------------------------------------------------------------------------
   def submit(self, request: Request, gen: protocol.GenerationRequest, prefix: str, index: int | None = None,
@@ -53,7 +62,7 @@ class Generation:
     rid = f"{prefix}-{request.state.request_id}" + (f"-{index}" if index is not None else "")
     if rid in self.live_ids:  # the engine keys pages by id: two running requests must not share one
       rid = f"{rid}-{uuid.uuid4().hex[:8]}"
-    tracker = Tracker(asyncio.get_running_loop(), self.engine_thread, rid, gen, self.metrics, self.live_ids)
+    tracker = Tracker(self.outbox(), self.engine_thread, rid, gen, self.metrics, self.live_ids)
     self.live_ids.add(rid)
     try:
       self.engine_thread.submit(gen.prompt_ids, gen.params, rid, tracker.on_update, prefill_source=prefill_source)

@@ -2,7 +2,7 @@
 finished request leaves behind (`Final`), and the SSE response that aborts its requests however it ends.
 
 The engine thread reports each request's progress through its `on_update` callback, which copies what it needs
-(the engine keeps mutating the request) and hands it to the loop with `call_soon_threadsafe`, into one asyncio
+(the engine keeps mutating the request) and hands it to the loop through the loop's `LoopOutbox`, into one asyncio
 queue per request. A client that goes away aborts its request so its batch slot and KV pages are freed at the
 next engine step.
 """
@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
+import threading
 
 from fastapi import Request
 from fastapi.responses import StreamingResponse
@@ -21,6 +22,39 @@ from recguide_jax.server import protocol
 from recguide_jax.server.metrics import ServerMetrics
 
 log = logging.getLogger("recguide_jax.server")
+
+
+class LoopOutbox:
+  """Hands calls from the engine thread to one event loop: a burst of them (a step's updates of every running
+  request) costs one `call_soon_threadsafe`, which writes to the loop's wake-up socket, not one per request. The first
+  call of a burst schedules the delivery at once, so no update waits for the rest of the step; the ones posted before
+  the loop runs it are delivered with it."""
+
+  def __init__(self, loop: asyncio.AbstractEventLoop):
+    self.loop = loop
+    self._lock = threading.Lock()
+    self._calls: list = []
+
+  def post(self, fn, *args) -> None:
+    """Runs `fn(*args)` on the loop, after the calls posted before it (any thread)."""
+    with self._lock:
+      self._calls.append((fn, args))
+      if len(self._calls) > 1:
+        return  # a delivery is scheduled and has not taken the calls yet
+    try:
+      self.loop.call_soon_threadsafe(self._deliver)
+    except RuntimeError:  # the loop is closed: nobody is waiting for these
+      with self._lock:
+        self._calls.clear()
+
+  def _deliver(self) -> None:
+    with self._lock:
+      calls, self._calls = self._calls, []
+    for fn, args in calls:
+      try:
+        fn(*args)
+      except Exception:  # one request's delivery failing must not drop the others'
+        log.exception("delivering an engine update failed")
 
 
 @dataclasses.dataclass
@@ -40,9 +74,9 @@ class Final:
 class Tracker:
   """One request's bridge from the engine thread to the event loop."""
 
-  def __init__(self, loop: asyncio.AbstractEventLoop, engine_thread: EngineThread, rid: str,
-               gen: protocol.GenerationRequest, metrics: ServerMetrics, live_ids: set | None = None):
-    self.loop = loop
+  def __init__(self, outbox: LoopOutbox, engine_thread: EngineThread, rid: str, gen: protocol.GenerationRequest,
+               metrics: ServerMetrics, live_ids: set | None = None):
+    self.outbox = outbox
     self._live_ids = live_ids
     self.engine_thread = engine_thread
     self.rid = rid
@@ -87,10 +121,7 @@ class Tracker:
         self.metrics.record_finished(len(req.prompt_ids), len(final.output_ids), final.finish_reason, final.stats)
       except Exception:  # an exception here would fail the whole engine step, i.e. every running request
         log.exception("recording metrics of %s failed", self.rid)
-    try:
-      self.loop.call_soon_threadsafe(self.queue.put_nowait, (list(new_ids), lps, final, prompt_lps))
-    except RuntimeError:  # the loop is closed: nobody is waiting for this request any more
-      pass
+    self.outbox.post(self.queue.put_nowait, (list(new_ids), lps, final, prompt_lps))
 
   async def next(self) -> tuple[list[int], list[dict], Final | None]:
     """Waits for progress; returns everything queued since the last call (new tokens, logprob entries, final)."""
