@@ -333,3 +333,36 @@ def test_a_cache_of_bits_writes_and_reads_what_a_float_cache_does():
     gather_prefix(bk, page_table, 1, kv_heads=2)
   with pytest.raises(ValueError, match="bits takes K/V"):
     write_block(bits, bits, k_new.astype(jnp.float32), k_new, page_table, positions, write, layer=1)
+
+
+def test_free_releases_pages_as_dropping_the_whole_row_does():
+  """`free`'s one-row path against `_drop_rows` (through `crop` to 0): the same free list, in the same order, and
+  the same shared and cached pages, with forks and cached prefixes among them."""
+  rng = np.random.default_rng(0)
+  for _ in range(20):
+    allocs = [PageAllocator(num_pages=64, page_size=4, max_pages_per_seq=12, enable_prefix_caching=True)
+              for _ in range(2)]
+    prompt = rng.integers(0, 50, 16).tolist()
+    for alloc in allocs:
+      for seq in range(6):
+        alloc.add(seq)
+      alloc.match_prefix(0, prompt, True)
+      alloc.reserve(0, 16)
+      alloc.commit(0, 16)
+      alloc.register_prefix(0)
+    sizes = rng.integers(0, 40, 6)
+    for seq in range(1, 6):
+      if rng.random() < 0.5:
+        shared = int(rng.integers(0, 17)) // 4 * 4
+        for alloc in allocs:
+          alloc.fork(0, seq, shared)
+      for alloc in allocs:
+        alloc.reserve(seq, max(alloc.length(seq), int(sizes[seq])))
+    for seq in rng.permutation(6).tolist():
+      allocs[0].free(seq)
+      allocs[1].crop(seq, 0)
+      allocs[1].free(seq)
+      for alloc in allocs:
+        alloc.check()
+      assert allocs[0]._free == allocs[1]._free
+      assert list(allocs[0]._evictable) == list(allocs[1]._evictable) and allocs[0]._refs == allocs[1]._refs

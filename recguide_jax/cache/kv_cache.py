@@ -293,6 +293,9 @@ class PageAllocator:
     dropped = self._table[at].tolist()
     self._table[at] = TRASH_PAGE
     self._num_pages_of[rows] = keep
+    self._release_pages(dropped)
+
+  def _release_pages(self, dropped: list[int]) -> None:
     if self._refs.keys().isdisjoint(dropped) and self._page_hash.keys().isdisjoint(dropped):
       self._free.extend(dropped)  # each page's only owner let go of it: straight to the free list
     else:
@@ -463,7 +466,13 @@ class PageAllocator:
     self._prompt_hashes.pop(seq_id, None)
     if s is None:
       return
-    self._drop_rows(np.array([s]), np.zeros(1, np.int64))
+    # one row: `_drop_rows` without its batch arithmetic (requests finish one at a time), in the same order
+    k = int(self._num_pages_of[s])
+    if k:
+      dropped = self._table[s, k - 1::-1].tolist()
+      self._table[s, :k] = TRASH_PAGE
+      self._num_pages_of[s] = 0
+      self._release_pages(dropped)
     self._lengths[s] = 0
     self._free_rows.append(s)
 
