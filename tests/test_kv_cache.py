@@ -335,16 +335,17 @@ def test_a_cache_of_bits_writes_and_reads_what_a_float_cache_does():
     write_block(bits, bits, k_new.astype(jnp.float32), k_new, page_table, positions, write, layer=1)
 
 
-def test_free_releases_pages_as_dropping_the_whole_row_does():
-  """`free`'s one-row path against `_drop_rows` (through `crop` to 0): the same free list, in the same order, and
-  the same shared and cached pages, with forks and cached prefixes among them."""
+def test_one_row_drops_release_pages_as_the_batched_path_does():
+  """`free` (one row: `_drop_rows`' scalar path) against the batched path (the same row beside a row holding no
+  pages): the same free list, in the same order, and the same shared and cached pages, with forks and cached
+  prefixes among them."""
   rng = np.random.default_rng(0)
   for _ in range(20):
     allocs = [PageAllocator(num_pages=64, page_size=4, max_pages_per_seq=12, enable_prefix_caching=True)
               for _ in range(2)]
     prompt = rng.integers(0, 50, 16).tolist()
     for alloc in allocs:
-      for seq in range(6):
+      for seq in range(7):  # 6 never holds a page
         alloc.add(seq)
       alloc.match_prefix(0, prompt, True)
       alloc.reserve(0, 16)
@@ -360,7 +361,7 @@ def test_free_releases_pages_as_dropping_the_whole_row_does():
         alloc.reserve(seq, max(alloc.length(seq), int(sizes[seq])))
     for seq in rng.permutation(6).tolist():
       allocs[0].free(seq)
-      allocs[1].crop(seq, 0)
+      allocs[1]._drop_rows(allocs[1].table_rows([seq, 6]), np.zeros(2, np.int64))
       allocs[1].free(seq)
       for alloc in allocs:
         alloc.check()

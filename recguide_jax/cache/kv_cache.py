@@ -283,19 +283,25 @@ class PageAllocator:
   def _drop_rows(self, rows: np.ndarray, keep: np.ndarray) -> None:
     """Releases the pages of table rows `rows` past their first `keep[i]` (rows holding no more are left alone):
     each row's last first, row by row."""
-    count = self._num_pages_of[rows] - keep
-    cut = count > 0
-    if not cut.any():
-      return
-    rows, keep, count = rows[cut], keep[cut], count[cut]
-    within = np.arange(int(count.sum())) - np.repeat(np.cumsum(count) - count, count)
-    at = (np.repeat(rows, count), np.repeat(keep + count - 1, count) - within)
-    dropped = self._table[at].tolist()
-    self._table[at] = TRASH_PAGE
-    self._num_pages_of[rows] = keep
-    self._release_pages(dropped)
-
-  def _release_pages(self, dropped: list[int]) -> None:
+    if len(rows) == 1:  # one request (it finished, or is cropped): without the batch arithmetic
+      s, k = int(rows[0]), int(keep[0])
+      end = int(self._num_pages_of[s])
+      if end <= k:
+        return
+      dropped = self._table[s, k:end][::-1].tolist()
+      self._table[s, k:end] = TRASH_PAGE
+      self._num_pages_of[s] = k
+    else:
+      count = self._num_pages_of[rows] - keep
+      cut = count > 0
+      if not cut.any():
+        return
+      rows, keep, count = rows[cut], keep[cut], count[cut]
+      within = np.arange(int(count.sum())) - np.repeat(np.cumsum(count) - count, count)
+      at = (np.repeat(rows, count), np.repeat(keep + count - 1, count) - within)
+      dropped = self._table[at].tolist()
+      self._table[at] = TRASH_PAGE
+      self._num_pages_of[rows] = keep
     if self._refs.keys().isdisjoint(dropped) and self._page_hash.keys().isdisjoint(dropped):
       self._free.extend(dropped)  # each page's only owner let go of it: straight to the free list
     else:
@@ -466,13 +472,7 @@ class PageAllocator:
     self._prompt_hashes.pop(seq_id, None)
     if s is None:
       return
-    # one row: `_drop_rows` without its batch arithmetic (requests finish one at a time), in the same order
-    k = int(self._num_pages_of[s])
-    if k:
-      dropped = self._table[s, k - 1::-1].tolist()
-      self._table[s, :k] = TRASH_PAGE
-      self._num_pages_of[s] = 0
-      self._release_pages(dropped)
+    self._drop_rows(np.array([s]), np.zeros(1, np.int64))
     self._lengths[s] = 0
     self._free_rows.append(s)
 

@@ -530,45 +530,34 @@ class Engine:
     if out.key_rounds:
       for r in reqs:
         r.round_counter += out.key_rounds
-    # most rows (steady decoding) only append their tokens: a plain row that neither ends nor has a callback
-    quiet = req_rows.plain[rows] & ~req_rows.notify[rows] & (ends == 0) & (keep > 0)
-    quiet_rows = np.flatnonzero(quiet)
-    if len(quiet_rows):
-      n = keep[quiet_rows]
-      toks, lps = tokens[quiet_rows].tolist(), logprobs[quiet_rows].tolist()
-      if (n < width).any():  # (an AR call's rows keep every column)
-        cut = n.tolist()
-        toks, lps = [t[:k] for t, k in zip(toks, cut)], [lp[:k] for lp, k in zip(lps, cut)]
-      generated = int(n.sum())
-      for r, new, lp in zip([reqs[i] for i in quiet_rows.tolist()], toks, lps):
-        if r.finish_reason is not None:  # (a callback may have ended another request meanwhile)
-          generated -= len(new)
-          continue
-        r.output_ids += new
-        r.token_logprobs += lp
-        r.seed_token = new[-1]
-    else:
-      generated = 0
-    top_lp, top_ids = out.top_logprobs, out.top_ids
-    for i in np.flatnonzero(~quiet).tolist():
-      r, k, n = reqs[i], int(emit[i]), int(keep[i])
-      if not k or r.finish_reason is not None:
-        continue
-      row = int(rows[i])
-      if not req_rows.plain[row]:
-        self.emit(r, tokens[i, :k].tolist(), logprobs[i, :k].tolist(), None if top_lp is None else top_lp[row, :k],
-                  None if top_ids is None else top_ids[row, :k])
-        continue
-      new = tokens[i, :n].tolist()
+    # a plain row's tokens are appended in one loop over the rows (in steady decoding that is all a row needs);
+    # then its update callback and its end, where it has them
+    plain = req_rows.plain[rows]
+    take = np.flatnonzero(plain & (keep > 0))
+    n = keep[take]
+    toks, lps = tokens[take].tolist(), logprobs[take].tolist()
+    if (n < width).any():  # (an AR call's rows keep every column)
+      cut = n.tolist()
+      toks, lps = [t[:k] for t, k in zip(toks, cut)], [lp[:k] for lp, k in zip(lps, cut)]
+    generated = int(n.sum())
+    for r, new, lp in zip([reqs[i] for i in take.tolist()], toks, lps):
       r.output_ids += new
-      r.token_logprobs += logprobs[i, :n].tolist()
-      if n:
-        r.seed_token = new[-1]
-      generated += n
-      if r.on_update is not None and not self._notify(r, new):
+      r.token_logprobs += lp
+      r.seed_token = new[-1]
+    for i in np.flatnonzero(plain & (req_rows.notify[rows] | (ends > 0)) & (emit > 0)).tolist():
+      r = reqs[i]
+      if r.finish_reason is not None:  # (an update callback may end another request)
+        continue
+      if r.on_update is not None and not self._notify(r, tokens[i, :keep[i]].tolist()):
         self.finish(r, "error", "engine error: the request's update callback failed")
       elif ends[i]:
         self.finish(r, "stop" if ends[i] == 1 else "length")
+    # the others emit token by token (logprobs entries, stop token ids and strings)
+    top_lp, top_ids = out.top_logprobs, out.top_ids
+    for i in np.flatnonzero(~plain & (emit > 0)).tolist():
+      row, k = int(rows[i]), int(emit[i])
+      self.emit(reqs[i], tokens[i, :k].tolist(), logprobs[i, :k].tolist(),
+                None if top_lp is None else top_lp[row, :k], None if top_ids is None else top_ids[row, :k])
     self._totals["generated_tokens"] += generated
 
   def sampling_arrays(self, reqs: Sequence[Request], rows: BatchRows, b: int, ahead: int = 0) -> SamplingArrays:
