@@ -12,8 +12,7 @@ from flax import nnx
 from conftest import tiny_config
 from pallas_kernels.common import causal_mask
 from recguide_jax import LLM, SamplingParams
-from recguide_jax.decoding import rounds
-from recguide_jax.decoding.builtin import ARStrategy, LinearStrategy
+from recguide_jax.decoding.builtin import LinearStrategy
 from recguide_jax.decoding.rounds import draft_signal_rows
 from recguide_jax.model import draft_head
 from recguide_jax.model.config import LORA_TARGET_MODULES, ConfigError, DraftHead

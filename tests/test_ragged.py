@@ -189,51 +189,6 @@ def _exact(model, params, n_tokens):
 
 
 # ---- pricing (recguide/pricing.py) ------------------------------------------------------------------------------
-def test_draft_skip_is_priced_by_the_chance_that_some_row_misses():
-  from recguide_jax.recguide import pricing
-  hits = [0.9, 0.5, 0.99, 0.7]
-  dist = pricing.drafting_rows_distribution([1 - h for h in hits])
-  assert abs(dist.sum() - 1) < 1e-12 and abs(dist[0] - np.prod(hits)) < 1e-12
-  # a forward that costs the same for any number of rows runs unless every row holds a branch
-  assert abs(pricing.expected_draft_cost([1 - h for h in hits], np.ones(5)) - (1 - np.prod(hits))) < 1e-12
-  # eight rows each missing 10% of the time: the forward runs 57% of the steps, not 10%
-  assert abs(pricing.expected_draft_cost([0.1] * 8, np.ones(9)) - (1 - 0.9 ** 8)) < 1e-12
-  # a cost linear in the drafting rows is charged by the mean share (E[K] = sum of shares)
-  assert abs(pricing.expected_draft_cost([0.2, 0.4], np.arange(3.0)) - 0.6) < 1e-12
-
-
-@pytest.mark.parametrize("n", [1, 5, 128])
-def test_affine_draft_costs_are_priced_in_closed_form_as_by_the_distribution(n):
-  """A draft forward whose cost is a + b k at k rows: P(K >= 1) and E[K] price it exactly as K's distribution does;
-  a cost that is not affine gets no closed form."""
-  from recguide_jax.recguide import pricing
-  shares = np.random.default_rng(n).uniform(size=n)
-  shares[:n // 3] = 0.0
-  for a, b in ((1.0, 0.0), (3.0, 0.25), (0.0, 1.0)):
-    by_rows = np.concatenate([[0.0], a + b * np.arange(1, n + 3)])  # longer than the shares need, as the strategy's
-    affine = pricing.affine_costs(by_rows)
-    assert affine is not None and np.allclose(affine, (a, b))
-    assert abs(pricing.expected_draft_cost(shares, by_rows, affine) - pricing.expected_draft_cost(shares, by_rows)) \
-        < 1e-9
-  bent = np.concatenate([[0.0], np.sqrt(np.arange(1, n + 3))])
-  assert pricing.affine_costs(bent) is None
-
-
-@pytest.mark.parametrize("n", [0, 1, 5, 128, 300])
-def test_drafting_rows_distribution_matches_the_convolution(n):
-  """The DFT of the characteristic function against the exact convolution, row by row (shares at the edges too)."""
-  from recguide_jax.recguide import pricing
-  shares = np.random.default_rng(n).uniform(size=n)
-  shares[:n // 4] = np.random.default_rng(1).choice([0.0, 1.0, 1e-9], size=n // 4)
-  want = np.zeros(n + 1)
-  want[0] = 1.0
-  for i, s in enumerate(shares):
-    want[1:i + 2] = want[1:i + 2] * (1 - s) + want[:i + 1] * s
-    want[0] *= 1 - s
-  got = pricing.drafting_rows_distribution(shares)
-  assert got.shape == (n + 1,) and np.abs(got - want).max() < 1e-12 and abs(got.sum() - 1) < 1e-12
-
-
 def test_fitted_rule_keeps_its_form_on_another_profile():
   from recguide_jax.recguide import pricing
   fitted = {8: 17.1, 16: 18.7, 32: 21.5}
@@ -340,21 +295,6 @@ def test_recguide_off_its_tables_profile_keeps_the_fitted_rule():
       values, costs = pol._values(req), pol._linear_costs(c)
       ratio_rule_differs |= max((8, 16, 32), key=lambda b: (values[b] / costs[b], -b)) != want
   assert ratio_rule_differs  # the case is one where the two rules part
-
-
-def test_overlap_draft_forward_priced_by_each_rows_miss_probability():
-  from recguide_jax.recguide import pricing
-  from recguide_jax.recguide.controller import RecGuideStrategy
-  from recguide_jax.recguide.profile import load_profile
-  prof = load_profile("b200_nld8b")
-  pol = RecGuideStrategy(16, profile=prof, calibrate=False)
-  shares = (0.05, 0.05, 0.05, 0.9)
-  draft = lambda k: prof.forward_costs(k, 16)[0]  # noqa: E731
-  got = pol._draft_forward_share(16, 4, sum(shares) / 4, shares)
-  by_rows = np.array([0.0] + [draft(k) for k in range(1, 5)])
-  assert abs(got - pricing.expected_draft_cost(shares, by_rows) / draft(4)) < 1e-12
-  # one row that nearly always misses keeps the forward running nearly always: more than the mean share's price
-  assert got > pol._draft_forward_share(16, 4, sum(shares) / 4) and got > 0.9 * draft(1) / draft(4)
 
 
 @pytest.mark.parametrize("impl", ["reference", "pallas_gpu", "pallas_tpu"])

@@ -131,9 +131,9 @@ def test_fitted_tables_drive_the_block_choice(tiny_llm, ar_reference, tmp_path):
 
 
 class _AlternatingRegimes(RecGuideStrategy):
-  """Per request: overlap, overlap, AR, overlap, LinearSS, ... A prefetched branch must not outlive the round
-  right after the one that made it."""
-  SCHEDULE = ("overlap", "overlap", "ar", "overlap", "linear")
+  """Per request: overlap (its draft), overlap, overlap (a branch reused), AR, overlap (a draft), LinearSS, ... A
+  prefetched draft must not outlive the round right after the one that made it."""
+  SCHEDULE = ("overlap", "overlap", "overlap", "ar", "overlap", "linear")
 
   def plan_step(self, view):
     plans = []
@@ -141,7 +141,7 @@ class _AlternatingRegimes(RecGuideStrategy):
       done = self.planned_rounds[req.request_id]
       self.planned_rounds[req.request_id] += 1
       k = done % len(self.SCHEDULE)
-      if done and k in (3, 0):  # the previous round of this request was AR / LinearSS
+      if done and k in (4, 0):  # the previous round of this request was AR / LinearSS
         self.stale += self.state(req).prefetched is not None
       kind = self.SCHEDULE[k]
       self.regime_counts[kind] += 1

@@ -202,22 +202,26 @@ def _forward(model, tokens, positions, mask, prefix_len, page_table, cache, writ
                              lora_mask=None if lora is None else jnp.asarray(lora)[None]), cache)
 
 
-def test_fused_forward_is_exact(tiny_model):
-  """Verifier logits equal a plain causal verify; branch drafts equal normal draft forwards on the committed
-  prefix they assume; the committed cache equals the plain verify's."""
+def _prefilled(model, prompt):
+  """(page table row, cache) of one request whose `prompt` was written to a fresh cache (pages for 64 tokens)."""
   from recguide_jax.cache.kv_cache import PageAllocator
-  cfg = tiny_model.cfg
-  blk, mask_id = 8, cfg.mask_token_id
-  rng = np.random.default_rng(1)
-  prompt = rng.integers(4, 128, 13)
   alloc = PageAllocator(64, 8, 16)
   alloc.add("r")
   alloc.reserve("r", 64)
   pt = alloc.page_table_row("r", 16)
-  cache = tiny_model.new_cache(64, 8)
   n = len(prompt)
-  _, cache = _forward(tiny_model, prompt, np.arange(n), causal_mask(n), 0, pt, cache,
+  _, cache = _forward(model, prompt, np.arange(n), causal_mask(n), 0, pt, model.new_cache(64, 8),
                       write=np.ones(n, bool))
+  return pt, cache
+
+
+def test_fused_forward_is_exact(tiny_model):
+  """Verifier logits equal a plain causal verify; branch drafts equal normal draft forwards on the committed
+  prefix they assume; the committed cache equals the plain verify's."""
+  blk, mask_id = 8, tiny_model.cfg.mask_token_id
+  rng = np.random.default_rng(1)
+  n = 13
+  pt, cache = _prefilled(tiny_model, rng.integers(4, 128, n))
   draft = rng.integers(4, 128, blk)
   branches = [ov.Branch("correction", 3, alt=77), ov.Branch("continuation", blk)]
   tokens, pos, mask, lora, write = ov.tree_layout(blk, draft, branches, n, mask_id)
@@ -234,6 +238,24 @@ def test_fused_forward_is_exact(tiny_model):
   np.testing.assert_allclose(fused_logits[0, blk:2 * blk], corr_ref[0], atol=1e-5)
   cont_ref, _ = _forward(tiny_model, np.full(blk, mask_id), n + blk + np.arange(blk), full, n + blk, pt, plain_cache)
   np.testing.assert_allclose(fused_logits[0, 2 * blk:3 * blk], cont_ref[0], atol=1e-5)
+
+
+def test_a_drafting_row_of_the_fused_forward_is_a_draft_forward(tiny_model):
+  """A request without a draft drafts inside the fused forward (`draft_layout`): its branch slot's logits equal a
+  draft forward's from its seed over the committed prefix, and its row writes nothing to the cache."""
+  blk, mask_id = 8, tiny_model.cfg.mask_token_id
+  n = 11
+  pt, cache = _prefilled(tiny_model, np.random.default_rng(2).integers(4, 128, n))
+  seed = 42
+  tokens, pos, mask, lora, write = ov.draft_layout(blk, seed, n, mask_id, 3)
+  assert not write.any() and tokens.shape == (4 * blk,)
+  fused_logits, fused_cache = _forward(tiny_model, tokens, pos, mask, n, pt, cache, write=write, lora=lora)
+  draft_in = np.array([seed] + [mask_id] * (blk - 1))
+  draft_ref, _ = _forward(tiny_model, draft_in, n + np.arange(blk), np.ones((blk, blk), bool), n, pt, cache,
+                          write=np.zeros(blk, bool))
+  np.testing.assert_allclose(fused_logits[0, blk:2 * blk], draft_ref[0], atol=1e-5)
+  for a, b in zip((fused_cache.k, fused_cache.v), (cache.k, cache.v)):
+    np.testing.assert_array_equal(np.asarray(a)[:, 1:], np.asarray(b)[:, 1:])  # page 0 is trash
 
 
 def test_overlap_is_lossless_and_hits_save_forwards(tiny_llm):

@@ -222,6 +222,8 @@ def draft_signal_rows(round_log) -> list[dict]:
       continue
     drafts, sig = np.asarray(res.draft_tokens), np.asarray(res.draft_signals)
     for i in range(outcome.batch.n):
+      if out.drafting is not None and out.drafting[i]:  # it drafted for a later round: nothing verified
+        continue
       blk, acc = int(out.block[i]), int(out.accepted[i])
       rows.append({"block_size": blk, "accepted": acc, "draft": drafts[i].tolist(),
                    "out": np.asarray(res.tokens[i, :acc]).tolist(), "conf": sig[i, 0].tolist(),

@@ -135,6 +135,8 @@ class RoundOutput:
     rounds of 1 at block 1); `speculative`: the rounds verified drafts (the draft counters); `verified[i]`: the
     tokens row i's verify forward ran (fewer than `block[i]` where it was truncated; None: all of them);
   - the device: `forwards` (kind, block, live rows) in the order they ran, `row_forwards` (kind -> [n]);
+  - `drafting[i]`: row i only drafted (for a later round): it emits, commits and records nothing, uses no
+    sampling-key round and counts only its `row_forwards` (None: every row ran its round);
   - `label`: what its wall time is recorded under; `key_rounds`: sampling-key rounds it used;
   - `verify`: the verification result (per-position entropy etc.) and `extra`: the round's own data, both for the
     strategy's `observe`."""
@@ -156,6 +158,7 @@ class RoundOutput:
   verify: Any = None  # the runner's VerifyResult, rows as in the batch
   extra: Any = None
   verified: np.ndarray | None = None  # [n]
+  drafting: np.ndarray | None = None  # [n] bool
 
 
 @dataclasses.dataclass

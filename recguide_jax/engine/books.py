@@ -40,6 +40,17 @@ class DecodeBooks:
     self.accepted, self.blocks = pad(self.accepted), pad(self.blocks)
     self.forwards = {k: pad(v) for k, v in self.forwards.items()}
 
+  def count_forwards(self, rows: np.ndarray, row_forwards: Mapping[str, np.ndarray]) -> None:
+    """`row_forwards[kind]` more forwards of each of the table rows `rows` (distinct)."""
+    if not len(rows):
+      return
+    if int(rows.max()) >= len(self.history_len):
+      self._grow_rows(int(rows.max()) + 1)
+    for kind, counts in row_forwards.items():
+      if kind not in self.forwards:
+        self.forwards[kind] = np.zeros_like(self.history_len)
+      self.forwards[kind][rows] += counts
+
   def _grow_history(self, width: int) -> None:
     new = max(width, 2 * self.accepted.shape[1], 64)
     widen = lambda a: np.concatenate([a, np.zeros((len(a), new - a.shape[1]), a.dtype)], axis=1)
@@ -60,10 +71,7 @@ class DecodeBooks:
     end = start + rounds
     if int(end.max()) > self.accepted.shape[1]:
       self._grow_history(int(end.max()))
-    for kind, counts in row_forwards.items():
-      if kind not in self.forwards:
-        self.forwards[kind] = np.zeros_like(self.history_len)
-      self.forwards[kind][rows] += counts
+    self.count_forwards(rows, row_forwards)
     if speculative is not None and speculative.any():
       self.draft_tokens[rows] += np.where(speculative, (block if verified is None else verified) - 1, 0)
       self.accepted_draft_tokens[rows] += np.where(speculative, accepted - 1, 0)

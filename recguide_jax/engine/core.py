@@ -486,6 +486,10 @@ class Engine:
     block, accepted, commit = np.asarray(out.block), np.asarray(out.accepted), np.asarray(out.commit)
     verified = None if out.verified is None else np.asarray(out.verified, np.int64)  # truncated: the drafts offered + 1
     table_rows, row_forwards = req_rows.table_rows, {kind: np.asarray(c) for kind, c in out.row_forwards.items()}
+    if out.drafting is not None:  # rows that only drafted: their forwards, nothing else
+      drafted = rows[out.drafting[rows]]
+      self.books.count_forwards(table_rows[drafted], {kind: c[drafted] for kind, c in row_forwards.items()})
+      rows = rows[~out.drafting[rows]]
     if len(rows) < len(reqs):  # (every row is live in a steady step: no gathers then)
       block, accepted, commit, table_rows = block[rows], accepted[rows], commit[rows], table_rows[rows]
       verified = None if verified is None else verified[rows]

@@ -54,10 +54,6 @@ class RecGuideStrategy(AdaptiveRule, RegimeSwitch, CostModel, Strategy):
       # that flatters overlap buys rounds of it at loads where it loses before the running average corrects it
       if tables.overlap_hit_rate is not None:
         self.stats.overlap_hit = tables.overlap_hit_rate
-    # per (B, rows c): log C(c, k) for k drafting rows, and the draft forward's cost at k rows relative to c's
-    self._draft_weights: dict[tuple[int, int], tuple[np.ndarray, np.ndarray]] = {}
-    self._draft_costs: dict[tuple[int, int], np.ndarray] = {}  # per (B, rows): `_draft_costs_by_rows`
-    self._draft_affine: dict[tuple[int, int], tuple[float, float] | None] = {}  # and `pricing.affine_costs` of them
     self.regime_counts = collections.Counter()
     self.current_regime: Regime | None = None  # the regime of the latest step
     # (load, regime): the switch's decision for the next step, made in `plans_ahead`, that plan_step takes
@@ -205,7 +201,11 @@ class RecGuideStrategy(AdaptiveRule, RegimeSwitch, CostModel, Strategy):
         accepted = np.asarray(out.accepted)
         if out.verified is not None:  # a truncated verify that accepted all it ran says no more than its length
           block = np.where((out.verified < block) & (accepted >= out.verified), out.verified, block)
-        self.observe_verifications(batch.reqs, block, accepted, res, lefts, out.rounds)
+        reqs, rows = batch.reqs, None
+        if out.drafting is not None:  # rows that drafted verified nothing
+          rows = np.flatnonzero(~out.drafting)
+          reqs, block, accepted, lefts = [reqs[i] for i in rows.tolist()], block[rows], accepted[rows], lefts[rows]
+        self.observe_verifications(reqs, block, accepted, res, lefts, out.rounds, rows=rows)
     if isinstance(out.extra, OverlapResult):
       self._observe_overlap(batch, out, out.extra)
     self.observe_round(out.label, batch.block, batch.n, outcome.seconds / out.rounds, out.rounds)
@@ -282,17 +282,18 @@ class RecGuideStrategy(AdaptiveRule, RegimeSwitch, CostModel, Strategy):
 
   def _observe_overlap(self, batch, out, ovr: "OverlapResult") -> None:
     self.saved_drafts += ovr.saved_drafts
+    if self.overlap_log is not None:
+      self.overlap_log.extend(ovr.traces)
     for i, r in enumerate(batch.reqs):
-      outcome = ovr.outcomes[i]
-      label = "no_branch" if outcome is None else outcome.label
-      self.overlap_outcomes[label] += 1
       state = self.state(r)
-      state.overlap[label] = state.overlap.get(label, 0) + 1
-      if outcome is not None:
-        self.stats.observe_overlap(outcome.branch is not None)
-      if self.overlap_log is not None and ovr.traces:
-        self.overlap_log.append(ovr.traces[i])
-      if outcome is not None and outcome.branch is not None and not r.finished:
+      outcome = ovr.outcomes[i]
+      if not ovr.drafting[i]:  # a verification: its branches' outcome
+        label = "no_branch" if outcome is None else outcome.label
+        self.overlap_outcomes[label] += 1
+        state.overlap[label] = state.overlap.get(label, 0) + 1
+        if outcome is not None:
+          self.stats.observe_overlap(outcome.branch is not None)
+      if ovr.prefetch[i] is not None and not r.finished:  # a confirmed branch, or the request's own new draft
         state.prefetched = ovr.prefetch[i]
         self._ar_settled = None
 

@@ -7,5 +7,5 @@ import enum
 
 
 class OverlapKind(enum.StrEnum):
-  OVERLAP = "overlap"  # the fused verify + branches, every draft prefetched
-  OVERLAP_DRAFT = "overlap_draft"  # the same round when it also ran a draft forward
+  OVERLAP = "overlap"  # the fused forward: verifications + branches, and the drafts of requests that hold none
+  OVERLAP_DRAFT = "overlap_draft"  # a step where no request holds a draft: a draft forward alone

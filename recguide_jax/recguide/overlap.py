@@ -17,6 +17,10 @@ will sit if it is confirmed. Only the verifier tokens are committed; draft LoRA 
 After verification a branch is reused as the next round's draft when it hits, which saves a draft forward:
 - full acceptance and the continuation's first token equals the bonus token;
 - first rejection at P_k with corr(P_k) executed and the verifier's correction equals alt_k.
+
+A request without a draft (entering overlap, or after a miss) drafts in the fused forward of other requests'
+verifications, as a branch of its own from its seed (`draft_layout`), and verifies it in the next one: one forward
+per engine step whatever the mix, no draft forward of its own unless no request verifies.
 """
 
 from __future__ import annotations
@@ -34,6 +38,7 @@ MAX_BRANCHES = 3  # the paper's tree: up to P1, P2 and the continuation (the def
 MAX_SLOTS = 8  # the widest fused tree offered: 9B query tokens per request
 PLANNERS = ("no_p3", "expected_hit")  # the paper's final rule (default), our slot-filling alternative
 CORRECTION, CONTINUATION = "correction", "continuation"
+FRESH = "fresh"  # `Prefetched.kind` of a request's own draft (made in a fused forward while others verified)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -154,6 +159,21 @@ def tree_layout(block: int, draft: np.ndarray, branches: Sequence[Branch], commi
     else:  # inert slot: sees only itself
       positions[sl] = committed + np.arange(block)
       mask[np.arange(lo, lo + block), np.arange(lo, lo + block)] = True
+  return tokens, positions, mask, lora, write
+
+
+def draft_layout(block: int, seed: int, committed: int, mask_token_id: int, slots: int,
+                 head: DraftHead = DraftHead.SAME_POSITION):
+  """A drafting request's row of a fused forward (`tree_layout`'s shapes): its verifier slots inert (nothing
+  verified, nothing written), its first branch slot the draft a draft forward would make, from `seed` at the
+  committed length over the committed prefix alone (the branch's tokens and signals are the draft)."""
+  if slots < 1:
+    raise ValueError("a drafting row needs a branch slot")
+  tokens, positions, mask, lora, write = tree_layout(block, np.full((block,), mask_token_id, np.int32),
+                                                     [Branch(CORRECTION, 0, seed)], committed, mask_token_id, slots,
+                                                     head)
+  mask[:block, :block] = np.eye(block, dtype=bool)
+  write[:block] = False
   return tokens, positions, mask, lora, write
 
 

@@ -1,8 +1,9 @@
-"""RecGuide's overlap round (docs/spec/recguide.md §4): verification-overlapped drafting. A draft forward runs only
-for requests without a prefetched block; then one fused forward verifies every request's block and drafts the
-branches its planner chose, laid out as a tree (`overlap.tree_layout`). A branch that verification confirms
+"""RecGuide's overlap round (docs/spec/recguide.md §4): verification-overlapped drafting, one forward per engine step.
+The fused forward verifies the block of every request that holds a draft and drafts the branches its planner chose,
+laid out as a tree (`overlap.tree_layout`); a request without a draft (entering overlap, or after a miss) drafts in
+the same forward (`overlap.draft_layout`) and verifies in the next step's. A branch that verification confirms
 (`overlap.select_reuse`) becomes the request's next draft (`RecGuideStrategy.observe` stores it), which saves that
-round's draft forward.
+request its drafting step. Only a step where no request holds a draft runs a draft forward alone.
 
 Every draft here is a point mass (the argmax, as the branches are) and the fused forward accepts by the reference
 rule (a verifier sample equal to the draft), which is lossless for any draft chosen before the round's noise: so
@@ -27,12 +28,14 @@ from recguide_jax.runtime.step_key import StepKind, fused_kind
 @dataclasses.dataclass
 class OverlapResult:
   """An overlap round's own output (`RoundOutput.extra`), per row: the branch outcome (None: no branch planned),
-  the confirmed branch as the next draft (None: none), the round's trace (`overlap_fit.OverlapTrace`, only while
-  the strategy records them)."""
+  the confirmed branch or the request's own new draft as its next draft (None: none), the round's traces
+  (`overlap_fit.OverlapTrace`, of the rows that verified, only while the strategy records them), the verifications
+  that reused a branch (a draft forward saved), the rows that drafted instead of verifying."""
   outcomes: list
   prefetch: list
   traces: list
   saved_drafts: int
+  drafting: np.ndarray  # [n] bool
 
 
 class OverlapRound(Round):
@@ -52,30 +55,24 @@ class OverlapRound(Round):
   def run(self, runner, batch: Batch) -> RoundOutput:
     reqs, blk, b, n = batch.reqs, batch.block, batch.b, batch.n
     strategy = self.strategy
-    drafts = np.zeros((b, blk), np.int32)
-    signals = np.zeros((b, 3, blk), np.float32)
     prefs = []
     for r in reqs:
       p = strategy.state(r).prefetched
       prefs.append(p if p is not None and len(p.tokens) == blk else None)
-    need = [i for i, p in enumerate(prefs) if p is None]
-    forwards = []
-    if need:
-      sub = batch.sub(need)
-      sub.samp.temperature[:] = 0.0  # the argmax draft: under the reference rule a sampled draft accepts less
-      tok, _, sig = runner.draft(sub.seed, sub.prefix_len, sub.page_table, blk, sub.samp)
-      tok, sig = jax.device_get((tok, sig))  # one device->host transfer
-      forwards.append((StepKind.DRAFT, blk, len(need)))
-      drafts[need], signals[need] = tok[:len(need)], sig[:len(need)]
-    for i, pref in enumerate(prefs):
-      if pref is not None:
-        drafts[i], signals[i] = pref.tokens, pref.signals
+    ready = np.array([p is not None for p in prefs], bool)
+    if not ready.any():
+      return self._draft_only(runner, batch)
+    drafts = np.zeros((b, blk), np.int32)
+    signals = np.zeros((b, 3, blk), np.float32)
+    for i in np.flatnonzero(ready).tolist():
+      drafts[i], signals[i] = prefs[i].tokens, prefs[i].signals
     bounds = [self.bounds(runner, r, int(batch.prefix_len[i])) for i, r in enumerate(reqs)]
-    plans = [strategy.plan_branches(signals[i], blk, bounds[i]) for i in range(n)]
-    any_branch = any(plans)
+    plans = [strategy.plan_branches(signals[i], blk, bounds[i]) if ready[i] else [] for i in range(n)]
     slots = strategy.overlap_slots
-    mask_id = runner.cfg.mask_token_id
-    qn = (1 + slots) * blk if any_branch else blk
+    drafting = ~ready
+    tree = drafting.any() or any(plans)
+    mask_id, head = runner.cfg.mask_token_id, runner.cfg.draft_head
+    qn = (1 + slots) * blk if tree else blk
     tokens = np.full((b, qn), mask_id, np.int32)
     positions = np.zeros((b, qn), np.int32)
     mask = np.zeros((b, qn, qn), bool)
@@ -83,31 +80,52 @@ class OverlapRound(Round):
     lora = np.zeros((b, qn), bool)
     write = np.zeros((b, qn), bool)
     for i in range(n):
-      t, pos, m, lo, w = ov.tree_layout(blk, drafts[i], plans[i], int(batch.prefix_len[i]), mask_id, slots,
-                                       runner.cfg.draft_head)
+      committed = int(batch.prefix_len[i])
+      if ready[i]:
+        t, pos, m, lo, w = ov.tree_layout(blk, drafts[i], plans[i], committed, mask_id, slots, head)
+      else:  # drafts here, verifies in the next step's forward
+        t, pos, m, lo, w = ov.draft_layout(blk, int(batch.seed[i]), committed, mask_id, slots, head)
       tokens[i], positions[i], mask[i], lora[i], write[i] = t[:qn], pos[:qn], m[:qn, :qn], lo[:qn], w[:qn]
     res, br_tok, br_sig = runner.fused(tokens, positions, mask, lora, write, batch.prefix_len, batch.page_table,
                                        batch.samp, blk)
     res.draft_tokens, res.draft_signals = drafts, signals
-    forwards.append((fused_kind(slots) if any_branch else StepKind.VERIFY, blk, n))
-    accepted = res.accepted[:n].astype(np.int64)
+    accepted = np.where(ready, res.accepted[:n], 0).astype(np.int64)
     outcomes, prefetch, traces = [], [], []
     for i in range(n):
-      acc = int(accepted[i])
-      outcome = ov.select_reuse(acc, res.tokens[i], plans[i], br_tok[i], blk) if plans[i] else None
-      pref = None
-      if outcome is not None and outcome.branch is not None:
-        tok = br_tok[i, outcome.branch].copy()
-        tok[0] = res.tokens[i, acc - 1]  # the committed next token (== the new seed)
-        pref = ov.Prefetched(tok, br_sig[i, outcome.branch], plans[i][outcome.branch].kind)
+      pref = outcome = None
+      if not ready[i]:  # its own draft, for the next step
+        pref = ov.Prefetched(br_tok[i, 0].copy(), br_sig[i, 0].copy(), ov.FRESH)
+      elif plans[i]:
+        acc = int(accepted[i])
+        outcome = ov.select_reuse(acc, res.tokens[i], plans[i], br_tok[i], blk)
+        if outcome.branch is not None:
+          tok = br_tok[i, outcome.branch].copy()
+          tok[0] = res.tokens[i, acc - 1]  # the committed next token (== the new seed)
+          pref = ov.Prefetched(tok, br_sig[i, outcome.branch], plans[i][outcome.branch].kind)
       outcomes.append(outcome)
       prefetch.append(pref)
-      if strategy.overlap_log is not None:
-        traces.append(OverlapTrace(signals[i].copy(), acc, int(res.tokens[i, acc - 1]), **bounds[i]))
-    drafted = np.zeros((n,), np.int64)
-    drafted[need] = 1
-    # rounds that also ran a draft forward cost more: the strategy times the two kinds apart
-    label = OverlapKind.OVERLAP_DRAFT if need else OverlapKind.OVERLAP
-    return verified_output(label, res, batch, accepted, forwards,
-                           {StepKind.DRAFT: drafted, StepKind.VERIFY: np.ones((n,), np.int64)},
-                           extra=OverlapResult(outcomes, prefetch, traces, n - len(need)))
+      if strategy.overlap_log is not None and ready[i]:
+        traces.append(OverlapTrace(signals[i].copy(), int(accepted[i]), int(res.tokens[i, accepted[i] - 1]),
+                                   **bounds[i]))
+    saved = sum(p is not None and p.kind != ov.FRESH for p in prefs)
+    verifies = ready.astype(np.int64)
+    forwards = [(fused_kind(slots) if tree else StepKind.VERIFY, blk, n)]
+    out = verified_output(OverlapKind.OVERLAP, res, batch, accepted, forwards,
+                          {StepKind.DRAFT: drafting.astype(np.int64), StepKind.VERIFY: verifies},
+                          extra=OverlapResult(outcomes, prefetch, traces, saved, drafting))
+    out.drafting = drafting if drafting.any() else None
+    return out
+
+  def _draft_only(self, runner, batch: Batch) -> RoundOutput:
+    """A step where no request holds a draft: a draft forward alone, its drafts kept for the next step."""
+    n, blk = batch.n, batch.block
+    samp = dataclasses.replace(batch.samp, temperature=np.zeros_like(batch.samp.temperature))  # argmax drafts
+    tok, _, sig = runner.draft(batch.seed, batch.prefix_len, batch.page_table, blk, samp)
+    tok, sig = jax.device_get((tok, sig))  # one device->host transfer
+    prefetch = [ov.Prefetched(tok[i].copy(), sig[i].copy(), ov.FRESH) for i in range(n)]
+    zeros, ones = np.zeros((n,), np.int64), np.ones((n,), np.int64)
+    return RoundOutput(OverlapKind.OVERLAP_DRAFT, np.zeros((n, 1), np.int32), zeros, np.zeros((n, 1), np.float32),
+                       zeros, np.full((n,), blk, np.int64), zeros, [(StepKind.DRAFT, blk, n)],
+                       {StepKind.DRAFT: ones}, speculative=False, key_rounds=0, trim=False,
+                       extra=OverlapResult([None] * n, prefetch, [], 0, np.ones((n,), bool)),
+                       drafting=np.ones((n,), bool))

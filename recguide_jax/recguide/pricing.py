@@ -41,49 +41,6 @@ def verify_token_price(blocks: Sequence[int], tokens: float, profile) -> float:
   return max(0.0, float(tokens) / ragged_step_cost(blocks, profile) * saved)
 
 
-def drafting_rows_distribution(shares: Sequence[float]) -> np.ndarray:
-  """P(K = k) for k = 0..n, K the number of rows that draft when row i drafts with probability shares[i]
-  independently (Poisson-binomial). From its characteristic function at the n + 1 roots of unity, inverted by one
-  DFT (Hong 2013, "DFT-CF"): O(n^2) in a few array operations, where a convolution row by row is n Python steps
-  per engine step; absolute error ~1e-15."""
-  s = np.clip(np.asarray(shares, np.float64), 0.0, 1.0)
-  n = len(s)
-  # E[w^K] = prod_i (1 - s_i + s_i w) at w = exp(-2 pi i l / (n + 1)): the DFT of P(K = k), whose second half is the
-  # first's conjugate (P is real)
-  w = np.exp(-2j * np.pi * np.arange((n + 1) // 2 + 1) / (n + 1))
-  terms = np.multiply.outer(s, w - 1.0)
-  terms += 1.0
-  return np.clip(np.fft.irfft(np.prod(terms, axis=0), n + 1), 0.0, 1.0)
-
-
-def expected_draft_cost(shares: Sequence[float], cost_by_rows: np.ndarray,
-                        affine: tuple[float, float] | None = None) -> float:
-  """E[cost of an overlap step's draft forward] when row i needs a draft with probability shares[i] (1 - h_i, h_i
-  its chance of holding a reusable branch): the forward runs for the K rows that need it, at cost_by_rows[K]
-  (k = 0..len(shares); entry 0 unused), and is skipped only when K = 0, with probability prod_i h_i. Pricing the
-  forward by the mean share instead (share x the full forward) charges a batch as if its rows skipped their drafts
-  one by one, which a batched forward does not. `affine`: `affine_costs(cost_by_rows)` where known (a cost a + b k
-  needs only P(K >= 1) and E[K], not K's distribution)."""
-  if affine is not None:
-    a, b = affine
-    s = np.clip(np.asarray(shares, np.float64), 0.0, 1.0)
-    return float(a * (1.0 - np.prod(1.0 - s)) + b * s.sum())
-  dist = drafting_rows_distribution(shares)
-  return float(dist[1:] @ np.asarray(cost_by_rows, np.float64)[1:len(dist)])
-
-
-def affine_costs(cost_by_rows: np.ndarray, rtol: float = 1e-9) -> tuple[float, float] | None:
-  """(a, b) with cost_by_rows[k] = a + b k for every k >= 1 (a forward whose cost does not grow with its rows, or
-  grows by the same amount per row), else None."""
-  c = np.asarray(cost_by_rows, np.float64)[1:]
-  if not len(c):
-    return None
-  b = float(c[1] - c[0]) if len(c) > 1 else 0.0
-  a = float(c[0]) - b
-  fit = a + b * np.arange(1, len(c) + 1)
-  return (a, b) if np.allclose(fit, c, rtol=rtol, atol=0.0) else None
-
-
 def rescaled_rho(rho: float, fitted_costs: Mapping[int, float], costs: Mapping[int, float]) -> float:
   """The fitted rule argmax_B V_B - rho T(B) carried to costs in another profile's time unit: rho times the ratio
   of the fitted level's costs to these costs over the blocks both price (their sums), so the rule keeps its form

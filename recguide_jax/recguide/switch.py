@@ -23,8 +23,8 @@ class StepEstimates:
   accepted: dict[int, float]
   draft_share: float
   rows_left_out: int = 0
-  # the overlapping rows' own draft probabilities (1 - h_i), when the step's requests are known: the draft forward
-  # is then priced by the chance that some row needs it (`pricing.expected_draft_cost`), not by their mean
+  # the overlapping rows' own draft probabilities (1 - h_i), when the step's requests are known: a step drafts
+  # alone only when every one of them drafts (`_overlap_steps_per_token`)
   draft_shares: tuple[float, ...] = ()
 
 
@@ -103,13 +103,33 @@ class RegimeSwitch:
     if rate_key.startswith(Regime.LINEAR):
       blk = int(rate_key[len(Regime.LINEAR):])
       return estimates.accepted[blk] / cost(RoundKind.LINEAR, blk, c)
+    return estimates.accepted[self.block_size] * self._overlap_steps_per_token(c, cost, estimates)
+
+  def _overlap_steps_per_token(self, c: int, cost: Callable[[str, int, int], float],
+                               estimates: StepEstimates) -> float:
+    """Overlap's tokens per unit time per request over its value V_B: one forward per step, in which a request
+    verifies, or drafts for its next step when it holds no draft (`overlap_round`). A request that drafts a share
+    d of its rounds takes 1 + d steps a round; a step costs the fused forward unless every request drafts in it
+    (a draft forward alone: each request is in a drafting step with probability d / (1 + d)). The requests left out
+    run a LinearSS round of their own beside each step."""
     blk = self.block_size
-    fused = cost(OverlapKind.OVERLAP, blk, c)
-    draft = max(cost(OverlapKind.OVERLAP_DRAFT, blk, c) - fused, 0.0)
-    round_ms = fused + draft * self._draft_forward_share(blk, c, estimates.draft_share, estimates.draft_shares)
-    if estimates.rows_left_out:  # their LinearSS round, at its cheapest block
-      round_ms += cost(RoundKind.LINEAR, BLOCK_SIZES[0], estimates.rows_left_out)
-    return estimates.accepted[blk] / round_ms
+    shares = estimates.draft_shares
+    if shares:
+      overlapping = len(shares)
+      verifying = sum(1.0 / (1.0 + d) for d in shares)  # verifications per step
+      all_draft = math.prod(d / (1.0 + d) for d in shares)
+    else:
+      overlapping = c if not estimates.rows_left_out else 0
+      d = estimates.draft_share
+      verifying, all_draft = overlapping / (1.0 + d), (d / (1.0 + d)) ** c
+    if not overlapping:  # no request would overlap: the regime is adaptive B's
+      return 0.0
+    fused, draft = cost(OverlapKind.OVERLAP, blk, c), cost(OverlapKind.OVERLAP_DRAFT, blk, c)
+    step_ms = fused - (fused - draft) * all_draft
+    left_out = estimates.rows_left_out
+    if left_out:  # their LinearSS round, at its cheapest block
+      step_ms += cost(RoundKind.LINEAR, BLOCK_SIZES[0], left_out)
+    return (verifying + left_out) / ((overlapping + left_out) * step_ms)
 
   def regime(self, concurrency: int, batch=None, values=None) -> Regime:
     """The step's regime at this load; `batch`: the step's requests, when known, `values`: their expected tokens
