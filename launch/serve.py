@@ -64,6 +64,9 @@ _OVERLAP_MAX_TEMPERATURE = flags.DEFINE_float(
     "recguide_overlap_max_temperature", 0.3, "Requests of at most this temperature may run RecGuide's overlap rounds "
     "(0: greedy requests only). Lossless at any temperature, but a sampled request accepts the argmax draft less "
     "often than LinearSS's sampled one at higher temperatures (docs/recguide.md).")
+_OVERLAP_BLOCK_SIZES = flags.DEFINE_list(
+    "recguide_overlap_block_sizes", ["8", "16", "32"], "The block sizes RecGuide's overlap rounds may run at; the "
+    "switch prices each per step and runs the best (docs/recguide.md, \"One forward per step\").")
 _VERIFY_TRUNCATION = flags.DEFINE_boolean(
     "recguide_verify_truncation", False, "On ragged steps (--bucketing=ragged), each LinearSS row verifies only the "
     "head of its draft whose running confidence pays for the verify tokens at the load, priced with the hardware "
@@ -161,6 +164,9 @@ def _check_flags() -> None:
   _check(_MAX_NUM_SEQS.value >= 1, "max_num_seqs", f"must be >= 1, got {_MAX_NUM_SEQS.value}")
   _check(_OVERLAP_MAX_TEMPERATURE.value >= 0, "recguide_overlap_max_temperature",
          f"must be >= 0, got {_OVERLAP_MAX_TEMPERATURE.value}")
+  blocks = _OVERLAP_BLOCK_SIZES.value
+  _check(bool(blocks) and all(b in ("8", "16", "32") for b in blocks), "recguide_overlap_block_sizes",
+         f"must be a non-empty list of 8, 16 and 32, got {','.join(blocks)!r}")
   _check(not _VERIFY_TRUNCATION.value or _BUCKETING.value == "ragged", "recguide_verify_truncation",
          "truncates the verifies of ragged steps: pass --bucketing=ragged too")
   _check(_NUM_PAGES.value == 0 or _NUM_PAGES.value >= 2, "num_pages",
@@ -244,6 +250,7 @@ def _make_policy(checkpoint: str):
       except (OSError, ValueError) as e:
         _fail(f"--recguide_tables: {e}")
     kwargs["overlap_max_temperature"] = _OVERLAP_MAX_TEMPERATURE.value
+    kwargs["overlap_block_sizes"] = tuple(int(b) for b in _OVERLAP_BLOCK_SIZES.value)
     kwargs["verify_truncation"] = _VERIFY_TRUNCATION.value
   elif _PROFILE.value is not None:
     logging.info("--profile %s is stored; the %s policy does not use a hardware profile", _PROFILE.value, name)

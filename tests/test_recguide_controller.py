@@ -91,7 +91,7 @@ def test_switch_prefers_ar_when_speculation_loses():
   costly_ar = flat_profile(ar_ms=9.0)
   pol = RecGuideStrategy(16, profile=costly_ar)
   pol.stats.accepted = {8: 6.0, 16: 9.0, 32: 12.0}
-  pol.stats.overlap_hit = 0.6
+  pol.stats.overlap_hit = {8: 0.6, 16: 0.6, 32: 0.6}
   assert pol.regime(1) in ("overlap", "adaptive")
   rates = pol.expected_rates(1)
   assert rates["ar"] < max(rates.values())
@@ -352,7 +352,7 @@ def test_calibrated_costs_measure_then_scale_the_profile():
 def test_switch_drops_a_regime_the_profile_flatters_once_measured():
   pol = RecGuideStrategy(16, profile=flat_profile(ar_ms=9.0))
   pol.stats.accepted = {8: 4.0, 16: 4.5, 32: 5.0}
-  pol.stats.overlap_hit = 0.3
+  pol.stats.overlap_hit = {8: 0.3, 16: 0.3, 32: 0.3}
   assert pol.regime(2) != "ar"  # device times alone: speculation looks 3-4x better
   for _ in range(3):  # on this machine's clock every speculative round is slow and AR steps are fast
     pol.observe_round("ar", 1, 2, 0.002)
@@ -507,8 +507,8 @@ def test_overlap_draft_shares_follow_each_requests_own_overlap_test(fixed_regime
     if i % 3 == 0:
       r.strategy_state.prefetched = ov.Prefetched(np.zeros(16, np.int32), np.zeros((3, 16), np.float32), "p1")
   pol = RecGuideStrategy(16, profile=flat_profile(), fixed_regime=fixed_regime)
-  pol.stats.overlap_hit = 0.4
-  hit, accepted = pol.stats.overlap_hit, max(pol.stats.accepted[16], 1.0)
+  pol.stats.overlap_hit[16] = 0.4
+  hit, accepted = pol.stats.overlap_hit[16], max(pol.stats.accepted[16], 1.0)
   want = []
   for r in reqs:
     remaining = pol._overlap_remaining(r)

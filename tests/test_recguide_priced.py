@@ -20,7 +20,7 @@ from recguide_jax.recguide.config import RecGuideState
 from recguide_jax.recguide.controller import RecGuideStrategy
 from recguide_jax.recguide.profile import HardwareProfile
 from recguide_jax.recguide.signals import RoundRecord
-from recguide_jax.recguide.switch import StepEstimates
+from recguide_jax.recguide.switch import OverlapShares
 from recguide_jax.runtime.step_key import StepKind
 
 BLOCKS = (8, 16, 32)
@@ -155,8 +155,9 @@ def test_overlap_priors_come_from_the_tables():
   generic = RecGuideStrategy(16, profile=b200, tables=tables, calibrate=False)
   measured = dataclasses.replace(tables, overlap_hit_rate=0.25, version="")
   fitted = RecGuideStrategy(16, profile=b200, tables=measured, calibrate=False)
-  assert fitted.stats.overlap_hit == 0.25
-  assert fitted.expected_rates(8)["overlap"] < generic.expected_rates(8)["overlap"]
+  assert fitted.stats.overlap_hit == {8: 0.25, 16: 0.25, 32: 0.25}  # one fitted rate: every block's prior
+  for b in (8, 16, 32):
+    assert fitted.expected_rates(8)[f"overlap{b}"] < generic.expected_rates(8)[f"overlap{b}"]
 
 
 def test_values_stop_at_the_budget():
@@ -178,11 +179,12 @@ def test_overlap_is_priced_with_its_entry():
   table, closed loop of 32: the last request's single overlap round cost a draft and a fused forward for the
   tokens a B = 8 round gave)."""
   b200 = load_profile("b200_nld8b")
-  strategy = RecGuideStrategy(16, profile=b200, tables=_tables(b200, rho=0.0), calibrate=False)
+  strategy = RecGuideStrategy(16, profile=b200, tables=_tables(b200, rho=0.0), calibrate=False,
+                              overlap_block_sizes=(16,))
   strategy.stats.accepted = {8: 4.8, 16: 5.0, 32: 5.1}  # engine-wide: adaptive's best is B = 8
-  strategy.stats.overlap_hit = 0.47  # the bundled tables' prior
+  strategy.stats.overlap_hit[16] = 0.47  # the bundled tables' prior
   steady = strategy.expected_rates(1)
-  assert steady["overlap"] > 1.05 * steady["linear8"]  # in its steady state overlap wins at load 1
+  assert steady["overlap16"] > 1.05 * steady["linear8"]  # in its steady state overlap wins at load 1
 
   steps = iter(range(1, 100))
 
@@ -238,7 +240,8 @@ def test_overlap_runs_at_load_1_exactly_where_its_saved_drafts_pay(above):
   overlap rounds accepted: priced on a running accepted length of its own, which only overlap rounds moved, a short
   spell of them froze overlap's value low and kept it off for most of a run on prompts unlike the fitting set."""
   b200 = load_profile("b200_nld8b")
-  strategy = RecGuideStrategy(16, profile=b200, tables=_tables(b200, rho=0.0), calibrate=False)
+  strategy = RecGuideStrategy(16, profile=b200, tables=_tables(b200, rho=0.0), calibrate=False,
+                              overlap_block_sizes=(16,))
   values = ACCEPTS["confident"]  # what the value model gives the request below
   fused, draft = b200.fused_cost(1, 16, strategy.overlap_slots), b200.forward_costs(1, 16)[0]
   best_linear = max(values[b] / b200.cost(1, b) for b in BLOCKS)
@@ -246,8 +249,8 @@ def test_overlap_runs_at_load_1_exactly_where_its_saved_drafts_pay(above):
   assert 0.05 < breakeven < 0.5
   for _ in range(40):  # a spell of overlap rounds that accepted one token each and reused no branch
     strategy.stats.observe_verified(16, 1)
-    strategy.stats.observe_overlap(False)
-  strategy.stats.overlap_hit = breakeven + (0.05 if above else -0.05)
+    strategy.stats.observe_overlap(16, False)
+  strategy.stats.overlap_hit[16] = breakeven + (0.05 if above else -0.05)
   req = _Req("confident", ACCEPTS)
   assert strategy._values(req) == pytest.approx(values)
   plan = strategy.plan_step(StepView(1, (req,), 64, 4096, 32, frozenset(), 1)).plans[0]
@@ -265,9 +268,9 @@ def test_overlap_is_priced_at_one_forward_per_step():
   cost = strategy._profiled_round_cost
   fused, draft = b200.fused_cost(1, 16, strategy.overlap_slots), b200.forward_costs(1, 16)[0]
   d = 0.4
-  got = strategy._overlap_steps_per_token(1, cost, StepEstimates({}, d, 0, (d,)))
+  got = strategy._overlap_steps_per_token(1, 16, cost, OverlapShares(d, 0, (d,)))
   assert got == pytest.approx(1 / (fused + d * draft))
-  assert strategy._overlap_steps_per_token(1, cost, StepEstimates({}, d)) == pytest.approx(got)
+  assert strategy._overlap_steps_per_token(1, 16, cost, OverlapShares(d)) == pytest.approx(got)
   rng = np.random.default_rng(0)
   for shares in ((0.5, 0.5), (0.3, 0.6, 0.1, 0.9), (0.5,) * 8):
     c = len(shares)
@@ -280,10 +283,38 @@ def test_overlap_is_priced_at_one_forward_per_step():
       # a verifying row reuses a branch (keeps holding a draft) with probability 1 - d; a drafting row holds one
       holds = np.where(holds, rng.random(c) >= np.asarray(shares), True)
     want = verified / (c * ms)  # verifications per ms per request
-    got = strategy._overlap_steps_per_token(c, cost, StepEstimates({}, sum(shares) / c, 0, shares))
+    got = strategy._overlap_steps_per_token(c, 16, cost, OverlapShares(sum(shares) / c, 0, shares))
     assert got == pytest.approx(want, rel=0.04), shares
   # requests left out of overlap run a LinearSS round beside each step: they verify every step
-  two = strategy._overlap_steps_per_token(2, cost, StepEstimates({}, 0.5, 1, (0.5,)))
+  two = strategy._overlap_steps_per_token(2, 16, cost, OverlapShares(0.5, 1, (0.5,)))
   fused, draft = b200.fused_cost(2, 16, strategy.overlap_slots), b200.forward_costs(2, 16)[0]
   step = fused - (fused - draft) / 3 + b200.cost(1, 8)
   assert two == pytest.approx((1 / 1.5 + 1) / (2 * step))
+
+
+def test_overlap_runs_at_its_best_priced_block_and_keeps_it_within_a_margin():
+  """The switch prices overlap at each of its blocks (each with its own reuse rate) and runs the best; another block
+  replaces the one it runs at only when priced `OVERLAP_BLOCK_MARGIN` above it (a change drops every request's
+  draft), and an overlap step's rounds run at that block."""
+  from recguide_jax.recguide.config import OVERLAP_BLOCK_MARGIN
+  b200 = load_profile("b200_nld8b")
+  strategy = RecGuideStrategy(16, profile=b200, calibrate=False, overlap_block_sizes=(8, 16))
+  strategy.stats.accepted = {8: 5.5, 16: 7.0, 32: 7.5}
+  outcomes = set()
+  for hit16 in np.linspace(0.3, 0.95, 27):
+    strategy.stats.overlap_hit = {8: 0.55, 16: float(hit16), 32: 0.0}
+    rates = strategy.expected_rates(2)
+    assert "overlap32" not in rates
+    strategy.overlap_block = 8
+    if strategy.regime(2) != "overlap":
+      continue
+    want = 16 if rates["overlap16"] > (1 + OVERLAP_BLOCK_MARGIN) * rates["overlap8"] else 8
+    assert strategy.overlap_block == want, (hit16, rates)
+    outcomes.add((want, rates["overlap16"] > rates["overlap8"]))
+    reqs = tuple(_Req("confident", ACCEPTS) for _ in range(2))
+    strategy.overlap_block = want
+    plans = strategy.plan_step(StepView(1, reqs, 64, 4096, 32, frozenset(), 2)).plans
+    assert {(p.round is strategy.overlap_round, p.block_size) for p in plans} <= {(True, want), (False, 8),
+                                                                                  (False, 16), (False, 32)}
+  # the best block taken, a better one within the margin left, and one beyond it taken
+  assert {(8, False), (8, True), (16, True)} <= outcomes, outcomes

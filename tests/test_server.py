@@ -189,7 +189,8 @@ def test_cli_rejects_bad_flags(ckpt, server_proc, tmp_path):
            (["--threshold=1.5"], "--threshold"), (["--max-num-seqs=0"], "--max_num_seqs"), (["--rule=fast"], "--rule"),
            (["--model=/no/such/dir"], "--model"), ([f"--profile={bad_json}"], "--profile"),
            (["--policy=bogus"], "--policy"), (["--port", str(taken.getsockname()[1])], "--port"),
-           (["--bucketing=wide"], "--bucketing"), (["--recguide_verify_truncation"], "--recguide_verify_truncation")]
+           (["--bucketing=wide"], "--bucketing"), (["--recguide_verify_truncation"], "--recguide_verify_truncation"),
+           (["--recguide_overlap_block_sizes=8,12"], "--recguide_overlap_block_sizes")]
   for args, flag in cases:
     argv = args if any(a.startswith("--model") for a in args) else [f"--model={ckpt}", *args]
     res = sf.run_cli(*argv)

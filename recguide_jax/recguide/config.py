@@ -24,6 +24,10 @@ HISTORY = 4  # verification rounds a request's history keeps (the signals read t
 # how much more tokens per unit time a plan must be priced at to replace a cheaper one (`price_step`): a gain
 # below the values' estimation error is a coin flip (docs/recguide.md, "Priced as a batch" (5))
 TIE_MARGIN = 0.01
+# how much more another overlap block must be priced at to replace the one overlap runs at: a change drops every
+# request's draft of the old block, and per-step values move by more than 1% (at C = 1 on the B200 table B = 8 and
+# 16 traded places every few steps and gave back 0.7 points of the gain)
+OVERLAP_BLOCK_MARGIN = 0.05
 PAPER_DELTA = 0.5  # risky-position margin threshold of the paper (NLD-8B)
 
 
@@ -57,6 +61,8 @@ class RecGuideConfig:
   entropy_head_cap: int | None = None
   calibrate: bool = True  # correct the profile's costs (and the fitted values) online with this machine's clock
   overlap_slots: int | None = None  # branch slots of the fused forward (its width: (1 + slots) B tokens)
+  # the blocks overlap may run at, the switch pricing each per step (a fixed regime or no switch: `block_size`)
+  overlap_block_sizes: tuple = BLOCK_SIZES
   prefix_exponent: float | None = None  # the expected-hit planner's prefix exponent
   # True: a step's adaptive plan is priced as the batch it runs as, against every fixed-B plan and AR; False: the
   # paper's per-request rule alone (the Table 6 ablation rows)
@@ -97,6 +103,10 @@ class RecGuideConfig:
     if not 0.0 < self.prefix_exponent <= 2.0:
       raise ValueError(f"prefix_exponent must lie in (0, 2], got {self.prefix_exponent}")
     set_("components", tuple(self.components))
+    set_("overlap_block_sizes", tuple(sorted(set(self.overlap_block_sizes))))
+    if not self.overlap_block_sizes or not set(self.overlap_block_sizes) <= set(BLOCK_SIZES):
+      raise ValueError(f"overlap_block_sizes must be a non-empty subset of {BLOCK_SIZES}, got "
+                       f"{list(self.overlap_block_sizes)}")
     if self.fixed_regime and self.fixed_regime not in tuple(Regime):
       raise ValueError(f"fixed_regime must be one of {[r.value for r in Regime]}, got {self.fixed_regime!r}")
     set_("fixed_regime", Regime(self.fixed_regime) if self.fixed_regime else None)

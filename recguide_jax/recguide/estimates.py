@@ -15,17 +15,17 @@ class OnlineStats:
   An overlap round verifies a block as a LinearSS round of that B does, so it feeds the same accepted-length
   estimate (`observe_verified`): kept apart, each froze while the other regime ran, and a spell of short acceptance
   in the last overlap rounds kept overlap out for the rest of a run. Overlap's own is the share of its rounds whose
-  branch was reused (`observe_overlap`)."""
+  branch was reused, per block size (`observe_overlap`)."""
   decay: float = 0.98
   accepted: dict = dataclasses.field(default_factory=lambda: {8: 4.0, 16: 5.0, 32: 6.0})
-  overlap_hit: float = 0.5
+  overlap_hit: dict = dataclasses.field(default_factory=lambda: {8: 0.5, 16: 0.5, 32: 0.5})
   overlap_rounds: int = 0
 
   def observe_verified(self, blk: int, accepted: int) -> None:
     self.accepted[blk] = self.decay * self.accepted.get(blk, accepted) + (1 - self.decay) * accepted
 
-  def observe_overlap(self, hit: bool) -> None:
-    self.overlap_hit = self.decay * self.overlap_hit + (1 - self.decay) * float(hit)
+  def observe_overlap(self, blk: int, hit: bool) -> None:
+    self.overlap_hit[blk] = self.decay * self.overlap_hit.get(blk, float(hit)) + (1 - self.decay) * float(hit)
     self.overlap_rounds += 1
 
 

@@ -11,21 +11,28 @@ from typing import Callable
 
 from recguide_jax.decoding.strategy import RoundKind
 from recguide_jax.model.config import BLOCK_SIZES
-from recguide_jax.recguide.config import RecGuideState, Regime
+from recguide_jax.recguide.config import OVERLAP_BLOCK_MARGIN, RecGuideState, Regime
 from recguide_jax.recguide.kinds import OverlapKind
 
 
 @dataclasses.dataclass(frozen=True)
-class StepEstimates:
-  """What one step's regime rates rest on, per request: the expected tokens of a LinearSS round per B (an overlap
-  round verifies a block of the strategy's B: that block's value), the share of overlapping requests that draft in
-  a round, and the rows of the step that would not overlap (they run a LinearSS round of their own)."""
-  accepted: dict[int, float]
+class OverlapShares:
+  """What overlap's rate at one block rests on besides its value: the share of the overlapping requests' rounds
+  that draft, and the rows of the step that would not overlap (they run a LinearSS round of their own)."""
   draft_share: float
   rows_left_out: int = 0
   # the overlapping rows' own draft probabilities (1 - h_i), when the step's requests are known: a step drafts
   # alone only when every one of them drafts (`_overlap_steps_per_token`)
   draft_shares: tuple[float, ...] = ()
+
+
+@dataclasses.dataclass(frozen=True)
+class StepEstimates:
+  """What one step's regime rates rest on, per request: the expected tokens of a LinearSS round per B (an overlap
+  round verifies a block of its B: that block's value) and overlap's shares per block it may run at (a block
+  without them: the steady state's, 1 - its hit rate)."""
+  accepted: dict[int, float]
+  overlap: dict[int, OverlapShares] = dataclasses.field(default_factory=dict)
 
 
 class RegimeSwitch:
@@ -34,12 +41,15 @@ class RegimeSwitch:
 
   def expected_rates(self, concurrency: int, batch=None, values=None) -> dict[str, float]:
     """Tokens per unit time per request for each regime at this concurrency, keyed "ar", "linear<B>" (adaptive
-    B stands on its best block) and "overlap", priced on `step_estimates(batch, values)`."""
-    return self._rates(max(concurrency, 1), self.step_estimates(batch, values))
+    B stands on its best block) and "overlap<B>" (overlap stands on its best block), priced on
+    `step_estimates(batch, values)`."""
+    estimates = self.step_estimates(batch, values)
+    return {key: self._rate(key, max(concurrency, 1), self._round_cost, estimates)
+            for key in ("ar", *(f"linear{b}" for b in BLOCK_SIZES), *self._overlap_keys())}
 
-  def _rates(self, c: int, estimates: StepEstimates) -> dict[str, float]:
-    return {key: self._rate(key, c, self._round_cost, estimates)
-            for key in ("ar", *(f"linear{b}" for b in BLOCK_SIZES), "overlap")}
+  def _overlap_keys(self) -> tuple[str, ...]:
+    """The rate keys of the blocks overlap may run at (`overlap_block_sizes`)."""
+    return tuple(f"{Regime.OVERLAP}{b}" for b in self.overlap_block_sizes)
 
   def step_estimates(self, batch=None, values=None) -> StepEstimates:
     """What the regime rates rest on. `batch`: the step's requests, when known (overlap's draft share is then theirs,
@@ -51,21 +61,22 @@ class RegimeSwitch:
     mean V_B over the whole batch too, and the requests that would not overlap (sampled, or finishing this round)
     cost overlap a LinearSS round of their own beside the fused one (why: docs/recguide.md, "Priced as a batch"
     (2))."""
-    return self._with_shares(self._accepted(values), batch)
+    accepted = self._accepted(values)
+    return StepEstimates(accepted, {b: self._overlap_shares(batch, b) for b in self.overlap_block_sizes})
 
   def _accepted(self, values) -> dict[int, float]:
     """The step's expected tokens per B: its requests' mean `values`, or the engine-wide estimates."""
     return (self.stats.accepted if values is None
             else {b: sum(v[b] for v in values) / len(values) for b in BLOCK_SIZES})
 
-  def _with_shares(self, accepted: dict[int, float], batch) -> StepEstimates:
-    """`step_estimates` of expected tokens `accepted`: overlap's draft shares of `batch` added."""
-    shares = tuple(self.overlap_draft_shares(batch)) if batch and self.overlap else ()
-    share = sum(shares) / len(shares) if shares else 1.0 - self.stats.overlap_hit
+  def _overlap_shares(self, batch, blk: int) -> OverlapShares:
+    """Overlap's shares at block `blk` for the step's requests `batch` (None: the steady state's)."""
+    shares = tuple(self.overlap_draft_shares(batch, blk)) if batch and self.overlap else ()
+    share = sum(shares) / len(shares) if shares else 1.0 - self.stats.overlap_hit[blk]
     left_out = len(batch) - len(shares) if batch and self.overlap else 0  # a share per overlapping request
-    return StepEstimates(accepted, share, left_out, shares)
+    return OverlapShares(share, left_out, shares)
 
-  def overlap_draft_shares(self, batch) -> list[float]:
+  def overlap_draft_shares(self, batch, blk: int | None = None) -> list[float]:
     """Per request of `batch` that would run overlap rounds, the share of them that pay a draft forward, from this
     step to its end.
 
@@ -73,12 +84,14 @@ class RegimeSwitch:
     draft). A request that holds no prefetched branch (entering overlap, or after a miss) drafts in this round for
     sure, and a branch pays off only in a round that follows: over its R = left / accepted remaining rounds it
     drafts 1 + (R - 1)(1 - hit) times, so entering is worth it only when enough rounds are left to recover the
-    draft (docs/recguide.md, "Priced as a batch" (6)). A request holding a branch drafts 1 - hit per round less."""
-    hit, accepted = self.stats.overlap_hit, max(self.stats.accepted[self.block_size], 1.0)
+    draft (docs/recguide.md, "Priced as a batch" (6)). A request holding a draft of this block drafts 1 - hit per
+    round less. `blk`: overlap's block (default: the one it runs at)."""
+    blk = self.overlap_block if blk is None else blk
+    hit, accepted = self.stats.overlap_hit[blk], max(self.stats.accepted[blk], 1.0)
     # `_overlap_remaining` and `state` inlined, and no builtin calls: this runs over every request of every step the
     # switch prices
     max_temperature, miss = self.overlap_max_temperature, 1.0 - hit
-    floor = -math.inf if self.fixed_regime else self.stats.accepted[self.block_size]
+    floor = -math.inf if self.fixed_regime else self.stats.accepted[blk]
     shares = []
     append = shares.append
     for req in batch:
@@ -92,7 +105,8 @@ class RegimeSwitch:
       if left < 1.0:
         left = 1.0
       state = req.strategy_state
-      first = 0.0 if isinstance(state, RecGuideState) and state.prefetched is not None else 1.0
+      held = state.prefetched if isinstance(state, RecGuideState) else None
+      first = 0.0 if held is not None and len(held.tokens) == blk else 1.0
       append((first + (left - 1.0) * miss) / left)
     return shares
 
@@ -103,30 +117,31 @@ class RegimeSwitch:
     if rate_key.startswith(Regime.LINEAR):
       blk = int(rate_key[len(Regime.LINEAR):])
       return estimates.accepted[blk] / cost(RoundKind.LINEAR, blk, c)
-    return estimates.accepted[self.block_size] * self._overlap_steps_per_token(c, cost, estimates)
+    blk = int(rate_key[len(Regime.OVERLAP):])
+    shares = estimates.overlap.get(blk) or OverlapShares(1.0 - self.stats.overlap_hit[blk])
+    return estimates.accepted[blk] * self._overlap_steps_per_token(c, blk, cost, shares)
 
-  def _overlap_steps_per_token(self, c: int, cost: Callable[[str, int, int], float],
-                               estimates: StepEstimates) -> float:
+  def _overlap_steps_per_token(self, c: int, blk: int, cost: Callable[[str, int, int], float],
+                               overlap: OverlapShares) -> float:
     """Overlap's tokens per unit time per request over its value V_B: one forward per step, in which a request
     verifies, or drafts for its next step when it holds no draft (`overlap_round`). A request that drafts a share
     d of its rounds takes 1 + d steps a round; a step costs the fused forward unless every request drafts in it
     (a draft forward alone: each request is in a drafting step with probability d / (1 + d)). The requests left out
     run a LinearSS round of their own beside each step."""
-    blk = self.block_size
-    shares = estimates.draft_shares
+    shares = overlap.draft_shares
     if shares:
       overlapping = len(shares)
       verifying = sum(1.0 / (1.0 + d) for d in shares)  # verifications per step
       all_draft = math.prod(d / (1.0 + d) for d in shares)
     else:
-      overlapping = c if not estimates.rows_left_out else 0
-      d = estimates.draft_share
+      overlapping = c if not overlap.rows_left_out else 0
+      d = overlap.draft_share
       verifying, all_draft = overlapping / (1.0 + d), (d / (1.0 + d)) ** c
     if not overlapping:  # no request would overlap: the regime is adaptive B's
       return 0.0
     fused, draft = cost(OverlapKind.OVERLAP, blk, c), cost(OverlapKind.OVERLAP_DRAFT, blk, c)
     step_ms = fused - (fused - draft) * all_draft
-    left_out = estimates.rows_left_out
+    left_out = overlap.rows_left_out
     if left_out:  # their LinearSS round, at its cheapest block
       step_ms += cost(RoundKind.LINEAR, BLOCK_SIZES[0], left_out)
     return (verifying + left_out) / ((overlapping + left_out) * step_ms)
@@ -136,26 +151,35 @@ class RegimeSwitch:
     per B (`step_estimates`)."""
     self.probing = False
     if self.fixed_regime:
+      self.overlap_block = self.block_size
       return self.fixed_regime
     if not self.switch:
+      self.overlap_block = self.block_size
       return Regime.OVERLAP if (self.overlap and concurrency <= 1) else Regime.ADAPTIVE
     c = max(concurrency, 1)
     if self.calibrate:  # the cost ratios as of this decision, whichever costs it asks for (overlap's, or not)
       self.calibrated.refresh()
     accepted = self._accepted(values)
-    estimates = StepEstimates(accepted, 1.0)  # AR and LinearSS need no draft shares
+    estimates = StepEstimates(accepted)  # AR and LinearSS need no draft shares
     rates = {key: self._rate(key, c, self._round_cost, estimates)
              for key in (Regime.AR.value, *(f"linear{b}" for b in BLOCK_SIZES))}
-    # overlap's rate needs a pass over every request (its draft shares): skipped where it cannot change the decision
+    # overlap's rates need a pass over every request per block (its draft shares): skipped where they cannot change
+    # the decision
     if self.overlap and not self._overlap_out_of_reach(c, accepted, rates, batch):
-      estimates = self._with_shares(accepted, batch)
-      rates[Regime.OVERLAP.value] = self._rate(Regime.OVERLAP.value, c, self._round_cost, estimates)
-    # one rate per regime: adaptive B is as good as its best block size
+      estimates = StepEstimates(accepted, {b: self._overlap_shares(batch, b) for b in self.overlap_block_sizes})
+      rates.update((key, self._rate(key, c, self._round_cost, estimates)) for key in self._overlap_keys())
+    # one rate per regime: adaptive B and overlap are each as good as their best block size
     basis: dict[Regime, str] = {}  # regime -> the rate it stands on
     for key, rate in rates.items():
-      name = Regime.ADAPTIVE if key.startswith(Regime.LINEAR) else Regime(key)
+      name = (Regime.ADAPTIVE if key.startswith(Regime.LINEAR)
+              else Regime.OVERLAP if key.startswith(Regime.OVERLAP) else Regime(key))
       if name not in basis or rate > rates[basis[name]]:
         basis[name] = key
+    if Regime.OVERLAP in basis:  # the block an overlap step runs at, whichever regime this step takes
+      current = f"{Regime.OVERLAP}{self.overlap_block}"
+      if current in rates and rates[current] * (1.0 + OVERLAP_BLOCK_MARGIN) >= rates[basis[Regime.OVERLAP]]:
+        basis[Regime.OVERLAP] = current
+      self.overlap_block = int(basis[Regime.OVERLAP][len(Regime.OVERLAP):])
     ranked = sorted(basis, key=lambda name: -rates[basis[name]])
     if ranked[0] == Regime.AR and self._ar_per_step and Regime.ADAPTIVE in basis:
       # AR is priced per step against the requests' own values (`plan_step`); here it would rest on engine-wide
@@ -177,26 +201,26 @@ class RegimeSwitch:
       return False
     adaptive = max((key for key in rates if key != Regime.AR), key=rates.get)  # `regime`'s basis for adaptive B
     best, other = sorted((Regime.AR.value, adaptive), key=lambda key: -rates[key])
-    blk = self.block_size
-    best_case = accepted[blk] / self._round_cost(OverlapKind.OVERLAP, blk, c)
+    blocks = self.overlap_block_sizes
+    best_case = max(accepted[b] / self._round_cost(OverlapKind.OVERLAP, b, c) for b in blocks)
     if best_case >= rates[best]:
       return False
     if not self.calibrate:
       return True
-    margin = self.explore_margin if self._never_measured(Regime.OVERLAP) else self.probe_margin
-    if accepted[blk] / self._current_cost(OverlapKind.OVERLAP, blk, c) >= margin * rates[best]:
+    margin = self.explore_margin if self._never_measured(self._overlap_keys()[0]) else self.probe_margin
+    if max(accepted[b] / self._current_cost(OverlapKind.OVERLAP, b, c) for b in blocks) >= margin * rates[best]:
       return False
     if best_case < rates[other] or self._never_measured(other):
       return True  # last either way, or `other` is probed (or not) at any rank
-    current = self._rate(other, c, self._current_cost, StepEstimates(accepted, 1.0))
+    current = self._rate(other, c, self._current_cost, StepEstimates(accepted))
     return self.calibrated.clock.is_fresh(*self._clock_key(other, c)) or current < self.probe_margin * rates[best]
 
   def _clock_key(self, rate_key: str, concurrency: int) -> tuple[str, int, int]:
     """The measured round a regime's rate rests on."""
     if rate_key == Regime.AR:
       return (RoundKind.AR, 1, concurrency)
-    if rate_key == Regime.OVERLAP:
-      return (OverlapKind.OVERLAP, self.block_size, concurrency)
+    if rate_key.startswith(Regime.OVERLAP):
+      return (OverlapKind.OVERLAP, int(rate_key[len(Regime.OVERLAP):]), concurrency)
     return (RoundKind.LINEAR, int(rate_key[len(Regime.LINEAR):]), concurrency)
 
   def _never_measured(self, rate_key: str) -> bool:
@@ -294,4 +318,4 @@ class RegimeSwitch:
     if req.params.temperature > self.overlap_max_temperature:
       return None
     remaining = self._remaining(req)
-    return remaining if self.fixed_regime or remaining > self.stats.accepted[self.block_size] else None
+    return remaining if self.fixed_regime or remaining > self.stats.accepted[self.overlap_block] else None
