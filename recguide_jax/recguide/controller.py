@@ -82,9 +82,9 @@ class RecGuideStrategy(AdaptiveRule, RegimeSwitch, CostModel, Strategy):
     self._ar_settled: list | None = None
     self.overlap_round = OverlapRound(self)  # this strategy's own round kind
     self.overlap_log: list | None = None  # set to [] to record every overlap round (overlap_fit.OverlapTrace)
-    self._plans = {Regime.AR: RoundPlan(rounds.AR, 1), Regime.LINEAR: RoundPlan(rounds.LINEAR, self.block_size),
-                   Regime.OVERLAP: RoundPlan(self.overlap_round, self.block_size)}
     self._overlap_plans = {b: RoundPlan(self.overlap_round, b) for b in BLOCK_SIZES}
+    self._plans = {Regime.AR: RoundPlan(rounds.AR, 1), Regime.LINEAR: RoundPlan(rounds.LINEAR, self.block_size),
+                   Regime.OVERLAP: self._overlap_plans[self.block_size]}
     # the block overlap runs at: the switch's best priced one as of its latest decision
     self.overlap_block = self.block_size
     self._linear_plans = {b: RoundPlan(rounds.LINEAR, b) for b in BLOCK_SIZES}  # the adaptive rule's
@@ -288,10 +288,11 @@ class RecGuideStrategy(AdaptiveRule, RegimeSwitch, CostModel, Strategy):
     self.saved_drafts += ovr.saved_drafts
     if self.overlap_log is not None:
       self.overlap_log.extend(ovr.traces)
+    drafting = out.drafting
     for i, r in enumerate(batch.reqs):
       state = self.state(r)
       outcome = ovr.outcomes[i]
-      if not ovr.drafting[i]:  # a verification: its branches' outcome
+      if drafting is None or not drafting[i]:  # a verification: its branches' outcome
         label = "no_branch" if outcome is None else outcome.label
         self.overlap_outcomes[label] += 1
         state.overlap[label] = state.overlap.get(label, 0) + 1

@@ -30,12 +30,11 @@ class OverlapResult:
   """An overlap round's own output (`RoundOutput.extra`), per row: the branch outcome (None: no branch planned),
   the confirmed branch or the request's own new draft as its next draft (None: none), the round's traces
   (`overlap_fit.OverlapTrace`, of the rows that verified, only while the strategy records them), the verifications
-  that reused a branch (a draft forward saved), the rows that drafted instead of verifying."""
+  that reused a branch (a draft forward saved). The rows that drafted instead of verifying: `RoundOutput.drafting`."""
   outcomes: list
   prefetch: list
   traces: list
   saved_drafts: int
-  drafting: np.ndarray  # [n] bool
 
 
 class OverlapRound(Round):
@@ -112,7 +111,7 @@ class OverlapRound(Round):
     forwards = [(fused_kind(slots) if tree else StepKind.VERIFY, blk, n)]
     out = verified_output(OverlapKind.OVERLAP, res, batch, accepted, forwards,
                           {StepKind.DRAFT: drafting.astype(np.int64), StepKind.VERIFY: verifies},
-                          extra=OverlapResult(outcomes, prefetch, traces, saved, drafting))
+                          extra=OverlapResult(outcomes, prefetch, traces, saved))
     out.drafting = drafting if drafting.any() else None
     return out
 
@@ -127,5 +126,5 @@ class OverlapRound(Round):
     return RoundOutput(OverlapKind.OVERLAP_DRAFT, np.zeros((n, 1), np.int32), zeros, np.zeros((n, 1), np.float32),
                        zeros, np.full((n,), blk, np.int64), zeros, [(StepKind.DRAFT, blk, n)],
                        {StepKind.DRAFT: ones}, speculative=False, key_rounds=0, trim=False,
-                       extra=OverlapResult([None] * n, prefetch, [], 0, np.ones((n,), bool)),
+                       extra=OverlapResult([None] * n, prefetch, [], 0),
                        drafting=np.ones((n,), bool))

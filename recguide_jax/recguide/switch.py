@@ -61,13 +61,16 @@ class RegimeSwitch:
     mean V_B over the whole batch too, and the requests that would not overlap (sampled, or finishing this round)
     cost overlap a LinearSS round of their own beside the fused one (why: docs/recguide.md, "Priced as a batch"
     (2))."""
-    accepted = self._accepted(values)
-    return StepEstimates(accepted, {b: self._overlap_shares(batch, b) for b in self.overlap_block_sizes})
+    return self._with_overlap(self._accepted(values), batch)
 
   def _accepted(self, values) -> dict[int, float]:
     """The step's expected tokens per B: its requests' mean `values`, or the engine-wide estimates."""
     return (self.stats.accepted if values is None
             else {b: sum(v[b] for v in values) / len(values) for b in BLOCK_SIZES})
+
+  def _with_overlap(self, accepted: dict[int, float], batch) -> StepEstimates:
+    """The estimates of expected tokens `accepted` with overlap's shares of `batch` at each of its blocks."""
+    return StepEstimates(accepted, {b: self._overlap_shares(batch, b) for b in self.overlap_block_sizes})
 
   def _overlap_shares(self, batch, blk: int) -> OverlapShares:
     """Overlap's shares at block `blk` for the step's requests `batch` (None: the steady state's)."""
@@ -166,7 +169,7 @@ class RegimeSwitch:
     # overlap's rates need a pass over every request per block (its draft shares): skipped where they cannot change
     # the decision
     if self.overlap and not self._overlap_out_of_reach(c, accepted, rates, batch):
-      estimates = StepEstimates(accepted, {b: self._overlap_shares(batch, b) for b in self.overlap_block_sizes})
+      estimates = self._with_overlap(accepted, batch)
       rates.update((key, self._rate(key, c, self._round_cost, estimates)) for key in self._overlap_keys())
     # one rate per regime: adaptive B and overlap are each as good as their best block size
     basis: dict[Regime, str] = {}  # regime -> the rate it stands on
