@@ -6,8 +6,9 @@ and then (a probe) so machine drift cannot freeze a wrong choice, and a regime n
 from __future__ import annotations
 
 import dataclasses
-import math
 from typing import Callable
+
+import numpy as np
 
 from recguide_jax.decoding.strategy import RoundKind
 from recguide_jax.model.config import BLOCK_SIZES
@@ -23,7 +24,7 @@ class OverlapShares:
   rows_left_out: int = 0
   # the overlapping rows' own draft probabilities (1 - h_i), when the step's requests are known: a step drafts
   # alone only when every one of them drafts (`_overlap_steps_per_token`)
-  draft_shares: tuple[float, ...] = ()
+  draft_shares: np.ndarray = dataclasses.field(default_factory=lambda: np.zeros((0,)))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -70,48 +71,54 @@ class RegimeSwitch:
 
   def _with_overlap(self, accepted: dict[int, float], batch) -> StepEstimates:
     """The estimates of expected tokens `accepted` with overlap's shares of `batch` at each of its blocks."""
-    return StepEstimates(accepted, {b: self._overlap_shares(batch, b) for b in self.overlap_block_sizes})
+    rows = self._overlap_rows(batch) if batch and self.overlap else None  # one pass over the requests for all blocks
+    return StepEstimates(accepted, {b: self._overlap_shares(batch, b, rows) for b in self.overlap_block_sizes})
 
-  def _overlap_shares(self, batch, blk: int) -> OverlapShares:
-    """Overlap's shares at block `blk` for the step's requests `batch` (None: the steady state's)."""
-    shares = tuple(self.overlap_draft_shares(batch, blk)) if batch and self.overlap else ()
-    share = sum(shares) / len(shares) if shares else 1.0 - self.stats.overlap_hit[blk]
-    left_out = len(batch) - len(shares) if batch and self.overlap else 0  # a share per overlapping request
-    return OverlapShares(share, left_out, shares)
+  def _overlap_shares(self, batch, blk: int, rows=None) -> OverlapShares:
+    """Overlap's shares at block `blk` for the step's requests `batch` (None: the steady state's); `rows`: their
+    `_overlap_rows`, when read already."""
+    if not (batch and self.overlap):
+      return OverlapShares(1.0 - self.stats.overlap_hit[blk])
+    shares = self.overlap_draft_shares(batch, blk, rows)
+    share = float(shares.mean()) if len(shares) else 1.0 - self.stats.overlap_hit[blk]
+    return OverlapShares(share, len(batch) - len(shares), shares)  # a share per overlapping request
 
-  def overlap_draft_shares(self, batch, blk: int | None = None) -> list[float]:
-    """Per request of `batch` that would run overlap rounds, the share of them that pay a draft forward, from this
-    step to its end.
-
-    In its steady state an overlap round drafts only on a miss (1 - hit rate: a hit's branch is the next round's
-    draft). A request that holds no prefetched branch (entering overlap, or after a miss) drafts in this round for
-    sure, and a branch pays off only in a round that follows: over its R = left / accepted remaining rounds it
-    drafts 1 + (R - 1)(1 - hit) times, so entering is worth it only when enough rounds are left to recover the
-    draft (docs/recguide.md, "Priced as a batch" (6)). A request holding a draft of this block drafts 1 - hit per
-    round less. `blk`: overlap's block (default: the one it runs at)."""
-    blk = self.overlap_block if blk is None else blk
-    hit, accepted = self.stats.overlap_hit[blk], max(self.stats.accepted[blk], 1.0)
-    # `_overlap_remaining` and `state` inlined, and no builtin calls: this runs over every request of every step the
-    # switch prices
-    max_temperature, miss = self.overlap_max_temperature, 1.0 - hit
-    floor = -math.inf if self.fixed_regime else self.stats.accepted[blk]
-    shares = []
-    append = shares.append
+  def _overlap_rows(self, batch) -> tuple[np.ndarray, np.ndarray]:
+    """Per request of `batch` that samples at a temperature overlap runs (`overlap_max_temperature`): its remaining
+    budget, and the length of the branch it holds (0: none)."""
+    # `_overlap_remaining` and `state` inlined: this runs over every request of every step the switch prices
+    max_temperature = self.overlap_max_temperature
+    remaining, held = [], []
     for req in batch:
       params = req.params
       if params.temperature > max_temperature:
         continue
-      remaining = params.max_tokens - len(req.output_ids)
-      if remaining <= floor:
-        continue
-      left = remaining / accepted
-      if left < 1.0:
-        left = 1.0
+      remaining.append(params.max_tokens - len(req.output_ids))
       state = req.strategy_state
-      held = state.prefetched if isinstance(state, RecGuideState) else None
-      first = 0.0 if held is not None and len(held.tokens) == blk else 1.0
-      append((first + (left - 1.0) * miss) / left)
-    return shares
+      branch = state.prefetched if isinstance(state, RecGuideState) else None
+      held.append(0 if branch is None else len(branch.tokens))
+    return np.array(remaining, np.float64), np.array(held, np.int64)
+
+  def overlap_draft_shares(self, batch, blk: int | None = None, rows=None) -> np.ndarray:
+    """Per request of `batch` that would run overlap rounds, the share of them that pay a draft forward, from this
+    step to its end (`rows`: the requests' `_overlap_rows`, when read already).
+
+    In its steady state an overlap round drafts only on a miss (1 - hit rate: a hit's branch is the next round's
+    draft). A request that holds no prefetched branch (entering overlap, or after a miss) drafts in this round for
+    sure, and a branch pays off only in a round that follows: over the R rounds it has left in overlap it drafts
+    1 + (R - 1)(1 - hit) times, so entering is worth it only when enough rounds are left to recover the draft
+    (docs/recguide.md, "Priced as a batch" (6)). Where the switch decides, a request leaves overlap once a round is
+    expected to finish it (`_overlaps`), so R = (left - accepted) / accepted, not left / accepted. A request holding
+    a draft of this block drafts 1 - hit per round less. `blk`: overlap's block (default: the one it runs at)."""
+    blk = self.overlap_block if blk is None else blk
+    remaining, held = self._overlap_rows(batch) if rows is None else rows
+    hit, accepted = self.stats.overlap_hit[blk], max(self.stats.accepted[blk], 1.0)
+    if not self.fixed_regime:  # the requests a round is expected to finish do not overlap
+      keep = remaining > self.stats.accepted[blk]
+      remaining, held = remaining[keep] - self.stats.accepted[blk], held[keep]
+    left = np.maximum(remaining / accepted, 1.0)  # rounds until it leaves overlap
+    first = (held != blk).astype(np.float64)
+    return (first + (left - 1.0) * (1.0 - hit)) / left
 
   def _rate(self, rate_key: str, c: int, cost: Callable[[str, int, int], float], estimates: StepEstimates) -> float:
     """One regime's expected tokens per unit time per request, with round costs from `cost(kind, B, rows)`."""
@@ -131,11 +138,11 @@ class RegimeSwitch:
     d of its rounds takes 1 + d steps a round; a step costs the fused forward unless every request drafts in it
     (a draft forward alone: each request is in a drafting step with probability d / (1 + d)). The requests left out
     run a LinearSS round of their own beside each step."""
-    shares = overlap.draft_shares
-    if shares:
+    shares = np.asarray(overlap.draft_shares, np.float64)
+    if len(shares):
       overlapping = len(shares)
-      verifying = sum(1.0 / (1.0 + d) for d in shares)  # verifications per step
-      all_draft = math.prod(d / (1.0 + d) for d in shares)
+      verifying = float((1.0 / (1.0 + shares)).sum())  # verifications per step
+      all_draft = float(np.prod(shares / (1.0 + shares)))
     else:
       overlapping = c if not overlap.rows_left_out else 0
       d = overlap.draft_share
