@@ -98,6 +98,7 @@ class Batch:
   bucket_for: Any = None  # n -> the batch bucket of n rows (sub-batches)
   request_rows: Any = None  # the engine's per-request rows of `reqs` (`engine.batch_rows.BatchRows`)
   verify_price: np.ndarray | None = None  # [n] float: each row's `RoundPlan.verify_price` (None: all 0)
+  running_as_of: int = -1  # the engine's count of finished requests when every row's request was known to run
 
   @property
   def n(self) -> int:

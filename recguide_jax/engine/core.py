@@ -72,6 +72,9 @@ class Engine:
     # function returned on the device, so running ahead compiles and dispatches nothing a synchronous engine does not
     self.pipeline = True
     self.step_count = 0
+    # requests finished so far, and as of the last `_take_finished`: a steady step with none finished scans no
+    # request for it
+    self._finishes = self._finishes_taken = 0
     self._waited_on_compile = self._ran_this_step = False  # this step: some rows waited on a background compile
     self._rows = RowCache()
     self.books = DecodeBooks()  # running requests' decode stats (written to Request.stats when each finishes)
@@ -222,7 +225,7 @@ class Engine:
     self.step_count += 1
     self._waited_on_compile = self._ran_this_step = False
     if self._pending is not None and self._advance_pipeline():
-      return self.scheduler.take_finished()
+      return self._take_finished()
     for req in self.scheduler.admit():
       try:
         self.allocator.add(req.request_id)
@@ -258,14 +261,20 @@ class Engine:
           if rows:
             self._run_or_wait(rows, lambda rows, group=group: self.run_round(self._group_batch(group, rows)),
                               request=lambda row: row[0])
+    return self._take_finished()
+
+  def _take_finished(self) -> list[Request]:
+    """The running requests that finished since the last call, taken out of the running set."""
+    if self._finishes == self._finishes_taken:
+      return []
+    self._finishes_taken = self._finishes
     return self.scheduler.take_finished()
 
-  @staticmethod
-  def _group_batch(group, rows: list) -> Batch:
-    """The batch of a group's `rows` ((request, planned block, verify price) each)."""
+  def _group_batch(self, group, rows: list) -> Batch:
+    """The batch of a group's `rows` ((request, planned block, verify price) each; their requests running)."""
     prices = np.array([p for _, _, p in rows], np.float64)
     return Batch(group.round, group.block, [r for r, _, _ in rows], np.array([b for _, b, _ in rows], np.int64),
-                 verify_price=prices if prices.any() else None)
+                 verify_price=prices if prices.any() else None, running_as_of=self._finishes)
 
   @property
   def stalled_on_compile(self) -> bool:
@@ -350,12 +359,13 @@ class Engine:
     if live.any():  # (a failure fails the batch's requests that are still running: `finish` skips the others)
       self._isolated(batch.reqs, f"observing a {what}", self.strategy.observe, outcome)
 
-  @staticmethod
-  def _row_state(batch: Batch) -> tuple[np.ndarray, np.ndarray]:
+  def _row_state(self, batch: Batch) -> tuple[np.ndarray, np.ndarray]:
     """Per row of `batch`: whether its request is still running, and its output tokens so far."""
     reqs, n = batch.reqs, batch.n
-    return (np.fromiter((r.finish_reason is None for r in reqs), bool, n),
-            np.fromiter((len(r.output_ids) for r in reqs), np.int64, n))
+    # every row ran when the batch was made: while no request has finished since, every row still does
+    live = (np.ones((n,), bool) if batch.running_as_of == self._finishes
+            else np.fromiter((r.finish_reason is None for r in reqs), bool, n))
+    return live, np.fromiter((len(r.output_ids) for r in reqs), np.int64, n)
 
   def batch_rows(self, reqs: Sequence[Request]) -> BatchRows:
     """The per-request rows of a batch of `reqs` (cached per composition: `batch_rows.RowCache`)."""
@@ -452,6 +462,7 @@ class Engine:
     (the host's are left zero)."""
     reqs, n = batch.reqs, len(batch.reqs)
     alloc = self.allocator
+    batch.running_as_of = self._finishes
     b = batch.b = prev.b if prev is not None else self.runner.bucket_for(n)
     batch.bucket_for = self.runner.bucket_for
     batch.page_table = np.zeros((b, self.rc.pages_per_seq), np.int32)  # zeros: TRASH_PAGE
@@ -695,6 +706,7 @@ class Engine:
     if r.finished:
       return
     r.finish_reason = reason
+    self._finishes += 1
     r.error = error
     r.stats.latency_s = time.perf_counter() - r.arrival
     try:
