@@ -245,6 +245,15 @@ def main(argv):
   write_set_report({"meta": meta, "results": results, "recguide_vs_best_baseline_wall_pooled": pooled})
 
 
+def kept_notes(path: str) -> str:
+  """The hand-written notes below NOTES_MARK in an earlier report at `path` (they survive a re-run), or ""."""
+  if not os.path.exists(path):
+    return ""
+  with open(path) as f:
+    old = f.read()
+  return "\n" + NOTES_MARK + old.split(NOTES_MARK, 1)[1] if NOTES_MARK in old else ""
+
+
 def write_set_report(report: dict) -> None:
   """--mode=set's bench_recguide.json and .md: the table, the overlap rows' branch coverage and reuse (the paper's
   Table 3) and the throughput frontiers (Figure 5: aggregate against per-request speed across C, on this machine's
@@ -296,9 +305,10 @@ def write_set_report(report: dict) -> None:
     plots[key] = rep.plot_frontier(series, cli.report_path(name), xlabel, ylabel,
                                    f"Throughput vs per-request speed across C ({key})")
     lines += ["", f"![throughput frontier, {key}]({name})"]
+  notes = kept_notes(out_md)
   with open(out_md, "w") as f:
     f.write(f"GSM8K test, {meta['num_prompts']} prompts, greedy, max {meta['max_tokens']} new tokens; wall clock on "
-            f"this machine, priced with `{meta['price_profile']}`.\n\n" + "\n".join(lines) + "\n")
+            f"this machine, priced with `{meta['price_profile']}`.\n\n" + "\n".join(lines) + "\n" + notes)
   print("\n".join(lines))
   print(f"wrote {out_json}, {out_md} and {', '.join(plots.values())}")
 
@@ -497,12 +507,7 @@ def priced(llm, recguide, levels, params, data, tables_path):
   out_md = cli.report_path("bench_recguide_priced.md")
   with open(out_json, "w") as f:
     json.dump({"meta": meta, "results": rows, "unseen_c1": unseen_rows}, f, indent=2)
-  notes = ""  # hand-written notes below NOTES_MARK in an earlier report survive a re-run
-  if os.path.exists(out_md):
-    with open(out_md) as f:
-      old = f.read()
-    if NOTES_MARK in old:
-      notes = "\n" + NOTES_MARK + old.split(NOTES_MARK, 1)[1]
+  notes = kept_notes(out_md)
   with open(out_md, "w") as f:
     f.write(f"Priced (`--mode=priced`): GSM8K test, {FLAGS.num_prompts} prompts, greedy, max {FLAGS.max_tokens} new "
             "tokens, a closed loop of C; each run's forward ledger priced with each profile; RecGuide decides with "

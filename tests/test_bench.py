@@ -156,3 +156,24 @@ def test_bench_recguide_steady_mode_bookkeeping(tmp_path):
   assert res["meta"]["cpu_model"] and res["meta"]["decode_steps"] == 4 and res["meta"]["jax_backend"] == "cpu"
   md = (tmp_path / "bench_recguide_steady.md").read_text()
   assert "| 2 | recguide |" in md and "pooled over 1 levels" in md
+
+
+def test_bench_recguide_set_report_keeps_the_hand_written_notes(tmp_path):
+  """launch/bench_recguide.py --report_from rewrites a set-mode report from its JSON (the shipped one) and keeps what
+  was written by hand below the notes mark of the report it replaces."""
+  import os
+  import pathlib
+  import shutil
+  import subprocess
+  import sys
+  root = pathlib.Path(__file__).resolve().parents[1]
+  shutil.copy(root / "docs" / "bench_recguide.json", tmp_path / "run.json")
+  mark = "<!-- notes: written by hand, kept when the tables above are regenerated -->"
+  (tmp_path / "bench_recguide.md").write_text(f"an old table\n\n{mark}\n## Notes\n\nkept by hand\n")
+  proc = subprocess.run([sys.executable, "launch/bench_recguide.py", f"--report_from={tmp_path / 'run.json'}",
+                         f"--output_dir={tmp_path}"], cwd=root, env=dict(os.environ, JAX_PLATFORMS="cpu"),
+                        capture_output=True, text=True, timeout=300)
+  assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+  md = (tmp_path / "bench_recguide.md").read_text()
+  assert "an old table" not in md and "| C | policy |" in md
+  assert md.endswith(f"{mark}\n## Notes\n\nkept by hand\n") and md.count(mark) == 1
