@@ -429,7 +429,8 @@ class Engine:
     if left < 1 or not self.strategy.plans_ahead(batch):
       return None  # every request ends within `batch`'s call, or the strategy plans the next step itself
     n = self.rc.decode_steps if batch.round.multi_step else 1
-    return Batch(batch.round, batch.block, batch.reqs, batch.planned, steps=n if 1 < n <= left else 1)
+    return Batch(batch.round, batch.block, batch.reqs, batch.planned, steps=n if 1 < n <= left else 1,
+                 running_as_of=self._finishes)
 
   def _dispatch_ahead(self, batch: Batch, prev: Batch, handle):
     """Dispatches `batch`, the same requests' call after `prev`'s (dispatched as `handle`, not applied yet)."""
@@ -462,7 +463,6 @@ class Engine:
     (the host's are left zero)."""
     reqs, n = batch.reqs, len(batch.reqs)
     alloc = self.allocator
-    batch.running_as_of = self._finishes
     b = batch.b = prev.b if prev is not None else self.runner.bucket_for(n)
     batch.bucket_for = self.runner.bucket_for
     batch.page_table = np.zeros((b, self.rc.pages_per_seq), np.int32)  # zeros: TRASH_PAGE
