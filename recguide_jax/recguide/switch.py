@@ -108,13 +108,14 @@ class RegimeSwitch:
     sure, and a branch pays off only in a round that follows: over the R rounds it has left in overlap it drafts
     1 + (R - 1)(1 - hit) times, so entering is worth it only when enough rounds are left to recover the draft
     (docs/recguide.md, "Priced as a batch" (6)). Where the switch decides, a request leaves overlap once a round is
-    expected to finish it (`_overlaps`), so R = (left - accepted) / accepted, not left / accepted. A request holding
-    a draft of this block drafts 1 - hit per round less. `blk`: overlap's block (default: the one it runs at)."""
+    expected to finish it (`_overlaps`), so R = (left - accepted) / accepted, not left / accepted; one that holds a
+    draft of this block stays for that last round (R = 1, no draft to pay). A request holding a draft of this block
+    drafts 1 - hit per round less. `blk`: overlap's block (default: the one it runs at)."""
     blk = self.overlap_block if blk is None else blk
     remaining, held = self._overlap_rows(batch) if rows is None else rows
     hit, accepted = self.stats.overlap_hit[blk], max(self.stats.accepted[blk], 1.0)
-    if not self.fixed_regime:  # the requests a round is expected to finish do not overlap
-      keep = remaining > self.stats.accepted[blk]
+    if not self.fixed_regime:  # the requests a round is expected to finish do not overlap, unless they hold a draft
+      keep = (remaining > self.stats.accepted[blk]) | (held == blk)
       remaining, held = remaining[keep] - self.stats.accepted[blk], held[keep]
     left = np.maximum(remaining / accepted, 1.0)  # rounds until it leaves overlap
     first = (held != blk).astype(np.float64)
@@ -320,7 +321,8 @@ class RegimeSwitch:
   def _overlaps(self, req) -> bool:
     """Whether `req` runs an overlap round when the regime is overlap: a temperature of at most
     `overlap_max_temperature` (0.3 by default), and, where the switch decides, not one this round is expected
-    to finish (no next round for a prefetched branch to save a draft in)."""
+    to finish (no next round for a prefetched branch to save a draft in) unless it holds a draft of overlap's
+    block (verified in the fused forward, it costs no draft forward)."""
     return self._overlap_remaining(req) is not None
 
   def _overlap_remaining(self, req) -> int | None:
@@ -328,4 +330,9 @@ class RegimeSwitch:
     if req.params.temperature > self.overlap_max_temperature:
       return None
     remaining = self._remaining(req)
-    return remaining if self.fixed_regime or remaining > self.stats.accepted[self.overlap_block] else None
+    if self.fixed_regime or remaining > self.stats.accepted[self.overlap_block]:
+      return remaining
+    # one that holds a draft of overlap's block verifies it in the fused forward: no draft forward to pay for
+    state = req.strategy_state
+    branch = state.prefetched if isinstance(state, RecGuideState) else None
+    return remaining if branch is not None and len(branch.tokens) == self.overlap_block else None
