@@ -43,6 +43,21 @@ class MixedBlocks(Strategy):
     return ("prefill", "draft", "verify", "ragged")
 
 
+class StickyBlocks(MixedBlocks):
+  """Plans each request at one block drawn per prompt from `choices`, every step alike: its steps run ahead."""
+  name = "sticky"
+
+  def plan_step(self, view):
+    plans = []
+    for req in view.requests:
+      blk = self.choices[zlib.crc32(np.asarray(req.prompt_ids, np.int64).tobytes()) % len(self.choices)]
+      plans.append(RoundPlan(rounds.AR, 1) if blk == 1 else RoundPlan(rounds.LINEAR, blk, self.verify_price))
+    return StepPlan(tuple(plans))
+
+  def plans_ahead(self, batch):
+    return True
+
+
 def prompts(n, seed):
   rng = np.random.default_rng(seed)
   return [[int(t) for t in np.tile(rng.integers(4, 128, int(rng.integers(1, 4))), 20)[:int(rng.integers(2, 30))]]
@@ -128,6 +143,31 @@ def test_ragged_rows_join_and_leave(tiny_llm, ar_reference):
   ps, ar = ar_reference
   out, _ = run(tiny_llm, ps, MixedBlocks(MIXES["linear_ar"]), "ragged", 3)
   assert out == ar
+
+
+@pytest.mark.parametrize("price", [0.0, 0.4])
+def test_ragged_steps_run_ahead_with_the_same_tokens(tiny_llm, ar_reference, price):
+  """A ragged step whose plan repeats is dispatched while the one before it runs, from that one's seeds and
+  committed lengths on the device (each row at its own block, truncated verifies included): the same tokens as AR;
+  sampled, the same tokens as without running ahead."""
+  ps, ar = ar_reference
+  engine = tiny_llm.engine
+  ahead = []
+  dispatch_ahead = engine._dispatch_ahead
+  engine._dispatch_ahead = lambda batch, *a: ahead.append(batch.round) or dispatch_ahead(batch, *a)
+  try:
+    out, log = run(tiny_llm, ps, StickyBlocks(MIXES["linear_ar"], price), "ragged", 8)
+    assert out == ar and ahead and set(ahead) == {rounds.RAGGED}
+    assert (bench.unverified_drafts(log) > 0) == (price > 0)
+    sampled = SamplingParams(max_tokens=24, temperature=0.8, seed=11, ignore_eos=True)
+    outs = {}
+    for pipeline in (True, False):
+      engine.pipeline = pipeline
+      outs[pipeline], _ = run(tiny_llm, ps, StickyBlocks(MIXES["linear_ar"], price), "ragged", 8, sampled)
+  finally:
+    engine.pipeline = True
+    del engine._dispatch_ahead
+  assert outs[True] == outs[False] and outs[True] != ar
 
 
 def test_ragged_variants_do_not_grow_with_block_sizes(tiny_llm):

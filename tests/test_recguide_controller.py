@@ -494,8 +494,8 @@ def test_a_steps_rule_and_verifications_taken_together_equal_one_request_at_a_ti
 @pytest.mark.parametrize("fixed_regime", [None, "overlap"])
 def test_overlap_draft_shares_follow_each_requests_own_overlap_test(fixed_regime):
   """The switch's per-request draft shares (computed inline for speed) skip exactly the requests
-  `_overlap_remaining` rules out (sampled, or ending within a round) and price the rest by their own budget and
-  branch."""
+  `_overlap_remaining` rules out (sampled, or ending within a round without a draft of overlap's block) and price
+  the rest by their own budget and branch."""
   import dataclasses
 
   from recguide_jax.recguide import overlap as ov
@@ -519,6 +519,11 @@ def test_overlap_draft_shares_follow_each_requests_own_overlap_test(fixed_regime
       want.append((first + (left - 1.0) * (1.0 - hit)) / left)
   shares = pol.overlap_draft_shares(reqs)
   assert len(shares) == len(want) and np.allclose(shares, want, rtol=1e-12) and 0 < len(want) < len(reqs)
+  if not fixed_regime:  # one a round is expected to finish overlaps only to verify the draft it holds (share 0)
+    ending = [r for r in reqs if r.params.temperature <= 0.3 and pol._remaining(r) <= pol.stats.accepted[16]]
+    holds = [pol.state(r).prefetched is not None for r in ending]
+    assert set(holds) == {True, False}
+    assert [pol._overlap_remaining(r) is not None for r in ending] == holds
 
 
 @pytest.mark.parametrize("calibrate", [False, True])
@@ -629,10 +634,11 @@ def test_metrics_and_clone_are_the_strategys_own():
   assert not twin.regime_counts and twin.stats is not pol.stats and twin.calibrated is not pol.calibrated
 
 
-@pytest.mark.parametrize("regime", ["ar", "linear", "overlap"])
-def test_ar_and_linear_steps_run_ahead(tiny_llm, ar_reference, regime):
-  """A step whose regime is AR or fixed-B LinearSS is decided one step late and dispatched while the call before it
-  runs, with the same tokens; an overlap step never is (its draft is what its predecessor's verification confirms)."""
+@pytest.mark.parametrize("regime", ["ar", "linear", "adaptive", "overlap"])
+def test_ar_linear_and_adaptive_steps_run_ahead(tiny_llm, ar_reference, regime):
+  """A step whose regime is AR, fixed-B LinearSS or adaptive at the block the step before it ran is decided one step
+  late and dispatched while the call before it runs, with the same tokens; an overlap step never is (its draft is
+  what its predecessor's verification confirms)."""
   ps, ar = ar_reference
   pol = RecGuideStrategy(16, fixed_regime=regime, profile=flat_profile())
   said = []
@@ -655,7 +661,7 @@ def test_a_decision_made_ahead_is_the_next_steps_own():
   pol = clocked_strategy(t, ar_ms=1.0)  # AR at 1 ms against 11+ ms LinearSS rounds accepting 4: AR wins
   pol.calibrate = False
   pol.current_regime = "ar"
-  batch = SimpleNamespace(round=rounds.AR, block=1, n=4, reqs=[object()] * 4)
+  batch = SimpleNamespace(round=rounds.AR, block=1, n=4, reqs=[object()] * 4, planned=np.ones(4, np.int64))
   assert pol.plans_ahead(batch) and pol.regime_counts["ar"] == 4 and pol._decided_ahead is None
   pol.stats.accepted = {8: 40.0, 16: 40.0, 32: 40.0}  # now speculation wins
   assert not pol.plans_ahead(batch) and pol._decided_ahead == (4, "adaptive")
@@ -664,7 +670,18 @@ def test_a_decision_made_ahead_is_the_next_steps_own():
   plans = pol.plan_step(StepView(2, tuple(batch.reqs), 64, 4096, 32, frozenset())).plans
   assert [p.block_size for p in plans] == [8] * 4 and pol.current_regime == "adaptive"
   assert pol._decided_ahead is None
-  assert not pol.plans_ahead(SimpleNamespace(round=rounds.LINEAR, block=8, n=4, reqs=batch.reqs))  # adaptive
+  del pol.regime  # (the switch decides the steps after this one again)
+  # adaptive: ahead while the batch pricing gives every row the block the step ran at, one step late
+  linear8 = SimpleNamespace(round=rounds.LINEAR, block=8, n=4, reqs=batch.reqs, planned=np.full(4, 8))
+  assert pol.plans_ahead(linear8) and pol._decided_ahead is None and pol.regime_counts["adaptive"] == 8
+  pol.price_step = lambda reqs, c, values: ("rule", [8, 8, 16, 8])
+  assert not pol.plans_ahead(linear8) and pol._decided_ahead == (4, "adaptive")  # its blocks: on the fresh histories
+  pol._decided_ahead = None
+  # a ragged step of mixed blocks: ahead while every row keeps its own
+  ragged = SimpleNamespace(round=rounds.RAGGED, block=16, n=4, reqs=batch.reqs, planned=np.array([8, 8, 16, 8]))
+  assert pol.plans_ahead(ragged) and pol._decided_ahead is None
+  pol.price_step = lambda reqs, c, values: ("rule", [8, 8, 16, 16])
+  assert not pol.plans_ahead(ragged) and pol._decided_ahead == (4, "adaptive")
 
 
 def test_an_ar_round_of_settled_requests_changes_nothing_and_a_verification_unsettles_them():

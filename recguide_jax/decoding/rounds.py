@@ -98,19 +98,29 @@ class RaggedRound(Round):
   Nothing is padded to another row's block and no block size gets a batch of its own: the forwards compute
   sum(B_i) and sum(B_i) + #AR query tokens (in the runner's packed-token buckets). Each row's tokens, sampling key
   and acceptance are those of a LinearSS round at its own block (or an AR step), so the output is the same.
+  Pipelined: the next step's seeds and committed lengths are this verify's, on the device (acceptance is capped at
+  each row's own block there).
 
   Rows with a `Batch.verify_price` verify only the head of their draft that pays at it (`truncated_lengths`): the
   draft's signals are read back between the two forwards, and the verify runs (and is priced by) fewer tokens."""
   kind = RoundKind.RAGGED
+  pipelined = True
 
-  def run(self, runner, batch: Batch) -> RoundOutput:
+  def ahead(self, batch: Batch) -> tuple[int, int, int]:
+    return batch.block, 1, 1  # at most the largest planned block committed, at least one token; one key round
+
+  def dispatch(self, runner, batch: Batch, seed=None):
+    """Dispatches the draft and the verify (waiting between them only to truncate verifies); `seed`: the previous
+    step's handle (its verify's next inputs seed this step)."""
     n, rows = batch.n, runner.config.max_batch  # a ragged step's rows: one shape for every mix
-    page_table, prefix_len, seed, live, samp = pad_rows(batch, rows)
+    page_table, prefix_len, tokens, live, samp = pad_rows(batch, rows)
+    if seed is not None:  # the previous step's verification, still on the device (its rows are these rows)
+      tokens, prefix_len = runner.next_inputs(seed[0])
     planned = batch.planned.astype(np.int64)
     row_len = np.zeros((rows,), np.int32)
     row_len[:n] = planned
     draft_len = np.where(row_len > 1, row_len, 0).astype(np.int32)
-    drafted, q, signals = runner.ragged_draft(seed, draft_len, prefix_len, page_table, samp)
+    drafted, q, signals = runner.ragged_draft(tokens, draft_len, prefix_len, page_table, samp)
     verify_len, verified = row_len, None
     price = batch.verify_price
     if price is not None and (planned > 1).any() and (price > 0).any():
@@ -120,15 +130,24 @@ class RaggedRound(Round):
       verified = truncated_lengths(confidence, planned, np.asarray(price, np.float64))
       verify_len = row_len.copy()
       verify_len[:n] = verified
-    res = runner.ragged_verify(drafted, q, seed, verify_len, live, prefix_len, page_table, samp)
+    outs = runner.dispatch_ragged_verify(drafted, q, tokens, verify_len, live, prefix_len, page_table, samp)
+    return outs, drafted, signals, draft_len, verify_len, verified
+
+  def collect(self, runner, batch: Batch, handle) -> RoundOutput:
+    outs, drafted, signals, draft_len, verify_len, verified = handle
+    res = runner.read_verify(outs)
     res.draft_tokens, res.draft_signals = drafted, signals  # device arrays: only analysis reads them back
-    linear = (planned > 1).astype(np.int64)
+    n = batch.n
+    linear = (batch.planned > 1).astype(np.int64)
     accepted = res.accepted[:n].astype(np.int64)
     forwards = [(StepKind.RAGGED_DRAFT, int(draft_len.sum()), int(linear.sum())),
                 (StepKind.RAGGED_VERIFY, int(verify_len.sum()), n)]
     return verified_output(self.kind, res, batch, accepted, forwards,
                            {StepKind.DRAFT: linear, StepKind.VERIFY: linear, StepKind.DECODE: 1 - linear},
                            verified=verified)
+
+  def run(self, runner, batch: Batch) -> RoundOutput:
+    return self.collect(runner, batch, self.dispatch(runner, batch))
 
 
 def truncated_lengths(confidence: np.ndarray, blocks: np.ndarray, price: np.ndarray) -> np.ndarray:

@@ -423,14 +423,16 @@ class Engine:
     if not (self.pipeline and not self.waiting and len(self.running) == batch.n and live.all()
             and self.runner.mesh is None  # a device array between calls keeps the single device's placement
             and batch.samp.controls is None  # penalties and min_tokens read the tokens the pending call commits
-            and (batch.planned == batch.block).all()):
+            # a row padded to a larger block commits less than its verify accepted on the device (a ragged row's
+            # acceptance is capped at its own block there)
+            and not (batch.round.pads_to_largest and (batch.planned < batch.block).any())):
       return None
     left = self._most_tokens_left(batch.request_rows, generated) - batch.round.ahead(batch)[1]
     if left < 1 or not self.strategy.plans_ahead(batch):
       return None  # every request ends within `batch`'s call, or the strategy plans the next step itself
     n = self.rc.decode_steps if batch.round.multi_step else 1
     return Batch(batch.round, batch.block, batch.reqs, batch.planned, steps=n if 1 < n <= left else 1,
-                 running_as_of=self._finishes)
+                 verify_price=batch.verify_price, running_as_of=self._finishes)
 
   def _dispatch_ahead(self, batch: Batch, prev: Batch, handle):
     """Dispatches `batch`, the same requests' call after `prev`'s (dispatched as `handle`, not applied yet)."""

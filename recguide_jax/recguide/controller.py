@@ -166,17 +166,30 @@ class RecGuideStrategy(AdaptiveRule, RegimeSwitch, CostModel, Strategy):
 
   def plans_ahead(self, batch) -> bool:
     """The switch decides the step after `batch`'s now, one step late (on what was observed before `batch`'s round),
-    and that step runs `batch`'s plan again when the decision is the same AR or fixed-B LinearSS regime. Overlap
-    and adaptive steps are not planned ahead: an overlap round's draft is the branch its predecessor's verification
-    confirms, and an adaptive B comes from the request's latest round."""
+    and that step runs `batch`'s plan again when the decision is the same AR or fixed-B LinearSS regime, or the
+    adaptive regime whose batch pricing gives every row its block in `batch` again (its rule then reads the
+    histories one round late: any block is lossless; a ragged step keeps its verify prices too). Overlap steps are
+    not planned ahead (an overlap round's draft is the branch its predecessor's verification confirms), nor
+    adaptive steps whose blocks change (planned after `batch`'s outcome, on the fresh histories)."""
     regime = self.current_regime
-    plan = self._plans.get(regime) if regime in (Regime.AR, Regime.LINEAR) else None
-    if plan is None or batch.round is not plan.round or batch.block != plan.block_size:
-      return False
+    if regime == Regime.ADAPTIVE:
+      if batch.round is not rounds.LINEAR and batch.round is not rounds.RAGGED:
+        return False
+    else:
+      plan = self._plans.get(regime) if regime in (Regime.AR, Regime.LINEAR) else None
+      if (plan is None or batch.round not in (plan.round, plan.round.ragged_round)
+          or not (batch.planned == plan.block_size).all()):
+        return False
     load = batch.n  # the engine asks only when the batch is the whole decoding set and nothing waits
     values = [self._values(r) for r in batch.reqs] if self._switch_on_values else None
     decided = self.regime(load, batch.reqs, values)
-    if decided != regime:
+    if decided == regime == Regime.ADAPTIVE:
+      name, blocks = self.price_step(batch.reqs, load, values)
+      if blocks != batch.planned.tolist():
+        self._decided_ahead = (load, decided)  # the regime stands; the blocks are planned on the fresh histories
+        return False
+      self.step_plans[name] += 1
+    elif decided != regime:
       self._decided_ahead = (load, decided)
       return False
     self.regime_counts[regime] += load

@@ -506,13 +506,14 @@ class Runner:
     key = self.ragged_key(StepKind.RAGGED_DRAFT, int(np.sum(row_len)))
     return self.execute(key, RaggedDraftInputs(seed, row_len, prefix_len, page_table, samp))
 
-  def ragged_verify(self, drafted, q, seed, row_len, write, prefix_len, page_table, samp: SamplingArrays
-                    ) -> VerifyResult:
-    """Verifies every row at its own block row_len [R] in one forward: LinearSS rows their draft (`drafted`, `q`
-    from `ragged_draft`), AR rows (row_len 1) decode their seed. Results [R, W] as `verify`'s."""
+  def dispatch_ragged_verify(self, drafted, q, seed, row_len, write, prefix_len, page_table,
+                             samp: SamplingArrays) -> tuple:
+    """Verifies every row at its own block row_len [R] in one forward, dispatched without waiting: LinearSS rows
+    their draft (`drafted`, `q` from `ragged_draft`), AR rows (row_len 1) decode their seed. The device arrays of
+    a `VerifyResult` [R, W] (`read_verify`), then the next call's inputs (`next_inputs`). `seed`, `prefix_len`
+    may be device arrays (a pipelined step's, from the verify before it)."""
     key = self.ragged_key(StepKind.RAGGED_VERIFY, int(np.sum(row_len)))
-    outs = self.execute(key, RaggedVerifyInputs(drafted, q, seed, row_len, write, prefix_len, page_table, samp))
-    return VerifyResult(*jax.device_get(outs))
+    return self.execute(key, RaggedVerifyInputs(drafted, q, seed, row_len, write, prefix_len, page_table, samp))
 
   def denoise(self, seed, prefix_len, page_table, threshold, blk: int, samp: SamplingArrays, active):
     outs = self.execute(StepKey(StepKind.DENOISE, blk, seed.shape[0], controls=samp.controls_len),

@@ -163,7 +163,7 @@ class RaggedVerifyInputs:
 
 
 def with_next_inputs(fn: Callable, decode: bool = False) -> Callable:
-  """A verify or decode step that also returns the next call's inputs: its seed (the last committed token; [b, 1]
+  """A verify (plain or ragged) or decode step that also returns the next call's inputs: its seed (the last committed token; [b, 1]
   for a decode, which takes [b, 1] seeds, [b] for a verify, whose next call is a draft) and committed lengths. A
   pipelined engine dispatches the next call from them before it reads this one back, with no op between the
   two calls (nothing to compile after warm-up, no extra dispatch)."""
@@ -210,7 +210,7 @@ class StepFunctions:
     if key.kind == StepKind.RAGGED_DRAFT:
       return self._ragged_draft(key.block, key.tokens)
     if key.kind == StepKind.RAGGED_VERIFY:
-      return self._ragged_verify(key.block, key.tokens)
+      return with_next_inputs(self._ragged_verify(key.block, key.tokens))
     raise ValueError(f"no step function for {key}")
 
   # ---- one function per kind -----------------------------------------------------------------------------------
