@@ -55,7 +55,7 @@ def test_row_cache_lets_go_of_finished_requests():
   import weakref
   cache = RowCache(size=8)
   old = [_request(i) for i in range(3)]
-  cache.get(old, lambda: gather_rows(old, np.arange(3), None))
+  cache.get(old, lambda rows=old: gather_rows(rows, np.arange(3), None))
   old[1].finish_reason = "stop"
   alive = weakref.ref(old[1])
   running = [old[0], old[2]]
