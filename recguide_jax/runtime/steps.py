@@ -163,10 +163,10 @@ class RaggedVerifyInputs:
 
 
 def with_next_inputs(fn: Callable, decode: bool = False) -> Callable:
-  """A verify (plain or ragged) or decode step that also returns the next call's inputs: its seed (the last committed token; [b, 1]
-  for a decode, which takes [b, 1] seeds, [b] for a verify, whose next call is a draft) and committed lengths. A
-  pipelined engine dispatches the next call from them before it reads this one back, with no op between the
-  two calls (nothing to compile after warm-up, no extra dispatch)."""
+  """A verify (plain or ragged) or decode step that also returns the next call's inputs: its seed (the last
+  committed token; [b, 1] for a decode, which takes [b, 1] seeds, [b] for a verify, whose next call is a draft) and
+  committed lengths. A pipelined engine dispatches the next call from them before it reads this one back, with no
+  op between the two calls (nothing to compile after warm-up, no extra dispatch)."""
 
   def chained(weights, cache, inputs: VerifyInputs | DecodeInputs):
     cache, accepted, out, *rest = fn(weights, cache, inputs)
