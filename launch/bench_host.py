@@ -17,7 +17,8 @@ A cProfile of the engine's host side at the largest C (the same timed steps; `--
 functions cost what: in the engine thread's CPU time, so a read-back's wait for the device counts only the work it
 does.
 
-  python launch/bench_host.py                              # ar, linear, recguide; C = 1, 8, 32, 128
+  python launch/bench_host.py                              # ar, linear, recguide (also pinned to adaptive B);
+                                                           # C = 1, 8, 32, 128
   python launch/bench_host.py --output_dir docs            # docs/bench_host.{json,md}
 """
 
@@ -117,16 +118,34 @@ class Served:
     asyncio.run_coroutine_threadsafe(all_read(readers), self.loop).result(60)
 
 
+# RecGuide with its regime pinned to adaptive B, deciding with fitted tables (`--recguide_tables`): the steps it runs
+# at heavy load on a model whose drafts pay (this random model's do not, so the switch would run AR there)
+RECGUIDE_ADAPTIVE = "recguide_adaptive"
+
+
+def strategy_for(policy: str, tables_path: str | None = None):
+  """The strategy a policy name of this benchmark runs: a registered policy's at B = 16, or `RECGUIDE_ADAPTIVE`'s
+  with the tables at `tables_path` (None: none)."""
+  from recguide_jax.decoding.registry import make_strategy
+  if policy == RECGUIDE_ADAPTIVE:
+    from recguide_jax.recguide.adaptive import load_tables
+    from recguide_jax.recguide.config import Regime
+    from recguide_jax.recguide.controller import RecGuideStrategy
+    return RecGuideStrategy(16, fixed_regime=Regime.ADAPTIVE,
+                            tables=load_tables(tables_path) if tables_path else None)
+  return make_strategy(policy, 16)
+
+
 def timed_steps(llm, policy: str, c: int, max_tokens: int, prompt_len: int, profile: bool = False, replays: int = 0,
-                served: Served | None = None):
+                served: Served | None = None, tables_path: str | None = None):
   """Runs C requests to the end; returns [(step seconds, [(key, args)] of its calls, their bare seconds, host work
   seconds, dispatch seconds, host CPU seconds)] of the steps where all C decoded, and the profiles of those steps
   (one each, in the engine thread's CPU time; or None). `served`: the requests are streamed through the server's
-  trackers."""
+  trackers. `tables_path`: the fitted tables of `RECGUIDE_ADAPTIVE`."""
   from recguide_jax.engine.requests import SamplingParams
   from recguide_jax.runtime.compilation import CompileCounter
   eng = llm.engine
-  llm.set_policy(policy, block_size=16)
+  llm.set_policy(strategy_for(policy, tables_path))
   params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
   for i in range(c):
     prompt, rid = [5 + (i + k) % 97 for k in range(prompt_len)], f"bench-{eng.step_count}-{i}"
@@ -210,12 +229,13 @@ def bare_seconds(runner, calls, repeats: int) -> float:
 
 
 def measure(llm, policy: str, c: int, cfg, served: Served | None = None) -> dict:
-  timed_steps(llm, policy, c, cfg["max_tokens"], cfg["prompt_len"])  # compiles what this point calls
+  timed_steps(llm, policy, c, cfg["max_tokens"], cfg["prompt_len"], tables_path=cfg["recguide_tables"])  # compiles
   from recguide_jax.engine.gc_heap import GCPauses
   walls, bares, hosts, host_cpus, dispatches, calls_per_step, steps_per_call = [], [], [], [], [], [], []
   engine_steps = llm.engine.step_count
   with GCPauses() as pauses:
-    runs = [timed_steps(llm, policy, c, cfg["max_tokens"], cfg["prompt_len"], replays=3, served=served)[0]
+    runs = [timed_steps(llm, policy, c, cfg["max_tokens"], cfg["prompt_len"], replays=3, served=served,
+                        tables_path=cfg["recguide_tables"])[0]
             for _ in range(cfg["repeats"])]
   engine_steps = llm.engine.step_count - engine_steps
   for steps in runs:
@@ -258,8 +278,9 @@ def measure(llm, policy: str, c: int, cfg, served: Served | None = None) -> dict
 
 
 def profile_top(llm, policy: str, c: int, cfg, top: int = 25) -> str:
-  timed_steps(llm, policy, c, cfg["max_tokens"], cfg["prompt_len"])
-  steps, profiles = timed_steps(llm, policy, c, cfg["max_tokens"], cfg["prompt_len"], profile=True)
+  timed_steps(llm, policy, c, cfg["max_tokens"], cfg["prompt_len"], tables_path=cfg["recguide_tables"])
+  steps, profiles = timed_steps(llm, policy, c, cfg["max_tokens"], cfg["prompt_len"], profile=True,
+                                tables_path=cfg["recguide_tables"])
   head = f"{policy} C={c}, {len(steps)} timed steps (engine-thread CPU seconds; tottime: the function's own)"
   if not profiles:
     return head
@@ -300,6 +321,11 @@ def markdown(result: dict) -> str:
            "each request's update callback records its inter-token latency and hands its tokens to an event loop "
            "(on its own thread, reading every stream), so the engine thread's host work includes what serving adds "
            "per request and step.", "",
+           f"{RECGUIDE_ADAPTIVE}: RecGuide with its regime pinned to adaptive B (every step a LinearSS step whose "
+           "blocks the rule and the batch pricing choose), deciding with "
+           + (f"the fitted tables `{os.path.relpath(meta['recguide_tables'], ROOT)}` (per-request signals, values "
+              "and their online calibration)" if meta.get("recguide_tables") else "no tables (online estimates)")
+           + ": the steps RecGuide runs at heavy load on a model whose drafts pay.", "",
            "| policy | C | steps | host work per step (ms) | host work per request-step (us) | "
            "host CPU per step (ms) | host CPU per request-step (us) | "
            "dispatch per call (ms) | engine per call (ms) | bare call (ms) | engine / bare (mean) | "
@@ -337,7 +363,8 @@ def main(argv):
   f = flags.FLAGS
   quiet_logging()
   model = build_model(pathlib.Path(f.model_dir), f.num_layers)
-  cfg = {"max_tokens": f.max_tokens, "prompt_len": f.prompt_len, "repeats": f.repeats}
+  cfg = {"max_tokens": f.max_tokens, "prompt_len": f.prompt_len, "repeats": f.repeats,
+         "recguide_tables": f.recguide_tables or None}
   concurrency = cli.int_list("concurrency")
   llm = LLM(str(model), policy="recguide", max_num_seqs=max(concurrency), max_model_len=256, page_size=16,
             prefill_chunk=32, warmup=False, decode_steps=f.decode_steps, layer_loop=f.layer_loop)
@@ -361,7 +388,7 @@ def main(argv):
           "decode_steps": f.decode_steps, "repeats": f.repeats, "jax": jax.__version__,
           "backend": jax.default_backend(), "cpu_count": os.cpu_count(), "load_start": load_start,
           "load_end": os.getloadavg()[0], "time_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-          "code": code_version(), "freeze_gc": f.freeze_gc}
+          "code": code_version(), "freeze_gc": f.freeze_gc, "recguide_tables": cfg["recguide_tables"]}
   result = {"meta": meta, "points": points, "profiles": profiles}
   js, md = write_report(result, markdown(result), cli.output_dir(), "bench_host")
   print(markdown(result))
@@ -372,7 +399,9 @@ def _define_flags():
   from absl import flags
 
   from recguide_jax.benchmarks import cli
-  flags.DEFINE_list("policies", ["ar", "linear", "recguide"], "Policies to measure (linear: LinearSS at B = 16).")
+  flags.DEFINE_list("policies", ["ar", "linear", "recguide", RECGUIDE_ADAPTIVE], "Policies to measure (linear: "
+                    f"LinearSS at B = 16; {RECGUIDE_ADAPTIVE}: RecGuide with its regime pinned to adaptive B, the "
+                    "steps it runs at heavy load where drafts pay).")
   flags.DEFINE_list("concurrency", ["1", "8", "32", "128"], "Requests decoded together (C).")
   flags.DEFINE_integer("max_tokens", 96, "New tokens per request.")
   flags.DEFINE_integer("prompt_len", 16, "Prompt tokens per request.")
@@ -384,7 +413,11 @@ def _define_flags():
   flags.DEFINE_list("served_policies", ["ar", "linear", "recguide"], "Policies measured again with every request "
                     "streamed through the server's trackers (`Served`): the engine thread's host work as "
                     "launch/serve.py runs it.")
-  flags.DEFINE_list("profile_policies", ["ar", "linear", "recguide"], "Policies profiled at the largest C.")
+  flags.DEFINE_list("profile_policies", ["ar", "linear", "recguide", RECGUIDE_ADAPTIVE],
+                    "Policies profiled at the largest C.")
+  flags.DEFINE_string("recguide_tables", os.path.join(ROOT, "checkpoints", "nld-tiny-gsm8k", "recguide_tables.json"),
+                      f"Fitted tables {RECGUIDE_ADAPTIVE} decides with (its per-request values, signals and value "
+                      "calibration are the host work a checkpoint with tables adds; empty: none).")
   flags.DEFINE_string("model_dir", os.path.join(ROOT, "runs", "bench_host", "model"),
                       "Where the random models are written (once per depth).")
   flags.DEFINE_integer("num_layers", 2, "Decoder layers of the random model: a deep model's many weight arrays "

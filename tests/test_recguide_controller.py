@@ -459,7 +459,8 @@ def test_a_steps_rule_and_verifications_taken_together_equal_one_request_at_a_ti
   for c in (1, 8, 32):
     pol = RecGuideStrategy(16, profile=flat_profile(), tables=tables, overlap=False)
     reqs = _history_requests(48, c)
-    costs, values = pol._linear_costs(c), [pol._values(r) for r in reqs]
+    costs, values = pol._linear_costs(c), pol._value_rows(reqs)
+    assert values.tolist() == [[pol._values(r)[b] for b in (8, 16, 32)] for r in reqs]
     assert pol._rule_blocks(reqs, c, costs, values) == [pol._adaptive_block(r, c) for r in reqs]
 
     def reference(r, v):  # the rule written out, one request at a time
@@ -469,7 +470,7 @@ def test_a_steps_rule_and_verifications_taken_together_equal_one_request_at_a_ti
       if pol._tables_priced_here or not hist:
         return tables.next_block(c, hist)
       return decide_rescaled(v, tables.rho_for(c), tables.costs_for(c), costs)
-    assert pol._rule_blocks(reqs, c, costs, values) == [reference(r, v) for r, v in zip(reqs, values)]
+    assert pol._rule_blocks(reqs, c, costs, values) == [reference(r, pol._values(r)) for r in reqs]
     assert len(set(pol._rule_blocks(reqs, c, costs, values))) > 1 or tables is None
 
   rng = np.random.default_rng(7)
@@ -557,12 +558,30 @@ def test_switch_skips_overlaps_draft_shares_only_where_they_cannot_change_its_de
       for pol in (fast, exact):
         for _ in range(3):
           pol.observe_round(kind, int(blk), c, ms / 1e3)
-    values = [fast._values(r) for r in reqs]
+    values = fast._value_rows(reqs)
     got, want = fast.regime(c, reqs, values), exact.regime(c, reqs, values)
     assert (got, fast.probing) == (want, exact.probing), (step, c, got, want)
     decided[got, fast.probing] += 1
     t[0] += float(rng.choice([0.1, 0.5, 3.0]))
   assert sum(skipped) > 40 and len(decided) >= (5 if calibrate else 2), (sum(skipped), decided)
+
+
+def test_a_steps_verified_rounds_move_the_running_estimates_as_one_round_at_a_time():
+  """`OnlineStats.observe_verified_rounds` (a step's rows at once) leaves the estimates `observe_verified` leaves
+  round by round in row order, blocks outside 8 / 16 / 32 skipped."""
+  from recguide_jax.recguide.estimates import OnlineStats
+  rng = np.random.default_rng(5)
+  blocks = rng.choice([1, 8, 16, 32, 48], 40).tolist()
+  accepted = [int(rng.integers(1, b + 1)) for b in blocks]
+  for rounds in (1, 3):
+    together, alone = OnlineStats(), OnlineStats()
+    together.observe_verified_rounds(blocks, accepted, rounds)
+    for blk, got in zip(blocks, accepted):
+      for _ in range(rounds):
+        if blk in (8, 16, 32):
+          alone.observe_verified(blk, got)
+    assert together.accepted == alone.accepted and set(together.accepted) == {8, 16, 32}
+    assert together.accepted != OnlineStats().accepted
 
 
 def test_value_calibration_scales_predictions_by_what_verification_returned():

@@ -40,6 +40,7 @@ class RecGuideState:
   # moves few
   ar_tail: int = 0
   signals: tuple | None = None
+  value_row: tuple | None = None  # (signals, cap, its V_B per B): `_value_rows`' last read, while `signals` holds
   # a branch block its last overlap round confirmed: the next overlap round's draft (valid for that round only)
   prefetched: ov.Prefetched | None = None
   overlap: dict[str, int] = dataclasses.field(default_factory=dict)  # its overlap rounds by branch outcome

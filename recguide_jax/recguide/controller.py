@@ -22,7 +22,7 @@ from recguide_jax.recguide.config import HISTORY, RecGuideConfig, RecGuideState,
 from recguide_jax.recguide.costs import CostModel
 from recguide_jax.recguide.estimates import OnlineStats, ValueCalibration
 from recguide_jax.recguide.overlap_round import OverlapResult, OverlapRound
-from recguide_jax.recguide.rule import AdaptiveRule
+from recguide_jax.recguide.rule import AdaptiveRule, block_columns
 from recguide_jax.recguide.switch import RegimeSwitch
 
 
@@ -120,7 +120,7 @@ class RecGuideStrategy(AdaptiveRule, RegimeSwitch, CostModel, Strategy):
     self._eos = view.eos_token_ids
     self.ragged_steps = view.ragged_steps
     # the requests' values, once per step: the switch and the batch pricing share them
-    values = [self._values(r) for r in reqs] if self._switch_on_values else None
+    values = self._value_rows(reqs) if self._switch_on_values else None
     ahead, self._decided_ahead = self._decided_ahead, None
     # a decision is made once per step: the one `plans_ahead` made for this load stands
     regime = ahead[1] if ahead is not None and ahead[0] == load else self.regime(load, reqs, values)
@@ -141,8 +141,8 @@ class RecGuideStrategy(AdaptiveRule, RegimeSwitch, CostModel, Strategy):
       mine = [reqs[i] for i in adaptive]
       truncates = self.verify_truncation and view.ragged_steps and self.profile is not None
       # their values, once: the batch pricing and the verify price share them
-      mine_values = ([values[i] for i in adaptive] if values is not None
-                     else [self._values(r) for r in mine] if truncates else None)
+      mine_values = (values[adaptive] if values is not None
+                     else self._value_rows(mine) if truncates else None)
       name, blocks = self.price_step(mine, concurrency, mine_values)
       self.step_plans[name] += 1
       linear = self._linear_plans
@@ -156,11 +156,12 @@ class RecGuideStrategy(AdaptiveRule, RegimeSwitch, CostModel, Strategy):
     return StepPlan(tuple(plans))
 
   def _verify_price(self, blocks, values) -> float:
-    """The verify price of a ragged step's rows planned at `blocks` (`values`: their requests' `_values`), on the
+    """The verify price of a ragged step's rows planned at `blocks` (`values`: their requests' `_value_rows`), on the
     scale of the draft's running confidence: its expected tokens (the values at their blocks, 1 per AR row) over
     its profiled cost, times the cost of its verify's last query token (`pricing.verify_token_price`), through the
     fitted calibration P(accepted) ~ confidence^gamma (`verify_confidence_exponent`)."""
-    tokens = sum(1.0 if b == 1 else v[b] for v, b in zip(values, blocks))
+    at = np.asarray(blocks) > 1  # AR rows: one token each
+    tokens = float(values[np.flatnonzero(at), block_columns(np.asarray(blocks)[at])].sum()) + float((~at).sum())
     price = pricing.verify_token_price(blocks, tokens, self.profile)
     return min(price, 1.0) ** (1.0 / self.verify_confidence_exponent)
 
@@ -181,7 +182,7 @@ class RecGuideStrategy(AdaptiveRule, RegimeSwitch, CostModel, Strategy):
           or not (batch.planned == plan.block_size).all()):
         return False
     load = batch.n  # the engine asks only when the batch is the whole decoding set and nothing waits
-    values = [self._values(r) for r in batch.reqs] if self._switch_on_values else None
+    values = self._value_rows(batch.reqs) if self._switch_on_values else None
     decided = self.regime(load, batch.reqs, values)
     if decided == regime == Regime.ADAPTIVE:
       name, blocks = self.price_step(batch.reqs, load, values)
@@ -253,31 +254,36 @@ class RecGuideStrategy(AdaptiveRule, RegimeSwitch, CostModel, Strategy):
                                           cap)
     entropy = dict(zip(drafted.tolist(), entropies))
     blocks, accepted = blocks.tolist(), accepted.tolist()
+    self.stats.observe_verified_rounds(blocks, accepted, rounds)
     predicts = self.calibrate and self.tables is not None  # `ValueCalibration`: predicted against returned
-    stats = self.stats
+    ar = []  # AR rows: their histories move as `_observe_ar` moves them
     for i, req in enumerate(reqs):
-      blk, got = blocks[i], accepted[i]
+      blk = blocks[i]
       if blk <= 1:
-        self._observe_ar([req], rounds)
+        ar.append(req)
         continue
-      state = self.state(req)
+      state = req.strategy_state
+      if not isinstance(state, RecGuideState):
+        state = self.state(req)
       # a prefetched overlap branch is a draft for the round right after the one that made it: any verification,
       # of whatever kind, moves the committed state past it (an overlap round's new one is stored after this)
       state.prefetched = None
-      record = signals.RoundRecord(blk, got, entropy[i])
-      known = blk in BLOCK_SIZES  # an overlap round's too: it verifies a block of its B as LinearSS does
+      record = signals.RoundRecord(blk, accepted[i], entropy[i])
       history = state.history
-      for _ in range(rounds):
-        if predicts and known:  # what the value model predicted for this round (the history before it)
-          left = self._remaining(req) if lefts[i] is None else int(lefts[i])
-          self.value_calibration.observe(blk, self._model_values(req, left)[blk], got)
-        history.append(record)
-        if len(history) > HISTORY:
-          del history[0]
-        state.ar_tail, state.signals = 0, None
-        if known:
-          stats.observe_verified(blk, got)
-      self._ar_settled = None
+      if predicts and blk in BLOCK_SIZES:  # what the value model predicted for each round (the history before it)
+        left = self._remaining(req) if lefts[i] is None else int(lefts[i])
+        for _ in range(rounds):
+          self.value_calibration.observe(blk, self._model_values(req, left)[BLOCK_SIZES.index(blk)], accepted[i])
+          history.append(record)
+          del history[:-HISTORY]
+          state.signals = None
+      else:
+        history.extend([record] * min(rounds, HISTORY))
+        del history[:-HISTORY]
+      state.ar_tail, state.signals = 0, None
+    if ar:
+      self._observe_ar(ar, rounds)
+    self._ar_settled = None
 
   def _observe_ar(self, reqs, rounds: int) -> None:
     """`rounds` AR verifications of each of `reqs`. They drop a prefetched branch, as any verification does. An AR

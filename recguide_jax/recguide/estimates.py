@@ -7,6 +7,8 @@ from __future__ import annotations
 import collections
 import dataclasses
 
+from recguide_jax.model.config import BLOCK_SIZES
+
 
 @dataclasses.dataclass
 class OnlineStats:
@@ -23,6 +25,17 @@ class OnlineStats:
 
   def observe_verified(self, blk: int, accepted: int) -> None:
     self.accepted[blk] = self.decay * self.accepted.get(blk, accepted) + (1 - self.decay) * accepted
+
+  def observe_verified_rounds(self, blocks, accepted, rounds: int = 1) -> None:
+    """`observe_verified` of each (block, accepted) pair in order, `rounds` times each; blocks outside
+    `BLOCK_SIZES` (AR rows, wider trees) are skipped."""
+    decay, estimates = self.decay, self.accepted
+    for blk, got in zip(blocks, accepted):
+      if blk in BLOCK_SIZES:
+        value = estimates.get(blk, got)
+        for _ in range(rounds):
+          value = decay * value + (1 - decay) * got
+        estimates[blk] = value
 
   def observe_overlap(self, blk: int, hit: bool) -> None:
     self.overlap_hit[blk] = self.decay * self.overlap_hit.get(blk, float(hit)) + (1 - self.decay) * float(hit)

@@ -7,14 +7,20 @@ per-request choices priced together as the batch the engine runs them as, agains
 
 from __future__ import annotations
 
-import math
 from typing import Sequence
+
+import numpy as np
 
 from recguide_jax.decoding import grouping
 from recguide_jax.decoding.strategy import RoundKind
 from recguide_jax.model.config import BLOCK_SIZES
 from recguide_jax.recguide import adaptive, pricing, signals
 from recguide_jax.recguide.config import Regime
+
+
+def block_columns(blocks: Sequence[int]) -> np.ndarray:
+  """The `_value_rows` column of each block of `blocks` (each one of `BLOCK_SIZES`)."""
+  return np.searchsorted(np.asarray(BLOCK_SIZES), np.asarray(blocks, np.int64))
 
 
 class AdaptiveRule:
@@ -27,28 +33,45 @@ class AdaptiveRule:
     return req.params.max_tokens - len(req.output_ids)
 
   def _values(self, req) -> dict[int, float]:
-    """Expected tokens of `req`'s next LinearSS round per B: the fitted value model V_B(s, z) from its history
-    (unconditional before its first verification), scaled by how it has matched verification on this workload when
-    calibrating (`ValueCalibration`), else the engine-wide online estimate; near the end of its budget, of the
-    tokens it may still emit (a longer block buys nothing past max_tokens)."""
-    left = self._remaining(req)
+    """Expected tokens of `req`'s next LinearSS round per B (`_value_rows` of it alone)."""
+    return dict(zip(BLOCK_SIZES, self._value_rows([req])[0].tolist()))
+
+  def _value_rows(self, reqs) -> np.ndarray:
+    """Expected tokens of each of `reqs`' next LinearSS round per B, one row per request and a column per B of
+    `BLOCK_SIZES`: the fitted value model V_B(s, z) from its history (unconditional before its first
+    verification), scaled by how it has matched verification on this workload when calibrating
+    (`ValueCalibration`), else the engine-wide online estimate; near the end of its budget, of the tokens it may
+    still emit (a longer block buys nothing past max_tokens). One array for a step's requests: every step prices
+    all of them."""
+    n = len(reqs)
+    left = np.fromiter((r.params.max_tokens - len(r.output_ids) for r in reqs), np.int64, n)
     if self.tables is None:
       accepted = self.stats.accepted
-      return accepted if left >= BLOCK_SIZES[-1] else {b: min(v, left) for b, v in accepted.items()}
-    values = self._model_values(req, left)
-    if not self.calibrate:
-      return values
-    return {b: v * self.value_calibration.scale(b) for b, v in values.items()}
+      return np.minimum(np.array([accepted[b] for b in BLOCK_SIZES], np.float64)[None, :], left[:, None])
+    rows = np.array([self._model_values(r, k) for r, k in zip(reqs, left.tolist())], np.float64).reshape(n, -1)
+    if self.calibrate:
+      rows *= np.array([self.value_calibration.scale(b) for b in BLOCK_SIZES], np.float64)[None, :]
+    return rows
 
-  def _model_values(self, req, left: int) -> dict[int, float]:
-    """The fitted value model's V_B(s, z) of `req`'s next round (capped at `left` tokens)."""
-    s, z = self._signals(req)
-    model = self.tables.value_model
-    return model.values(s, z) if left >= BLOCK_SIZES[-1] else model.values_capped(s, z, left)
+  def _model_values(self, req, left: int) -> list[float]:
+    """The fitted value model's V_B(s, z) of `req`'s next round (capped at `left` tokens), per B of `BLOCK_SIZES`;
+    kept in its state while its history and cap stand (the step prices it, then its verification reads it)."""
+    state = self.state(req)
+    s, z = self._state_signals(state)
+    cap = left if left < BLOCK_SIZES[-1] else None
+    kept = state.value_row
+    if kept is None or kept[0] is not state.signals or kept[1] != cap:
+      model = self.tables.value_model
+      values = model.values(s, z) if cap is None else model.values_capped(s, z, left)
+      kept = state.value_row = (state.signals, cap, [values[b] for b in BLOCK_SIZES])
+    return kept[2]
 
   def _signals(self, req) -> tuple[float | None, str | None]:
     """`req`'s (s, z) for the fitted value model, kept in its state until its history next changes."""
-    state = self.state(req)
+    return self._state_signals(self.state(req))
+
+  def _state_signals(self, state) -> tuple[float | None, str | None]:
+    """`_signals` of a request's RecGuide state."""
     window = self.tables.value_model.window
     if state.signals is None or state.signals[0] != window:
       hist = state.history
@@ -61,32 +84,17 @@ class AdaptiveRule:
     c = max(concurrency, 1)
     return self._rule_blocks([req], c, self._linear_costs(c) if costs is None else costs)[0]
 
-  def _block_for_values(self, values: dict[int, float], c: int, costs: dict[int, float]) -> int:
-    """The rule's block for a request with history, from its values alone (requests with equal values get the same
-    block)."""
-    if self.tables is not None:
-      # tables of other hardware keep the fitted rule V - rho T on this policy's own costs, rho rescaled to their
-      # time unit (`pricing.rescaled_rho`): V / T is a different rule, one the paper's search rejected
-      return pricing.decide_rescaled(values, self.tables.rho_for(c), self.tables.costs_for(c), costs)
-    best, best_score = BLOCK_SIZES[0], -math.inf
-    for b in BLOCK_SIZES:  # argmax V / T, the smaller block on ties
-      score = values[b] / costs[b]
-      if score > best_score:
-        best, best_score = b, score
-    return best
-
-  def _rule_blocks(self, reqs, c: int, costs: dict[int, float], values: list | None = None) -> list[int]:
-    """The per-request rule's block for each of `reqs` at load `c` (`values`: their `_values`, when the caller has
+  def _rule_blocks(self, reqs, c: int, costs: dict[int, float], values: np.ndarray | None = None) -> list[int]:
+    """The per-request rule's block for each of `reqs` at load `c` (`values`: their `_value_rows`, when the caller has
     them): the tables' own rule V - rho T where they were priced on this profile (cold-start block before a
     request's first verification), the same rule rho rescaled to this policy's costs for tables of other hardware,
-    argmax V / T without tables. Each distinct input of the rule is decided once: the requests of a step mostly
-    share one (the engine-wide estimates, or a table row)."""
+    argmax V / T without tables (the smaller block on ties, as `adaptive.decide`)."""
     if not self.adaptive:
       return [self.block_size] * len(reqs)
-    decided: dict = {}  # the rule's input -> block
-    blocks = []
     tables = self.tables
     if tables is not None and self._tables_priced_here:  # `tables.next_block`, on the requests' cached signals
+      decided: dict = {}  # the rule's input -> block
+      blocks = []
       level, model = tables.level(c), tables.value_model
       for r in reqs:
         if not self.state(r).history:
@@ -99,22 +107,24 @@ class AdaptiveRule:
           blk = decided[key] = adaptive.decide(model, level.rho, level.costs_ms, s, z)
         blocks.append(blk)
       return blocks
-    cold = tables.level(c).cold_start_block if tables is not None else None
-    for r, v in zip(reqs, values or [None] * len(reqs)):
-      if cold is not None and not self.state(r).history:
-        blocks.append(cold)
-        continue
-      v = self._values(r) if v is None else v
-      key = tuple(v.items())
-      blk = decided.get(key)
-      if blk is None:
-        blk = decided[key] = self._block_for_values(v, c, costs)
-      blocks.append(blk)
-    return blocks
+    if not reqs:
+      return []
+    values = self._value_rows(reqs) if values is None else values
+    cost = np.array([costs[b] for b in BLOCK_SIZES], np.float64)[None, :]
+    if tables is not None:
+      # tables of other hardware keep the fitted rule V - rho T on this policy's own costs, rho rescaled to their
+      # time unit (`pricing.rescaled_rho`): V / T is a different rule, one the paper's search rejected
+      score = values - pricing.rescaled_rho(tables.rho_for(c), tables.costs_for(c), costs) * cost
+    else:
+      score = values / cost
+    blocks = np.asarray(BLOCK_SIZES)[np.argmax(score, axis=1)]  # the first of equal scores: the smaller block
+    if tables is not None:  # before its first verification a request takes the level's cold-start block
+      blocks[np.fromiter((not self.state(r).history for r in reqs), bool, len(reqs))] = tables.level(c).cold_start_block
+    return blocks.tolist()
 
   def price_step(self, reqs, concurrency: int, values=None) -> tuple[str, list[int]]:
     """The plan for a step's adaptive requests, priced as a batch: (name, block per request, 1 for AR). `values`:
-    their `_values`, when the caller has them.
+    their `_value_rows`, when the caller has them.
 
     Candidates: the per-request rule's blocks and the plans that give every request the same block (each B, and
     AR unless the regime is pinned). A plan's expected tokens are the sum of its requests' values (`_values`; 1
@@ -130,7 +140,7 @@ class AdaptiveRule:
       # other keys (and cost more than the probe was budgeted at when they are longer)
       return "probe", [int(self._probe_basis[len(Regime.LINEAR):])] * len(reqs)
     costs = self._linear_costs(c)
-    values = [self._values(r) for r in reqs] if values is None else values
+    values = self._value_rows(reqs) if values is None else values
     rule = self._rule_blocks(reqs, c, costs, values)
     if not self.batch_priced or self.probing or not reqs:
       return "rule", rule
@@ -138,8 +148,9 @@ class AdaptiveRule:
     best_name, best_blocks, best_rate = None, rule, -1.0
     if self.switch and not self.fixed_regime:  # AR is the switch's candidate (a pinned regime stays LinearSS)
       best_name, best_blocks, best_rate = Regime.AR.value, [1] * n, n / self._round_cost(RoundKind.AR, 1, n)
-    candidates = [(f"linear{b}", [b] * n, sum(v[b] for v in values)) for b in BLOCK_SIZES]
-    candidates.append(("rule", rule, sum(v[b] for v, b in zip(values, rule))))
+    columns = values.sum(axis=0).tolist()
+    candidates = [(f"linear{b}", [b] * n, tokens) for b, tokens in zip(BLOCK_SIZES, columns)]
+    candidates.append(("rule", rule, float(values[np.arange(n), block_columns(rule)].sum())))
     for name, blocks, tokens in candidates:
       rate = tokens / self.plan_cost(blocks)
       if rate > best_rate * (1 + max(self.tie_margin, 1e-9)):

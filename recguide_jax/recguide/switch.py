@@ -55,7 +55,7 @@ class RegimeSwitch:
   def step_estimates(self, batch=None, values=None) -> StepEstimates:
     """What the regime rates rest on. `batch`: the step's requests, when known (overlap's draft share is then theirs,
     `overlap_draft_shares`, else the steady state's 1 - hit rate); `values`: their expected tokens per B
-    (`_values`, in `batch` order), when known, else the engine-wide running estimates.
+    (`_value_rows`, in `batch` order), when known, else the engine-wide running estimates.
 
     Every regime's tokens come from one estimate of the same thing, so that only costs and the branch reuse rate
     tell overlap from LinearSS at its B. The regimes are compared over the same requests: overlap's value is the
@@ -67,7 +67,7 @@ class RegimeSwitch:
   def _accepted(self, values) -> dict[int, float]:
     """The step's expected tokens per B: its requests' mean `values`, or the engine-wide estimates."""
     return (self.stats.accepted if values is None
-            else {b: sum(v[b] for v in values) / len(values) for b in BLOCK_SIZES})
+            else dict(zip(BLOCK_SIZES, values.mean(axis=0).tolist())))
 
   def _with_overlap(self, accepted: dict[int, float], batch) -> StepEstimates:
     """The estimates of expected tokens `accepted` with overlap's shares of `batch` at each of its blocks."""
