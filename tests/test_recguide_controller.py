@@ -567,8 +567,8 @@ def test_switch_skips_overlaps_draft_shares_only_where_they_cannot_change_its_de
 
 
 def test_a_steps_verified_rounds_move_the_running_estimates_as_one_round_at_a_time():
-  """`OnlineStats.observe_verified_rounds` (a step's rows at once) leaves the estimates `observe_verified` leaves
-  round by round in row order, blocks outside 8 / 16 / 32 skipped."""
+  """`OnlineStats.observe_verified_rounds` (a step's rows at once) leaves the estimates an exponential moving
+  average leaves round by round in row order, blocks outside 8 / 16 / 32 skipped."""
   from recguide_jax.recguide.estimates import OnlineStats
   rng = np.random.default_rng(5)
   blocks = rng.choice([1, 8, 16, 32, 48], 40).tolist()
@@ -579,7 +579,7 @@ def test_a_steps_verified_rounds_move_the_running_estimates_as_one_round_at_a_ti
     for blk, got in zip(blocks, accepted):
       for _ in range(rounds):
         if blk in (8, 16, 32):
-          alone.observe_verified(blk, got)
+          alone.accepted[blk] = alone.decay * alone.accepted[blk] + (1 - alone.decay) * got
     assert together.accepted == alone.accepted and set(together.accepted) == {8, 16, 32}
     assert together.accepted != OnlineStats().accepted
 

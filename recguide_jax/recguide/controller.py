@@ -160,8 +160,9 @@ class RecGuideStrategy(AdaptiveRule, RegimeSwitch, CostModel, Strategy):
     scale of the draft's running confidence: its expected tokens (the values at their blocks, 1 per AR row) over
     its profiled cost, times the cost of its verify's last query token (`pricing.verify_token_price`), through the
     fitted calibration P(accepted) ~ confidence^gamma (`verify_confidence_exponent`)."""
-    at = np.asarray(blocks) > 1  # AR rows: one token each
-    tokens = float(values[np.flatnonzero(at), block_columns(np.asarray(blocks)[at])].sum()) + float((~at).sum())
+    blocks = np.asarray(blocks)
+    drafted = np.flatnonzero(blocks > 1)  # AR rows: one token each
+    tokens = float(values[drafted, block_columns(blocks[drafted])].sum()) + float(len(blocks) - len(drafted))
     price = pricing.verify_token_price(blocks, tokens, self.profile)
     return min(price, 1.0) ** (1.0 / self.verify_confidence_exponent)
 

@@ -24,7 +24,8 @@ class OnlineStats:
   overlap_rounds: int = 0
 
   def observe_verified(self, blk: int, accepted: int) -> None:
-    self.accepted[blk] = self.decay * self.accepted.get(blk, accepted) + (1 - self.decay) * accepted
+    """One verification of a block of `blk` that accepted `accepted` tokens (`observe_verified_rounds`)."""
+    self.observe_verified_rounds((blk,), (accepted,))
 
   def observe_verified_rounds(self, blocks, accepted, rounds: int = 1) -> None:
     """`observe_verified` of each (block, accepted) pair in order, `rounds` times each; blocks outside

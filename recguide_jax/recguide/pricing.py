@@ -51,14 +51,17 @@ def rescaled_rho(rho: float, fitted_costs: Mapping[int, float], costs: Mapping[i
   return float(rho) * sum(fitted_costs[b] for b in common) / sum(costs[b] for b in common)
 
 
+def decide_rescaled_rows(values: np.ndarray, rho: float, fitted_costs: Mapping[int, float],
+                         costs: Mapping[int, float]) -> np.ndarray:
+  """`decide_rescaled` of each row of `values` ([requests, blocks], a column per block of `costs`, ascending)."""
+  blocks = sorted(costs)
+  score = values - rescaled_rho(rho, fitted_costs, costs) * np.array([costs[b] for b in blocks], np.float64)
+  return np.asarray(blocks)[np.argmax(score, axis=1)]  # the first of equal scores: the smaller block
+
+
 def decide_rescaled(values: Mapping[int, float], rho: float, fitted_costs: Mapping[int, float],
                     costs: Mapping[int, float]) -> int:
-  """argmax_B V_B - rho' T(B) over the blocks of `costs`, rho' = `rescaled_rho` (B ascending, a strict ">" keeps
-  the smaller block on ties, as `adaptive.decide`)."""
-  r = rescaled_rho(rho, fitted_costs, costs)
-  best, best_u = None, -np.inf
-  for b in sorted(costs):
-    u = values[b] - r * costs[b]
-    if u > best_u:
-      best, best_u = b, u
-  return best
+  """argmax_B V_B - rho' T(B) over the blocks of `costs`, rho' = `rescaled_rho` (B ascending, the smaller block on
+  ties, as `adaptive.decide`)."""
+  row = np.array([[values[b] for b in sorted(costs)]], np.float64)
+  return int(decide_rescaled_rows(row, rho, fitted_costs, costs)[0])

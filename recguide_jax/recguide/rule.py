@@ -44,7 +44,7 @@ class AdaptiveRule:
     still emit (a longer block buys nothing past max_tokens). One array for a step's requests: every step prices
     all of them."""
     n = len(reqs)
-    left = np.fromiter((r.params.max_tokens - len(r.output_ids) for r in reqs), np.int64, n)
+    left = np.fromiter(map(self._remaining, reqs), np.int64, n)
     if self.tables is None:
       accepted = self.stats.accepted
       return np.minimum(np.array([accepted[b] for b in BLOCK_SIZES], np.float64)[None, :], left[:, None])
@@ -110,16 +110,14 @@ class AdaptiveRule:
     if not reqs:
       return []
     values = self._value_rows(reqs) if values is None else values
-    cost = np.array([costs[b] for b in BLOCK_SIZES], np.float64)[None, :]
-    if tables is not None:
-      # tables of other hardware keep the fitted rule V - rho T on this policy's own costs, rho rescaled to their
-      # time unit (`pricing.rescaled_rho`): V / T is a different rule, one the paper's search rejected
-      score = values - pricing.rescaled_rho(tables.rho_for(c), tables.costs_for(c), costs) * cost
-    else:
-      score = values / cost
-    blocks = np.asarray(BLOCK_SIZES)[np.argmax(score, axis=1)]  # the first of equal scores: the smaller block
-    if tables is not None:  # before its first verification a request takes the level's cold-start block
-      blocks[np.fromiter((not self.state(r).history for r in reqs), bool, len(reqs))] = tables.level(c).cold_start_block
+    if tables is None:  # argmax V / T, the smaller block on ties
+      cost = np.array([costs[b] for b in BLOCK_SIZES], np.float64)
+      return np.asarray(BLOCK_SIZES)[np.argmax(values / cost, axis=1)].tolist()
+    # tables of other hardware keep the fitted rule V - rho T on this policy's own costs, rho rescaled to their time
+    # unit (`pricing.rescaled_rho`): V / T is a different rule, one the paper's search rejected
+    blocks = pricing.decide_rescaled_rows(values, tables.rho_for(c), tables.costs_for(c), costs)
+    # before its first verification a request takes the level's cold-start block
+    blocks[np.fromiter((not self.state(r).history for r in reqs), bool, len(reqs))] = tables.level(c).cold_start_block
     return blocks.tolist()
 
   def price_step(self, reqs, concurrency: int, values=None) -> tuple[str, list[int]]:

@@ -98,8 +98,7 @@ def as_record(entry: RoundRecord | Mapping) -> RoundRecord:
 
 def signal_s(history: Sequence[RoundRecord | Mapping], window: int = 2) -> float | None:
   """s_t = -mean(e over the last <= `window` rounds); rounds without an entropy are skipped; None if none is left."""
-  es = [e for e in (r.entropy if isinstance(r, RoundRecord) else as_record(r).entropy for r in history[-window:])
-        if e is not None]
+  es = [e for e in (as_record(r).entropy for r in history[-window:]) if e is not None]
   if not es:
     return None
   return -float(sum(es) / len(es))
@@ -116,5 +115,5 @@ def stratum(history: Sequence[RoundRecord | Mapping]) -> str | None:
   """z_t = (B_{t-1}, F_{t-1}) as a stratum name; None without history."""
   if not history:
     return None
-  last = history[-1] if isinstance(history[-1], RoundRecord) else as_record(history[-1])
+  last = as_record(history[-1])
   return stratum_name(last.block_size, last.full)
