@@ -50,6 +50,7 @@ sys.path.insert(0, ROOT)
 from absl import flags  # noqa: E402
 
 from recguide_jax.benchmarks import cli  # noqa: E402
+from recguide_jax.benchmarks.report import kept_notes  # noqa: E402
 from recguide_jax.parallel import multihost as distributed  # noqa: E402
 
 # --tensor_parallel_size/--data_parallel_size/--mesh (one host; on simulated CPU devices set XLA_FLAGS first)
@@ -92,7 +93,6 @@ BASELINE_ROWS = ("ar", "linear B=8", "linear B=16", "linear B=32")
 WALL_ROWS = BASELINE_ROWS + ("recguide",)
 NO_FIRST_MEASUREMENTS = "recguide, no first measurements"  # --mode=steady ablation row
 OFFICIAL_B = {1: 32, 2: 32, 4: 32, 8: 16, 16: 16, 32: 16, 64: 8, 128: 8}
-NOTES_MARK = "<!-- notes: written by hand, kept when the tables above are regenerated -->"
 
 
 def main(argv):
@@ -243,15 +243,6 @@ def main(argv):
           "prefix_exponent": default.prefix_exponent,
           "compiles_after_warmup": llm.runner.compiles_after_warmup, **_host_meta(llm)}
   write_set_report({"meta": meta, "results": results, "recguide_vs_best_baseline_wall_pooled": pooled})
-
-
-def kept_notes(path: str) -> str:
-  """The hand-written notes below NOTES_MARK in an earlier report at `path` (they survive a re-run), or ""."""
-  if not os.path.exists(path):
-    return ""
-  with open(path) as f:
-    old = f.read()
-  return "\n" + NOTES_MARK + old.split(NOTES_MARK, 1)[1] if NOTES_MARK in old else ""
 
 
 def write_set_report(report: dict) -> None:

@@ -158,6 +158,17 @@ def test_bench_recguide_steady_mode_bookkeeping(tmp_path):
   assert "| 2 | recguide |" in md and "pooled over 1 levels" in md
 
 
+def test_every_report_keeps_the_hand_written_notes_below_its_table(tmp_path):
+  """`write_report` replaces a report's table and keeps what was written by hand below its notes mark."""
+  from recguide_jax.benchmarks.report import NOTES_MARK, write_report
+  _, md = write_report({"x": 1}, "| a |\n", tmp_path, "bench_x")
+  assert open(md).read() == "| a |\n"
+  with open(md, "a") as f:
+    f.write(f"\n{NOTES_MARK}\n## Notes\n\nkept by hand\n")
+  write_report({"x": 2}, "| b |\n", tmp_path, "bench_x")
+  assert open(md).read() == f"| b |\n\n{NOTES_MARK}\n## Notes\n\nkept by hand\n"
+
+
 def test_bench_recguide_set_report_keeps_the_hand_written_notes(tmp_path):
   """launch/bench_recguide.py --report_from rewrites a set-mode report from its JSON (the shipped one) and keeps what
   was written by hand below the notes mark of the report it replaces."""

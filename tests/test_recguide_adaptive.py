@@ -316,6 +316,33 @@ def test_value_model_json_round_trip(model, tmp_path):
     vm.ValueModel.from_json(raw)
 
 
+def test_value_grid_holds_the_models_own_floats(model):
+  """One gather from the value grid gives exactly what `values` and `values_capped` return, at every stratum, bin of
+  s (and s undefined or not finite) and cap; `grid_rows` of many (s, z) equals `grid_row` of each."""
+  grid = model.grid
+  cases = [(s, z) for z in (None,) + sig.STRATA for s in (None, float("nan"), float("inf"), -9.0, 9.0,
+                                                           *model.table(z).edges.tolist(),
+                                                           *(model.table(z).edges + 1e-3).tolist())]
+  rows = [model.grid_row(s, z) for s, z in cases]
+  s = np.array([np.nan if x is None else x for x, _ in cases])
+  strata = np.array([-1 if z is None else sig.STRATA.index(z) for _, z in cases])
+  np.testing.assert_array_equal(model.grid_rows(s, strata), rows)
+  for (x, z), row in zip(cases, rows):
+    assert grid.values[row, :, grid.uncapped].tolist() == [model.values(x, z)[b] for b in model.block_sizes]
+    for cap in range(grid.uncapped):
+      want = model.values_capped(x, z, cap)
+      assert grid.values[row, :, cap].tolist() == [want[b] for b in model.block_sizes], (x, z, cap)
+
+
+def test_decide_grid_is_decide_at_every_row(model):
+  for rho in (0.0, 0.05, 0.3, 1.5, 1e6):
+    for costs in ({8: 10.0, 16: 12.0, 32: 16.0}, {16: 12.0, 32: 16.0}, {8: 1.0, 16: 1.0, 32: 1.0}):
+      by_row = ad.decide_grid(model, rho, costs)
+      for z in (None,) + sig.STRATA:
+        for s in (None, -9.0, 9.0, *model.table(z).edges.tolist()):
+          assert by_row[model.grid_row(s, z)] == ad.decide(model, rho, costs, s, z), (rho, costs, s, z)
+
+
 # ---- decision rule ---------------------------------------------------------------------------------------------------
 def test_decide_rule():
   m = _flat_model((6, 9, 12))

@@ -7,13 +7,26 @@ import os
 import pathlib
 
 
+NOTES_MARK = "<!-- notes: written by hand, kept when the tables above are regenerated -->"
+
+
+def kept_notes(path: str | os.PathLike) -> str:
+  """The hand-written notes below NOTES_MARK in an earlier report at `path` (they survive a re-run), or ""."""
+  path = pathlib.Path(path)
+  if not path.exists():
+    return ""
+  old = path.read_text()
+  return "\n" + NOTES_MARK + old.split(NOTES_MARK, 1)[1] if NOTES_MARK in old else ""
+
+
 def write_report(result: dict, markdown: str, output_dir: str | os.PathLike, name: str) -> tuple[str, str]:
-  """Writes a benchmark's `name`.json (the result) and `name`.md (its table) into `output_dir`; returns both paths."""
+  """Writes a benchmark's `name`.json (the result) and `name`.md (its table, then the notes written by hand below
+  the table it replaces: `kept_notes`) into `output_dir`; returns both paths."""
   out = pathlib.Path(output_dir)
   out.mkdir(parents=True, exist_ok=True)
   js, md = out / f"{name}.json", out / f"{name}.md"
   js.write_text(json.dumps(result, indent=2) + "\n")
-  md.write_text(markdown)
+  md.write_text(markdown + kept_notes(md))
   return str(js), str(md)
 
 

@@ -36,6 +36,7 @@ import pathlib
 import types
 from typing import Any, Mapping, Sequence
 
+import numpy as np
 
 from recguide_jax.recguide import signals as sig
 from recguide_jax.recguide import value_model as vm
@@ -82,6 +83,17 @@ def decide(value_model: vm.ValueModel, rho: float, costs: Mapping[int, float], s
     if best is None or u > best_u:
       best, best_u = b, u
   return best
+
+
+def decide_grid(value_model: vm.ValueModel, rho: float, costs: Mapping[int, float]) -> np.ndarray:
+  """`decide` at every row of `value_model.grid` at once (the block per grid row): the same floats, and an exact tie
+  keeps the smaller block (argmax takes the first of the increasing blocks)."""
+  if not costs:
+    raise TablesError("decide needs at least one block cost")
+  grid, blocks = value_model.grid, sorted(costs)
+  columns = [value_model.block_sizes.index(b) for b in blocks]
+  utility = grid.values[:, columns, grid.uncapped] - rho * np.array([costs[b] for b in blocks], np.float64)
+  return np.asarray(blocks, np.int64)[np.argmax(utility, axis=1)]
 
 
 # ---- frozen tables ---------------------------------------------------------------------------------------------------
@@ -190,6 +202,15 @@ class RecGuideTables:
       raise TablesError(f"verify_confidence_exponent must lie in (0, 2], got {self.verify_confidence_exponent}")
     if not self.version:
       object.__setattr__(self, "version", self.content_hash())
+    object.__setattr__(self, "_grid_rules", {})  # level C -> `decide_grid` of it, filled on first use
+
+  def grid_rule(self, c: float) -> tuple[LevelTable, np.ndarray]:
+    """The level load `c` uses and its rule's block per row of the value model's grid (`decide_grid`)."""
+    lv = self.level(c)
+    rule = self._grid_rules.get(lv.concurrency)
+    if rule is None:
+      rule = self._grid_rules[lv.concurrency] = decide_grid(self.value_model, lv.rho, lv.costs_ms)
+    return lv, rule
 
   @property
   def head_cap(self) -> int | None:

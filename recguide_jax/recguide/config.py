@@ -36,11 +36,10 @@ class RecGuideState:
   """What RecGuide remembers of one request (`Request.strategy_state`)."""
   history: list[signals.RoundRecord] = dataclasses.field(default_factory=list)  # its last HISTORY verifications
   # the history's tail of AR rounds (at HISTORY it is all AR records, and more AR rounds leave it as it is) and the
-  # value model's (window, s, z) of it, None until read since it last changed: a step prices every request, a round
-  # moves few
+  # value model's (model, grid row) of it, None until read since it last changed: a step prices every request,
+  # a round moves few
   ar_tail: int = 0
-  signals: tuple | None = None
-  value_row: tuple | None = None  # (signals, cap, its V_B per B): `_value_rows`' last read, while `signals` holds
+  value_key: tuple | None = None
   # a branch block its last overlap round confirmed: the next overlap round's draft (valid for that round only)
   prefetched: ov.Prefetched | None = None
   overlap: dict[str, int] = dataclasses.field(default_factory=dict)  # its overlap rounds by branch outcome

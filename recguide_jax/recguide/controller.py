@@ -253,11 +253,27 @@ class RecGuideStrategy(AdaptiveRule, RegimeSwitch, CostModel, Strategy):
       cap = self.tables.head_cap if self.tables is not None else self.entropy_head_cap
       entropies = signals.round_entropies(result.entropy[at], accepted[drafted], blocks[drafted], eos.any(axis=1),
                                           cap)
-    entropy = dict(zip(drafted.tolist(), entropies))
+    entropy = [None] * len(reqs)  # per row, as lists: the loop below reads them per request
+    for i, e in zip(drafted.tolist(), entropies):
+      entropy[i] = e
+    # `ValueCalibration`: what the value model predicted for each round (from the history before it) against what
+    # verification returned; the first round's predictions looked up together
+    predicted = [None] * len(reqs)
+    if self.calibrate and self.tables is not None:
+      known = np.flatnonzero((blocks[:, None] == np.asarray(BLOCK_SIZES)[None, :]).any(axis=1))
+      if len(known):
+        left = (lefts[known] if isinstance(lefts, np.ndarray) else
+                np.fromiter((self._remaining(reqs[i]) if lefts[i] is None else lefts[i] for i in known.tolist()),
+                            np.int64, len(known)))
+        rows = self._model_value_rows([reqs[i] for i in known.tolist()], left)
+        for i, value in zip(known.tolist(), rows[np.arange(len(known)), block_columns(blocks[known])].tolist()):
+          predicted[i] = value
+    blocks_array, accepted_array = blocks, accepted
     blocks, accepted = blocks.tolist(), accepted.tolist()
     self.stats.observe_verified_rounds(blocks, accepted, rounds)
-    predicts = self.calibrate and self.tables is not None  # `ValueCalibration`: predicted against returned
     ar = []  # AR rows: their histories move as `_observe_ar` moves them
+    observed = []  # (block, predicted, accepted) of each round the value calibration takes, in order
+    moved = []  # the states whose histories these verifications moved
     for i, req in enumerate(reqs):
       blk = blocks[i]
       if blk <= 1:
@@ -271,17 +287,28 @@ class RecGuideStrategy(AdaptiveRule, RegimeSwitch, CostModel, Strategy):
       state.prefetched = None
       record = signals.RoundRecord(blk, accepted[i], entropy[i])
       history = state.history
-      if predicts and blk in BLOCK_SIZES:  # what the value model predicted for each round (the history before it)
-        left = self._remaining(req) if lefts[i] is None else int(lefts[i])
-        for _ in range(rounds):
-          self.value_calibration.observe(blk, self._model_values(req, left)[BLOCK_SIZES.index(blk)], accepted[i])
+      if predicted[i] is not None:
+        observed.append((blk, predicted[i], accepted[i]))
+        for _ in range(1, rounds):  # a multi-round call: each later round predicted from the history before it
           history.append(record)
           del history[:-HISTORY]
-          state.signals = None
+          state.value_key = None
+          left = np.array([self._remaining(req) if lefts[i] is None else lefts[i]], np.int64)
+          observed.append((blk, float(self._model_value_rows([req], left)[0, BLOCK_SIZES.index(blk)]), accepted[i]))
+        history.append(record)
       else:
         history.extend([record] * min(rounds, HISTORY))
+      if len(history) > HISTORY:
         del history[:-HISTORY]
-      state.ar_tail, state.signals = 0, None
+      state.ar_tail = 0
+      moved.append(state)
+    if moved and self.tables is not None:  # `moved` are the rows that drafted, in order
+      self._set_value_keys(moved, self.tables.value_model, blocks_array[drafted], accepted_array[drafted])
+    else:
+      for state in moved:
+        state.value_key = None
+    if observed:
+      self.value_calibration.observe_rounds(*zip(*observed))
     if ar:
       self._observe_ar(ar, rounds)
     self._ar_settled = None
@@ -300,7 +327,7 @@ class RecGuideStrategy(AdaptiveRule, RegimeSwitch, CostModel, Strategy):
         state.history.extend(records)
         del state.history[:-HISTORY]
         state.ar_tail += len(records)
-        state.signals = None
+        state.value_key = None
     self._ar_settled = reqs if records is None or rounds >= HISTORY or all(
         self.state(r).ar_tail >= HISTORY for r in reqs) else None
 

@@ -31,12 +31,15 @@ class OnlineStats:
     """`observe_verified` of each (block, accepted) pair in order, `rounds` times each; blocks outside
     `BLOCK_SIZES` (AR rows, wider trees) are skipped."""
     decay, estimates = self.decay, self.accepted
-    for blk, got in zip(blocks, accepted):
-      if blk in BLOCK_SIZES:
-        value = estimates.get(blk, got)
+    for blk in BLOCK_SIZES:  # each block's estimate moves only with its own rounds: one running value per block
+      got = [a for b, a in zip(blocks, accepted) if b == blk]
+      if not got:
+        continue
+      value = estimates.get(blk, got[0])
+      for g in got:
         for _ in range(rounds):
-          value = decay * value + (1 - decay) * got
-        estimates[blk] = value
+          value = decay * value + (1 - decay) * g
+      estimates[blk] = value
 
   def observe_overlap(self, blk: int, hit: bool) -> None:
     self.overlap_hit[blk] = self.decay * self.overlap_hit.get(blk, float(hit)) + (1 - self.decay) * float(hit)
@@ -61,9 +64,18 @@ class ValueCalibration:
   rounds: collections.Counter = dataclasses.field(default_factory=collections.Counter)
 
   def observe(self, blk: int, predicted: float, realized: int) -> None:
-    self.predicted[blk] = self.decay * self.predicted[blk] + predicted
-    self.realized[blk] = self.decay * self.realized[blk] + realized
-    self.rounds[blk] += 1
+    self.observe_rounds((blk,), (predicted,), (realized,))
+
+  def observe_rounds(self, blocks, predicted, realized) -> None:
+    """`observe` of each (block, predicted, realized) triple in order."""
+    decay = self.decay
+    for blk in dict.fromkeys(blocks):  # each block's sums move only with its own rounds: running values per block
+      pred_sum, real_sum, n = self.predicted[blk], self.realized[blk], 0
+      for b, pred, real in zip(blocks, predicted, realized):
+        if b == blk:
+          pred_sum, real_sum, n = decay * pred_sum + pred, decay * real_sum + real, n + 1
+      self.predicted[blk], self.realized[blk] = pred_sum, real_sum
+      self.rounds[blk] += n
 
   def scale(self, blk: int) -> float:
     if self.rounds[blk] >= self.min_rounds:

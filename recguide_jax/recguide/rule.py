@@ -14,8 +14,8 @@ import numpy as np
 from recguide_jax.decoding import grouping
 from recguide_jax.decoding.strategy import RoundKind
 from recguide_jax.model.config import BLOCK_SIZES
-from recguide_jax.recguide import adaptive, pricing, signals
-from recguide_jax.recguide.config import Regime
+from recguide_jax.recguide import pricing, signals
+from recguide_jax.recguide.config import RecGuideState, Regime
 
 
 def block_columns(blocks: Sequence[int]) -> np.ndarray:
@@ -48,35 +48,69 @@ class AdaptiveRule:
     if self.tables is None:
       accepted = self.stats.accepted
       return np.minimum(np.array([accepted[b] for b in BLOCK_SIZES], np.float64)[None, :], left[:, None])
-    rows = np.array([self._model_values(r, k) for r, k in zip(reqs, left.tolist())], np.float64).reshape(n, -1)
+    rows = self._model_value_rows(reqs, left)
     if self.calibrate:
       rows *= np.array([self.value_calibration.scale(b) for b in BLOCK_SIZES], np.float64)[None, :]
     return rows
 
-  def _model_values(self, req, left: int) -> list[float]:
-    """The fitted value model's V_B(s, z) of `req`'s next round (capped at `left` tokens), per B of `BLOCK_SIZES`;
-    kept in its state while its history and cap stand (the step prices it, then its verification reads it)."""
-    state = self.state(req)
-    s, z = self._state_signals(state)
-    cap = left if left < BLOCK_SIZES[-1] else None
-    kept = state.value_row
-    if kept is None or kept[0] is not state.signals or kept[1] != cap:
-      model = self.tables.value_model
-      values = model.values(s, z) if cap is None else model.values_capped(s, z, left)
-      kept = state.value_row = (state.signals, cap, [values[b] for b in BLOCK_SIZES])
-    return kept[2]
+  def _model_value_rows(self, reqs, left: np.ndarray) -> np.ndarray:
+    """The fitted value model's V_B(s, z) of each of `reqs`' next round, capped at its `left` tokens, a column per B
+    of `BLOCK_SIZES`: one gather from the model's `ValueGrid` at each request's row (`_value_key`)."""
+    model = self.tables.value_model
+    grid = model.grid
+    at = self._grid_rows(reqs, model)
+    # a budget short of the longest block caps every B's value (`values_capped`), else V_B as it stands
+    caps = np.where(left < BLOCK_SIZES[-1], np.maximum(left, 0), grid.uncapped)
+    return grid.values[at[:, None], self._grid_columns(model)[None, :], caps[:, None]]
 
-  def _signals(self, req) -> tuple[float | None, str | None]:
-    """`req`'s (s, z) for the fitted value model, kept in its state until its history next changes."""
-    return self._state_signals(self.state(req))
+  @staticmethod
+  def _grid_columns(model) -> np.ndarray:
+    """The `ValueGrid` column of each B of `BLOCK_SIZES` in `model`."""
+    return np.array([model.block_sizes.index(b) for b in BLOCK_SIZES], np.int64)
 
-  def _state_signals(self, state) -> tuple[float | None, str | None]:
-    """`_signals` of a request's RecGuide state."""
-    window = self.tables.value_model.window
-    if state.signals is None or state.signals[0] != window:
+  def _grid_rows(self, reqs, model) -> np.ndarray:
+    """Each of `reqs`' row of `model.grid` (`_value_key`)."""
+    rows = []
+    for r in reqs:  # the kept keys read inline: every step reads each request's
+      key = r.strategy_state.value_key if type(r.strategy_state) is RecGuideState else None
+      rows.append((key if key is not None and key[0] is model else self._value_key(r, model))[1])
+    return np.array(rows, np.int64)
+
+  def _value_key(self, req, model) -> tuple:
+    """`req`'s (value model, grid row) of its history, kept in its state until its history next changes (a
+    verification sets it: `_set_value_keys`)."""
+    state = req.strategy_state
+    if not isinstance(state, RecGuideState):
+      state = self.state(req)
+    key = state.value_key
+    if key is None or key[0] is not model:
       hist = state.history
-      state.signals = (window, *((signals.signal_s(hist, window), signals.stratum(hist)) if hist else (None, None)))
-    return state.signals[1:]
+      s, z = (signals.signal_s(hist, model.window), signals.stratum(hist)) if hist else (None, None)
+      key = state.value_key = (model, model.grid_row(s, z))
+    return key
+
+  @staticmethod
+  def _set_value_keys(states, model, blocks: np.ndarray, accepted: np.ndarray) -> None:
+    """The `_value_key` of each of `states` whose history a verification of `blocks` that accepted `accepted` just
+    moved, computed together: s from the last `window` entropies, z from that last round."""
+    window = model.window
+    tails = [state.history[-window:] for state in states]
+    lengths = np.fromiter(map(len, tails), np.int64, len(tails))
+    # each tail's entropies right-aligned in a [states, window] array, NaN where a round has none (or is missing)
+    flat = np.array([r[2] for t in tails for r in t], np.float64)  # None -> NaN
+    at = np.repeat(np.arange(len(tails)), lengths)
+    starts = np.repeat(np.cumsum(lengths) - lengths, lengths)
+    entropies = np.full((len(tails), window), np.nan)
+    entropies[at, np.arange(len(flat)) - starts + window - lengths[at]] = flat
+    present = ~np.isnan(entropies)
+    counts = present.sum(axis=1)
+    # `signal_s`: minus the mean of the entropies there are (summed in order: a missing one's zero adds nothing)
+    s = np.where(counts > 0, -(np.where(present, entropies, 0.0).sum(axis=1) / np.maximum(counts, 1)), np.nan)
+    sizes = np.asarray(BLOCK_SIZES)
+    known = (blocks[:, None] == sizes[None, :]).any(axis=1)
+    strata = np.where(known, 2 * np.searchsorted(sizes, blocks) + (accepted >= blocks), -1)
+    for state, row in zip(states, model.grid_rows(s, strata).tolist()):  # `signals.STRATA`'s order above
+      state.value_key = (model, row)
 
   def _adaptive_block(self, req, concurrency: int, costs: dict[int, float] | None = None) -> int:
     """The per-request rule for one request (`_rule_blocks`). `costs`: the LinearSS round cost per B at this
@@ -92,21 +126,12 @@ class AdaptiveRule:
     if not self.adaptive:
       return [self.block_size] * len(reqs)
     tables = self.tables
-    if tables is not None and self._tables_priced_here:  # `tables.next_block`, on the requests' cached signals
-      decided: dict = {}  # the rule's input -> block
-      blocks = []
-      level, model = tables.level(c), tables.value_model
-      for r in reqs:
-        if not self.state(r).history:
-          blocks.append(level.cold_start_block)
-          continue
-        s, z = self._signals(r)
-        key = (z, model.table(z).bin_index(s))  # V_B(s, z) depends on s through its bin alone
-        blk = decided.get(key)
-        if blk is None:
-          blk = decided[key] = adaptive.decide(model, level.rho, level.costs_ms, s, z)
-        blocks.append(blk)
-      return blocks
+    if tables is not None and self._tables_priced_here:  # `tables.next_block`, on the requests' grid rows
+      level, by_row = tables.grid_rule(c)
+      blocks = by_row[self._grid_rows(reqs, tables.value_model)]
+      # before its first verification a request takes the level's cold-start block
+      blocks[np.fromiter((not self.state(r).history for r in reqs), bool, len(reqs))] = level.cold_start_block
+      return blocks.tolist()
     if not reqs:
       return []
     values = self._value_rows(reqs) if values is None else values

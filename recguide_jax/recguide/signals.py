@@ -45,25 +45,23 @@ def round_entropy(entropies_row: Sequence[float], accepted: int, block_size: int
     raise ValueError(f"entropies_row must be 1-D with >= {n} positions, got shape {row.shape}")
   if n <= 0:
     return None
-  return float(row[:n].mean(dtype=np.float64))  # accumulated in float64 whatever the row's dtype
+  # summed in order in float64 whatever the row's dtype: the floats `round_entropies` gets at any row width
+  return float(np.cumsum(row[:n], dtype=np.float64)[-1] / n)
 
 
 def round_entropies(entropies: np.ndarray, accepted: Sequence[int], block_size: Sequence[int],
                     eos: Sequence[bool], head_cap: int | None = None) -> list[float | None]:
-  """`round_entropy` of each row of `entropies` [rows, width] at once (equal to it row by row: rows averaging the
-  same number of positions are reduced together, as one row would be)."""
+  """`round_entropy` of each row of `entropies` [rows, width] at once (equal to it row by row: each row's positions
+  are summed in order, as one row's are)."""
   n = valid_positions(accepted, block_size, eos, head_cap)
   if entropies.ndim != 2 or len(n) != entropies.shape[0] or (len(n) and n.max() > entropies.shape[1]):
     raise ValueError(f"entropies must be [rows, >= {int(n.max(initial=0))}] with one row per round, got shape "
                      f"{entropies.shape}")
-  out: list[float | None] = [None] * len(n)
-  for k in np.unique(n).tolist():
-    if k <= 0:
-      continue
-    rows = np.flatnonzero(n == k)
-    for i, e in zip(rows.tolist(), entropies[rows, :k].mean(axis=1, dtype=np.float64).tolist()):
-      out[i] = e
-  return out
+  if not len(n):
+    return []
+  width = max(int(n.max()), 1)
+  sums = np.cumsum(entropies[:, :width], axis=1, dtype=np.float64)[np.arange(len(n)), np.maximum(n - 1, 0)]
+  return [e if k > 0 else None for e, k in zip((sums / np.maximum(n, 1)).tolist(), n.tolist())]
 
 
 class RoundRecord(NamedTuple):

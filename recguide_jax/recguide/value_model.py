@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import bisect
 import dataclasses
+import functools
 import json
 import math
 import os
@@ -85,6 +86,40 @@ class SurvivalTable:
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
+class ValueGrid:
+  """Every value of a value model as one array, so a step's requests are looked up together: `values[row, j, k]` is
+  E[min(A_B, k)] for B = `block_sizes[j]` and k < `uncapped`, and V_B itself at k = `uncapped`; `height` rows per
+  table, its first for s undefined, then one per bin of s (`ValueModel.grid_row`). The floats are those
+  `SurvivalTable.values` and `values_capped` return."""
+  values: np.ndarray  # [tables * height, len(block_sizes), uncapped + 1]
+  height: int  # rows per table: 1 + its most bins
+  tables: Mapping[str, int]  # table name -> its index (its rows start at index * height)
+  edges: np.ndarray  # [tables, height - 2]: each table's bin edges, padded with +inf
+  stratum_tables: np.ndarray  # [len(STRATA) + 1]: the table each stratum reads ("all" where unfitted, and last)
+  uncapped: int  # the cap index that reads V_B uncapped: max(block_sizes)
+
+
+def _grid(tables: Mapping[str, SurvivalTable], block_sizes: tuple[int, ...]) -> ValueGrid:
+  uncapped = max(block_sizes)
+  height = 1 + max(t.num_bins for t in tables.values())
+  values = np.zeros((len(tables) * height, len(block_sizes), uncapped + 1), np.float64)
+  edges = np.full((len(tables), height - 2), np.inf)
+  for n, t in enumerate(tables.values()):
+    first = n * height
+    edges[n, :len(t.edges)] = t.edges
+    for j, b in enumerate(block_sizes):
+      survival = np.concatenate([t.unconditional[b][None, :], t.survival[b]])  # row 0: s undefined
+      for k in range(uncapped):  # a row's prefix sum as `values_capped` takes it, not a running cumsum
+        values[first:first + len(survival), j, k] = survival[:, :k].sum(axis=1)
+      values[first:first + len(survival), j, uncapped] = [t._uncond_values[b], *t._bin_value_floats[b]]
+  index = {name: n for n, name in enumerate(tables)}
+  stratum_tables = np.array([index.get(z, index["all"]) for z in STRATA] + [index["all"]], np.int64)
+  for a in (values, edges, stratum_tables):
+    a.flags.writeable = False
+  return ValueGrid(values, height, types.MappingProxyType(index), edges, stratum_tables, uncapped)
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
 class ValueModel:
   """V_B(s, z) = sum_k S_B[bin(s)][k] from the table of stratum z, or of "all" when z was not fitted."""
   tables: Mapping[str, SurvivalTable]
@@ -103,6 +138,25 @@ class ValueModel:
       if sorted(table.survival) != sorted(self.block_sizes):
         raise TraceError(f"value model table {name!r} covers blocks {sorted(table.survival)}, "
                          f"expected {list(self.block_sizes)}")
+
+  @functools.cached_property
+  def grid(self) -> ValueGrid:
+    """This model's values as one array (`ValueGrid`), built on first use."""
+    return _grid(self.tables, self.block_sizes)
+
+  def grid_row(self, s: float | None, z: str | None) -> int:
+    """The `grid` row of V_B(s, z)."""
+    name = z if z is not None and z in self.tables else "all"
+    i = self.tables[name].bin_index(s)
+    return self.grid.tables[name] * self.grid.height + (0 if i is None else i + 1)
+
+  def grid_rows(self, s: np.ndarray, strata: np.ndarray) -> np.ndarray:
+    """`grid_row` of many (s, z) at once: `s` with NaN where undefined, `strata` each z's index in `STRATA` (-1:
+    none)."""
+    grid = self.grid
+    tables = grid.stratum_tables[strata]
+    bins = 1 + (s[:, None] >= grid.edges[tables]).sum(axis=1)  # edges at or below s: `bin_index`'s bisect_right
+    return tables * grid.height + np.where(np.isfinite(s), bins, 0)
 
   def table(self, z: str | None) -> SurvivalTable:
     return self.tables.get(z, self.tables["all"]) if z is not None else self.tables["all"]
