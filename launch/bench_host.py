@@ -304,7 +304,8 @@ def markdown(result: dict) -> str:
            "device calls replayed alone. Medians over "
            f"{meta['repeats']} generations. jax {meta['jax']} ({meta['backend']}, {meta['cpu_count']} cores), load "
            f"average {meta['load_start']:.1f} at the start, {meta['load_end']:.1f} at the end ({meta['time_utc']}, "
-           f"code {meta['code']}). On this shared CPU absolute numbers are upper bounds.", "",
+           f"code {meta['code']}). On this shared CPU absolute numbers are upper bounds."
+           + (" Ragged steps (`--bucketing=ragged`)." if meta.get("bucketing") == "ragged" else ""), "",
            "Each cell: median / minimum over the timed steps (engine, host work) and the replays (bare). A step is "
            "one engine iteration: one AR call, one LinearSS round (draft + verify), or RecGuide's round(s).", "",
            "Host work: a step's wall time outside the device calls and their read-backs (the engine's own Python, "
@@ -367,7 +368,8 @@ def main(argv):
          "recguide_tables": f.recguide_tables or None}
   concurrency = cli.int_list("concurrency")
   llm = LLM(str(model), policy="recguide", max_num_seqs=max(concurrency), max_model_len=256, page_size=16,
-            prefill_chunk=32, warmup=False, decode_steps=f.decode_steps, layer_loop=f.layer_loop)
+            prefill_chunk=32, warmup=False, decode_steps=f.decode_steps, layer_loop=f.layer_loop,
+            bucketing=f.bucketing)
   if hasattr(llm.engine, "pipeline"):
     llm.engine.pipeline = f.pipeline
   if f.freeze_gc:
@@ -388,7 +390,8 @@ def main(argv):
           "decode_steps": f.decode_steps, "repeats": f.repeats, "jax": jax.__version__,
           "backend": jax.default_backend(), "cpu_count": os.cpu_count(), "load_start": load_start,
           "load_end": os.getloadavg()[0], "time_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-          "code": code_version(), "freeze_gc": f.freeze_gc, "recguide_tables": cfg["recguide_tables"]}
+          "code": code_version(), "freeze_gc": f.freeze_gc, "recguide_tables": cfg["recguide_tables"],
+          "bucketing": f.bucketing}
   result = {"meta": meta, "points": points, "profiles": profiles}
   js, md = write_report(result, markdown(result), cli.output_dir(), "bench_host")
   print(markdown(result))
@@ -408,6 +411,8 @@ def _define_flags():
   flags.DEFINE_integer("repeats", 2, "Timed generations per point (after one that compiles).")
   flags.DEFINE_integer("decode_steps", 4, "AR decode steps per device call.")
   flags.DEFINE_bool("pipeline", True, "Run AR and LinearSS calls ahead (Engine.pipeline).")
+  flags.DEFINE_enum("bucketing", "auto", ["auto", "ragged"], "How a step's rows at different blocks run (LLM's "
+                    "bucketing; launch/serve.py --bucketing): ragged runs them as one ragged step.")
   flags.DEFINE_bool("freeze_gc", True, "Freeze the start-up heap out of Python's collector, as launch/serve.py "
                     "does.")
   flags.DEFINE_list("served_policies", ["ar", "linear", "recguide"], "Policies measured again with every request "

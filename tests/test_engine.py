@@ -11,6 +11,7 @@ import pytest
 from pallas_kernels.common import causal_mask
 from recguide_jax import SamplingParams
 from recguide_jax.decoding.builtin import ARStrategy, DiffusionStrategy, LinearStrategy
+from recguide_jax.decoding.strategy import AheadPlan
 from recguide_jax.engine.requests import RequestError
 from recguide_jax.model.nld import ForwardInputs
 
@@ -141,7 +142,7 @@ def test_pipelined_rounds_are_exact(tiny_llm, ar_outputs, strategy_cls):
   results = {}
   for ahead in (False, True):
     strategy = ARStrategy() if strategy_cls == "ar" else LinearStrategy(8)
-    strategy.plans_ahead = lambda batch, ahead=ahead: ahead
+    strategy.plans_ahead = lambda batch, ahead=ahead: AheadPlan.again(batch) if ahead else None
     tiny_llm.set_policy(strategy)
     ahead_calls, streams, outs, counts = [], {}, [], {"dispatched": 0, "read": 0}
 
@@ -193,7 +194,7 @@ def test_round_wall_times_tile_the_run(tiny_llm, ar_outputs, ahead):
   prompts, _ = ar_outputs
   eng = tiny_llm.engine
   strategy = ARStrategy()
-  strategy.plans_ahead = lambda batch: ahead
+  strategy.plans_ahead = lambda batch: AheadPlan.again(batch) if ahead else None
   tiny_llm.set_policy(strategy)
   params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
   tiny_llm.generate(prompts[:3], params, use_tqdm=False)  # compiles what the timed run uses

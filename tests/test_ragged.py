@@ -10,7 +10,7 @@ from pallas_kernels.common import causal_mask
 from recguide_jax import SamplingParams, benchmarks as bench
 from recguide_jax.decoding.builtin import ARStrategy
 from recguide_jax.decoding import rounds
-from recguide_jax.decoding.strategy import RoundPlan, StepPlan, Strategy
+from recguide_jax.decoding.strategy import AheadPlan, RoundPlan, StepPlan, Strategy
 
 PARAMS = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
 MIXES = {  # per-request block choices a step draws from (1: an AR row)
@@ -55,7 +55,40 @@ class StickyBlocks(MixedBlocks):
     return StepPlan(tuple(plans))
 
   def plans_ahead(self, batch):
-    return True
+    return AheadPlan.again(batch)
+
+
+class RoundBlocks(MixedBlocks):
+  """Plans each request's k-th round at a block drawn per (prompt, k) from `choices`, and plans ahead on ragged
+  steps with the next round's blocks: the rows of a call dispatched ahead change blocks, each row's sequence of
+  blocks the same with or without running ahead."""
+  name = "round_blocks"
+
+  def __init__(self, choices, verify_price=0.0):
+    super().__init__(choices, verify_price)
+    self.rounds = {}  # request id -> rounds planned
+    self.replanned = 0  # calls planned ahead at other blocks than the call before them
+
+  def _block(self, req):  # by prompt, not request id: the same in every run
+    k = self.rounds.get(req.request_id, 0)
+    return self.choices[(zlib.crc32(np.asarray(req.prompt_ids, np.int64).tobytes()) + 7 * k) % len(self.choices)]
+
+  def plan_step(self, view):
+    plans = []
+    for req in view.requests:
+      blk = self._block(req)
+      self.rounds[req.request_id] = self.rounds.get(req.request_id, 0) + 1
+      plans.append(RoundPlan(rounds.AR, 1) if blk == 1 else RoundPlan(rounds.LINEAR, blk, self.verify_price))
+    return StepPlan(tuple(plans))
+
+  def plans_ahead(self, batch):
+    blocks = np.array([self._block(r) for r in batch.reqs], np.int64)
+    if not (batch.round.replans_rows and blocks.max() > 1):
+      return None
+    for r in batch.reqs:
+      self.rounds[r.request_id] += 1
+    self.replanned += int(not np.array_equal(blocks, batch.planned))
+    return AheadPlan(blocks, np.where(blocks > 1, self.verify_price, 0.0))
 
 
 def prompts(n, seed):
@@ -164,6 +197,31 @@ def test_ragged_steps_run_ahead_with_the_same_tokens(tiny_llm, ar_reference, pri
     for pipeline in (True, False):
       engine.pipeline = pipeline
       outs[pipeline], _ = run(tiny_llm, ps, StickyBlocks(MIXES["linear_ar"], price), "ragged", 8, sampled)
+  finally:
+    engine.pipeline = True
+    del engine._dispatch_ahead
+  assert outs[True] == outs[False] and outs[True] != ar
+
+
+@pytest.mark.parametrize("price", [0.0, 0.4])
+def test_ragged_steps_run_ahead_at_other_blocks_with_the_same_tokens(tiny_llm, ar_reference, price):
+  """A ragged step planned ahead at other blocks than the step in flight (`AheadPlan`: a row's block may change
+  every step) is dispatched from that step's seeds and committed lengths on the device: AR's tokens greedy; sampled,
+  the same tokens as without running ahead (each row's blocks and keys are the same either way)."""
+  ps, ar = ar_reference
+  engine = tiny_llm.engine
+  ahead = []
+  dispatch_ahead = engine._dispatch_ahead
+  engine._dispatch_ahead = lambda batch, *a: ahead.append(batch.round) or dispatch_ahead(batch, *a)
+  try:
+    strategy = RoundBlocks(MIXES["linear_ar"], price)
+    out, _ = run(tiny_llm, ps, strategy, "ragged", 8)
+    assert out == ar and set(ahead) == {rounds.RAGGED} and strategy.replanned > 0
+    sampled = SamplingParams(max_tokens=24, temperature=0.8, seed=11, ignore_eos=True)
+    outs = {}
+    for pipeline in (True, False):
+      engine.pipeline = pipeline
+      outs[pipeline], _ = run(tiny_llm, ps, RoundBlocks(MIXES["linear_ar"], price), "ragged", 8, sampled)
   finally:
     engine.pipeline = True
     del engine._dispatch_ahead

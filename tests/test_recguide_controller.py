@@ -676,6 +676,25 @@ def test_ar_linear_and_adaptive_steps_run_ahead(tiny_llm, ar_reference, regime):
   assert any(said) == (regime != "overlap")
 
 
+def test_adaptive_ragged_steps_run_ahead_at_the_blocks_priced_one_round_late(tiny_llm, ar_reference):
+  """On ragged steps an adaptive step runs ahead whatever blocks its batch pricing gives the rows, one round late
+  (any block is lossless): AR's tokens, and some call dispatched ahead at other blocks than the call before it."""
+  ps, ar = ar_reference
+  pol = RecGuideStrategy(16, fixed_regime="adaptive", profile=flat_profile())
+  pol.stats.accepted = {8: 2.0, 16: 2.05, 32: 2.1}  # nearly tied values: the blocks move with every estimate
+  said = []
+  plans_ahead = pol.plans_ahead
+  pol.plans_ahead = lambda batch: said.append((batch.planned, plans_ahead(batch))) or said[-1][1]
+  tiny_llm.set_policy(pol)
+  tiny_llm.engine.bucketing = "ragged"
+  try:
+    reqs = run_with_concurrency(tiny_llm, ps, 8)
+  finally:
+    tiny_llm.engine.bucketing = "auto"
+  assert [r.output_ids for r in reqs] == ar
+  assert any(ahead is not None and not np.array_equal(ahead.planned, planned) for planned, ahead in said)
+
+
 def test_a_decision_made_ahead_is_the_next_steps_own():
   """`plans_ahead` decides the next step; when that decision is another regime the step is planned by the engine as
   usual, and plan_step takes the decision made (the switch runs once per step: its probes count steps)."""
@@ -687,7 +706,8 @@ def test_a_decision_made_ahead_is_the_next_steps_own():
   pol = clocked_strategy(t, ar_ms=1.0)  # AR at 1 ms against 11+ ms LinearSS rounds accepting 4: AR wins
   pol.calibrate = False
   pol.current_regime = "ar"
-  batch = SimpleNamespace(round=rounds.AR, block=1, n=4, reqs=[object()] * 4, planned=np.ones(4, np.int64))
+  batch = SimpleNamespace(round=rounds.AR, block=1, n=4, reqs=[object()] * 4, planned=np.ones(4, np.int64),
+                          verify_price=None)
   assert pol.plans_ahead(batch) and pol.regime_counts["ar"] == 4 and pol._decided_ahead is None
   pol.stats.accepted = {8: 40.0, 16: 40.0, 32: 40.0}  # now speculation wins
   assert not pol.plans_ahead(batch) and pol._decided_ahead == (4, "adaptive")
@@ -698,16 +718,22 @@ def test_a_decision_made_ahead_is_the_next_steps_own():
   assert pol._decided_ahead is None
   del pol.regime  # (the switch decides the steps after this one again)
   # adaptive: ahead while the batch pricing gives every row the block the step ran at, one step late
-  linear8 = SimpleNamespace(round=rounds.LINEAR, block=8, n=4, reqs=batch.reqs, planned=np.full(4, 8))
+  linear8 = SimpleNamespace(round=rounds.LINEAR, block=8, n=4, reqs=batch.reqs, planned=np.full(4, 8),
+                            verify_price=None)
   assert pol.plans_ahead(linear8) and pol._decided_ahead is None and pol.regime_counts["adaptive"] == 8
   pol.price_step = lambda reqs, c, values: ("rule", [8, 8, 16, 8])
   assert not pol.plans_ahead(linear8) and pol._decided_ahead == (4, "adaptive")  # its blocks: on the fresh histories
   pol._decided_ahead = None
   # a ragged step of mixed blocks: ahead while every row keeps its own
-  ragged = SimpleNamespace(round=rounds.RAGGED, block=16, n=4, reqs=batch.reqs, planned=np.array([8, 8, 16, 8]))
+  ragged = SimpleNamespace(round=rounds.RAGGED, block=16, n=4, reqs=batch.reqs, planned=np.array([8, 8, 16, 8]),
+                           verify_price=None)
   assert pol.plans_ahead(ragged) and pol._decided_ahead is None
+  # on a ragged step each row may take another block: the blocks priced now, on the histories one round late
   pol.price_step = lambda reqs, c, values: ("rule", [8, 8, 16, 16])
-  assert not pol.plans_ahead(ragged) and pol._decided_ahead == (4, "adaptive")
+  ahead = pol.plans_ahead(ragged)
+  assert ahead.planned.tolist() == [8, 8, 16, 16] and ahead.verify_price is None and pol._decided_ahead is None
+  pol.price_step = lambda reqs, c, values: ("ar", [1, 1, 1, 1])  # no row drafts: planned after the outcome
+  assert pol.plans_ahead(ragged) is None and pol._decided_ahead == (4, "adaptive")
 
 
 def test_an_ar_round_of_settled_requests_changes_nothing_and_a_verification_unsettles_them():

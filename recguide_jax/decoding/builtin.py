@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from recguide_jax.decoding import rounds
-from recguide_jax.decoding.strategy import Round, RoundPlan, StepPlan, StepView, Strategy
+from recguide_jax.decoding.strategy import AheadPlan, Round, RoundPlan, StepPlan, StepView, Strategy
 
 
 class FixedStrategy(Strategy):
@@ -14,8 +14,8 @@ class FixedStrategy(Strategy):
   def plan_step(self, view: StepView) -> StepPlan:
     return StepPlan.uniform(RoundPlan(self.round, self.block_size), len(view.requests))
 
-  def plans_ahead(self, batch) -> bool:
-    return True  # history plays no part
+  def plans_ahead(self, batch) -> AheadPlan:
+    return AheadPlan.again(batch)  # history plays no part
 
 
 class ARStrategy(FixedStrategy):

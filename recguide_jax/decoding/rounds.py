@@ -105,6 +105,7 @@ class RaggedRound(Round):
   draft's signals are read back between the two forwards, and the verify runs (and is priced by) fewer tokens."""
   kind = RoundKind.RAGGED
   pipelined = True
+  replans_rows = True
 
   def ahead(self, batch: Batch) -> tuple[int, int, int]:
     return batch.block, 1, 1  # at most the largest planned block committed, at least one token; one key round

@@ -185,6 +185,9 @@ class Round:
   # True: `dispatch(runner, batch, seed)` / `collect(runner, batch, handle)` split `run`, and the next call can start
   # from the previous call's device outputs (the engine then prepares and dispatches it before it reads that one)
   pipelined: bool = False
+  # True: each row runs at its own planned block (a ragged step), so a call dispatched ahead may give its rows other
+  # blocks than the call before it (`AheadPlan`)
+  replans_rows: bool = False
 
   def ahead(self, batch: "Batch") -> tuple[int, int, int]:
     """For a pipelined round: (the most tokens a row of `batch` commits, the fewest, its sampling-key rounds): what
@@ -213,6 +216,20 @@ class StrategyMetric:
   label: str | None = None
 
 
+@dataclasses.dataclass(frozen=True)
+class AheadPlan:
+  """The step after a batch's round, planned before that round's outcome is applied (`Strategy.plans_ahead`): the
+  same round over the same rows, each at `planned[i]` (its block) and `verify_price[i]` (None: all 0). Only a round
+  whose rows each run at their own block (`Round.replans_rows`) takes blocks other than the batch's."""
+  planned: np.ndarray  # [n] int
+  verify_price: np.ndarray | None = None  # [n] float
+
+  @classmethod
+  def again(cls, batch: Batch) -> "AheadPlan":
+    """`batch`'s own plan, once more."""
+    return cls(batch.planned, batch.verify_price)
+
+
 class Strategy:
   """Base decoding strategy; subclasses implement `plan_step` and may override the hooks."""
   name = "base"
@@ -222,12 +239,12 @@ class Strategy:
   def plan_step(self, view: StepView) -> StepPlan:
     raise NotImplementedError
 
-  def plans_ahead(self, batch: Batch) -> bool:
-    """Whether the step after `batch`'s round runs `batch`'s plan again, decided before `batch`'s outcome is applied
-    (the engine then dispatches it while `batch`'s call runs; it asks only where nothing else could change the
-    step). False: every step is planned after the one before it was applied."""
+  def plans_ahead(self, batch: Batch) -> AheadPlan | None:
+    """The step after `batch`'s round, planned before `batch`'s outcome is applied (the engine then dispatches it
+    while `batch`'s call runs; it asks only where nothing else could change the step): `batch`'s rows in the same
+    round (`AheadPlan`). None: every step is planned after the one before it was applied."""
     del batch
-    return False
+    return None
 
   def observe(self, outcome: RoundOutcome) -> None:
     """Called after the engine applied each round this strategy planned."""

@@ -428,11 +428,17 @@ class Engine:
             and not (batch.round.pads_to_largest and (batch.planned < batch.block).any())):
       return None
     left = self._most_tokens_left(batch.request_rows, generated) - batch.round.ahead(batch)[1]
-    if left < 1 or not self.strategy.plans_ahead(batch):
+    plan = None if left < 1 else self.strategy.plans_ahead(batch)
+    if plan is None:
       return None  # every request ends within `batch`'s call, or the strategy plans the next step itself
+    planned, block = plan.planned, batch.block
+    if planned is not batch.planned and not np.array_equal(planned, batch.planned):
+      if not (batch.round.replans_rows and len(planned) == batch.n):
+        return None  # other blocks where the round cannot give them: planned after `batch`'s outcome
+      planned, block = np.asarray(planned, np.int64), int(np.max(planned))
     n = self.rc.decode_steps if batch.round.multi_step else 1
-    return Batch(batch.round, batch.block, batch.reqs, batch.planned, steps=n if 1 < n <= left else 1,
-                 verify_price=batch.verify_price, running_as_of=self._finishes)
+    return Batch(batch.round, block, batch.reqs, planned, steps=n if 1 < n <= left else 1,
+                 verify_price=plan.verify_price, running_as_of=self._finishes)
 
   def _dispatch_ahead(self, batch: Batch, prev: Batch, handle):
     """Dispatches `batch`, the same requests' call after `prev`'s (dispatched as `handle`, not applied yet)."""

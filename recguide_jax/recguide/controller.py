@@ -15,7 +15,8 @@ import dataclasses
 import numpy as np
 
 from recguide_jax.decoding import rounds
-from recguide_jax.decoding.strategy import RoundOutcome, RoundPlan, StepPlan, StepView, Strategy, StrategyMetric
+from recguide_jax.decoding.strategy import (AheadPlan, RoundOutcome, RoundPlan, StepPlan, StepView, Strategy,
+                                            StrategyMetric)
 from recguide_jax.model.config import BLOCK_SIZES
 from recguide_jax.recguide import calibration, overlap as ov, pricing, signals
 from recguide_jax.recguide.config import HISTORY, RecGuideConfig, RecGuideState, Regime
@@ -166,36 +167,51 @@ class RecGuideStrategy(AdaptiveRule, RegimeSwitch, CostModel, Strategy):
     price = pricing.verify_token_price(blocks, tokens, self.profile)
     return min(price, 1.0) ** (1.0 / self.verify_confidence_exponent)
 
-  def plans_ahead(self, batch) -> bool:
+  def plans_ahead(self, batch) -> AheadPlan | None:
     """The switch decides the step after `batch`'s now, one step late (on what was observed before `batch`'s round),
-    and that step runs `batch`'s plan again when the decision is the same AR or fixed-B LinearSS regime, or the
-    adaptive regime whose batch pricing gives every row its block in `batch` again (its rule then reads the
-    histories one round late: any block is lossless; a ragged step keeps its verify prices too). Overlap steps are
-    not planned ahead (an overlap round's draft is the branch its predecessor's verification confirms), nor
-    adaptive steps whose blocks change (planned after `batch`'s outcome, on the fresh histories)."""
+    and that step runs `batch`'s round again when the decision is the same AR or fixed-B LinearSS regime, or the
+    adaptive regime whose batch pricing plans some row a drafted block: its rule reads the histories one round late
+    (any block is lossless). The rows keep their blocks in `batch` unless the round runs each row at its own
+    (`Round.replans_rows`, a ragged step): then they take the blocks planned now, with the verify prices those
+    blocks set. Overlap steps are not planned ahead (an overlap round's draft is the branch its predecessor's
+    verification confirms), nor adaptive steps whose blocks change in a padded round (planned after `batch`'s
+    outcome, on the fresh histories)."""
     regime = self.current_regime
     if regime == Regime.ADAPTIVE:
       if batch.round is not rounds.LINEAR and batch.round is not rounds.RAGGED:
-        return False
+        return None
     else:
       plan = self._plans.get(regime) if regime in (Regime.AR, Regime.LINEAR) else None
       if (plan is None or batch.round not in (plan.round, plan.round.ragged_round)
           or not (batch.planned == plan.block_size).all()):
-        return False
+        return None
     load = batch.n  # the engine asks only when the batch is the whole decoding set and nothing waits
     values = self._value_rows(batch.reqs) if self._switch_on_values else None
     decided = self.regime(load, batch.reqs, values)
-    if decided == regime == Regime.ADAPTIVE:
-      name, blocks = self.price_step(batch.reqs, load, values)
-      if blocks != batch.planned.tolist():
-        self._decided_ahead = (load, decided)  # the regime stands; the blocks are planned on the fresh histories
-        return False
-      self.step_plans[name] += 1
-    elif decided != regime:
+    if decided != regime:
       self._decided_ahead = (load, decided)
-      return False
-    self.regime_counts[regime] += load
-    return True
+      return None
+    if regime != Regime.ADAPTIVE:
+      self.regime_counts[regime] += load
+      return AheadPlan.again(batch)
+    name, blocks = self.price_step(batch.reqs, load, values)
+    if blocks == batch.planned.tolist():
+      ahead = AheadPlan.again(batch)
+    elif batch.round.replans_rows and max(blocks) > 1:
+      planned = np.asarray(blocks, np.int64)
+      verify_price = None
+      if self.verify_truncation and self.profile is not None:  # a ragged step's: as `plan_step` prices them
+        price = self._verify_price(planned, self._value_rows(batch.reqs) if values is None else values)
+        verify_price = np.where(planned > 1, price, 0.0) if price > 0 else None
+      ahead = AheadPlan(planned, verify_price)
+    else:
+      self._decided_ahead = (load, decided)  # the regime stands; the blocks are planned on the fresh histories
+      return None
+    self.step_plans[name] += 1
+    ar_rows = int((ahead.planned <= 1).sum())
+    self.regime_counts[Regime.AR] += ar_rows
+    self.regime_counts[Regime.ADAPTIVE] += load - ar_rows
+    return ahead
 
   def plan_branches(self, draft_signals: np.ndarray, blk: int, bounds: dict) -> list:
     """One request's branches from its draft signals [3, B]; `bounds` (generated, committed, max_new, max_len) are
