@@ -179,49 +179,28 @@ def test_ragged_rows_join_and_leave(tiny_llm, ar_reference):
 
 
 @pytest.mark.parametrize("price", [0.0, 0.4])
-def test_ragged_steps_run_ahead_with_the_same_tokens(tiny_llm, ar_reference, price):
-  """A ragged step whose plan repeats is dispatched while the one before it runs, from that one's seeds and
-  committed lengths on the device (each row at its own block, truncated verifies included): the same tokens as AR;
-  sampled, the same tokens as without running ahead."""
+@pytest.mark.parametrize("strategy_cls", [StickyBlocks, RoundBlocks])
+def test_ragged_steps_run_ahead_with_the_same_tokens(tiny_llm, ar_reference, price, strategy_cls):
+  """A ragged step planned ahead is dispatched while the one before it runs, from that one's seeds and committed
+  lengths on the device (each row at its own block, truncated verifies included), whether its rows keep their blocks
+  (`StickyBlocks`) or take others (`RoundBlocks`: an `AheadPlan` whose blocks change every step): the same tokens as
+  AR; sampled, the same tokens as without running ahead."""
   ps, ar = ar_reference
   engine = tiny_llm.engine
   ahead = []
   dispatch_ahead = engine._dispatch_ahead
   engine._dispatch_ahead = lambda batch, *a: ahead.append(batch.round) or dispatch_ahead(batch, *a)
   try:
-    out, log = run(tiny_llm, ps, StickyBlocks(MIXES["linear_ar"], price), "ragged", 8)
+    strategy = strategy_cls(MIXES["linear_ar"], price)
+    out, log = run(tiny_llm, ps, strategy, "ragged", 8)
     assert out == ar and ahead and set(ahead) == {rounds.RAGGED}
     assert (bench.unverified_drafts(log) > 0) == (price > 0)
+    assert getattr(strategy, "replanned", 1) > 0
     sampled = SamplingParams(max_tokens=24, temperature=0.8, seed=11, ignore_eos=True)
     outs = {}
     for pipeline in (True, False):
       engine.pipeline = pipeline
-      outs[pipeline], _ = run(tiny_llm, ps, StickyBlocks(MIXES["linear_ar"], price), "ragged", 8, sampled)
-  finally:
-    engine.pipeline = True
-    del engine._dispatch_ahead
-  assert outs[True] == outs[False] and outs[True] != ar
-
-
-@pytest.mark.parametrize("price", [0.0, 0.4])
-def test_ragged_steps_run_ahead_at_other_blocks_with_the_same_tokens(tiny_llm, ar_reference, price):
-  """A ragged step planned ahead at other blocks than the step in flight (`AheadPlan`: a row's block may change
-  every step) is dispatched from that step's seeds and committed lengths on the device: AR's tokens greedy; sampled,
-  the same tokens as without running ahead (each row's blocks and keys are the same either way)."""
-  ps, ar = ar_reference
-  engine = tiny_llm.engine
-  ahead = []
-  dispatch_ahead = engine._dispatch_ahead
-  engine._dispatch_ahead = lambda batch, *a: ahead.append(batch.round) or dispatch_ahead(batch, *a)
-  try:
-    strategy = RoundBlocks(MIXES["linear_ar"], price)
-    out, _ = run(tiny_llm, ps, strategy, "ragged", 8)
-    assert out == ar and set(ahead) == {rounds.RAGGED} and strategy.replanned > 0
-    sampled = SamplingParams(max_tokens=24, temperature=0.8, seed=11, ignore_eos=True)
-    outs = {}
-    for pipeline in (True, False):
-      engine.pipeline = pipeline
-      outs[pipeline], _ = run(tiny_llm, ps, RoundBlocks(MIXES["linear_ar"], price), "ragged", 8, sampled)
+      outs[pipeline], _ = run(tiny_llm, ps, strategy_cls(MIXES["linear_ar"], price), "ragged", 8, sampled)
   finally:
     engine.pipeline = True
     del engine._dispatch_ahead
