@@ -490,13 +490,15 @@ def test_a_steps_rule_and_verifications_taken_together_equal_one_request_at_a_ti
   assert any(rec.entropy is not None for r in reqs for rec in r.strategy_state.history)
   assert together.stats == alone.stats
   assert together.value_calibration == alone.value_calibration
-  if tables is not None:  # the keys the verifications set together are those each history gives on its own
-    kept = [r.strategy_state.value_key for r in reqs]
-    for r in reqs:
-      r.strategy_state.value_key = None
-    fresh = [together._value_key(r, tables.value_model) for r in reqs]
-    assert [k for k in kept if k is not None] == [f for k, f in zip(kept, fresh) if k is not None]
-    assert sum(k is not None for k in kept) == int((blocks > 1).sum()) > 0
+  if tables is not None:  # the grid rows of the moved histories, computed together, are those each gives alone
+    from recguide_jax.recguide import signals
+    model = tables.value_model
+    moved = [r.strategy_state.value_key is None for r in reqs]
+    kept = together._grid_rows(reqs, model).tolist()
+    fresh = [model.grid_row(*((signals.signal_s(h, model.window), signals.stratum(h)) if h else (None, None)))
+             for h in (r.strategy_state.history for r in reqs)]
+    assert [k for k, m in zip(kept, moved) if m] == [f for f, m in zip(fresh, moved) if m]
+    assert all(moved) and (blocks > 1).any()  # every history moved (or was never read): all computed together
 
 
 @pytest.mark.parametrize("fixed_regime", [None, "overlap"])

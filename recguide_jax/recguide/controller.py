@@ -284,12 +284,10 @@ class RecGuideStrategy(AdaptiveRule, RegimeSwitch, CostModel, Strategy):
         rows = self._model_value_rows([reqs[i] for i in known.tolist()], left)
         for i, value in zip(known.tolist(), rows[np.arange(len(known)), block_columns(blocks[known])].tolist()):
           predicted[i] = value
-    blocks_array, accepted_array = blocks, accepted
     blocks, accepted = blocks.tolist(), accepted.tolist()
     self.stats.observe_verified_rounds(blocks, accepted, rounds)
     ar = []  # AR rows: their histories move as `_observe_ar` moves them
     observed = []  # (block, predicted, accepted) of each round the value calibration takes, in order
-    moved = []  # the states whose histories these verifications moved
     for i, req in enumerate(reqs):
       blk = blocks[i]
       if blk <= 1:
@@ -316,13 +314,7 @@ class RecGuideStrategy(AdaptiveRule, RegimeSwitch, CostModel, Strategy):
         history.extend([record] * min(rounds, HISTORY))
       if len(history) > HISTORY:
         del history[:-HISTORY]
-      state.ar_tail = 0
-      moved.append(state)
-    if moved and self.tables is not None:  # `moved` are the rows that drafted, in order
-      self._set_value_keys(moved, self.tables.value_model, blocks_array[drafted], accepted_array[drafted])
-    else:
-      for state in moved:
-        state.value_key = None
+      state.ar_tail, state.value_key = 0, None
     if observed:
       self.value_calibration.observe_rounds(*zip(*observed))
     if ar:

@@ -14,7 +14,7 @@ import numpy as np
 from recguide_jax.decoding import grouping
 from recguide_jax.decoding.strategy import RoundKind
 from recguide_jax.model.config import BLOCK_SIZES
-from recguide_jax.recguide import pricing, signals
+from recguide_jax.recguide import pricing
 from recguide_jax.recguide.config import RecGuideState, Regime
 
 
@@ -55,7 +55,7 @@ class AdaptiveRule:
 
   def _model_value_rows(self, reqs, left: np.ndarray) -> np.ndarray:
     """The fitted value model's V_B(s, z) of each of `reqs`' next round, capped at its `left` tokens, a column per B
-    of `BLOCK_SIZES`: one gather from the model's `ValueGrid` at each request's row (`_value_key`)."""
+    of `BLOCK_SIZES`: one gather from the model's `ValueGrid` at each request's row (`_grid_rows`)."""
     model = self.tables.value_model
     grid = model.grid
     at = self._grid_rows(reqs, model)
@@ -69,30 +69,18 @@ class AdaptiveRule:
     return np.array([model.block_sizes.index(b) for b in BLOCK_SIZES], np.int64)
 
   def _grid_rows(self, reqs, model) -> np.ndarray:
-    """Each of `reqs`' row of `model.grid` (`_value_key`)."""
-    rows = []
-    for r in reqs:  # the kept keys read inline: every step reads each request's
-      key = r.strategy_state.value_key if type(r.strategy_state) is RecGuideState else None
-      rows.append((key if key is not None and key[0] is model else self._value_key(r, model))[1])
-    return np.array(rows, np.int64)
-
-  def _value_key(self, req, model) -> tuple:
-    """`req`'s (value model, grid row) of its history, kept in its state until its history next changes (a
-    verification sets it: `_set_value_keys`)."""
-    state = req.strategy_state
-    if not isinstance(state, RecGuideState):
-      state = self.state(req)
-    key = state.value_key
-    if key is None or key[0] is not model:
-      hist = state.history
-      s, z = (signals.signal_s(hist, model.window), signals.stratum(hist)) if hist else (None, None)
-      key = state.value_key = (model, model.grid_row(s, z))
-    return key
+    """Each of `reqs`' row of `model.grid`, kept in its state (`value_key`: (model, row)) until its history next
+    changes; the rows of the requests whose histories changed are computed together (`_set_value_keys`)."""
+    states = [r.strategy_state if type(r.strategy_state) is RecGuideState else self.state(r) for r in reqs]
+    stale = [st for st in states if st.value_key is None or st.value_key[0] is not model]
+    if stale:
+      self._set_value_keys(stale, model)
+    return np.fromiter((st.value_key[1] for st in states), np.int64, len(states))
 
   @staticmethod
-  def _set_value_keys(states, model, blocks: np.ndarray, accepted: np.ndarray) -> None:
-    """The `_value_key` of each of `states` whose history a verification of `blocks` that accepted `accepted` just
-    moved, computed together: s from the last `window` entropies, z from that last round."""
+  def _set_value_keys(states, model) -> None:
+    """The grid row of each of `states`' histories, computed together: s from the last `window` entropies
+    (`signals.signal_s`), z from the last round (`signals.stratum`); neither before the first round."""
     window = model.window
     tails = [state.history[-window:] for state in states]
     lengths = np.fromiter(map(len, tails), np.int64, len(tails))
@@ -106,11 +94,17 @@ class AdaptiveRule:
     counts = present.sum(axis=1)
     # `signal_s`: minus the mean of the entropies there are (summed in order: a missing one's zero adds nothing)
     s = np.where(counts > 0, -(np.where(present, entropies, 0.0).sum(axis=1) / np.maximum(counts, 1)), np.nan)
+    last = np.array([t[-1][:2] if t else (0, 0) for t in tails], np.int64).reshape(len(tails), 2)
+    blocks, accepted = last[:, 0], last[:, 1]  # (block, accepted) of the last round; 0: none yet
     sizes = np.asarray(BLOCK_SIZES)
     known = (blocks[:, None] == sizes[None, :]).any(axis=1)
     strata = np.where(known, 2 * np.searchsorted(sizes, blocks) + (accepted >= blocks), -1)
     for state, row in zip(states, model.grid_rows(s, strata).tolist()):  # `signals.STRATA`'s order above
       state.value_key = (model, row)
+
+  def _cold(self, reqs) -> np.ndarray:
+    """Per request of `reqs`: whether it has not been verified yet (it then takes the level's cold-start block)."""
+    return np.fromiter((not self.state(r).history for r in reqs), bool, len(reqs))
 
   def _adaptive_block(self, req, concurrency: int, costs: dict[int, float] | None = None) -> int:
     """The per-request rule for one request (`_rule_blocks`). `costs`: the LinearSS round cost per B at this
@@ -129,8 +123,7 @@ class AdaptiveRule:
     if tables is not None and self._tables_priced_here:  # `tables.next_block`, on the requests' grid rows
       level, by_row = tables.grid_rule(c)
       blocks = by_row[self._grid_rows(reqs, tables.value_model)]
-      # before its first verification a request takes the level's cold-start block
-      blocks[np.fromiter((not self.state(r).history for r in reqs), bool, len(reqs))] = level.cold_start_block
+      blocks[self._cold(reqs)] = level.cold_start_block
       return blocks.tolist()
     if not reqs:
       return []
@@ -141,8 +134,7 @@ class AdaptiveRule:
     # tables of other hardware keep the fitted rule V - rho T on this policy's own costs, rho rescaled to their time
     # unit (`pricing.rescaled_rho`): V / T is a different rule, one the paper's search rejected
     blocks = pricing.decide_rescaled_rows(values, tables.rho_for(c), tables.costs_for(c), costs)
-    # before its first verification a request takes the level's cold-start block
-    blocks[np.fromiter((not self.state(r).history for r in reqs), bool, len(reqs))] = tables.level(c).cold_start_block
+    blocks[self._cold(reqs)] = tables.level(c).cold_start_block
     return blocks.tolist()
 
   def price_step(self, reqs, concurrency: int, values=None) -> tuple[str, list[int]]:

@@ -43,22 +43,19 @@ def round_entropy(entropies_row: Sequence[float], accepted: int, block_size: int
   row = entropies_row if isinstance(entropies_row, np.ndarray) else np.asarray(entropies_row, np.float64)
   if row.ndim != 1 or row.shape[0] < n:
     raise ValueError(f"entropies_row must be 1-D with >= {n} positions, got shape {row.shape}")
-  if n <= 0:
-    return None
-  # summed in order in float64 whatever the row's dtype: the floats `round_entropies` gets at any row width
-  return float(np.cumsum(row[:n], dtype=np.float64)[-1] / n)
+  return round_entropies(row[None, :], [accepted], [block_size], [eos], head_cap)[0]
 
 
 def round_entropies(entropies: np.ndarray, accepted: Sequence[int], block_size: Sequence[int],
                     eos: Sequence[bool], head_cap: int | None = None) -> list[float | None]:
-  """`round_entropy` of each row of `entropies` [rows, width] at once (equal to it row by row: each row's positions
-  are summed in order, as one row's are)."""
+  """`round_entropy` of each row of `entropies` [rows, width] at once."""
   n = valid_positions(accepted, block_size, eos, head_cap)
   if entropies.ndim != 2 or len(n) != entropies.shape[0] or (len(n) and n.max() > entropies.shape[1]):
     raise ValueError(f"entropies must be [rows, >= {int(n.max(initial=0))}] with one row per round, got shape "
                      f"{entropies.shape}")
   if not len(n):
     return []
+  # each row's positions summed in order, in float64 whatever the dtype: the same floats at any row width
   width = max(int(n.max()), 1)
   sums = np.cumsum(entropies[:, :width], axis=1, dtype=np.float64)[np.arange(len(n)), np.maximum(n - 1, 0)]
   return [e if k > 0 else None for e, k in zip((sums / np.maximum(n, 1)).tolist(), n.tolist())]
