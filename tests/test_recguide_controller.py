@@ -54,6 +54,7 @@ def run_with_concurrency(llm, ps, concurrency):
   from recguide_jax import benchmarks as bench
   reqs, _ = bench.run_concurrent(llm.engine, ps, PARAMS, concurrency)
   assert llm.engine.allocator.num_used == 0
+  assert llm.engine.strategy.histories.in_use == 0  # every finished request gave its history row back
   return reqs
 
 
@@ -493,8 +494,9 @@ def test_a_steps_rule_and_verifications_taken_together_equal_one_request_at_a_ti
   if tables is not None:  # the grid rows of the moved histories, computed together, are those each gives alone
     from recguide_jax.recguide import signals
     model = tables.value_model
-    moved = [r.strategy_state.value_key is None for r in reqs]
-    kept = together._grid_rows(reqs, model).tolist()
+    at = together._rows(reqs)
+    moved = (together.histories.grid_row[at] < 0).tolist()
+    kept = together.histories.grid_rows(at, model).tolist()
     fresh = [model.grid_row(*((signals.signal_s(h, model.window), signals.stratum(h)) if h else (None, None)))
              for h in (r.strategy_state.history for r in reqs)]
     assert [k for k, m in zip(kept, moved) if m] == [f for f, m in zip(fresh, moved) if m]
@@ -758,12 +760,12 @@ def test_an_ar_round_of_settled_requests_changes_nothing_and_a_verification_unse
     for rounds in (1, 2, 1):  # settled at the fourth AR record
       assert pol._ar_settled is None
       ar_round(rounds)
-    assert all(r.strategy_state.ar_tail >= HISTORY for r in reqs) and pol._ar_settled is reqs
+    assert (pol.histories.ar_tail[pol._rows(reqs)] >= HISTORY).all() and pol._ar_settled is reqs
     ar_round(2)
     pol.observe_verification(reqs[1], 8, 3, result, 0)  # a drafted block: reqs[1]'s history moves
-    assert reqs[1].strategy_state.ar_tail == 0 and pol._ar_settled is None
+    assert pol.histories.ar_tail[reqs[1].strategy_state.row] == 0 and pol._ar_settled is None
     ar_round(1)
-    assert reqs[1].strategy_state.ar_tail == 1
+    assert pol.histories.ar_tail[reqs[1].strategy_state.row] == 1
     histories[skip] = [[(rec.block_size, rec.accepted) for rec in r.strategy_state.history] for r in reqs]
   assert histories[True] == histories[False]
   assert histories[True][1][-2:] == [(8, 3), (1, 1)]

@@ -20,6 +20,7 @@ import collections
 import dataclasses
 import itertools
 import logging
+import operator
 import time
 from typing import Sequence
 
@@ -40,6 +41,13 @@ from recguide_jax.runtime.steps import SamplingArrays, empty_controls
 MIN_CONTROL_LEN = 64  # control lists are padded to a power of two from here (one compiled variant per length)
 
 log = logging.getLogger("recguide_jax.engine")
+
+_OUTPUT_IDS = operator.attrgetter("output_ids")
+
+
+def output_lengths(reqs: Sequence[Request]) -> np.ndarray:
+  """Each of `reqs`' output tokens so far (read at C speed: every step reads them for every row)."""
+  return np.fromiter(map(len, map(_OUTPUT_IDS, reqs)), np.int64, len(reqs))
 
 
 class Engine:
@@ -365,7 +373,7 @@ class Engine:
     # every row ran when the batch was made: while no request has finished since, every row still does
     live = (np.ones((n,), bool) if batch.running_as_of == self._finishes
             else np.fromiter((r.finish_reason is None for r in reqs), bool, n))
-    return live, np.fromiter((len(r.output_ids) for r in reqs), np.int64, n)
+    return live, output_lengths(reqs)
 
   def batch_rows(self, reqs: Sequence[Request]) -> BatchRows:
     """The per-request rows of a batch of `reqs` (cached per composition: `batch_rows.RowCache`)."""
@@ -612,7 +620,7 @@ class Engine:
     n = self.rc.decode_steps
     if n <= 1 or self.waiting or self._any_prefilling():
       return 1
-    generated = np.fromiter((len(r.output_ids) for r in reqs), np.int64, len(reqs))
+    generated = output_lengths(reqs)
     return n if self._most_tokens_left(self.batch_rows(reqs), generated) >= n else 1
 
   def _prefilling(self, r: Request) -> bool:

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
-from typing import Any
+from typing import Any, Sequence
 
 from recguide_jax.model.config import BLOCK_SIZES
 from recguide_jax.recguide import overlap as ov, signals
@@ -31,18 +31,61 @@ OVERLAP_BLOCK_MARGIN = 0.05
 PAPER_DELTA = 0.5  # risky-position margin threshold of the paper (NLD-8B)
 
 
-@dataclasses.dataclass
 class RecGuideState:
-  """What RecGuide remembers of one request (`Request.strategy_state`)."""
-  history: list[signals.RoundRecord] = dataclasses.field(default_factory=list)  # its last HISTORY verifications
-  # the history's tail of AR rounds (at HISTORY it is all AR records, and more AR rounds leave it as it is) and the
-  # value model's (model, grid row) of it, None until read since it last changed: a step prices every request,
-  # a round moves few
-  ar_tail: int = 0
-  value_key: tuple | None = None
-  # a branch block its last overlap round confirmed: the next overlap round's draft (valid for that round only)
-  prefetched: ov.Prefetched | None = None
-  overlap: dict[str, int] = dataclasses.field(default_factory=dict)  # its overlap rounds by branch outcome
+  """What RecGuide remembers of one request (`Request.strategy_state`): its row of its strategy's `Histories` (its
+  last HISTORY verifications and what the adaptive rule reads of them), a prefetched overlap branch and its overlap
+  rounds by branch outcome. Made with a history (or none), it joins a strategy's `Histories` when that strategy
+  first reads it (`RecGuideStrategy.state`), and leaves with its history when the request finishes."""
+
+  def __init__(self, history: Sequence[signals.RoundRecord] = (), prefetched: ov.Prefetched | None = None):
+    self.histories: Any = None  # the `histories.Histories` it is a row of (None: not in one)
+    self.row = -1
+    self.left = False  # it left (its request finished): a round observed after that writes no history row of it
+    self._history = list(history)
+    self._prefetched = prefetched
+    self.overlap: dict[str, int] = {}  # its overlap rounds by branch outcome
+
+  def join(self, histories) -> None:
+    """Moves this state into `histories` (out of another strategy's, if it was in one)."""
+    records, prefetched = self.history, self.prefetched
+    if self.histories is not None:
+      self.histories.release(self.row)
+    self.histories, self.row, self.left = histories, histories.allocate(records), False
+    self._history, self._prefetched = None, None
+    self.prefetched = prefetched
+
+  def leave(self) -> None:
+    """Gives its row back (its request finished), keeping its history and branch."""
+    if self.histories is not None:
+      self._history, self._prefetched = self.history, self.prefetched
+      self.histories.release(self.row)
+    self.histories, self.row, self.left = None, -1, True
+
+  @property
+  def history(self) -> list[signals.RoundRecord]:
+    """Its last HISTORY verification rounds, oldest first."""
+    return self.histories.records(self.row) if self.histories is not None else list(self._history)
+
+  @history.setter
+  def history(self, records: Sequence[signals.RoundRecord]) -> None:
+    if self.histories is not None:
+      self.histories.set_records(self.row, records)
+    else:
+      self._history = list(records)
+
+  @property
+  def prefetched(self) -> ov.Prefetched | None:
+    """A branch block its last overlap round confirmed: its next overlap round's draft (for that round only)."""
+    return self.histories.prefetched.get(self.row) if self.histories is not None else self._prefetched
+
+  @prefetched.setter
+  def prefetched(self, branch: ov.Prefetched | None) -> None:
+    if self.histories is None:
+      self._prefetched = branch
+    elif branch is None:
+      self.histories.prefetched.pop(self.row, None)
+    else:
+      self.histories.prefetched[self.row] = branch
 
 
 @dataclasses.dataclass(frozen=True, eq=False)

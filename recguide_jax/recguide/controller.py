@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import operator
 
 import numpy as np
 
@@ -22,13 +23,13 @@ from recguide_jax.recguide import calibration, overlap as ov, pricing, signals
 from recguide_jax.recguide.config import HISTORY, RecGuideConfig, RecGuideState, Regime
 from recguide_jax.recguide.costs import CostModel
 from recguide_jax.recguide.estimates import OnlineStats, ValueCalibration
+from recguide_jax.recguide.histories import Histories
 from recguide_jax.recguide.overlap_round import OverlapResult, OverlapRound
 from recguide_jax.recguide.rule import AdaptiveRule, block_columns
 from recguide_jax.recguide.switch import RegimeSwitch
 
 
-# an AR round's record in a request's history (no signal: see `observe_verification`)
-AR_RECORD = signals.RoundRecord(1, 1, None)
+_STATE, _HISTORIES, _ROW = (operator.attrgetter(a) for a in ("strategy_state", "histories", "row"))
 
 
 class RecGuideStrategy(AdaptiveRule, RegimeSwitch, CostModel, Strategy):
@@ -56,6 +57,8 @@ class RecGuideStrategy(AdaptiveRule, RegimeSwitch, CostModel, Strategy):
       # (fitted at one block, the prior of every block: at B = 8 the bundled model reuses more, 0.55 vs 0.49)
       if tables.overlap_hit_rate is not None:
         self.stats.overlap_hit = {b: tables.overlap_hit_rate for b in BLOCK_SIZES}
+    self.histories = Histories()  # each request's verification history, a row per request (`RecGuideState.row`)
+    self._lent: dict[RecGuideState, int] = {}  # rows lent to finished requests while a round of them is observed
     self.regime_counts = collections.Counter()
     self.current_regime: Regime | None = None  # the regime of the latest step
     # (load, regime): the switch's decision for the next step, made in `plans_ahead`, that plan_step takes
@@ -100,14 +103,54 @@ class RecGuideStrategy(AdaptiveRule, RegimeSwitch, CostModel, Strategy):
   _eos: frozenset = frozenset()  # the engine's EOS ids, refreshed by each step's plan
 
   def on_admit(self, req) -> None:
+    self.on_finish(req)  # (a preempted request is admitted again: its old state gives its row back)
     req.strategy_state = RecGuideState()
+    req.strategy_state.join(self.histories)
 
-  @staticmethod
-  def state(req) -> RecGuideState:
-    """`req`'s RecGuide state (a fresh one for a request admitted under another strategy before a switch)."""
-    if not isinstance(req.strategy_state, RecGuideState):
-      req.strategy_state = RecGuideState()
-    return req.strategy_state
+  def on_finish(self, req) -> None:
+    state = req.strategy_state
+    if type(state) is RecGuideState and state.histories is self.histories:
+      state.leave()
+
+  def state(self, req) -> RecGuideState:
+    """`req`'s RecGuide state, a row of this strategy's `histories` (a fresh state for a request admitted under
+    another strategy before a switch; one of another RecGuide strategy's, or made with a history, joins them)."""
+    state = req.strategy_state
+    if type(state) is not RecGuideState:
+      state = req.strategy_state = RecGuideState()
+    if state.histories is not self.histories and not state.left:
+      state.join(self.histories)
+    return state
+
+  def _rows(self, reqs) -> np.ndarray:
+    """Each of `reqs`' row of `histories` (`state`). A request that finished before a round of it is observed (its
+    last round, or a pipelined call's row after that) is lent a row holding its history for the observation
+    (`_give_back_lent`): it is observed as it was while running."""
+    h = self.histories
+    try:  # every state already in `histories` (the steady state): read at C speed
+      states = list(map(_STATE, reqs))
+      if states and states[0].histories is h and len(set(map(_HISTORIES, states))) == 1:
+        return np.fromiter(map(_ROW, states), np.int64, len(states))
+    except AttributeError:  # a request with another strategy's state
+      pass
+    rows = np.empty(len(reqs), np.int64)
+    for i, req in enumerate(reqs):
+      state = self.state(req)
+      if state.left:
+        if state not in self._lent:
+          self._lent[state] = h.allocate(state.history)
+        rows[i] = self._lent[state]
+      else:
+        rows[i] = state.row
+    return rows
+
+  def _give_back_lent(self) -> None:
+    """The rows `_rows` lent to finished requests, back, each one's history kept in its state."""
+    h = self.histories
+    for state, row in self._lent.items():
+      state.history, state.prefetched = h.records(row), None
+      h.release(row)
+    self._lent.clear()
 
   def plan_step(self, view: StepView) -> StepPlan:
     """The step's regime (once, for the load in flight), then each request's round: overlap, AR or fixed-B
@@ -243,6 +286,7 @@ class RecGuideStrategy(AdaptiveRule, RegimeSwitch, CostModel, Strategy):
         self.observe_verifications(reqs, block, accepted, res, lefts, out.rounds, rows=rows)
     if isinstance(out.extra, OverlapResult):
       self._observe_overlap(batch, out, out.extra)
+    self._give_back_lent()
     self.observe_round(out.label, batch.block, batch.n, outcome.seconds / out.rounds, out.rounds)
 
   def observe_verification(self, req, block_size: int, accepted: int, result, row: int, left: int | None = None,
@@ -254,90 +298,79 @@ class RecGuideStrategy(AdaptiveRule, RegimeSwitch, CostModel, Strategy):
 
   def observe_verifications(self, reqs, blocks, accepted, result, lefts, rounds: int = 1, rows=None) -> None:
     """`observe_verification` of each of `reqs` at once (`result` rows `rows`, default 0..len - 1), their rounds'
-    signals (entropies, EOS) computed together. Requests are observed in order: the running estimates move as
-    they did one request at a time."""
+    signals (entropies, EOS) computed together and written into their `histories` rows as one scatter. The running
+    estimates move as they did one request at a time, in order."""
     rows = np.arange(len(reqs)) if rows is None else np.asarray(rows, np.int64)
     blocks, accepted = np.asarray(blocks, np.int64), np.asarray(accepted, np.int64)
-    drafted = np.flatnonzero(blocks > 1)
-    entropies: list = []
-    if len(drafted):
-      at = rows[drafted]
-      # EOS among each round's accepted tokens (its entropy then averages one position less)
-      tokens = result.tokens[at]
-      eos = (tokens[:, :, None] == np.fromiter(self._eos, np.int64, len(self._eos))).any(axis=2)
-      eos &= np.arange(tokens.shape[1])[None, :] < accepted[drafted, None]
-      cap = self.tables.head_cap if self.tables is not None else self.entropy_head_cap
-      entropies = signals.round_entropies(result.entropy[at], accepted[drafted], blocks[drafted], eos.any(axis=1),
-                                          cap)
-    entropy = [None] * len(reqs)  # per row, as lists: the loop below reads them per request
-    for i, e in zip(drafted.tolist(), entropies):
-      entropy[i] = e
-    # `ValueCalibration`: what the value model predicted for each round (from the history before it) against what
-    # verification returned; the first round's predictions looked up together
-    predicted = [None] * len(reqs)
-    if self.calibrate and self.tables is not None:
-      known = np.flatnonzero((blocks[:, None] == np.asarray(BLOCK_SIZES)[None, :]).any(axis=1))
-      if len(known):
-        left = (lefts[known] if isinstance(lefts, np.ndarray) else
-                np.fromiter((self._remaining(reqs[i]) if lefts[i] is None else lefts[i] for i in known.tolist()),
-                            np.int64, len(known)))
-        rows = self._model_value_rows([reqs[i] for i in known.tolist()], left)
-        for i, value in zip(known.tolist(), rows[np.arange(len(known)), block_columns(blocks[known])].tolist()):
-          predicted[i] = value
-    blocks, accepted = blocks.tolist(), accepted.tolist()
-    self.stats.observe_verified_rounds(blocks, accepted, rounds)
-    ar = []  # AR rows: their histories move as `_observe_ar` moves them
-    observed = []  # (block, predicted, accepted) of each round the value calibration takes, in order
-    for i, req in enumerate(reqs):
-      blk = blocks[i]
-      if blk <= 1:
-        ar.append(req)
-        continue
-      state = req.strategy_state
-      if not isinstance(state, RecGuideState):
-        state = self.state(req)
+    h = self.histories
+    at = self._rows(reqs)
+    if h.prefetched:
       # a prefetched overlap branch is a draft for the round right after the one that made it: any verification,
       # of whatever kind, moves the committed state past it (an overlap round's new one is stored after this)
-      state.prefetched = None
-      record = signals.RoundRecord(blk, accepted[i], entropy[i])
-      history = state.history
-      if predicted[i] is not None:
-        observed.append((blk, predicted[i], accepted[i]))
-        for _ in range(1, rounds):  # a multi-round call: each later round predicted from the history before it
-          history.append(record)
-          del history[:-HISTORY]
-          state.value_key = None
-          left = np.array([self._remaining(req) if lefts[i] is None else lefts[i]], np.int64)
-          observed.append((blk, float(self._model_value_rows([req], left)[0, BLOCK_SIZES.index(blk)]), accepted[i]))
-        history.append(record)
-      else:
-        history.extend([record] * min(rounds, HISTORY))
-      if len(history) > HISTORY:
-        del history[:-HISTORY]
-      state.ar_tail, state.value_key = 0, None
-    if observed:
-      self.value_calibration.observe_rounds(*zip(*observed))
-    if ar:
-      self._observe_ar(ar, rounds)
+      for row in at.tolist():
+        h.prefetched.pop(row, None)
+    drafted = np.flatnonzero(blocks > 1)
+    self.stats.observe_verified_rounds(blocks, accepted, rounds)
+    if len(drafted):
+      self._observe_drafted(reqs, drafted, at[drafted], blocks[drafted], accepted[drafted], rows[drafted], result,
+                            lefts, rounds)
+    ar = np.flatnonzero(blocks <= 1)
+    if len(ar):  # AR rows: their histories move as `_observe_ar` moves them
+      self._observe_ar([reqs[i] for i in ar.tolist()], rounds, at[ar])
     self._ar_settled = None
+    self._give_back_lent()
 
-  def _observe_ar(self, reqs, rounds: int) -> None:
-    """`rounds` AR verifications of each of `reqs`. They drop a prefetched branch, as any verification does. An AR
-    round carries no signal, so two in a row return a request to the value model's prior: otherwise a request that
-    looked unsure once would be priced out of speculation for good."""
+  def _observe_drafted(self, reqs, drafted, at, blocks, accepted, rows, result, lefts, rounds: int) -> None:
+    """`observe_verifications` of its drafted rows (`reqs[drafted]`, `histories` rows `at`, `result` rows `rows`)."""
+    # EOS among each round's accepted tokens (its entropy then averages one position less)
+    tokens = result.tokens[rows]
+    eos = (tokens[:, :, None] == np.fromiter(self._eos, np.int64, len(self._eos))).any(axis=2)
+    eos &= np.arange(tokens.shape[1])[None, :] < accepted[:, None]
+    cap = self.tables.head_cap if self.tables is not None else self.entropy_head_cap
+    entropy = np.array(signals.round_entropies(result.entropy[rows], accepted, blocks, eos.any(axis=1), cap),
+                       np.float64)  # None -> NaN
+    h = self.histories
+    # `ValueCalibration`: what the value model predicted for each round (from the history before it) against what
+    # verification returned; a multi-round call's later rounds each from the history before them
+    predicts = ((blocks[:, None] == np.asarray(BLOCK_SIZES)[None, :]).any(axis=1)
+                if self.calibrate and self.tables is not None else np.zeros(len(blocks), bool))
+    known = np.flatnonzero(predicts)
+    if len(known):
+      left = (lefts[drafted[known]] if isinstance(lefts, np.ndarray) else
+              np.fromiter((self._remaining(reqs[i]) if lefts[i] is None else lefts[i]
+                           for i in drafted[known].tolist()), np.int64, len(known)))
+      columns = block_columns(blocks[known])
+      predicted = []
+      for k in range(rounds):
+        if k:
+          h.append(at[known], blocks[known], accepted[known], entropy[known])
+        predicted.append(self._model_value_rows(at[known], left)[np.arange(len(known)), columns])
+      h.append(at[known], blocks[known], accepted[known], entropy[known])
+      # in request order, each request's rounds in turn: as one request at a time moved the running sums
+      self.value_calibration.observe_rounds(np.repeat(blocks[known], rounds).tolist(),
+                                            np.stack(predicted, axis=1).ravel().tolist(),
+                                            np.repeat(accepted[known], rounds).tolist())
+    rest = np.flatnonzero(~predicts)
+    if len(rest):
+      h.append(at[rest], blocks[rest], accepted[rest], entropy[rest], times=rounds)
+
+  def _observe_ar(self, reqs, rounds: int, at: np.ndarray | None = None) -> None:
+    """`rounds` AR verifications of each of `reqs` (`at`: their `histories` rows, when read already). They drop a
+    prefetched branch, as any verification does. An AR round carries no signal, so two in a row return a request
+    to the value model's prior: otherwise a request that looked unsure once would be priced out of speculation
+    for good."""
     if reqs is self._ar_settled:
       return  # none of their states changed since (`observe_verifications` and `_observe_overlap` clear it)
-    records = [AR_RECORD] * min(rounds, HISTORY) if self.batch_priced else None
-    for req in reqs:
-      state = self.state(req)
-      state.prefetched = None
-      if records is not None and state.ar_tail < HISTORY:
-        state.history.extend(records)
-        del state.history[:-HISTORY]
-        state.ar_tail += len(records)
-        state.value_key = None
-    self._ar_settled = reqs if records is None or rounds >= HISTORY or all(
-        self.state(r).ar_tail >= HISTORY for r in reqs) else None
+    h = self.histories
+    at = self._rows(reqs) if at is None else at
+    if h.prefetched:
+      for row in at.tolist():
+        h.prefetched.pop(row, None)
+    if self.batch_priced:
+      h.append(at[h.ar_tail[at] < HISTORY], 1, 1, np.nan, times=rounds)
+    settled = not self.batch_priced or rounds >= HISTORY or (h.ar_tail[at] >= HISTORY).all()
+    self._ar_settled = reqs if settled and not self._lent else None
+    self._give_back_lent()
 
   def _observe_overlap(self, batch, out, ovr: "OverlapResult") -> None:
     self.saved_drafts += ovr.saved_drafts

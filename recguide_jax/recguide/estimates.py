@@ -7,6 +7,8 @@ from __future__ import annotations
 import collections
 import dataclasses
 
+import numpy as np
+
 from recguide_jax.model.config import BLOCK_SIZES
 
 
@@ -31,8 +33,9 @@ class OnlineStats:
     """`observe_verified` of each (block, accepted) pair in order, `rounds` times each; blocks outside
     `BLOCK_SIZES` (AR rows, wider trees) are skipped."""
     decay, estimates = self.decay, self.accepted
+    blocks, accepted = np.asarray(blocks), np.asarray(accepted)
     for blk in BLOCK_SIZES:  # each block's estimate moves only with its own rounds: one running value per block
-      got = [a for b, a in zip(blocks, accepted) if b == blk]
+      got = accepted[blocks == blk].tolist()
       if not got:
         continue
       value = estimates.get(blk, got[0])

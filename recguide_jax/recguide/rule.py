@@ -7,6 +7,7 @@ per-request choices priced together as the batch the engine runs them as, agains
 
 from __future__ import annotations
 
+import operator
 from typing import Sequence
 
 import numpy as np
@@ -15,7 +16,17 @@ from recguide_jax.decoding import grouping
 from recguide_jax.decoding.strategy import RoundKind
 from recguide_jax.model.config import BLOCK_SIZES
 from recguide_jax.recguide import pricing
-from recguide_jax.recguide.config import RecGuideState, Regime
+from recguide_jax.recguide.config import Regime
+
+
+_MAX_TOKENS, _OUTPUT_IDS = operator.attrgetter("params.max_tokens"), operator.attrgetter("output_ids")
+
+
+def remaining_tokens(reqs) -> np.ndarray:
+  """Tokens each of `reqs` may still emit (its max_tokens budget; `AdaptiveRule._remaining` of each, read at C
+  speed: every step reads them for every request)."""
+  n = len(reqs)
+  return np.fromiter(map(_MAX_TOKENS, reqs), np.int64, n) - np.fromiter(map(len, map(_OUTPUT_IDS, reqs)), np.int64, n)
 
 
 def block_columns(blocks: Sequence[int]) -> np.ndarray:
@@ -25,7 +36,7 @@ def block_columns(blocks: Sequence[int]) -> np.ndarray:
 
 class AdaptiveRule:
   """Mixin of `RecGuideStrategy` (with `CostModel`): reads `tables`, `adaptive`, `calibrate`, `value_calibration`,
-  `stats` and the per-request `state`."""
+  `stats` and the requests' `histories` rows (`_rows`)."""
 
   @staticmethod
   def _remaining(req) -> int:
@@ -36,75 +47,37 @@ class AdaptiveRule:
     """Expected tokens of `req`'s next LinearSS round per B (`_value_rows` of it alone)."""
     return dict(zip(BLOCK_SIZES, self._value_rows([req])[0].tolist()))
 
-  def _value_rows(self, reqs) -> np.ndarray:
+  def _value_rows(self, reqs, at: np.ndarray | None = None) -> np.ndarray:
     """Expected tokens of each of `reqs`' next LinearSS round per B, one row per request and a column per B of
     `BLOCK_SIZES`: the fitted value model V_B(s, z) from its history (unconditional before its first
     verification), scaled by how it has matched verification on this workload when calibrating
     (`ValueCalibration`), else the engine-wide online estimate; near the end of its budget, of the tokens it may
     still emit (a longer block buys nothing past max_tokens). One array for a step's requests: every step prices
-    all of them."""
-    n = len(reqs)
-    left = np.fromiter(map(self._remaining, reqs), np.int64, n)
+    all of them. `at`: their `histories` rows, when read already."""
+    left = remaining_tokens(reqs)
     if self.tables is None:
       accepted = self.stats.accepted
       return np.minimum(np.array([accepted[b] for b in BLOCK_SIZES], np.float64)[None, :], left[:, None])
-    rows = self._model_value_rows(reqs, left)
+    rows = self._model_value_rows(self._rows(reqs) if at is None else at, left)
     if self.calibrate:
       rows *= np.array([self.value_calibration.scale(b) for b in BLOCK_SIZES], np.float64)[None, :]
     return rows
 
-  def _model_value_rows(self, reqs, left: np.ndarray) -> np.ndarray:
-    """The fitted value model's V_B(s, z) of each of `reqs`' next round, capped at its `left` tokens, a column per B
-    of `BLOCK_SIZES`: one gather from the model's `ValueGrid` at each request's row (`_grid_rows`)."""
+  def _model_value_rows(self, at: np.ndarray, left: np.ndarray) -> np.ndarray:
+    """The fitted value model's V_B(s, z) of the next round of the requests at `histories` rows `at`, capped at
+    their `left` tokens, a column per B of `BLOCK_SIZES`: one gather from the model's `ValueGrid` at each
+    request's grid row (`Histories.grid_rows`)."""
     model = self.tables.value_model
     grid = model.grid
-    at = self._grid_rows(reqs, model)
     # a budget short of the longest block caps every B's value (`values_capped`), else V_B as it stands
     caps = np.where(left < BLOCK_SIZES[-1], np.maximum(left, 0), grid.uncapped)
-    return grid.values[at[:, None], self._grid_columns(model)[None, :], caps[:, None]]
+    return grid.values[self.histories.grid_rows(at, model)[:, None], self._grid_columns(model)[None, :],
+                       caps[:, None]]
 
   @staticmethod
   def _grid_columns(model) -> np.ndarray:
     """The `ValueGrid` column of each B of `BLOCK_SIZES` in `model`."""
     return np.array([model.block_sizes.index(b) for b in BLOCK_SIZES], np.int64)
-
-  def _grid_rows(self, reqs, model) -> np.ndarray:
-    """Each of `reqs`' row of `model.grid`, kept in its state (`value_key`: (model, row)) until its history next
-    changes; the rows of the requests whose histories changed are computed together (`_set_value_keys`)."""
-    states = [r.strategy_state if type(r.strategy_state) is RecGuideState else self.state(r) for r in reqs]
-    stale = [st for st in states if st.value_key is None or st.value_key[0] is not model]
-    if stale:
-      self._set_value_keys(stale, model)
-    return np.fromiter((st.value_key[1] for st in states), np.int64, len(states))
-
-  @staticmethod
-  def _set_value_keys(states, model) -> None:
-    """The grid row of each of `states`' histories, computed together: s from the last `window` entropies
-    (`signals.signal_s`), z from the last round (`signals.stratum`); neither before the first round."""
-    window = model.window
-    tails = [state.history[-window:] for state in states]
-    lengths = np.fromiter(map(len, tails), np.int64, len(tails))
-    # each tail's entropies right-aligned in a [states, window] array, NaN where a round has none (or is missing)
-    flat = np.array([r[2] for t in tails for r in t], np.float64)  # None -> NaN
-    at = np.repeat(np.arange(len(tails)), lengths)
-    starts = np.repeat(np.cumsum(lengths) - lengths, lengths)
-    entropies = np.full((len(tails), window), np.nan)
-    entropies[at, np.arange(len(flat)) - starts + window - lengths[at]] = flat
-    present = ~np.isnan(entropies)
-    counts = present.sum(axis=1)
-    # `signal_s`: minus the mean of the entropies there are (summed in order: a missing one's zero adds nothing)
-    s = np.where(counts > 0, -(np.where(present, entropies, 0.0).sum(axis=1) / np.maximum(counts, 1)), np.nan)
-    last = np.array([t[-1][:2] if t else (0, 0) for t in tails], np.int64).reshape(len(tails), 2)
-    blocks, accepted = last[:, 0], last[:, 1]  # (block, accepted) of the last round; 0: none yet
-    sizes = np.asarray(BLOCK_SIZES)
-    known = (blocks[:, None] == sizes[None, :]).any(axis=1)
-    strata = np.where(known, 2 * np.searchsorted(sizes, blocks) + (accepted >= blocks), -1)
-    for state, row in zip(states, model.grid_rows(s, strata).tolist()):  # `signals.STRATA`'s order above
-      state.value_key = (model, row)
-
-  def _cold(self, reqs) -> np.ndarray:
-    """Per request of `reqs`: whether it has not been verified yet (it then takes the level's cold-start block)."""
-    return np.fromiter((not self.state(r).history for r in reqs), bool, len(reqs))
 
   def _adaptive_block(self, req, concurrency: int, costs: dict[int, float] | None = None) -> int:
     """The per-request rule for one request (`_rule_blocks`). `costs`: the LinearSS round cost per B at this
@@ -112,29 +85,32 @@ class AdaptiveRule:
     c = max(concurrency, 1)
     return self._rule_blocks([req], c, self._linear_costs(c) if costs is None else costs)[0]
 
-  def _rule_blocks(self, reqs, c: int, costs: dict[int, float], values: np.ndarray | None = None) -> list[int]:
-    """The per-request rule's block for each of `reqs` at load `c` (`values`: their `_value_rows`, when the caller has
-    them): the tables' own rule V - rho T where they were priced on this profile (cold-start block before a
-    request's first verification), the same rule rho rescaled to this policy's costs for tables of other hardware,
-    argmax V / T without tables (the smaller block on ties, as `adaptive.decide`)."""
+  def _rule_blocks(self, reqs, c: int, costs: dict[int, float], values: np.ndarray | None = None,
+                   at: np.ndarray | None = None) -> list[int]:
+    """The per-request rule's block for each of `reqs` at load `c` (`values`: their `_value_rows`, `at`: their
+    `histories` rows, when the caller has them): the tables' own rule V - rho T where they were priced on this
+    profile (cold-start block before a request's first verification), the same rule rho rescaled to this policy's
+    costs for tables of other hardware, argmax V / T without tables (the smaller block on ties, as
+    `adaptive.decide`)."""
     if not self.adaptive:
       return [self.block_size] * len(reqs)
     tables = self.tables
-    if tables is not None and self._tables_priced_here:  # `tables.next_block`, on the requests' grid rows
-      level, by_row = tables.grid_rule(c)
-      blocks = by_row[self._grid_rows(reqs, tables.value_model)]
-      blocks[self._cold(reqs)] = level.cold_start_block
-      return blocks.tolist()
     if not reqs:
       return []
-    values = self._value_rows(reqs) if values is None else values
+    at = self._rows(reqs) if at is None and tables is not None else at
+    if tables is not None and self._tables_priced_here:  # `tables.next_block`, on the requests' grid rows
+      level, by_row = tables.grid_rule(c)
+      blocks = by_row[self.histories.grid_rows(at, tables.value_model)]
+      blocks[self.histories.count[at] == 0] = level.cold_start_block  # not verified yet: the cold-start block
+      return blocks.tolist()
+    values = self._value_rows(reqs, at) if values is None else values
     if tables is None:  # argmax V / T, the smaller block on ties
       cost = np.array([costs[b] for b in BLOCK_SIZES], np.float64)
       return np.asarray(BLOCK_SIZES)[np.argmax(values / cost, axis=1)].tolist()
     # tables of other hardware keep the fitted rule V - rho T on this policy's own costs, rho rescaled to their time
     # unit (`pricing.rescaled_rho`): V / T is a different rule, one the paper's search rejected
     blocks = pricing.decide_rescaled_rows(values, tables.rho_for(c), tables.costs_for(c), costs)
-    blocks[self._cold(reqs)] = tables.level(c).cold_start_block
+    blocks[self.histories.count[at] == 0] = tables.level(c).cold_start_block
     return blocks.tolist()
 
   def price_step(self, reqs, concurrency: int, values=None) -> tuple[str, list[int]]:
@@ -155,8 +131,9 @@ class AdaptiveRule:
       # other keys (and cost more than the probe was budgeted at when they are longer)
       return "probe", [int(self._probe_basis[len(Regime.LINEAR):])] * len(reqs)
     costs = self._linear_costs(c)
-    values = self._value_rows(reqs) if values is None else values
-    rule = self._rule_blocks(reqs, c, costs, values)
+    at = self._rows(reqs) if self.tables is not None else None
+    values = self._value_rows(reqs, at) if values is None else values
+    rule = self._rule_blocks(reqs, c, costs, values, at)
     if not self.batch_priced or self.probing or not reqs:
       return "rule", rule
     n = len(reqs)

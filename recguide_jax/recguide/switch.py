@@ -6,6 +6,7 @@ and then (a probe) so machine drift cannot freeze a wrong choice, and a regime n
 from __future__ import annotations
 
 import dataclasses
+import operator
 from typing import Callable
 
 import numpy as np
@@ -14,6 +15,9 @@ from recguide_jax.decoding.strategy import RoundKind
 from recguide_jax.model.config import BLOCK_SIZES
 from recguide_jax.recguide.config import OVERLAP_BLOCK_MARGIN, RecGuideState, Regime
 from recguide_jax.recguide.kinds import OverlapKind
+from recguide_jax.recguide.rule import remaining_tokens
+
+_TEMPERATURE = operator.attrgetter("params.temperature")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -86,18 +90,17 @@ class RegimeSwitch:
   def _overlap_rows(self, batch) -> tuple[np.ndarray, np.ndarray]:
     """Per request of `batch` that samples at a temperature overlap runs (`overlap_max_temperature`): its remaining
     budget, and the length of the branch it holds (0: none)."""
-    # `_overlap_remaining` and `state` inlined: this runs over every request of every step the switch prices
-    max_temperature = self.overlap_max_temperature
-    remaining, held = [], []
-    for req in batch:
-      params = req.params
-      if params.temperature > max_temperature:
-        continue
-      remaining.append(params.max_tokens - len(req.output_ids))
-      state = req.strategy_state
-      branch = state.prefetched if isinstance(state, RecGuideState) else None
-      held.append(0 if branch is None else len(branch.tokens))
-    return np.array(remaining, np.float64), np.array(held, np.int64)
+    # read as arrays (`_overlaps` of each, in effect): this runs over every request of every step the switch prices
+    n = len(batch)
+    cool = np.fromiter(map(_TEMPERATURE, batch), np.float64, n) <= self.overlap_max_temperature
+    reqs = batch if cool.all() else [batch[i] for i in np.flatnonzero(cool).tolist()]
+    held = np.zeros(len(reqs), np.int64)
+    at = self._rows(reqs)  # (a state joining the strategy's histories brings its branch with it)
+    branches = self.histories.prefetched
+    if branches:
+      lengths = {row: len(branch.tokens) for row, branch in branches.items()}
+      held[:] = [lengths.get(row, 0) for row in at.tolist()]
+    return remaining_tokens(reqs).astype(np.float64), held
 
   def overlap_draft_shares(self, batch, blk: int | None = None, rows=None) -> np.ndarray:
     """Per request of `batch` that would run overlap rounds, the share of them that pay a draft forward, from this
