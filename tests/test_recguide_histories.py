@@ -100,3 +100,13 @@ def test_a_state_joins_a_strategy_leaves_with_its_history_and_moves_to_another()
   two.observe_verification(req, 8, 2, result, 0)
   assert two.histories.in_use == 0 and state.histories is None and state.prefetched is None
   assert state.history == [RoundRecord(8, 3, 0.5), RoundRecord(8, 2, 0.5)]
+
+
+def test_prefetched_branches_are_read_and_dropped_by_row():
+  h = Histories(capacity=4)
+  rows = np.array([h.allocate() for _ in range(6)])
+  h.prefetched[int(rows[1])] = types.SimpleNamespace(tokens=[3] * 8)
+  h.prefetched[int(rows[4])] = types.SimpleNamespace(tokens=[3] * 16)
+  assert h.held_lengths(rows).tolist() == [0, 8, 0, 0, 16, 0]
+  h.drop_prefetched(rows[:3])  # a verification of the first three: rows[1]'s branch goes, rows[4]'s stays
+  assert list(h.prefetched) == [int(rows[4])] and h.held_lengths(rows[3:]).tolist() == [0, 16, 0]

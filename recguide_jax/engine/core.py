@@ -20,7 +20,6 @@ import collections
 import dataclasses
 import itertools
 import logging
-import operator
 import time
 from typing import Sequence
 
@@ -32,7 +31,7 @@ from recguide_jax.engine import output, prefill
 from recguide_jax.engine.batch_rows import BatchRows, RowCache, gather_rows
 from recguide_jax.engine.books import DecodeBooks, RoundTally
 from recguide_jax.cache.kv_cache import PageAllocator
-from recguide_jax.engine.requests import (NEUTRAL_CONTROLS, Request, RequestError, SamplingParams,
+from recguide_jax.engine.requests import (NEUTRAL_CONTROLS, Request, RequestError, SamplingParams, output_lengths,
                                           fold_seed, sampling_row)
 from recguide_jax.engine.scheduler import Scheduler, check_queue, group_plans
 from recguide_jax.runtime.runner import Runner, VariantNotReady
@@ -41,13 +40,6 @@ from recguide_jax.runtime.steps import SamplingArrays, empty_controls
 MIN_CONTROL_LEN = 64  # control lists are padded to a power of two from here (one compiled variant per length)
 
 log = logging.getLogger("recguide_jax.engine")
-
-_OUTPUT_IDS = operator.attrgetter("output_ids")
-
-
-def output_lengths(reqs: Sequence[Request]) -> np.ndarray:
-  """Each of `reqs`' output tokens so far (read at C speed: every step reads them for every row)."""
-  return np.fromiter(map(len, map(_OUTPUT_IDS, reqs)), np.int64, len(reqs))
 
 
 class Engine:

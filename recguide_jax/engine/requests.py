@@ -6,6 +6,7 @@ validates requests with this module without importing the engine or jax."""
 from __future__ import annotations
 
 import dataclasses
+import operator
 import time
 from typing import Any, Callable, Sequence
 
@@ -390,3 +391,9 @@ class Request:
     return float(sum(self.token_logprobs))
 
 
+_OUTPUT_IDS = operator.attrgetter("output_ids")
+
+
+def output_lengths(reqs: Sequence[Request]) -> np.ndarray:
+  """Each of `reqs`' output tokens so far (read at C speed: every step reads them for every request)."""
+  return np.fromiter(map(len, map(_OUTPUT_IDS, reqs)), np.int64, len(reqs))

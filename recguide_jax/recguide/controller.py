@@ -229,8 +229,10 @@ class RecGuideStrategy(AdaptiveRule, RegimeSwitch, CostModel, Strategy):
           or not (batch.planned == plan.block_size).all()):
         return None
     load = batch.n  # the engine asks only when the batch is the whole decoding set and nothing waits
-    values = self._value_rows(batch.reqs) if self._switch_on_values else None
-    decided = self.regime(load, batch.reqs, values)
+    # the requests' values, once: the switch, the batch pricing and a ragged step's verify prices share them
+    truncates = batch.round.replans_rows and self.verify_truncation and self.profile is not None
+    values = self._value_rows(batch.reqs) if self._switch_on_values or truncates else None
+    decided = self.regime(load, batch.reqs, values if self._switch_on_values else None)
     if decided != regime:
       self._decided_ahead = (load, decided)
       return None
@@ -243,8 +245,8 @@ class RecGuideStrategy(AdaptiveRule, RegimeSwitch, CostModel, Strategy):
     elif batch.round.replans_rows and max(blocks) > 1:
       planned = np.asarray(blocks, np.int64)
       verify_price = None
-      if self.verify_truncation and self.profile is not None:  # a ragged step's: as `plan_step` prices them
-        price = self._verify_price(planned, self._value_rows(batch.reqs) if values is None else values)
+      if truncates:  # as `plan_step` prices them
+        price = self._verify_price(planned, values)
         verify_price = np.where(planned > 1, price, 0.0) if price > 0 else None
       ahead = AheadPlan(planned, verify_price)
     else:
@@ -286,7 +288,6 @@ class RecGuideStrategy(AdaptiveRule, RegimeSwitch, CostModel, Strategy):
         self.observe_verifications(reqs, block, accepted, res, lefts, out.rounds, rows=rows)
     if isinstance(out.extra, OverlapResult):
       self._observe_overlap(batch, out, out.extra)
-    self._give_back_lent()
     self.observe_round(out.label, batch.block, batch.n, outcome.seconds / out.rounds, out.rounds)
 
   def observe_verification(self, req, block_size: int, accepted: int, result, row: int, left: int | None = None,
@@ -302,13 +303,10 @@ class RecGuideStrategy(AdaptiveRule, RegimeSwitch, CostModel, Strategy):
     estimates move as they did one request at a time, in order."""
     rows = np.arange(len(reqs)) if rows is None else np.asarray(rows, np.int64)
     blocks, accepted = np.asarray(blocks, np.int64), np.asarray(accepted, np.int64)
-    h = self.histories
     at = self._rows(reqs)
-    if h.prefetched:
-      # a prefetched overlap branch is a draft for the round right after the one that made it: any verification,
-      # of whatever kind, moves the committed state past it (an overlap round's new one is stored after this)
-      for row in at.tolist():
-        h.prefetched.pop(row, None)
+    # a prefetched overlap branch is a draft for the round right after the one that made it: any verification, of
+    # whatever kind, moves the committed state past it (an overlap round's new one is stored after this)
+    self.histories.drop_prefetched(at)
     drafted = np.flatnonzero(blocks > 1)
     self.stats.observe_verified_rounds(blocks, accepted, rounds)
     if len(drafted):
@@ -363,9 +361,7 @@ class RecGuideStrategy(AdaptiveRule, RegimeSwitch, CostModel, Strategy):
       return  # none of their states changed since (`observe_verifications` and `_observe_overlap` clear it)
     h = self.histories
     at = self._rows(reqs) if at is None else at
-    if h.prefetched:
-      for row in at.tolist():
-        h.prefetched.pop(row, None)
+    h.drop_prefetched(at)
     if self.batch_priced:
       h.append(at[h.ar_tail[at] < HISTORY], 1, 1, np.nan, times=rounds)
     settled = not self.batch_priced or rounds >= HISTORY or (h.ar_tail[at] >= HISTORY).all()

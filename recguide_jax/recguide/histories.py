@@ -53,6 +53,19 @@ class Histories:
     self.prefetched.pop(row, None)
     self._free.append(row)
 
+  def drop_prefetched(self, rows: np.ndarray) -> None:
+    """Drops the branches `rows` hold (a verification moves a request past its branch's round)."""
+    if self.prefetched:
+      for row in np.intersect1d(rows, np.fromiter(self.prefetched, np.int64, len(self.prefetched))).tolist():
+        del self.prefetched[row]
+
+  def held_lengths(self, rows: np.ndarray) -> np.ndarray:
+    """The length of the branch each of `rows` holds (0: none)."""
+    lengths = np.zeros(self.capacity, np.int64)
+    for row, branch in self.prefetched.items():
+      lengths[row] = len(branch.tokens)
+    return lengths[rows]
+
   def _grow(self) -> None:
     old = self.capacity
     for name in ("block", "accepted", "entropy", "count", "ar_tail", "grid_row"):

@@ -14,19 +14,19 @@ import numpy as np
 
 from recguide_jax.decoding import grouping
 from recguide_jax.decoding.strategy import RoundKind
+from recguide_jax.engine.requests import output_lengths
 from recguide_jax.model.config import BLOCK_SIZES
 from recguide_jax.recguide import pricing
 from recguide_jax.recguide.config import Regime
 
 
-_MAX_TOKENS, _OUTPUT_IDS = operator.attrgetter("params.max_tokens"), operator.attrgetter("output_ids")
+_MAX_TOKENS = operator.attrgetter("params.max_tokens")
 
 
 def remaining_tokens(reqs) -> np.ndarray:
   """Tokens each of `reqs` may still emit (its max_tokens budget; `AdaptiveRule._remaining` of each, read at C
   speed: every step reads them for every request)."""
-  n = len(reqs)
-  return np.fromiter(map(_MAX_TOKENS, reqs), np.int64, n) - np.fromiter(map(len, map(_OUTPUT_IDS, reqs)), np.int64, n)
+  return np.fromiter(map(_MAX_TOKENS, reqs), np.int64, len(reqs)) - output_lengths(reqs)
 
 
 def block_columns(blocks: Sequence[int]) -> np.ndarray:

@@ -94,13 +94,8 @@ class RegimeSwitch:
     n = len(batch)
     cool = np.fromiter(map(_TEMPERATURE, batch), np.float64, n) <= self.overlap_max_temperature
     reqs = batch if cool.all() else [batch[i] for i in np.flatnonzero(cool).tolist()]
-    held = np.zeros(len(reqs), np.int64)
     at = self._rows(reqs)  # (a state joining the strategy's histories brings its branch with it)
-    branches = self.histories.prefetched
-    if branches:
-      lengths = {row: len(branch.tokens) for row, branch in branches.items()}
-      held[:] = [lengths.get(row, 0) for row in at.tolist()]
-    return remaining_tokens(reqs).astype(np.float64), held
+    return remaining_tokens(reqs).astype(np.float64), self.histories.held_lengths(at)
 
   def overlap_draft_shares(self, batch, blk: int | None = None, rows=None) -> np.ndarray:
     """Per request of `batch` that would run overlap rounds, the share of them that pay a draft forward, from this
