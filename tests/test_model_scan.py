@@ -232,6 +232,27 @@ def test_kernel_layout_resolves_and_round_trips(tiny_model):
                                                                CFG.hidden_size)
 
 
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_a_tied_fp32_head_arranged_out_in_keeps_an_in_out_copy_for_one_row(dtype):
+  cfg = tiny_config(tie_word_embeddings=True, rope_type="default", llama_4_scaling_beta=0.0, rope_factor=1.0)
+  model = NLDModel(cfg, dtype=dtype, param_dtype=dtype, rngs=nnx.Rngs(2))
+  out_in = with_kernel_layout(model, KernelLayout.OUT_IN)
+  if dtype != jnp.float32:  # (a narrow float's one row is computed as two, with the weight on the left)
+    assert not hasattr(out_in, "tied_head_in_out")
+    return
+  emb = np.asarray(model.embed_tokens.embedding[...])
+  np.testing.assert_array_equal(np.asarray(out_in.tied_head_in_out[...]), emb.T)
+  for rows in (1, 2):  # the copy, then the swapped product of the embedding itself
+    tokens = jnp.asarray(np.random.default_rng(rows).integers(4, cfg.vocab_size, (1, rows)), jnp.int32)
+    inp = ForwardInputs(tokens=tokens, positions=jnp.arange(rows)[None], block_mask=causal_mask(rows))
+    np.testing.assert_allclose(np.asarray(out_in(inp)[0]), np.asarray(model(inp)[0]), rtol=1e-5, atol=1e-5)
+  # never saved nor sharded: the checkpoint's form drops it
+  back = with_kernel_layout(out_in, KernelLayout.IN_OUT)
+  assert not hasattr(back, "tied_head_in_out")
+  jax.tree.map(np.testing.assert_array_equal, nnx.state(back, nnx.Param).to_pure_dict(),
+               nnx.state(model, nnx.Param).to_pure_dict())
+
+
 def _lora_model() -> NLDModel:
   """A model whose draft LoRA covers some of the fused parts (q, v, up) and not others (k, gate), with nonzero B
   matrices (a fresh adapter's are zero: its delta would be nothing to check)."""

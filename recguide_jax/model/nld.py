@@ -84,6 +84,8 @@ class KernelLayout(_WeightArrangement):
   OUT_IN: [out, in] (HF's), and a matmul of at most `SWAPPED_MATMUL_MAX_ROWS` rows computes kernel @ x^T: XLA:CPU's
   GEMMs fill register panels from their left operand, which a decode's few activation rows leave mostly idle
   (measurements: docs/cpu_tuning.md). Its dots ask for an f32 result rounded to the layer's dtype (`matmul_out_in`).
+  A tied fp32 output head also keeps an [in, out] copy (`NLDModel.tied_head_in_out`) for one-row products: there
+  XLA:CPU's row-times-matrix product reads a vocabulary-wide head faster than the swapped one.
   AUTO: OUT_IN for concrete weights on a CPU device without a mesh, IN_OUT otherwise.
   """
   AUTO = "auto"
@@ -379,7 +381,9 @@ class NLDModel(nnx.Module):
     if self.cfg.tie_word_embeddings:
       # the [V, H] embedding is an OUT_IN kernel as it is held; IN_OUT models (accelerators, meshes) skip the swap
       emb = self.embed_tokens.embedding[...].astype(h.dtype)
-      if kernel_layout_of(self) is KernelLayout.OUT_IN:
+      if hasattr(self, "tied_head_in_out") and math.prod(h.shape[:-1]) == 1:  # (see KernelLayout.OUT_IN)
+        out = h @ self.tied_head_in_out[...]
+      elif kernel_layout_of(self) is KernelLayout.OUT_IN:
         out = matmul_out_in(h, emb)
       else:
         out = jax.lax.dot_general(h, emb, (((h.ndim - 1,), (1,)), ((), ())))
@@ -514,6 +518,11 @@ def with_kernel_layout(model: NLDModel, layout: KernelLayout | str) -> NLDModel:
     if isinstance(module, Dense):
       module.kernel = nnx.Param(transpose(module.kernel.get_value()))
       module.kernel_layout = layout
+  embedding = arranged.embed_tokens.embedding.get_value()
+  if layout is KernelLayout.OUT_IN and arranged.cfg.tie_word_embeddings and embedding.dtype == jnp.float32:
+    arranged.tied_head_in_out = nnx.Param(transpose(embedding))
+  elif hasattr(arranged, "tied_head_in_out"):
+    del arranged.tied_head_in_out
   return arranged
 
 
