@@ -379,14 +379,15 @@ class NLDModel(nnx.Module):
   def logits(self, h: jax.Array) -> jax.Array:
     # vocab-sharded under a tp mesh: softmax/argmax reduce over the split vocabulary (see sharding.py)
     if self.cfg.tie_word_embeddings:
-      # the [V, H] embedding is an OUT_IN kernel as it is held; IN_OUT models (accelerators, meshes) skip the swap
-      emb = self.embed_tokens.embedding[...].astype(h.dtype)
       if hasattr(self, "tied_head_in_out") and math.prod(h.shape[:-1]) == 1:  # (see KernelLayout.OUT_IN)
         out = h @ self.tied_head_in_out[...]
-      elif kernel_layout_of(self) is KernelLayout.OUT_IN:
-        out = matmul_out_in(h, emb)
       else:
-        out = jax.lax.dot_general(h, emb, (((h.ndim - 1,), (1,)), ((), ())))
+        # the [V, H] embedding is an OUT_IN kernel as it is held; IN_OUT models (accelerators, meshes) skip the swap
+        emb = self.embed_tokens.embedding[...].astype(h.dtype)
+        if kernel_layout_of(self) is KernelLayout.OUT_IN:
+          out = matmul_out_in(h, emb)
+        else:
+          out = jax.lax.dot_general(h, emb, (((h.ndim - 1,), (1,)), ((), ())))
     else:
       out = self.diffusion_head(h)
     return sharding.constrain(out.astype(jnp.float32), "batch", "length", "vocab")
