@@ -17,6 +17,7 @@ from recguide_jax.model.nld import (NLDModel, resolve_kernel_layout, resolve_lay
                                     with_kernel_layout, with_layer_loop, with_projection_fusion)
 from recguide_jax.engine.requests import Request, RequestError, SamplingParams, best_samples
 from recguide_jax.text.tokenizer import Tokenizer
+from recguide_jax.runtime.runner import step_variants
 
 REPO_ROOT = pathlib.Path(__file__).resolve().parent.parent
 BUNDLED_CHECKPOINT = REPO_ROOT / "checkpoints" / "nld-tiny-gsm8k"
@@ -239,7 +240,8 @@ class LLM:
         tokenizer = Tokenizer.from_dir(checkpoint_dir)
     attention_dispatch.set_attention_impl(model, attention)  # before the runner splits the model
     # arranged here, not only in the runner, so that the stacked weights are not also kept alive by `self.model`
-    loop = resolve_layer_loop(config.layer_loop, model, self.mesh)
+    loop = resolve_layer_loop(config.layer_loop, model, self.mesh,
+                              variants=len(step_variants(config, self._kinds, self._kind_sizes)))
     layout = resolve_kernel_layout(config.kernel_layout, model, self.mesh)
     fusion = resolve_projection_fusion(config.projection_fusion, model, self.mesh)
     model = with_kernel_layout(with_projection_fusion(with_layer_loop(model, loop), fusion), layout)

@@ -48,10 +48,13 @@ def test_a_compile_near_the_memory_mapping_limit_is_refused_with_the_remedy(tmp_
   limit.write_text("65530\n")
   maps.write_text("m\n" * 1000)
   compilation.check_mapping_headroom(str(maps), str(limit))  # far from the limit: nothing
+  assert compilation.mapping_room(str(maps), str(limit)) == 65530 - 6553 - 1000
   maps.write_text("m\n" * 60000)
+  assert compilation.mapping_room(str(maps), str(limit)) < 0
   with pytest.raises(compilation.MappingLimitError, match=r"60000 memory mappings of the 65530.*vm.max_map_count"):
     compilation.check_mapping_headroom(str(maps), str(limit))
   compilation.check_mapping_headroom(str(tmp_path / "absent"), str(limit))  # off Linux: nothing to check
+  assert compilation.mapping_room(str(tmp_path / "absent"), str(limit)) is None
 
   # the runner checks before every XLA:CPU compile, so an engine gets the error, not a crash inside XLA
   from conftest import tiny_config

@@ -158,6 +158,27 @@ def test_layer_loop_resolves_and_round_trips(tiny_model):
   assert q.shape == (CFG.hidden_size, CFG.num_attention_heads * CFG.head_dim)
 
 
+def test_auto_scans_the_layers_when_the_unrolled_variants_would_pass_the_memory_mapping_limit(
+    tiny_model, tmp_path, monkeypatch, caplog):
+  from recguide_jax.runtime import compilation
+  maps, limit = tmp_path / "maps", tmp_path / "max_map_count"
+  maps.write_text("m\n" * 1000)
+  limit.write_text("65530\n")
+  monkeypatch.setattr(compilation, "MAPPINGS", str(maps))
+  monkeypatch.setattr(compilation, "MAX_MAP_COUNT", str(limit))
+  room = compilation.mapping_room()
+  assert room == 65530 - 6553 - 1000
+  fits = room // compilation.variant_mappings(tiny_model.cfg.num_hidden_layers, unrolled=True)
+  assert resolve_layer_loop("auto", tiny_model, cache_bytes=1024, variants=fits) is LayerLoop.UNROLLED
+  with caplog.at_level("WARNING"):
+    assert resolve_layer_loop("auto", tiny_model, cache_bytes=1024, variants=fits + 1) is LayerLoop.SCAN
+  assert "vm.max_map_count" in caplog.text and "scanned" in caplog.text
+  # asked for by name, or no room to measure (off Linux): as asked, as before
+  assert resolve_layer_loop("unrolled", tiny_model, cache_bytes=1024, variants=fits + 1) is LayerLoop.UNROLLED
+  monkeypatch.setattr(compilation, "MAPPINGS", str(tmp_path / "absent"))
+  assert resolve_layer_loop("auto", tiny_model, cache_bytes=1024, variants=fits + 1) is LayerLoop.UNROLLED
+
+
 def test_unrolled_layers_compute_the_scanned_function(tiny_model):
   """Same greedy tokens and logprobs (to float rounding) through prefill and AR decode, and the unrolled program
   takes no slice of a layer weight (the copies XLA:CPU makes of a scan's per-layer weights)."""

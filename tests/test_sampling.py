@@ -214,14 +214,27 @@ def test_raw_logprobs_skip_the_top_entries_only_when_no_row_asks():
   asked = sampling.raw_logprobs(logits, tokens, 7, jnp.asarray([0, 2], jnp.int32))
   most = sampling.raw_logprobs(logits, tokens, 7, jnp.asarray([20, 2], jnp.int32))
   unasked = sampling.raw_logprobs(logits, tokens, 7, jnp.zeros(2, jnp.int32))
-  few = sampling.FEW_TOP_LOGPROBS  # asking <= 5 computes only those; the rest are zeros
-  for a, b, c in zip(always, asked, most):
-    np.testing.assert_array_equal(np.asarray(a)[..., :few], np.asarray(b)[..., :few])
+  for a, b, c in zip(always, asked, most):  # asking for at most 2 computes only those; the rest are zeros
+    np.testing.assert_array_equal(np.asarray(a)[..., :2], np.asarray(b)[..., :2])
     np.testing.assert_array_equal(np.asarray(a), np.asarray(c))
-  assert not np.any(np.asarray(asked[1])[..., few:]) and not np.any(np.asarray(asked[2])[..., few:])
+  assert not np.any(np.asarray(asked[1])[..., 2:]) and not np.any(np.asarray(asked[2])[..., 2:])
   np.testing.assert_array_equal(np.asarray(unasked[0]), np.asarray(always[0]))  # the chosen tokens' logprobs stay
   assert not np.any(np.asarray(unasked[1])) and not np.any(np.asarray(unasked[2]))
   assert np.asarray(always[2]).shape == (2, 3, sampling.NUM_TOP_LOGPROBS) and np.all(np.asarray(always[2]) != 7)
+
+
+def test_top_n_orders_by_value_then_smaller_id_as_top_k_does():
+  rng = np.random.default_rng(5)
+  x = rng.integers(-3, 3, size=(4, 2, 9)).astype(np.float32)  # many ties
+  x[0, 0, 2:] = -np.inf  # fewer finite entries than asked: the rest count as -inf
+  values, ids = jax.jit(sampling.top_n, static_argnums=1)(jnp.asarray(x), 7)
+  ref_values, ref_ids = jax.lax.top_k(jnp.asarray(x), 7)  # stable: ties keep the smaller id first
+  np.testing.assert_array_equal(np.asarray(values), np.asarray(ref_values))
+  np.testing.assert_array_equal(np.asarray(ids)[1:], np.asarray(ref_ids)[1:])
+  np.testing.assert_array_equal(np.asarray(ids)[0, 1], np.asarray(ref_ids)[0, 1])
+  traced = jax.jit(lambda x, n: sampling.top_n(x, n, 7))(jnp.asarray(x), jnp.int32(3))  # a traced count
+  np.testing.assert_array_equal(np.asarray(traced[0])[..., :3], np.asarray(ref_values)[..., :3])
+  assert not np.any(np.asarray(traced[0])[..., 3:]) and not np.any(np.asarray(traced[1])[..., 3:])
 
 
 def filter_ref(logits: np.ndarray, top_k: np.ndarray, top_p: np.ndarray) -> np.ndarray:

@@ -34,7 +34,7 @@ from flax import nnx
 
 from recguide_jax.attention import reference as attn_lib
 from recguide_jax.attention import dispatch as attention_dispatch
-from recguide_jax.runtime import host_cpu
+from recguide_jax.runtime import compilation, host_cpu
 from recguide_jax.parallel import sharding
 from recguide_jax.model import draft_head
 from recguide_jax.model.config import DraftHead, NLDConfig
@@ -406,11 +406,12 @@ def layer_loop_of(model: NLDModel) -> LayerLoop:
   return LayerLoop.UNROLLED if isinstance(model.layers, nnx.List) else LayerLoop.SCAN
 
 
-def resolve_layer_loop(loop: LayerLoop | str, model: NLDModel, mesh=None, cache_bytes: int | None = None
-                       ) -> LayerLoop:
+def resolve_layer_loop(loop: LayerLoop | str, model: NLDModel, mesh=None, cache_bytes: int | None = None,
+                       variants: int | None = None) -> LayerLoop:
   """AUTO -> UNROLLED on GPUs (concrete weights there, or abstract ones compiled for a GPU mesh), and for concrete
   weights on a CPU device with no mesh that exceed `cache_bytes` (default: the host's last-level cache; unknown:
-  never); else SCAN (see `LayerLoop`)."""
+  never) when the process has the memory mappings for `variants` unrolled step variants (unknown: assumed); else
+  SCAN (see `LayerLoop`)."""
   loop = LayerLoop.parse(loop)
   if loop is not LayerLoop.AUTO:
     return loop
@@ -421,7 +422,27 @@ def resolve_layer_loop(loop: LayerLoop | str, model: NLDModel, mesh=None, cache_
     return LayerLoop.SCAN
   cache_bytes = host_cpu.last_level_cache_bytes() if cache_bytes is None else cache_bytes
   weight_bytes = sum(x.nbytes for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
-  return LayerLoop.UNROLLED if cache_bytes is not None and weight_bytes > cache_bytes else LayerLoop.SCAN
+  if cache_bytes is None or weight_bytes <= cache_bytes:
+    return LayerLoop.SCAN
+  return LayerLoop.UNROLLED if _mappings_to_unroll(model.cfg.num_hidden_layers, variants) else LayerLoop.SCAN
+
+
+def _mappings_to_unroll(num_layers: int, variants: int | None) -> bool:
+  """Whether `variants` step variants with unrolled layers fit in the memory mappings this process has left: each
+  unrolled layer adds its own kernels' code mappings to every variant (XLA:CPU), and past Linux's limit compiles
+  are refused (runtime/compilation.py). Scanned layers then let the same variants compile."""
+  room = compilation.mapping_room()
+  if variants is None or room is None:
+    return True
+  need = variants * compilation.variant_mappings(num_layers, unrolled=True)
+  if need <= room:
+    return True
+  logging.getLogger(__name__).warning(
+      "--layer_loop auto: %d step variants with %d unrolled layers would take ~%d memory mappings, %d are left "
+      "under vm.max_map_count; running the layers scanned (~%d), slower on this CPU. To unroll, raise the limit "
+      "(sysctl -w vm.max_map_count=262144) or serve fewer variants (a smaller --max_num_seqs)", variants,
+      num_layers, need, room, variants * compilation.variant_mappings(num_layers, unrolled=False))
+  return False
 
 
 def _room_to_unroll(model: NLDModel, memory_stats=lambda device: device.memory_stats()) -> bool:

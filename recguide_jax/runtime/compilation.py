@@ -73,26 +73,51 @@ class MappingLimitError(RuntimeError):
 
 MAPPINGS = "/proc/self/maps"
 MAX_MAP_COUNT = "/proc/sys/vm/max_map_count"
+# Memory mappings one step variant's code takes on XLA:CPU (a SmolLM2 RecGuide server's variants, on average): a few
+# hundred for the program around the layers, and per layer when the layers are unrolled (scanned: compiled once)
+SCAN_VARIANT_MAPPINGS = 470
+UNROLLED_LAYER_MAPPINGS = 14
+
+
+def variant_mappings(num_layers: int, unrolled: bool) -> int:
+  """About how many memory mappings one compiled step variant takes on XLA:CPU."""
+  return SCAN_VARIANT_MAPPINGS + (UNROLLED_LAYER_MAPPINGS * num_layers if unrolled else 0)
+
+
+def _mapping_counts(maps: str | None, limit: str | None) -> tuple[int, int] | None:
+  """(mappings this process holds, mappings Linux allows one: `vm.max_map_count`), None off Linux."""
+  try:
+    with open(limit or MAX_MAP_COUNT) as f:
+      allowed = int(f.read().split()[0])
+    with open(maps or MAPPINGS, "rb") as f:
+      return sum(1 for _ in f), allowed
+  except (OSError, ValueError, IndexError):
+    return None
+
+
+def mapping_room(maps: str | None = None, limit: str | None = None) -> int | None:
+  """How many more memory mappings this process may take before `check_mapping_headroom` refuses compiles (it
+  keeps 10%, at least 4096, of those Linux allows free); None off Linux."""
+  counts = _mapping_counts(maps, limit)
+  if counts is None:
+    return None
+  used, allowed = counts
+  return allowed - max(allowed // 10, 4096) - used
 
 
 def check_mapping_headroom(maps: str | None = None, limit: str | None = None) -> None:
   """Raises MappingLimitError when this process holds within 10% (at least 4096) of the memory mappings Linux allows
   it (`vm.max_map_count`, 65530 by default). XLA:CPU maps every executable's machine code into a few mappings per
-  kernel (a few hundred per step variant of a small model), and a compile past the limit crashes the process
-  inside XLA: a server that holds very many variants gets this error instead. Nothing to check off Linux."""
-  try:
-    with open(limit or MAX_MAP_COUNT) as f:
-      allowed = int(f.read().split()[0])
-    with open(maps or MAPPINGS, "rb") as f:
-      used = sum(1 for _ in f)
-  except (OSError, ValueError, IndexError):
-    return
-  if used + max(allowed // 10, 4096) > allowed:
+  kernel (`variant_mappings`), and a compile past the limit crashes the process inside XLA: a server that holds
+  very many variants gets this error instead. Nothing to check off Linux."""
+  room = mapping_room(maps, limit)
+  if room is not None and room < 0:
+    used, allowed = _mapping_counts(maps, limit)
     raise MappingLimitError(
         f"this process holds {used} memory mappings of the {allowed} Linux allows one (vm.max_map_count), and "
         "XLA:CPU maps each compiled step variant's code into a few hundred more: compiling another could crash the "
-        "process. Serve fewer variants (a smaller --max_num_seqs: fewer batch buckets) or raise the limit "
-        "(sysctl -w vm.max_map_count=262144)")
+        "process. Serve fewer variants (a smaller --max_num_seqs: fewer batch buckets), run the layers scanned "
+        "(--layer_loop scan: fewer mappings per variant) or raise the limit (sysctl -w vm.max_map_count=262144)")
 
 
 class CompileCounter:

@@ -110,6 +110,50 @@ class RunnerConfig:
     return pages_per_seq(self.max_model_len, self.max_block, self.page_size)
 
 
+def step_variants(config: RunnerConfig, kinds: Sequence[str | StepKind], block_sizes: tuple[int, ...] | None = None,
+                  batches: Sequence[int] | None = None) -> list[StepKey]:
+  """Every variant the given step kinds (labels such as "fused2" allowed) need for `block_sizes` (default: the
+  configured ones), for every batch bucket of `config` (or those of `batches`)."""
+  sizes = config.block_sizes if block_sizes is None else block_sizes
+  ragged = "ragged" in kinds  # every packed-token bucket of RAGGED_DRAFT and RAGGED_VERIFY
+  kinds = [k for k in kinds if k != "ragged"]
+  parsed = [parse_kind_label(k) for k in kinds]
+  kind_set = {k for k, _ in parsed}
+  slot_counts = [s for k, s in parsed if k == StepKind.FUSED]
+  out: list[StepKey] = []
+  buckets = batch_buckets(config.max_batch)
+  for b in buckets if batches is None else [b for b in buckets if b in batches]:
+    if StepKind.PREFILL in kind_set:
+      out.append(StepKey(StepKind.PREFILL, config.prefill_chunk, b))
+    if StepKind.SCORE in kind_set:  # only when asked for: prompt logprobs
+      out.append(StepKey(StepKind.SCORE, config.prefill_chunk, b))
+    if StepKind.VERIFY in kind_set:
+      out.append(StepKey(StepKind.DECODE, 1, b))  # AR decode, the regime every speculative policy may fall back to
+      if config.decode_steps > 1:
+        out.append(StepKey(StepKind.DECODE, 1, b, steps=config.decode_steps))
+    for blk in sizes:
+      for kind in (StepKind.DRAFT, StepKind.VERIFY, StepKind.DENOISE, StepKind.GVERIFY):
+        if kind in kind_set:
+          out.append(StepKey(kind, blk, b))
+      for slots in slot_counts:
+        out.append(StepKey(StepKind.FUSED, blk, b, slots))
+      if StepKind.DENOISE in kind_set:
+        out.append(StepKey(StepKind.PREFILL, blk, b))  # commits a denoised block
+  if ragged:
+    for t in config.ragged_buckets:
+      for kind in (StepKind.RAGGED_DRAFT, StepKind.RAGGED_VERIFY):
+        out.append(ragged_key(config, kind, t))
+  return list(dict.fromkeys(out))
+
+
+def ragged_key(config: RunnerConfig, kind: StepKind, tokens: int) -> StepKey:
+  """The ragged variant of `kind` for `tokens` packed tokens (the smallest bucket of `config` that holds them)."""
+  fits = [t for t in config.ragged_buckets if t >= tokens]
+  if not fits:
+    raise ValueError(f"{tokens} packed tokens exceed the largest ragged bucket {config.ragged_buckets[-1]}")
+  return StepKey(kind, config.ragged_width, config.max_batch, tokens=fits[0])
+
+
 class VariantNotReady(Exception):
   """A step variant warm-up did not plan is compiling on the background thread: the rows that need it wait (the
   engine runs the others), instead of every request waiting on the compile."""
@@ -289,44 +333,12 @@ class Runner:
 
   def variants(self, kinds: Sequence[str | StepKind], block_sizes: tuple[int, ...] | None = None,
                batches: Sequence[int] | None = None) -> list[StepKey]:
-    """Every variant the given step kinds (labels such as "fused2" allowed) need for `block_sizes` (default: the
-    configured ones), for every batch bucket (or those of `batches`)."""
-    sizes = self.config.block_sizes if block_sizes is None else block_sizes
-    ragged = "ragged" in kinds  # every packed-token bucket of RAGGED_DRAFT and RAGGED_VERIFY
-    kinds = [k for k in kinds if k != "ragged"]
-    parsed = [parse_kind_label(k) for k in kinds]
-    kind_set = {k for k, _ in parsed}
-    slot_counts = [s for k, s in parsed if k == StepKind.FUSED]
-    out: list[StepKey] = []
-    for b in self.buckets if batches is None else [b for b in self.buckets if b in batches]:
-      if StepKind.PREFILL in kind_set:
-        out.append(StepKey(StepKind.PREFILL, self.config.prefill_chunk, b))
-      if StepKind.SCORE in kind_set:  # only when asked for: prompt logprobs
-        out.append(StepKey(StepKind.SCORE, self.config.prefill_chunk, b))
-      if StepKind.VERIFY in kind_set:
-        out.append(StepKey(StepKind.DECODE, 1, b))  # AR decode, the regime every speculative policy may fall back to
-        if self.config.decode_steps > 1:
-          out.append(StepKey(StepKind.DECODE, 1, b, steps=self.config.decode_steps))
-      for blk in sizes:
-        for kind in (StepKind.DRAFT, StepKind.VERIFY, StepKind.DENOISE, StepKind.GVERIFY):
-          if kind in kind_set:
-            out.append(StepKey(kind, blk, b))
-        for slots in slot_counts:
-          out.append(StepKey(StepKind.FUSED, blk, b, slots))
-        if StepKind.DENOISE in kind_set:
-          out.append(StepKey(StepKind.PREFILL, blk, b))  # commits a denoised block
-    if ragged:
-      for t in self.config.ragged_buckets:
-        for kind in (StepKind.RAGGED_DRAFT, StepKind.RAGGED_VERIFY):
-          out.append(self.ragged_key(kind, t))
-    return list(dict.fromkeys(out))
+    """`step_variants` of this runner's config."""
+    return step_variants(self.config, kinds, block_sizes, batches)
 
   def ragged_key(self, kind: StepKind, tokens: int) -> StepKey:
-    """The ragged variant of `kind` for `tokens` packed tokens (the smallest bucket that holds them)."""
-    fits = [t for t in self.config.ragged_buckets if t >= tokens]
-    if not fits:
-      raise ValueError(f"{tokens} packed tokens exceed the largest ragged bucket {self.config.ragged_buckets[-1]}")
-    return StepKey(kind, self.config.ragged_width, self.config.max_batch, tokens=fits[0])
+    """`ragged_key` of this runner's config."""
+    return ragged_key(self.config, kind, tokens)
 
   def warmup(self, kinds=("prefill", "draft", "verify"), block_sizes: tuple[int, ...] | None = None,
              progress: bool = True, workers: int | None = None, background: bool | None = None,

@@ -15,7 +15,6 @@ Here p_{j-1} is the verifier distribution at block index j-1, which predicts the
 
 from __future__ import annotations
 
-import functools
 from typing import Callable, NamedTuple
 
 import jax
@@ -24,7 +23,6 @@ import jax.numpy as jnp
 NEG_INF = -jnp.inf
 RULES = ("leviathan", "reference")
 NUM_TOP_LOGPROBS = 20  # vLLM's cap on top logprobs per token
-FEW_TOP_LOGPROBS = 5  # what most requests ask for at most: 5 passes over the vocabulary, not 20
 
 
 def argmax(x: jax.Array) -> jax.Array:
@@ -200,20 +198,32 @@ def sample(key: jax.Array, probs: jax.Array) -> jax.Array:
   return jax.random.categorical(key, jnp.log(probs), axis=-1).astype(jnp.int32)
 
 
-def top_n(x: jax.Array, n: int) -> tuple[jax.Array, jax.Array]:
-  """The n largest entries of the last axis by n max/argmax passes: on CPU `lax.top_k` sorts every row, which
-  dominated the cost of a draft step; n linear passes are far cheaper for small n. Each pass masks the ids taken so
-  far by comparing with them inside its own reduction: no pass writes a masked copy of `x` (XLA:TPU kept all n
-  copies live; issue 33)."""
+def top_n(x: jax.Array, n: int | jax.Array, size: int | None = None) -> tuple[jax.Array, jax.Array]:
+  """The n largest entries of the last axis (ties: smaller id first), by n passes of a loop: on CPU `lax.top_k`
+  sorts every row, which dominated the cost of a draft step; n linear passes are far cheaper for small n. A pass
+  finds the largest entry after the previous one in (value descending, id ascending) order, so it writes no masked
+  copy of `x` (XLA:TPU kept every copy live; issue 33), and the loop compiles one pass: XLA:CPU maps each kernel's
+  code into memory mappings of its own, which unrolled passes multiplied in every step variant. `n` may be traced
+  (at most `size`, the output width; default n); entries past n are zeros."""
+  size = n if size is None else size
   iota = jax.lax.broadcasted_iota(jnp.int32, x.shape, x.ndim - 1)
-  values, ids = [], []
-  for _ in range(n):
-    taken = functools.reduce(jnp.logical_or, [iota == j[..., None] for j in ids], jnp.zeros(x.shape, bool))
-    i = argmax(jnp.where(taken, -jnp.inf, x))
-    repeat = functools.reduce(jnp.logical_or, [i == j for j in ids], jnp.zeros(i.shape, bool))
-    values.append(jnp.where(repeat, -jnp.inf, jnp.take_along_axis(x, i[..., None], axis=-1)[..., 0]))
-    ids.append(i)
-  return jnp.stack(values, axis=-1), jnp.stack(ids, axis=-1).astype(jnp.int32)
+  lead = x.shape[:-1]
+
+  def one_pass(j, carry):
+    last_v, last_i, values, ids = carry
+    after = (x < last_v[..., None]) | ((x == last_v[..., None]) & (iota > last_i[..., None]))
+    i = argmax(jnp.where(after, x, -jnp.inf))
+    # no entry left above -inf: i may name one already taken (as a plain argmax pass would); it counts as -inf
+    fresh = jnp.take_along_axis(after, i[..., None], axis=-1)[..., 0]
+    v = jnp.take_along_axis(x, i[..., None], axis=-1)[..., 0]
+    values = jax.lax.dynamic_update_index_in_dim(values, jnp.where(fresh, v, -jnp.inf), j, axis=-1)
+    ids = jax.lax.dynamic_update_index_in_dim(ids, i, j, axis=-1)
+    return jnp.where(fresh, v, last_v), jnp.where(fresh, i, last_i), values, ids
+
+  init = (jnp.full(lead, jnp.inf, x.dtype), jnp.full(lead, -1, jnp.int32), jnp.zeros(lead + (size,), x.dtype),
+          jnp.zeros(lead + (size,), jnp.int32))
+  _, _, values, ids = jax.lax.fori_loop(0, n, one_pass, init)
+  return values, ids
 
 
 def draw(keys: jax.Array, probs: jax.Array, greedy: jax.Array) -> jax.Array:
@@ -240,22 +250,9 @@ def raw_logprobs(logits: jax.Array, tokens: jax.Array, mask_token_id: int, top_l
   several = tokens.ndim == lp.ndim  # [..., n]: n tokens per position
   chosen = jnp.take_along_axis(lp, tokens if several else tokens[..., None], axis=-1)
   chosen = chosen if several else chosen[..., 0]
-  if top_logprobs is None:
-    top_lp, top_ids = top_n(lp, NUM_TOP_LOGPROBS)
-  else:
-    def first(k):  # the top k entries, padded to NUM_TOP_LOGPROBS (rows read only the ones they asked for)
-      def fn(lp):
-        shape = lp.shape[:-1] + (NUM_TOP_LOGPROBS - k,)
-        if k == 0:
-          return jnp.zeros(shape, lp.dtype), jnp.zeros(shape, jnp.int32)
-        v, i = top_n(lp, k)
-        return (jnp.concatenate([v, jnp.zeros(shape, lp.dtype)], -1),
-                jnp.concatenate([i, jnp.zeros(shape, jnp.int32)], -1))
-      return fn
-    # the passes the batch needs: none, vLLM's usual <= 5, or all NUM_TOP_LOGPROBS (vLLM's cap, 20)
-    most = jnp.max(top_logprobs)
-    branch = jnp.where(most <= 0, 0, jnp.where(most <= FEW_TOP_LOGPROBS, 1, 2))
-    top_lp, top_ids = jax.lax.switch(branch, [first(0), first(FEW_TOP_LOGPROBS), first(NUM_TOP_LOGPROBS)], lp)
+  # the passes the batch needs: as many as its rows ask for at most (vLLM's cap: NUM_TOP_LOGPROBS)
+  most = NUM_TOP_LOGPROBS if top_logprobs is None else jnp.clip(jnp.max(top_logprobs), 0, NUM_TOP_LOGPROBS)
+  top_lp, top_ids = top_n(lp, most, NUM_TOP_LOGPROBS)
   return chosen, top_lp, top_ids
 
 
