@@ -82,7 +82,8 @@ _LAYER_LOOP = flags.DEFINE_enum("layer_loop", "auto", ["auto", "scan", "unrolled
                                 "How the forward runs the decoder layers: scan (stacked weights, compiled once; "
                                 "TPU), unrolled (a module per layer: XLA:CPU and XLA:GPU copy every weight a scan "
                                 "slices, in every step), auto (unrolled on GPUs, and on a CPU device without a mesh "
-                                "when the weights exceed its last-level cache; else scan).")
+                                "when the weights exceed its last-level cache and the step variants fit Linux's "
+                                "memory-mapping limit unrolled; else scan).")
 _KERNEL_LAYOUT = flags.DEFINE_enum("kernel_layout", "auto", ["auto", "in_out", "out_in"],
                                    "How the dense layers hold their kernels: in_out (the checkpoint's; GPU/TPU, "
                                    "meshes), out_in (transposed at load; XLA:CPU runs decode-sized matmuls with "

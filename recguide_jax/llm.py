@@ -157,7 +157,8 @@ class LLM:
     (`SamplingParams.prompt_logprobs`); otherwise the first request that asks for prompt logprobs compiles it.
 
     `layer_loop`: "auto", "scan" or "unrolled", how the forward runs the decoder layers (`model.LayerLoop`; auto:
-    unrolled on a CPU device without a mesh for weights larger than its last-level cache, else scanned).
+    unrolled on GPUs, and on a CPU device without a mesh for weights larger than its last-level cache when the
+    planned step variants fit Linux's memory-mapping limit unrolled; else scanned).
     `kernel_layout`: "auto", "in_out" or "out_in", how the dense layers hold their kernels (`model.KernelLayout`;
     auto: out_in, whose small matmuls XLA:CPU runs faster, on a CPU device without a mesh, else in_out).
     `projection_fusion`: "auto", "separate" or "fused", whether q/k/v and gate/up run as one matmul each

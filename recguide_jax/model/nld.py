@@ -69,8 +69,9 @@ class LayerLoop(_WeightArrangement):
   layer's matrices before its GEMMs, more under rematerialization: docs/aot/aot_compile.md); libtpu reads them in
   place.
   AUTO: UNROLLED on GPUs (one or a mesh), and for concrete weights on a CPU device without a mesh whose bytes
-  exceed the host's last-level cache; SCAN otherwise (TPUs, CPU meshes, models that fit the cache, abstract CPU
-  weights).
+  exceed the host's last-level cache, unless the step variants planned would then pass Linux's limit on the
+  process's memory mappings (XLA:CPU maps each unrolled layer's kernels in every variant); SCAN otherwise (TPUs,
+  CPU meshes, models that fit the cache, abstract CPU weights).
   """
   AUTO = "auto"
   SCAN = "scan"
