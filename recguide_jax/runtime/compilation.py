@@ -95,14 +95,16 @@ def _mapping_counts(maps: str | None, limit: str | None) -> tuple[int, int] | No
     return None
 
 
+def _reserve(allowed: int) -> int:
+  """The mappings `check_mapping_headroom` keeps free: 10% of those Linux allows, at least 4096."""
+  return max(allowed // 10, 4096)
+
+
 def mapping_room(maps: str | None = None, limit: str | None = None) -> int | None:
-  """How many more memory mappings this process may take before `check_mapping_headroom` refuses compiles (it
-  keeps 10%, at least 4096, of those Linux allows free); None off Linux."""
+  """How many more memory mappings this process may take before `check_mapping_headroom` refuses compiles; None
+  off Linux."""
   counts = _mapping_counts(maps, limit)
-  if counts is None:
-    return None
-  used, allowed = counts
-  return allowed - max(allowed // 10, 4096) - used
+  return None if counts is None else counts[1] - _reserve(counts[1]) - counts[0]
 
 
 def check_mapping_headroom(maps: str | None = None, limit: str | None = None) -> None:
@@ -110,9 +112,9 @@ def check_mapping_headroom(maps: str | None = None, limit: str | None = None) ->
   it (`vm.max_map_count`, 65530 by default). XLA:CPU maps every executable's machine code into a few mappings per
   kernel (`variant_mappings`), and a compile past the limit crashes the process inside XLA: a server that holds
   very many variants gets this error instead. Nothing to check off Linux."""
-  room = mapping_room(maps, limit)
-  if room is not None and room < 0:
-    used, allowed = _mapping_counts(maps, limit)
+  counts = _mapping_counts(maps, limit)
+  if counts is not None and counts[0] + _reserve(counts[1]) > counts[1]:
+    used, allowed = counts
     raise MappingLimitError(
         f"this process holds {used} memory mappings of the {allowed} Linux allows one (vm.max_map_count), and "
         "XLA:CPU maps each compiled step variant's code into a few hundred more: compiling another could crash the "
