@@ -295,6 +295,33 @@ def test_ragged_step_prices_below_bucketing_and_padding_on_the_b200_table():
   assert pricing.ragged_step_cost([1, 1], prof) == prof.ar_cost(2)
 
 
+def test_a_plan_priced_by_its_rows_per_block_costs_what_its_rows_cost():
+  """A whole-step plan priced by its rows per block (as RecGuide's batch pricing prices its fixed and mixed plans)
+  costs exactly what the same plan listed row by row costs, ragged and bucketed."""
+  import collections
+
+  from recguide_jax.decoding import grouping
+  from recguide_jax.recguide import pricing
+  from recguide_jax.recguide.profile import load_profile
+  prof = load_profile("b200_nld8b")
+  rng = np.random.default_rng(5)
+  plans = [[], [16] * 8, [1] * 3, [1, 8, 8, 32]] + [rng.choice([1, 8, 16, 32], int(rng.integers(1, 40))).tolist()
+                                                    for _ in range(20)]
+  for cost in (lambda rows, blk: prof.cost(rows, blk), lambda rows, blk: 10.0 + rows * blk / 4):
+    for blocks in plans:
+      drafted = [b for b in blocks if b > 1]
+      # one draft forward of the drafting rows' blocks packed, one verify of every row (an AR step without any)
+      want = (0.0 if not blocks else prof.ar_cost(len(blocks)) if not drafted else
+              prof.ragged_cost(len(drafted), sum(drafted), draft=True)
+              + prof.ragged_cost(len(blocks), sum(blocks), draft=False))
+      assert pricing.ragged_counts_cost(collections.Counter(blocks), prof) == want
+      assert pricing.ragged_step_cost(blocks, prof) == want
+      if drafted:  # one block's plan skips the search: the same cost it finds
+        sizes = sorted(set(drafted))
+        assert grouping.plan_cost(collections.Counter(drafted), cost) == grouping.cheapest_runs(
+            [drafted.count(b) for b in sizes], sizes, cost)[0]
+
+
 def test_ragged_verify_below_the_smallest_block_prices_down_to_a_measured_ar_step():
   """On a profile that measured its AR step, a ragged verify of fewer than the smallest block's tokens per row (AR
   rows, truncated verifies) costs linearly less, down to the AR step at one per row, never above the smallest

@@ -168,7 +168,8 @@ def test_round_entropies_equal_round_entropy_row_by_row():
     eos = rng.random(rows) < 0.3
     cap = [None, 1, 7, 20][int(rng.integers(4))]
     want = [sig.round_entropy(ent[i], int(accepted[i]), int(blocks[i]), bool(eos[i]), cap) for i in range(rows)]
-    assert sig.round_entropies(ent, accepted, blocks, eos, cap) == want
+    got = sig.round_entropies(ent, accepted, blocks, eos, cap)
+    assert got.dtype == np.float64 and [None if e != e else e for e in got.tolist()] == want  # NaN: None
   with pytest.raises(ValueError, match="accepted"):
     sig.round_entropies(np.ones((1, 8)), [9], [8], [False])
 
@@ -427,6 +428,10 @@ def test_recguide_tables_round_trip_and_runtime(model, tmp_path):
   back = ad.load_tables(tmp_path)
   assert back.to_json() == tables.to_json() and back.to_json()["schema"] == "recguide-tables/1"
   assert back.level(3).concurrency == 2 and back.level(6).concurrency == 16 and back.rho_for(1000) == 0.5
+  # a load asked again gets the level it got (kept per load); a bool is no load, even after 1 was asked
+  assert back.level(3) is back.level(3) and back.level(1).concurrency == 2
+  with pytest.raises(ad.TablesError, match="positive"):
+    back.level(True)
   assert back.costs_for(16) == prof.costs(16)
   assert back.next_block(16, []) == 16 and back.next_block(128, []) == 8
   hist = [sig.RoundRecord(16, 16, 0.2), sig.RoundRecord(32, 7, 1.1)]

@@ -5,9 +5,8 @@ with it, so both see the same cost of a mixed batch."""
 
 from __future__ import annotations
 
-import collections
 import itertools
-from typing import Callable, Sequence
+from typing import Callable, Mapping, Sequence
 
 
 def cheapest_runs(sizes: Sequence[int], blocks: Sequence[int], round_cost: Callable[[int, int], float | None]
@@ -38,10 +37,9 @@ def cheapest_runs(sizes: Sequence[int], blocks: Sequence[int], round_cost: Calla
   return best, best_runs
 
 
-def plan_cost(blocks_by_row: Sequence[int], round_cost: Callable[[int, int], float | None]) -> float | None:
-  """The cost of one step whose rows are planned at `blocks_by_row`, batched the cheapest way (`cheapest_runs`)."""
-  counts = collections.Counter(blocks_by_row)
+def plan_cost(counts: Mapping[int, int], round_cost: Callable[[int, int], float | None]) -> float | None:
+  """The cost of one step planned as `counts` (rows per block), batched the cheapest way (`cheapest_runs`)."""
   blocks = sorted(counts)
-  if not blocks:
-    return 0.0
+  if len(blocks) <= 1:  # (one block: one batch, as `cheapest_runs` would find)
+    return round_cost(counts[blocks[0]], blocks[0]) if blocks else 0.0
   return cheapest_runs([counts[b] for b in blocks], blocks, round_cost)[0]

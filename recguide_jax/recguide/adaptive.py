@@ -203,6 +203,7 @@ class RecGuideTables:
     if not self.version:
       object.__setattr__(self, "version", self.content_hash())
     object.__setattr__(self, "_grid_rules", {})  # level C -> `decide_grid` of it, filled on first use
+    object.__setattr__(self, "_level_at", {})  # load C -> the level it uses (every step asks, at a few loads)
 
   def grid_rule(self, c: float) -> tuple[LevelTable, np.ndarray]:
     """The level load `c` uses and its rule's block per row of the value model's grid (`decide_grid`)."""
@@ -222,8 +223,11 @@ class RecGuideTables:
     return tuple(lv.concurrency for lv in self.levels)
 
   def level(self, c: float) -> LevelTable:
-    target = nearest_level(c, self.concurrency_levels)
-    return next(lv for lv in self.levels if lv.concurrency == target)
+    lv = None if isinstance(c, bool) else self._level_at.get(c)  # (True == 1 as a key; `nearest_level` refuses it)
+    if lv is None:
+      target = nearest_level(c, self.concurrency_levels)
+      lv = self._level_at[c] = next(lv for lv in self.levels if lv.concurrency == target)
+    return lv
 
   def rho_for(self, c: float) -> float:
     return self.level(c).rho

@@ -325,8 +325,7 @@ class RecGuideStrategy(AdaptiveRule, RegimeSwitch, CostModel, Strategy):
     eos = (tokens[:, :, None] == np.fromiter(self._eos, np.int64, len(self._eos))).any(axis=2)
     eos &= np.arange(tokens.shape[1])[None, :] < accepted[:, None]
     cap = self.tables.head_cap if self.tables is not None else self.entropy_head_cap
-    entropy = np.array(signals.round_entropies(result.entropy[rows], accepted, blocks, eos.any(axis=1), cap),
-                       np.float64)  # None -> NaN
+    entropy = signals.round_entropies(result.entropy[rows], accepted, blocks, eos.any(axis=1), cap)  # NaN: none
     h = self.histories
     # `ValueCalibration`: what the value model predicted for each round (from the history before it) against what
     # verification returned; a multi-round call's later rounds each from the history before them

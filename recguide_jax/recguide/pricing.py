@@ -6,6 +6,7 @@ Pure functions of a profile (or of costs), so the controller, the benchmarks and
 
 from __future__ import annotations
 
+import collections
 from typing import Mapping, Sequence
 
 import numpy as np
@@ -16,14 +17,20 @@ def ragged_step_cost(blocks: Sequence[int], profile) -> float:
   forward of the LinearSS rows (their blocks packed) when there is one, and one verify forward of every row
   (`HardwareProfile.ragged_cost`). Rows keep their own blocks: no bucket split, no padding to the largest. A step
   of AR rows only is an AR decode forward."""
-  blocks = [int(b) for b in blocks]
-  if not blocks:
+  return ragged_counts_cost(collections.Counter(int(b) for b in blocks), profile)
+
+
+def ragged_counts_cost(counts: Mapping[int, int], profile) -> float:
+  """`ragged_step_cost` of a step planned as `counts` (rows per block)."""
+  rows = sum(counts.values())
+  if not rows:
     return 0.0
-  drafting = [b for b in blocks if b > 1]
+  drafting = sum(n for b, n in counts.items() if b > 1)
   if not drafting:
-    return profile.ar_cost(len(blocks))
-  return (profile.ragged_cost(len(drafting), sum(drafting), draft=True)
-          + profile.ragged_cost(len(blocks), sum(blocks), draft=False))
+    return profile.ar_cost(rows)
+  drafted = sum(b * n for b, n in counts.items() if b > 1)
+  return (profile.ragged_cost(drafting, drafted, draft=True)
+          + profile.ragged_cost(rows, sum(b * n for b, n in counts.items()), draft=False))
 
 
 def verify_token_price(blocks: Sequence[int], tokens: float, profile) -> float:

@@ -7,8 +7,9 @@ per-request choices priced together as the batch the engine runs them as, agains
 
 from __future__ import annotations
 
+import collections
 import operator
-from typing import Sequence
+from typing import Mapping, Sequence
 
 import numpy as np
 
@@ -137,25 +138,27 @@ class AdaptiveRule:
     if not self.batch_priced or self.probing or not reqs:
       return "rule", rule
     n = len(reqs)
-    best_name, best_blocks, best_rate = None, rule, -1.0
+    best_name, best_block, best_rate = "rule", None, -1.0  # best_block: every row's (None: the rule's blocks)
     if self.switch and not self.fixed_regime:  # AR is the switch's candidate (a pinned regime stays LinearSS)
-      best_name, best_blocks, best_rate = Regime.AR.value, [1] * n, n / self._round_cost(RoundKind.AR, 1, n)
+      best_name, best_block, best_rate = Regime.AR.value, 1, n / self._round_cost(RoundKind.AR, 1, n)
     columns = values.sum(axis=0).tolist()
-    candidates = [(f"linear{b}", [b] * n, tokens) for b, tokens in zip(BLOCK_SIZES, columns)]
-    candidates.append(("rule", rule, float(values[np.arange(n), block_columns(rule)].sum())))
-    for name, blocks, tokens in candidates:
-      rate = tokens / self.plan_cost(blocks)
+    # (each plan priced by its rows per block: a fixed plan's are one count, not a list of n rows)
+    candidates = [(f"linear{b}", b, {b: n}, tokens) for b, tokens in zip(BLOCK_SIZES, columns)]
+    candidates.append(("rule", None, collections.Counter(rule),
+                       float(values[np.arange(n), block_columns(rule)].sum())))
+    for name, block, counts, tokens in candidates:
+      rate = tokens / self.plan_cost(counts)
       if rate > best_rate * (1 + max(self.tie_margin, 1e-9)):
-        best_name, best_blocks, best_rate = name, blocks, rate
-    return best_name, best_blocks
+        best_name, best_block, best_rate = name, block, rate
+    return best_name, rule if best_block is None else [best_block] * n
 
-  def plan_cost(self, blocks: Sequence[int]) -> float:
-    """The cost of one step whose rows are planned at `blocks` as the engine will run it: on ragged steps
+  def plan_cost(self, counts: Mapping[int, int]) -> float:
+    """The cost of one step planned as `counts` (rows per block) as the engine will run it: on ragged steps
     (`ragged_steps`, from the step's view) one ragged draft + verify forward whatever the mix, priced by the profile
-    (`pricing.ragged_step_cost`); else the cheapest split into padded batches (`grouping.plan_cost`)."""
+    (`pricing.ragged_counts_cost`); else the cheapest split into padded batches (`grouping.plan_cost`)."""
     if self.ragged_steps and self.profile is not None and not self.calibrate:
-      return pricing.ragged_step_cost(blocks, self.profile)
-    return grouping.plan_cost(blocks, self.round_cost)
+      return pricing.ragged_counts_cost(counts, self.profile)
+    return grouping.plan_cost(counts, self.round_cost)
 
   @property
   def _tables_priced_here(self) -> bool:

@@ -43,22 +43,24 @@ def round_entropy(entropies_row: Sequence[float], accepted: int, block_size: int
   row = entropies_row if isinstance(entropies_row, np.ndarray) else np.asarray(entropies_row, np.float64)
   if row.ndim != 1 or row.shape[0] < n:
     raise ValueError(f"entropies_row must be 1-D with >= {n} positions, got shape {row.shape}")
-  return round_entropies(row[None, :], [accepted], [block_size], [eos], head_cap)[0]
+  e = float(round_entropies(row[None, :], [accepted], [block_size], [eos], head_cap)[0])
+  return None if e != e else e  # (e != e: NaN, no valid position)
 
 
 def round_entropies(entropies: np.ndarray, accepted: Sequence[int], block_size: Sequence[int],
-                    eos: Sequence[bool], head_cap: int | None = None) -> list[float | None]:
-  """`round_entropy` of each row of `entropies` [rows, width] at once."""
+                    eos: Sequence[bool], head_cap: int | None = None) -> np.ndarray:
+  """`round_entropy` of each row of `entropies` [rows, width] at once, float64 (NaN where `round_entropy` is
+  None)."""
   n = valid_positions(accepted, block_size, eos, head_cap)
   if entropies.ndim != 2 or len(n) != entropies.shape[0] or (len(n) and n.max() > entropies.shape[1]):
     raise ValueError(f"entropies must be [rows, >= {int(n.max(initial=0))}] with one row per round, got shape "
                      f"{entropies.shape}")
   if not len(n):
-    return []
+    return np.zeros((0,), np.float64)
   # each row's positions summed in order, in float64 whatever the dtype: the same floats at any row width
   width = max(int(n.max()), 1)
   sums = np.cumsum(entropies[:, :width], axis=1, dtype=np.float64)[np.arange(len(n)), np.maximum(n - 1, 0)]
-  return [e if k > 0 else None for e, k in zip((sums / np.maximum(n, 1)).tolist(), n.tolist())]
+  return np.where(n > 0, sums / np.maximum(n, 1), np.nan)
 
 
 class RoundRecord(NamedTuple):
