@@ -20,6 +20,8 @@ def cheapest_runs(sizes: Sequence[int], blocks: Sequence[int], round_cost: Calla
   if n != len(blocks) or n == 0:
     raise ValueError(f"need one size per block and at least one group, got sizes {list(sizes)}, blocks "
                      f"{list(blocks)}")
+  if n == 1:  # one group is one batch: no split to search (a fixed plan, every row at one block)
+    return round_cost(sizes[0], blocks[0]), [[0]]
   best, best_runs = None, [[i] for i in range(n)]
   for cuts in itertools.product((False, True), repeat=n - 1):  # cuts[i - 1]: a new run starts at group i
     runs = [[0]]
@@ -40,6 +42,6 @@ def cheapest_runs(sizes: Sequence[int], blocks: Sequence[int], round_cost: Calla
 def plan_cost(counts: Mapping[int, int], round_cost: Callable[[int, int], float | None]) -> float | None:
   """The cost of one step planned as `counts` (rows per block), batched the cheapest way (`cheapest_runs`)."""
   blocks = sorted(counts)
-  if len(blocks) <= 1:  # (one block: one batch, as `cheapest_runs` would find)
-    return round_cost(counts[blocks[0]], blocks[0]) if blocks else 0.0
+  if not blocks:
+    return 0.0
   return cheapest_runs([counts[b] for b in blocks], blocks, round_cost)[0]
