@@ -47,6 +47,7 @@ def test_unimplemented_sampling_fields_are_refused_only_when_set(field):
   neutral = SamplingParams(**{field: (None, *UNIMPLEMENTED_FIELDS[field])[-1]})
   assert neutral.validate() is neutral
   active = {"presence_penalty": 0.5, "frequency_penalty": -0.2, "repetition_penalty": 1.2, "min_p": 0.1,
-            "min_tokens": 4, "logit_bias": {5: 3.0}, "bad_words": ["x"], "allowed_token_ids": [1, 2]}[field]
+            "min_tokens": 4, "logit_bias": {5: 3.0}, "bad_words": ["x"], "allowed_token_ids": [1, 2],
+            "spaces_between_special_tokens": False}[field]
   with pytest.raises(RequestError, match=f"SamplingParams.{field}=.* is not implemented"):
     SamplingParams(**{field: active})

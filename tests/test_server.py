@@ -163,7 +163,8 @@ def test_text_deltas_concatenate_to_final_text(tokenizer, data):
   if full and data.draw(st.booleans()):
     start = data.draw(st.integers(0, len(full) - 1))
     stops.append(full[start:start + data.draw(st.integers(1, 4))])
-  deltas, out, emitted, i = TextDeltas(tokenizer, stops), "", [], 0
+  include = data.draw(st.booleans())  # include_stop_str_in_output
+  deltas, out, emitted, i = TextDeltas(tokenizer, stops, include), "", [], 0
   while i < len(ids):
     n = data.draw(st.integers(1, 6))
     emitted += ids[i:i + n]
@@ -171,9 +172,10 @@ def test_text_deltas_concatenate_to_final_text(tokenizer, data):
     out += deltas.update(emitted)  # the engine reports the tokens of the step that hit a stop string too
     if stop_position(tokenizer.decode(emitted), stops) is not None:
       break
-  text = tokenizer.decode(emitted)  # the engine's rule over the whole output: cut before the earliest stop string
+  # the engine's rule over the whole output: cut before the earliest stop string (with include: after it)
+  text = tokenizer.decode(emitted)
   pos = stop_position(text, stops)
-  final = text if pos is None else text[:pos]
+  final = text if pos is None else text[:pos + (len(stops[0]) if include else 0)]
   out += deltas.finish(final)
   assert out == final
 
@@ -272,8 +274,10 @@ def test_stream_equals_nonstream(server, offline_llm):
   for path, body, chat in list(cases):
     full = httpx.post(server.base + path, json=body, timeout=60).json()
     text = full["choices"][0]["message"]["content"] if chat else full["choices"][0]["text"]
-    for stop, pos in _stop_candidates(text):
+    for k, (stop, pos) in enumerate(_stop_candidates(text)):
       cases.append((path, {**body, "stop": [stop]}, chat))
+      if k == 0:  # and kept in the text (vLLM's include_stop_str_in_output)
+        cases.append((path, {**body, "stop": [stop], "include_stop_str_in_output": True}, chat))
       stop_cases += 1
   assert stop_cases >= 3
   for path, body, chat in cases:
@@ -289,11 +293,12 @@ def test_stream_equals_nonstream(server, offline_llm):
     if chat:
       assert events[0]["choices"][0]["delta"]["role"] == "assistant"
     if "stop" in body:
-      stop = body["stop"][0]
-      assert choice["finish_reason"] == "stop" and stop not in text
+      stop, include = body["stop"][0], body.get("include_stop_str_in_output", False)
+      assert choice["finish_reason"] == "stop" and choice["stop_reason"] == stop
       unstopped = httpx.post(server.base + path, json={k: v for k, v in body.items() if k != "stop"}).json()
       ref = unstopped["choices"][0]["message"]["content"] if chat else unstopped["choices"][0]["text"]
-      assert text == ref[:ref.find(stop)]  # cut right before the stop string, even at position 0
+      # cut right before the stop string, even at position 0, or right after it
+      assert text == ref[:ref.find(stop) + (len(stop) if include else 0)]
     else:
       prompt = body.get("messages") or body["prompt"]
       assert text == offline_text(offline_llm, prompt, 48, chat=chat).outputs[0].text
@@ -334,6 +339,9 @@ COMPLETION_ERRORS = [
     ({"prompt": "hi", "seed": 1.5}, 400, "seed"),
     ({"prompt": "hi", "stop": [""]}, 400, "stop"),
     ({"prompt": "hi", "stop": 5}, 400, "stop"),
+    ({"prompt": "hi", "include_stop_str_in_output": "yes"}, 400, "include_stop_str_in_output"),
+    ({"prompt": "hi", "skip_special_tokens": 1}, 400, "skip_special_tokens"),
+    ({"prompt": "hi", "spaces_between_special_tokens": False}, 400, "spaces_between_special_tokens"),
     ({"prompt": "hi", "stop_token_ids": [10**6]}, 400, "stop_token_ids"),
     ({"prompt": "hi", "n": 0}, 400, "n"),
     ({"prompt": "hi", "n": 17}, 400, "n"),

@@ -17,13 +17,15 @@ def tokenizer():
   return Tokenizer.from_dir(BUNDLED_CHECKPOINT)
 
 
-def _request(stops, max_tokens):
+def _request(stops, max_tokens, include=False, skip_special=True):
   # 50 stop strings: more than a request may carry (MAX_STOP_STRINGS), so the params are not validated here
-  return Request("r", [1, 2, 3], SamplingParams(max_tokens=max_tokens, temperature=0.0, stop=stops, ignore_eos=True))
+  return Request("r", [1, 2, 3], SamplingParams(max_tokens=max_tokens, temperature=0.0, stop=stops, ignore_eos=True,
+                                                include_stop_str_in_output=include,
+                                                skip_special_tokens=skip_special))
 
 
-def _emit_all(tokenizer, ids, stops, round_len=8):
-  r = _request(stops, len(ids) + 1)
+def _emit_all(tokenizer, ids, stops, round_len=8, include=False, skip_special=True):
+  r = _request(stops, len(ids) + 1, include, skip_special)
   for i in range(0, len(ids), round_len):
     _, reason = output.append_tokens(r, ids[i:i + round_len], [0.0] * round_len, None, None, frozenset(), tokenizer)
     if reason is not None:
@@ -65,19 +67,23 @@ def test_stop_checking_work_is_linear_in_output_length(tokenizer, n):
   assert deltas.detokenizer.decoded_tokens <= 2 * n * 4
 
 
-def _cut_by_whole_decode(tokenizer, ids, stops):
+def _cut_by_whole_decode(tokenizer, ids, stops, include=False):
   """The engine's rule as a whole decode states it: the shortest token prefix whose text reaches the earliest stop
-  string, and the text before it."""
+  string, and the text before it; with `include` (include_stop_str_in_output), the shortest prefix whose text holds
+  the whole stop string, and the text up to its end."""
   text = tokenizer.decode(ids)
-  hits = [text.find(s) for s in stops if s in text]
+  hits = [(text.find(s), s) for s in stops if s in text]
   if not hits:
     return None
-  pos = min(hits)
-  n = next((k for k in range(1, len(ids) + 1) if len(tokenizer.decode(ids[:k])) > pos), len(ids))
-  return ids[:n], text[:pos]
+  pos, stop = min(hits, key=lambda hit: hit[0])
+  end = pos + len(stop) if include else pos
+  reach = end - 1 if include else pos
+  n = next((k for k in range(1, len(ids) + 1) if len(tokenizer.decode(ids[:k])) > reach), len(ids))
+  return ids[:n], text[:end]
 
 
-def test_incremental_cut_equals_the_whole_decode_rule(tokenizer):
+@pytest.mark.parametrize("include", [False, True])
+def test_incremental_cut_equals_the_whole_decode_rule(tokenizer, include):
   rng = np.random.default_rng(1)
   pieces = ["ab", " +", "\u00e9", "\u20ac", "\U0001F600", "x y", "12"]
   checked = 0
@@ -95,13 +101,14 @@ def test_incremental_cut_equals_the_whole_decode_rule(tokenizer):
       # a byte that does not complete a character decodes to U+FFFD; the incremental text holds complete
       # characters only, so a stop string containing U+FFFD is where it differs from the whole decode (by design)
       continue
-    want = _cut_by_whole_decode(tokenizer, ids, stops)
-    r = _emit_all(tokenizer, ids, stops, round_len=int(rng.integers(1, 5)))
+    want = _cut_by_whole_decode(tokenizer, ids, stops, include)
+    r = _emit_all(tokenizer, ids, stops, round_len=int(rng.integers(1, 5)), include=include)
     if want is None:
       assert r.finish_reason is None and r.output_ids == ids
     else:
       checked += 1
-      assert (r.output_ids, r.text, r.finish_reason) == (want[0], want[1], "stop")
+      assert (r.output_ids, r.text, r.finish_reason, r.stop_reason) == (want[0], want[1], "stop", stops[0])
+      assert r.text.endswith(stops[0]) == include
   assert checked > 100
 
 
@@ -118,3 +125,22 @@ def test_incremental_detokenizer_reaches_like_whole_decodes(tokenizer):
   d.add(ids)
   assert d.text == tokenizer.decode(ids)
   assert d.reach == [len(tokenizer.decode(ids[:k + 1])) for k in range(len(ids))]
+
+
+def test_special_tokens_in_the_text_only_when_asked(tokenizer):
+  """skip_special_tokens=False (vLLM's) keeps special tokens' text in the output text and its stream, where a stop
+  string can then match it; the default leaves them out. The token ids are the same either way."""
+  end = tokenizer.token_to_id("<|end|>")
+  ids = tokenizer.encode("ab 12") + [end] + tokenizer.encode(" x y")
+  for skip in (True, False):
+    r = _request([], len(ids) + 1, skip_special=skip)
+    output.append_tokens(r, ids, [0.0] * len(ids), None, None, frozenset(), tokenizer)
+    text = output.final_text(r, tokenizer)
+    assert r.output_ids == ids and ("<|end|>" in text) != skip
+    assert text == tokenizer.decode(ids, skip_special_tokens=skip)
+    deltas = TextDeltas.for_params(tokenizer, r.params)
+    assert deltas.update(ids) + deltas.finish(text) == text
+  r = _emit_all(tokenizer, ids, ["<|end|>"], round_len=2, skip_special=False)
+  cut = ids.index(end)
+  assert (r.finish_reason, r.output_ids, r.text) == ("stop", ids[:cut + 1], tokenizer.decode(ids[:cut]))
+  assert _emit_all(tokenizer, ids, ["<|end|>"], round_len=2).finish_reason is None  # its text is skipped

@@ -4,7 +4,8 @@ stop strings) and logprobs.
 Stop strings are checked incrementally (`stop_strings.StopChecker` over an `IncrementalDetokenizer`): a round's
 new tokens are decoded in a short window and only the new tail is searched, so the check is linear in the output's
 length. On a hit the output keeps the shortest token prefix whose text reaches the stop string, and the text is cut
-before it (the streaming layer applies the same checker to what it sends).
+before it, or, with `include_stop_str_in_output`, the prefix whose text holds it and the text cut after it (the
+streaming layer applies the same checker to what it sends).
 """
 
 from __future__ import annotations
@@ -53,7 +54,8 @@ def append_tokens(r: Request, toks: list[int], lps, top_lp, top_ids, eos: frozen
   r.output_ids.extend(new)
   if r.params.stop_strings and tokenizer is not None:
     if r.stop_text is None:
-      r.stop_text = StopText(IncrementalDetokenizer(tokenizer), StopChecker(r.params.stop_strings))
+      r.stop_text = StopText(IncrementalDetokenizer(tokenizer, r.params.skip_special_tokens),
+                             StopChecker(r.params.stop_strings))
     st = r.stop_text
     early = max(0, min(len(new), min_tokens - (len(r.output_ids) - len(new))))
     if early:  # text of the first min_tokens tokens is searched (so never again) but cannot stop, as in vLLM
@@ -62,16 +64,18 @@ def append_tokens(r: Request, toks: list[int], lps, top_lp, top_ids, eos: frozen
     st.detokenizer.add(new[early:])
     pos = st.checker.find(st.detokenizer.text) if early < len(new) else None
     if pos is not None:
-      n = st.detokenizer.tokens_reaching(pos)
+      text = st.detokenizer.text
+      end = st.checker.end_of_stop(text, pos, r.params.include_stop_str_in_output)
+      n = st.detokenizer.tokens_reaching(end - 1 if r.params.include_stop_str_in_output else pos)
       cut = len(r.output_ids) - n
       del r.output_ids[n:]
       del r.logprobs[n:]
       del r.token_logprobs[n:]
       if cut:
         new = new[:max(len(new) - cut, 0)]
-      r.text = st.detokenizer.text[:pos]
+      r.text = text[:end]
       reason = "stop"
-      r.stop_reason = next(s for s in st.checker.stops if st.detokenizer.text.startswith(s, pos))
+      r.stop_reason = st.checker.stop_at(text, pos)
   return new, reason
 
 
@@ -104,4 +108,4 @@ def final_text(r: Request, tokenizer) -> str:
   """The text of a finished request (already set when a stop string cut it)."""
   if r.text is not None:
     return r.text
-  return tokenizer.decode(r.output_ids) if tokenizer is not None else ""
+  return tokenizer.decode(r.output_ids, r.params.skip_special_tokens) if tokenizer is not None else ""

@@ -162,7 +162,7 @@ class QueueFull(RequestError):
 
 
 # vLLM's SamplingParams fields with no implementation here -> their neutral values (None is neutral for every one)
-UNIMPLEMENTED_FIELDS = {"bad_words": ([], ()), "allowed_token_ids": ()}
+UNIMPLEMENTED_FIELDS = {"bad_words": ([], ()), "allowed_token_ids": (), "spaces_between_special_tokens": (True,)}
 # the sampling controls (vLLM's penalties and logits processors) -> their neutral values (None counts as neutral)
 NEUTRAL_CONTROLS = {"presence_penalty": 0.0, "frequency_penalty": 0.0, "repetition_penalty": 1.0, "min_p": 0.0,
                     "min_tokens": 0, "logit_bias": {}}
@@ -194,10 +194,15 @@ class SamplingParams:
   min_p: float = 0.0  # drops tokens whose probability is below min_p times the most likely one's
   min_tokens: int = 0  # EOS and stop_token_ids are held back (and stop strings ignored) until this many are out
   logit_bias: dict[int, float] | None = None  # token id -> added to its logit (clamped to [-100, 100])
+  # vLLM's output text options: a stop string that ends the output is kept in its text (and its tokens up to the
+  # one completing it); special tokens (EOS, chat markers) are left out of the text (the token ids keep them)
+  include_stop_str_in_output: bool = False
+  skip_special_tokens: bool = True
   # vLLM's fields whose feature this engine does not have: accepted at their neutral value only (code written for
   # vLLM often passes them explicitly), refused otherwise, naming the field
   bad_words: Sequence[str] | None = None
   allowed_token_ids: Sequence[int] | None = None
+  spaces_between_special_tokens: bool | None = None  # (only True: the tokenizer's decode has no such option)
 
   def __post_init__(self):
     for field, neutral in UNIMPLEMENTED_FIELDS.items():
@@ -205,7 +210,7 @@ class SamplingParams:
       if value is not None and value not in neutral:
         off = " or ".join(repr(v) for v in (None, *neutral))
         raise RequestError(f"SamplingParams.{field}={value!r} is not implemented by this engine (only {off}, "
-                           "the feature off, is accepted)", field)
+                           "vLLM's default, is accepted)", field)
 
   @property
   def has_controls(self) -> bool:
@@ -256,8 +261,9 @@ class SamplingParams:
       bad("seed", f"must be an integer in [-2^63, 2^63 - 1], got {describe(self.seed)}")
     if self.logprobs is not None and (not is_int(self.logprobs) or not 0 <= self.logprobs <= MAX_TOP_LOGPROBS):
       bad("logprobs", f"must be an integer in [0, {MAX_TOP_LOGPROBS}], got {describe(self.logprobs)}")
-    if not isinstance(self.ignore_eos, (bool, np.bool_)):
-      bad("ignore_eos", f"must be a boolean, got {describe(self.ignore_eos)}")
+    for field in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens"):
+      if not isinstance(getattr(self, field), (bool, np.bool_)):
+        bad(field, f"must be a boolean, got {describe(getattr(self, field))}")
     if self.stop is not None and not isinstance(self.stop, (str, list, tuple)):
       bad("stop", f"must be a string or a list of strings, got {describe(self.stop)}")
     stops = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])

@@ -205,7 +205,7 @@ class Generation:
     """The SSE answer: the choices' chunks interleaved as their tokens arrive, each with its `index` (tracker i is
     choice i: sample j of prompt p is p * n + j); then, with include_usage, one usage chunk for all of them."""
     chat, n = gen.chat, len(trackers)
-    deltas = [TextDeltas(self.tokenizer, gen.params.stop_strings) for _ in trackers]
+    deltas = [TextDeltas.for_params(self.tokenizer, gen.params) for _ in trackers]
     lp_sent, offsets, started = [0] * n, [0] * n, [False] * n
     finals: list[Final | None] = [None] * n
     prompt_tokens = sum(len(p.ids) for p in gen.prompts)

@@ -140,7 +140,9 @@ def _sampling(req, max_tokens, logprobs, renames: dict[str, str] | None = None) 
             stop=req.stop, stop_token_ids=req.stop_token_ids, logprobs=logprobs, ignore_eos=req.ignore_eos,
             presence_penalty=req.presence_penalty, frequency_penalty=req.frequency_penalty,
             repetition_penalty=req.repetition_penalty, min_p=req.min_p, min_tokens=req.min_tokens,
-            logit_bias=_logit_bias(req.logit_bias))
+            logit_bias=_logit_bias(req.logit_bias), include_stop_str_in_output=req.include_stop_str_in_output,
+            skip_special_tokens=req.skip_special_tokens,
+            spaces_between_special_tokens=req.spaces_between_special_tokens)
   kw = {k: v for k, v in kw.items() if v is not None}  # None: SamplingParams' default
   try:
     return SamplingParams(**kw)

@@ -49,6 +49,9 @@ class _Sampling(BaseModel):
   min_tokens: Optional[int] = None
   logit_bias: Optional[dict[str, float]] = None  # JSON keys are strings: token ids as text
   response_format: Optional[dict[str, Any]] = None
+  include_stop_str_in_output: Optional[bool] = None  # vLLM's output text options
+  skip_special_tokens: Optional[bool] = None
+  spaces_between_special_tokens: Optional[bool] = None
   # accepted and ignored, as vLLM does
   user: Any = None
   metadata: Any = None

@@ -24,22 +24,29 @@ def stop_position(text: str, stop_strings: Sequence[str]) -> int | None:
 class TextDeltas:
   """Turns the growing list of emitted token ids into text deltas that never need to be taken back."""
 
-  def __init__(self, tokenizer: Tokenizer, stop_strings: Sequence[str] = ()):
-    self.detokenizer = IncrementalDetokenizer(tokenizer)
+  def __init__(self, tokenizer: Tokenizer, stop_strings: Sequence[str] = (), include_stop_str: bool = False,
+               skip_special_tokens: bool = True):
+    self.detokenizer = IncrementalDetokenizer(tokenizer, skip_special_tokens)
     self.stops = StopChecker(stop_strings)
+    self.include_stop_str = include_stop_str
     self.sent = ""
-    self._stop_at: int | None = None  # where a stop string starts, once one has completed
+    self._stop_end: int | None = None  # where the text ends, once a stop string has completed
+
+  @classmethod
+  def for_params(cls, tokenizer: Tokenizer, params) -> "TextDeltas":
+    """The deltas of a request with `SamplingParams` `params` (its stop strings and output text options)."""
+    return cls(tokenizer, params.stop_strings, params.include_stop_str_in_output, params.skip_special_tokens)
 
   def update(self, emitted_ids: Sequence[int]) -> str:
     """New text that is safe to send while the request is still running (`emitted_ids`: every token emitted so
     far; only those past the previous call are decoded)."""
     self.detokenizer.add(emitted_ids[len(self.detokenizer.ids):])
     text = self.detokenizer.text
-    if self._stop_at is None:
-      self._stop_at = self.stops.find(text)
-    end = len(text) - self.stops.held_back(text)
-    if self._stop_at is not None:
-      end = min(end, self._stop_at)
+    if self._stop_end is None:
+      pos = self.stops.find(text)
+      if pos is not None:
+        self._stop_end = self.stops.end_of_stop(text, pos, self.include_stop_str)
+    end = len(text) - self.stops.held_back(text) if self._stop_end is None else self._stop_end
     if end <= len(self.sent):
       return ""
     delta = text[len(self.sent):end]

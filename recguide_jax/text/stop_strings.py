@@ -36,6 +36,15 @@ class StopChecker:
     self.checked = len(text)
     return lo + min(hits) if hits else None
 
+  def stop_at(self, text: str, pos: int) -> str:
+    """The stop string `find` found at `pos` (the first listed, if several start there)."""
+    return next(s for s in self.stops if text.startswith(s, pos))
+
+  def end_of_stop(self, text: str, pos: int, include: bool) -> int:
+    """Where a text that a stop string at `pos` ends is cut: before it, or after it with `include`
+    (`SamplingParams.include_stop_str_in_output`)."""
+    return pos + len(self.stop_at(text, pos)) if include else pos
+
   def held_back(self, text: str) -> int:
     """Characters at the end of `text` that are a proper prefix of a stop string: they may still become one, so a
     stream must not send them yet. O(longest^2 * stops), independent of the text's length."""
