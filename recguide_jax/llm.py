@@ -276,6 +276,12 @@ class LLM:
 
   # ---- helpers -----------------------------------------------------------------------------------------------------
   def _encode(self, prompt) -> tuple[list[int], str | None]:
+    if isinstance(prompt, dict):  # vLLM's TextPrompt {"prompt": str} and TokensPrompt {"prompt_token_ids": [...]}
+      unknown = sorted(set(prompt) - {"prompt", "prompt_token_ids"})
+      if unknown or len(prompt) != 1:
+        raise RequestError("a prompt dict holds exactly one of 'prompt' (text) and 'prompt_token_ids'"
+                           + (f" (got {', '.join(map(repr, unknown))})" if unknown else ""), "prompt")
+      prompt = next(iter(prompt.values()))
     if isinstance(prompt, str):
       if self.tokenizer is None:
         raise RequestError("this checkpoint has no tokenizer; pass token ids", "prompt")
@@ -284,12 +290,13 @@ class LLM:
 
   @staticmethod
   def _is_single(prompts) -> bool:
-    return isinstance(prompts, str) or (isinstance(prompts, (list, tuple)) and prompts and
+    return isinstance(prompts, (str, dict)) or (isinstance(prompts, (list, tuple)) and prompts and
                                         all(isinstance(t, int) for t in prompts))
 
   def generate(self, prompts, sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
                use_tqdm: bool = True) -> list[RequestOutput]:
-    """prompts: a string, a list of token ids, or a list of either. Returns one output per prompt, in order, with
+    """prompts: a string, a list of token ids, vLLM's prompt dict ({"prompt": text} or {"prompt_token_ids": ids}),
+    or a list of any of them. Returns one output per prompt, in order, with
     `sampling_params.n` samples in its `outputs` (they share the prompt's prefill; sample i has seed `seed + i`;
     with `best_of`, that many are generated and the n of highest cumulative logprob returned). One SamplingParams
     for every prompt, or a list of one per prompt. use_tqdm: a progress bar over finished prompts (as vLLM's)."""

@@ -51,3 +51,33 @@ def test_unimplemented_sampling_fields_are_refused_only_when_set(field):
             "spaces_between_special_tokens": False}[field]
   with pytest.raises(RequestError, match=f"SamplingParams.{field}=.* is not implemented"):
     SamplingParams(**{field: active})
+
+
+def test_truncate_prompt_tokens_keeps_the_prompts_last_tokens(bundled_llm):
+  """vLLM's truncate_prompt_tokens: the request runs on the prompt's last k tokens (a prompt longer than the model
+  then fits), exactly as that shorter prompt would."""
+  tok = bundled_llm.get_tokenizer()
+  ids = tok.encode("Natalia sold clips to 48 of her friends in April, and then she sold half as many in May. " * 3)
+  assert len(ids) > 64  # longer than this LLM's max_model_len
+  greedy = dict(max_tokens=6, temperature=0.0, ignore_eos=True)
+  (cut,) = bundled_llm.generate([{"prompt_token_ids": ids}], SamplingParams(**greedy, truncate_prompt_tokens=20),
+                                use_tqdm=False)
+  (short,) = bundled_llm.generate([{"prompt_token_ids": ids[-20:]}], SamplingParams(**greedy), use_tqdm=False)
+  assert cut.prompt_token_ids == ids[-20:] and cut.outputs[0].token_ids == short.outputs[0].token_ids
+  (whole,) = bundled_llm.generate([{"prompt_token_ids": ids[:30]}], SamplingParams(**greedy, truncate_prompt_tokens=40),
+                                  use_tqdm=False)
+  assert whole.prompt_token_ids == ids[:30]  # a prompt shorter than k is used whole
+  for bad in (0, -1, 2.5, True):
+    with pytest.raises(RequestError, match="truncate_prompt_tokens must be a positive integer"):
+      bundled_llm.generate(["Hi"], SamplingParams(max_tokens=2, truncate_prompt_tokens=bad), use_tqdm=False)
+
+
+def test_prompts_as_vllm_prompt_dicts(bundled_llm):
+  tok = bundled_llm.get_tokenizer()
+  params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+  text, ids = bundled_llm.generate(["What is 2 + 2?", {"prompt": "What is 2 + 2?"}], params, use_tqdm=False)
+  (tokens,) = bundled_llm.generate({"prompt_token_ids": tok.encode("What is 2 + 2?")}, params, use_tqdm=False)
+  assert text.outputs[0].token_ids == ids.outputs[0].token_ids == tokens.outputs[0].token_ids
+  assert ids.prompt == "What is 2 + 2?" and tokens.prompt is None
+  with pytest.raises(RequestError, match="'multi_modal_data'"):
+    bundled_llm.generate({"prompt": "Hi", "multi_modal_data": {}}, params, use_tqdm=False)

@@ -304,6 +304,25 @@ def test_stream_equals_nonstream(server, offline_llm):
       assert text == offline_text(offline_llm, prompt, 48, chat=chat).outputs[0].text
 
 
+def test_truncate_prompt_tokens_uses_the_prompts_last_tokens(server):
+  """vLLM's truncate_prompt_tokens: the answer, usage and echo are those of the prompt's last k tokens sent alone;
+  a chat's default max_tokens is the rest of the context after them."""
+  prompt = TEXT_PROMPTS[2]
+  ids = httpx.post(server.base + "/tokenize", json={"prompt": prompt}).json()["tokens"]
+  k = len(ids) // 2
+  assert k >= 2
+  cut = httpx.post(server.base + "/v1/completions",
+                   json={"prompt": prompt, **greedy(8), "truncate_prompt_tokens": k, "echo": True}).json()
+  short = httpx.post(server.base + "/v1/completions", json={"prompt": ids[-k:], **greedy(8), "echo": True}).json()
+  assert cut["usage"] == short["usage"] and cut["usage"]["prompt_tokens"] == k
+  assert cut["choices"][0]["text"] == short["choices"][0]["text"]
+  chat = httpx.post(server.base + "/v1/chat/completions",
+                    json={"messages": CHATS[2], "temperature": 0, "ignore_eos": True, "truncate_prompt_tokens": 5})
+  assert chat.status_code == 200, chat.text
+  assert chat.json()["usage"] == {"prompt_tokens": 5, "completion_tokens": MAX_MODEL_LEN - 5,
+                                  "total_tokens": MAX_MODEL_LEN}
+
+
 def test_stream_logprobs_match_nonstream(server):
   body = {"prompt": TEXT_PROMPTS[1], **greedy(20), "logprobs": 2}
   full = httpx.post(server.base + "/v1/completions", json=body).json()
@@ -342,6 +361,8 @@ COMPLETION_ERRORS = [
     ({"prompt": "hi", "include_stop_str_in_output": "yes"}, 400, "include_stop_str_in_output"),
     ({"prompt": "hi", "skip_special_tokens": 1}, 400, "skip_special_tokens"),
     ({"prompt": "hi", "spaces_between_special_tokens": False}, 400, "spaces_between_special_tokens"),
+    ({"prompt": "hi", "truncate_prompt_tokens": 0}, 400, "truncate_prompt_tokens"),
+    ({"prompt": "hi", "truncate_prompt_tokens": "4"}, 400, "truncate_prompt_tokens"),
     ({"prompt": "hi", "stop_token_ids": [10**6]}, 400, "stop_token_ids"),
     ({"prompt": "hi", "n": 0}, 400, "n"),
     ({"prompt": "hi", "n": 17}, 400, "n"),

@@ -198,6 +198,7 @@ class SamplingParams:
   # one completing it); special tokens (EOS, chat markers) are left out of the text (the token ids keep them)
   include_stop_str_in_output: bool = False
   skip_special_tokens: bool = True
+  truncate_prompt_tokens: int | None = None  # vLLM's: only the prompt's last this many tokens are used
   # vLLM's fields whose feature this engine does not have: accepted at their neutral value only (code written for
   # vLLM often passes them explicitly), refused otherwise, naming the field
   bad_words: Sequence[str] | None = None
@@ -261,6 +262,9 @@ class SamplingParams:
       bad("seed", f"must be an integer in [-2^63, 2^63 - 1], got {describe(self.seed)}")
     if self.logprobs is not None and (not is_int(self.logprobs) or not 0 <= self.logprobs <= MAX_TOP_LOGPROBS):
       bad("logprobs", f"must be an integer in [0, {MAX_TOP_LOGPROBS}], got {describe(self.logprobs)}")
+    if self.truncate_prompt_tokens is not None and (not is_int(self.truncate_prompt_tokens)
+                                                    or self.truncate_prompt_tokens < 1):
+      bad("truncate_prompt_tokens", f"must be a positive integer, got {describe(self.truncate_prompt_tokens)}")
     for field in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens"):
       if not isinstance(getattr(self, field), (bool, np.bool_)):
         bad(field, f"must be a boolean, got {describe(getattr(self, field))}")
@@ -315,6 +319,11 @@ class SamplingParams:
               + (f" (the vocabulary is [0, {vocab_size}))" if vocab_size is not None else ""))
         if not finite(v):
           bad("logit_bias", f"values must be finite numbers, got {describe(v)} for token {t}")
+
+  def truncate(self, prompt_ids: Sequence[int]) -> Sequence[int]:
+    """The part of a prompt the request uses: its last `truncate_prompt_tokens` tokens (all when unset)."""
+    k = self.truncate_prompt_tokens
+    return prompt_ids if k is None or len(prompt_ids) <= k else prompt_ids[-k:]
 
   @property
   def stop_strings(self) -> list[str]:

@@ -53,12 +53,13 @@ class Scheduler:
   def validate(self, prompt_ids: Sequence[int], params: SamplingParams, vocab_size: int, max_model_len: int
                ) -> list[int]:
     """Checks that a request can ever be admitted (its fields, its prompt, its worst-case pages) without touching
-    any state; returns the prompt as ints. Raises RequestError naming the field."""
+    any state; returns the prompt as ints (the part `params.truncate_prompt_tokens` keeps). Raises RequestError
+    naming the field."""
     params.validate(vocab_size)
     if isinstance(prompt_ids, (str, bytes)) or any(
         isinstance(t, (bool, np.bool_)) or not isinstance(t, (int, np.integer)) for t in prompt_ids):
       raise RequestError("prompt must be a list of token ids (integers)", "prompt")
-    prompt_ids = [int(t) for t in prompt_ids]
+    prompt_ids = [int(t) for t in params.truncate(prompt_ids)]
     if not prompt_ids:
       raise RequestError("prompt must not be empty", "prompt")
     bad = [t for t in prompt_ids if not 0 <= t < vocab_size]

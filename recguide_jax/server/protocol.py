@@ -142,7 +142,8 @@ def _sampling(req, max_tokens, logprobs, renames: dict[str, str] | None = None) 
             repetition_penalty=req.repetition_penalty, min_p=req.min_p, min_tokens=req.min_tokens,
             logit_bias=_logit_bias(req.logit_bias), include_stop_str_in_output=req.include_stop_str_in_output,
             skip_special_tokens=req.skip_special_tokens,
-            spaces_between_special_tokens=req.spaces_between_special_tokens)
+            spaces_between_special_tokens=req.spaces_between_special_tokens,
+            truncate_prompt_tokens=req.truncate_prompt_tokens)
   kw = {k: v for k, v in kw.items() if v is not None}  # None: SamplingParams' default
   try:
     return SamplingParams(**kw)
@@ -165,6 +166,13 @@ def _validate(params: SamplingParams, vocab_size: int, renames: dict[str, str] |
     return params.validate(vocab_size)
   except RequestError as e:
     raise _api_error(e, renames) from None
+
+
+def _truncated(prompt: Prompt, params: SamplingParams) -> Prompt:
+  """The part of `prompt` the request uses (`truncate_prompt_tokens`): usage counts it and echo shows it (a cut
+  prompt's text is its kept tokens')."""
+  ids = params.truncate(prompt.ids)
+  return prompt if len(ids) == len(prompt.ids) else Prompt(list(ids))
 
 
 # ---- /v1/completions ----------------------------------------------------------------------------------------------
@@ -216,8 +224,8 @@ def parse_completion(body, tokenizer: Tokenizer, served: str, vocab_size: int, *
   if stream and params.best_of is not None and params.best_of != params.n:
     raise APIError(400, "best_of must equal n with stream=true (the best samples are known only at the end)",
                    "best_of", "unsupported_parameter")
-  return GenerationRequest(prompts, params, stream, include, continuous_usage=continuous, n=params.n,
-                           ignored_fields=ignored, echo=echo)
+  return GenerationRequest([_truncated(p, params) for p in prompts], params, stream, include,
+                           continuous_usage=continuous, n=params.n, ignored_fields=ignored, echo=echo)
 
 
 # ---- /v1/chat/completions -----------------------------------------------------------------------------------------
@@ -272,13 +280,18 @@ def parse_chat(body, tokenizer: Tokenizer, served: str, vocab_size: int, max_mod
     renames["max_tokens"] = "max_completion_tokens"
   else:
     max_tokens = req.max_tokens
-  if max_tokens is None:  # like vLLM: the rest of the context
-    max_tokens = max(max_model_len - len(prompt_ids), 1)
-  params = _sampling(req, max_tokens, (top or 0) if want_logprobs else None, renames)
+  def rest_of_context(ids):  # like vLLM, max_tokens by default
+    return max(max_model_len - len(ids), 1)
+  params = _sampling(req, rest_of_context(prompt_ids) if max_tokens is None else max_tokens,
+                     (top or 0) if want_logprobs else None, renames)
   include, continuous = _stream_options(req)
   params.n = req.n if req.n is not None else 1
-  return GenerationRequest([Prompt(prompt_ids)], _validate(params, vocab_size, renames), bool(req.stream), include,
-                           chat=True, continuous_usage=continuous, n=params.n, ignored_fields=ignored)
+  params = _validate(params, vocab_size, renames)
+  prompt = _truncated(Prompt(prompt_ids), params)
+  if max_tokens is None:  # (a truncated prompt leaves more of it)
+    params.max_tokens = rest_of_context(prompt.ids)
+  return GenerationRequest([prompt], params, bool(req.stream), include, chat=True, continuous_usage=continuous,
+                           n=params.n, ignored_fields=ignored)
 
 
 # ---- /tokenize and /detokenize (vLLM's shapes) ----------------------------------------------------------------------

@@ -52,6 +52,7 @@ class _Sampling(BaseModel):
   include_stop_str_in_output: Optional[bool] = None  # vLLM's output text options
   skip_special_tokens: Optional[bool] = None
   spaces_between_special_tokens: Optional[bool] = None
+  truncate_prompt_tokens: Optional[int] = None
   # accepted and ignored, as vLLM does
   user: Any = None
   metadata: Any = None
