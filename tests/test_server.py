@@ -363,6 +363,12 @@ COMPLETION_ERRORS = [
     ({"prompt": "hi", "spaces_between_special_tokens": False}, 400, "spaces_between_special_tokens"),
     ({"prompt": "hi", "truncate_prompt_tokens": 0}, 400, "truncate_prompt_tokens"),
     ({"prompt": "hi", "truncate_prompt_tokens": "4"}, 400, "truncate_prompt_tokens"),
+    ({"prompt": "hi", "allowed_token_ids": [5, 6]}, 400, "allowed_token_ids"),
+    ({"prompt": "hi", "bad_words": ["x"]}, 400, "bad_words"),
+    ({"prompt": "hi", "guided_json": {"type": "object"}}, 400, "guided_json"),
+    ({"prompt": "hi", "guided_choice": ["yes", "no"]}, 400, "guided_choice"),
+    ({"prompt": "hi", "use_beam_search": True}, 400, "use_beam_search"),
+    ({"prompt": "hi", "priority": 3}, 400, "priority"),
     ({"prompt": "hi", "stop_token_ids": [10**6]}, 400, "stop_token_ids"),
     ({"prompt": "hi", "n": 0}, 400, "n"),
     ({"prompt": "hi", "n": 17}, 400, "n"),
@@ -396,6 +402,9 @@ CHAT_ERRORS = [
     ({"messages": CHATS[0], "n": 17}, 400, "n"),
     ({"messages": CHATS[0], "temperature": -1}, 400, "temperature"),
     ({"messages": CHATS[0], "model": "nope"}, 404, "model"),
+    ({"messages": CHATS[0], "continue_final_message": True}, 400, "continue_final_message"),
+    ({"messages": CHATS[0], "chat_template": "{{ messages }}"}, 400, "chat_template"),
+    ({"messages": CHATS[0], "guided_regex": "[0-9]+"}, 400, "guided_regex"),
     ({"messages": [{"role": "user", "content": "x " * 400}]}, 413, "messages"),
 ]
 

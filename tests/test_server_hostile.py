@@ -182,7 +182,9 @@ scalars = st.one_of(
 values = st.recursive(scalars, lambda c: st.lists(c, max_size=4) | st.dictionaries(
     st.one_of(st.text(max_size=6), st.sampled_from(SURROGATES)), c, max_size=3), max_leaves=8)
 COMMON_FIELDS = ["max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "stop_token_ids", "logprobs",
-                 "ignore_eos", "stream", "stream_options", "model", "n", "logit_bias", "user", "min_tokens"]
+                 "ignore_eos", "stream", "stream_options", "model", "n", "logit_bias", "user", "min_tokens",
+                 "include_stop_str_in_output", "skip_special_tokens", "truncate_prompt_tokens", "allowed_token_ids",
+                 "guided_json", "priority"]
 FIELDS = {COMPLETIONS: COMMON_FIELDS + ["prompt", "echo", "suffix", "best_of"],
           CHAT: COMMON_FIELDS + ["messages", "max_completion_tokens", "top_logprobs", "add_generation_prompt",
                                  "tools", "response_format"]}

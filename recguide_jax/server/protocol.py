@@ -36,6 +36,14 @@ _NEUTRAL = {
     "tools": ([],),
     "tool_choice": ("none",),
     "response_format": ({"type": "text"},),
+    # vLLM's: structured output, beam search, token-id logprob names, priority scheduling, chat continuation and a
+    # request's own chat template
+    **dict.fromkeys(("guided_json", "guided_regex", "guided_choice", "guided_grammar", "structured_outputs",
+                     "chat_template"), ()),
+    "use_beam_search": (False,),
+    "return_tokens_as_token_ids": (False,),
+    "priority": (0,),
+    "continue_final_message": (False,),
 }
 
 
@@ -98,7 +106,7 @@ def _model(cls: type[BaseModel], body, strict: bool):
   for name, neutral in _NEUTRAL.items():
     value = getattr(model, name, None)
     if value is not None and value not in neutral:
-      allowed = " or ".join(_show(v) for v in neutral)
+      allowed = " or ".join(_show(v) for v in (None, *neutral))
       raise APIError(400, f"{name}={_show(value)} is not supported by this server (only {allowed})", name,
                      "unsupported_parameter")
   return model, tuple(ignored[:32])  # a body with thousands of junk fields must not make a huge log line
@@ -143,7 +151,8 @@ def _sampling(req, max_tokens, logprobs, renames: dict[str, str] | None = None) 
             logit_bias=_logit_bias(req.logit_bias), include_stop_str_in_output=req.include_stop_str_in_output,
             skip_special_tokens=req.skip_special_tokens,
             spaces_between_special_tokens=req.spaces_between_special_tokens,
-            truncate_prompt_tokens=req.truncate_prompt_tokens)
+            truncate_prompt_tokens=req.truncate_prompt_tokens, bad_words=req.bad_words,
+            allowed_token_ids=req.allowed_token_ids)
   kw = {k: v for k, v in kw.items() if v is not None}  # None: SamplingParams' default
   try:
     return SamplingParams(**kw)

@@ -53,6 +53,18 @@ class _Sampling(BaseModel):
   skip_special_tokens: Optional[bool] = None
   spaces_between_special_tokens: Optional[bool] = None
   truncate_prompt_tokens: Optional[int] = None
+  bad_words: Optional[list[str]] = None  # (SamplingParams refuses them unless neutral)
+  allowed_token_ids: Optional[list[int]] = None
+  # vLLM's fields that would change the answer and that this engine does not have: refused unless neutral
+  # (`protocol._NEUTRAL`), never silently ignored
+  guided_json: Any = None
+  guided_regex: Any = None
+  guided_choice: Any = None
+  guided_grammar: Any = None
+  structured_outputs: Any = None
+  use_beam_search: Any = None
+  return_tokens_as_token_ids: Any = None
+  priority: Any = None
   # accepted and ignored, as vLLM does
   user: Any = None
   metadata: Any = None
@@ -92,6 +104,8 @@ class ChatCompletionRequest(_Sampling):
   chat_template_kwargs: Optional[dict[str, Any]] = None
   tools: Optional[list[Any]] = None
   tool_choice: Optional[Union[str, dict[str, Any]]] = None
+  continue_final_message: Any = None
+  chat_template: Any = None
 
 
 class TokenizeRequest(BaseModel):
