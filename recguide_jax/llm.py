@@ -296,10 +296,10 @@ class LLM:
   def generate(self, prompts, sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
                use_tqdm: bool = True) -> list[RequestOutput]:
     """prompts: a string, a list of token ids, vLLM's prompt dict ({"prompt": text} or {"prompt_token_ids": ids}),
-    or a list of any of them. Returns one output per prompt, in order, with
-    `sampling_params.n` samples in its `outputs` (they share the prompt's prefill; sample i has seed `seed + i`;
-    with `best_of`, that many are generated and the n of highest cumulative logprob returned). One SamplingParams
-    for every prompt, or a list of one per prompt. use_tqdm: a progress bar over finished prompts (as vLLM's)."""
+    or a list of any of them. Returns one output per prompt, in order, with `sampling_params.n` samples in its
+    `outputs` (they share the prompt's prefill; sample i has seed `seed + i`; with `best_of`, that many are
+    generated and the n of highest cumulative logprob returned). One SamplingParams for every prompt, or a list of
+    one per prompt. use_tqdm: a progress bar over finished prompts (as vLLM's)."""
     if self._is_single(prompts):
       prompts = [prompts]
     prompts = list(prompts)
