@@ -323,6 +323,29 @@ def test_truncate_prompt_tokens_uses_the_prompts_last_tokens(server):
                                   "total_tokens": MAX_MODEL_LEN}
 
 
+def test_return_tokens_as_token_ids_names_each_token_by_its_id(server):
+  """vLLM's return_tokens_as_token_ids: logprobs name each token (and each top entry) `token_id:<id>`, streamed
+  alike; the ids are the tokens the plain answer names by their text."""
+  def ids_of(names):
+    assert all(n.startswith("token_id:") for n in names), names
+    return [int(n.removeprefix("token_id:")) for n in names]
+
+  body = {"prompt": TEXT_PROMPTS[1], **greedy(12), "logprobs": 2}
+  plain = httpx.post(server.base + "/v1/completions", json=body).json()["choices"][0]["logprobs"]
+  named = httpx.post(server.base + "/v1/completions", json={**body, "return_tokens_as_token_ids": True}).json()
+  lp = named["choices"][0]["logprobs"]
+  ids = ids_of(lp["tokens"])
+  texts = [httpx.post(server.base + "/detokenize", json={"tokens": [i]}).json()["prompt"] for i in ids]
+  assert texts == plain["tokens"] and lp["token_logprobs"] == pytest.approx(plain["token_logprobs"])
+  assert all(len(ids_of(list(top))) == 2 for top in lp["top_logprobs"])
+  events = post_stream(server.base, "/v1/completions", {**body, "return_tokens_as_token_ids": True})
+  assert [t for ev in events for c in ev["choices"] if c["logprobs"] for t in c["logprobs"]["tokens"]] == lp["tokens"]
+  chat = {"messages": CHATS[0], **greedy(6), "logprobs": True, "top_logprobs": 1, "return_tokens_as_token_ids": True}
+  content = httpx.post(server.base + "/v1/chat/completions", json=chat).json()["choices"][0]["logprobs"]["content"]
+  assert len(ids_of([c["token"] for c in content])) == 6 and all(ids_of([c["top_logprobs"][0]["token"]])
+                                                                 for c in content)
+
+
 def test_stream_logprobs_match_nonstream(server):
   body = {"prompt": TEXT_PROMPTS[1], **greedy(20), "logprobs": 2}
   full = httpx.post(server.base + "/v1/completions", json=body).json()

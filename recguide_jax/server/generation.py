@@ -126,15 +126,16 @@ class Generation:
     if gen.params.logprobs is None:
       return None, offset
     if gen.chat:
-      return responses.chat_logprobs(self.tokenizer, entries), offset
-    return responses.completion_logprobs(self.tokenizer, entries, offset)
+      return responses.chat_logprobs(self.tokenizer, entries, gen.tokens_as_ids), offset
+    return responses.completion_logprobs(self.tokenizer, entries, offset, gen.tokens_as_ids)
 
   def echo_prefix(self, gen: protocol.GenerationRequest, prompt_logprobs) -> tuple[str, dict | None, int]:
     """(text, logprobs payload or None, text offset after it) an echoed choice starts with."""
     text = gen.prompt_text if gen.prompt_text is not None else self.tokenizer.decode(gen.prompt_ids)
     if gen.params.logprobs is None:
       return text, None, 0
-    payload, offset = responses.echoed_prompt_logprobs(self.tokenizer, gen.prompt_ids, prompt_logprobs or [None])
+    payload, offset = responses.echoed_prompt_logprobs(self.tokenizer, gen.prompt_ids, prompt_logprobs or [None],
+                                                       gen.tokens_as_ids)
     return text, payload, offset
 
   # ---- answers ---------------------------------------------------------------------------------------------------

@@ -36,12 +36,11 @@ _NEUTRAL = {
     "tools": ([],),
     "tool_choice": ("none",),
     "response_format": ({"type": "text"},),
-    # vLLM's: structured output, beam search, token-id logprob names, priority scheduling, chat continuation and a
-    # request's own chat template
+    # vLLM's: structured output, beam search, priority scheduling, chat continuation and a request's own chat
+    # template
     **dict.fromkeys(("guided_json", "guided_regex", "guided_choice", "guided_grammar", "structured_outputs",
                      "chat_template"), ()),
     "use_beam_search": (False,),
-    "return_tokens_as_token_ids": (False,),
     "priority": (0,),
     "continue_final_message": (False,),
 }
@@ -64,6 +63,7 @@ class GenerationRequest:
   continuous_usage: bool = False  # stream_options.continuous_usage_stats: usage so far in every chunk
   n: int = 1  # independent samples of each prompt (they share its prefill; streamed chunks carry `index`)
   echo: bool = False  # /v1/completions: the prompt (and with logprobs its logprobs) before each choice's text
+  tokens_as_ids: bool = False  # vLLM's return_tokens_as_token_ids: logprobs name tokens `token_id:<id>`
   ignored_fields: tuple[str, ...] = ()  # unknown fields dropped (non-strict mode), escaped and capped for logging
 
   @property
@@ -234,7 +234,8 @@ def parse_completion(body, tokenizer: Tokenizer, served: str, vocab_size: int, *
     raise APIError(400, "best_of must equal n with stream=true (the best samples are known only at the end)",
                    "best_of", "unsupported_parameter")
   return GenerationRequest([_truncated(p, params) for p in prompts], params, stream, include,
-                           continuous_usage=continuous, n=params.n, ignored_fields=ignored, echo=echo)
+                           continuous_usage=continuous, n=params.n, ignored_fields=ignored, echo=echo,
+                           tokens_as_ids=bool(req.return_tokens_as_token_ids))
 
 
 # ---- /v1/chat/completions -----------------------------------------------------------------------------------------
@@ -300,7 +301,7 @@ def parse_chat(body, tokenizer: Tokenizer, served: str, vocab_size: int, max_mod
   if max_tokens is None:  # (a truncated prompt leaves more of it)
     params.max_tokens = rest_of_context(prompt.ids)
   return GenerationRequest([prompt], params, bool(req.stream), include, chat=True, continuous_usage=continuous,
-                           n=params.n, ignored_fields=ignored)
+                           n=params.n, ignored_fields=ignored, tokens_as_ids=bool(req.return_tokens_as_token_ids))
 
 
 # ---- /tokenize and /detokenize (vLLM's shapes) ----------------------------------------------------------------------

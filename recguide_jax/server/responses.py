@@ -32,32 +32,35 @@ def _lp(x: float) -> float:
   return float(x) if math.isfinite(x) else _MIN_LOGPROB
 
 
-def _token(tokenizer: Tokenizer, token_id: int) -> str:
-  return tokenizer.decode([token_id], skip_special_tokens=False)
+def _token(tokenizer: Tokenizer, token_id: int, as_ids: bool = False) -> str:
+  """A token's name in logprobs: its text, or with `as_ids` (vLLM's return_tokens_as_token_ids) `token_id:<id>`,
+  which names every token exactly, whatever its text."""
+  return f"token_id:{token_id}" if as_ids else tokenizer.decode([token_id], skip_special_tokens=False)
 
 
-def completion_logprobs(tokenizer: Tokenizer, entries: Sequence[dict], offset: int) -> tuple[dict, int]:
-  """Legacy completions format; returns it and the text offset after these tokens."""
+def completion_logprobs(tokenizer: Tokenizer, entries: Sequence[dict], offset: int, as_ids: bool = False
+                        ) -> tuple[dict, int]:
+  """Legacy completions format; returns it and the text offset after these tokens (`as_ids`: `_token`)."""
   tokens, token_lps, tops, offsets = [], [], [], []
   for e in entries:
-    tok = _token(tokenizer, e["token_id"])
+    tok = _token(tokenizer, e["token_id"], as_ids)
     tokens.append(tok)
     token_lps.append(_lp(e["logprob"]))
     offsets.append(offset)
     offset += len(tok)
     top = e.get("top_logprobs")
-    tops.append(_top_by_text(tokenizer, top) if top else None)
+    tops.append((_top_by_id(top) if as_ids else _top_by_text(tokenizer, top)) if top else None)
   return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops, "text_offset": offsets}, offset
 
 
-def echoed_prompt_logprobs(tokenizer: Tokenizer, prompt_ids: Sequence[int], entries: Sequence[dict | None]
-                           ) -> tuple[dict, int]:
+def echoed_prompt_logprobs(tokenizer: Tokenizer, prompt_ids: Sequence[int], entries: Sequence[dict | None],
+                           as_ids: bool = False) -> tuple[dict, int]:
   """The prompt's part of an echoed completion's logprobs (legacy format, as OpenAI and vLLM send it): every prompt
   token with its logprob given the ones before it, the first one's logprob and top entries null. Returns it and
   the text offset after the prompt."""
-  first, offset = completion_logprobs(tokenizer, [{"token_id": prompt_ids[0], "logprob": 0.0}], 0)
+  first, offset = completion_logprobs(tokenizer, [{"token_id": prompt_ids[0], "logprob": 0.0}], 0, as_ids)
   first["token_logprobs"], first["top_logprobs"] = [None], [None]
-  rest, offset = completion_logprobs(tokenizer, [e for e in entries[1:] if e is not None], offset)
+  rest, offset = completion_logprobs(tokenizer, [e for e in entries[1:] if e is not None], offset, as_ids)
   return join_logprobs(first, rest), offset
 
 
@@ -84,10 +87,14 @@ def _top_by_text(tokenizer: Tokenizer, top: dict) -> dict:
   return out
 
 
-def chat_logprobs(tokenizer: Tokenizer, entries: Sequence[dict]) -> dict:
+def _top_by_id(top: dict) -> dict:
+  return {_token(None, t, True): _lp(v) for t, v in top.items()}
+
+
+def chat_logprobs(tokenizer: Tokenizer, entries: Sequence[dict], as_ids: bool = False) -> dict:
 
   def item(token_id, logprob):
-    tok = _token(tokenizer, token_id)
+    tok = _token(tokenizer, token_id, as_ids)
     return {"token": tok, "logprob": _lp(logprob), "bytes": list(tok.encode("utf-8"))}
 
   content = []

@@ -52,6 +52,7 @@ class _Sampling(BaseModel):
   include_stop_str_in_output: Optional[bool] = None  # vLLM's output text options
   skip_special_tokens: Optional[bool] = None
   spaces_between_special_tokens: Optional[bool] = None
+  return_tokens_as_token_ids: Optional[bool] = None
   truncate_prompt_tokens: Optional[int] = None
   bad_words: Optional[list[str]] = None  # (SamplingParams refuses them unless neutral)
   allowed_token_ids: Optional[list[int]] = None
@@ -63,7 +64,6 @@ class _Sampling(BaseModel):
   guided_grammar: Any = None
   structured_outputs: Any = None
   use_beam_search: Any = None
-  return_tokens_as_token_ids: Any = None
   priority: Any = None
   # accepted and ignored, as vLLM does
   user: Any = None
