@@ -290,8 +290,10 @@ def parse_chat(body, tokenizer: Tokenizer, served: str, vocab_size: int, max_mod
     renames["max_tokens"] = "max_completion_tokens"
   else:
     max_tokens = req.max_tokens
+
   def rest_of_context(ids):  # like vLLM, max_tokens by default
     return max(max_model_len - len(ids), 1)
+
   params = _sampling(req, rest_of_context(prompt_ids) if max_tokens is None else max_tokens,
                      (top or 0) if want_logprobs else None, renames)
   include, continuous = _stream_options(req)

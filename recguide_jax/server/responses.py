@@ -32,10 +32,14 @@ def _lp(x: float) -> float:
   return float(x) if math.isfinite(x) else _MIN_LOGPROB
 
 
+def _id_name(token_id: int) -> str:
+  """vLLM's name of a token by its id, exact whatever its text."""
+  return f"token_id:{token_id}"
+
+
 def _token(tokenizer: Tokenizer, token_id: int, as_ids: bool = False) -> str:
-  """A token's name in logprobs: its text, or with `as_ids` (vLLM's return_tokens_as_token_ids) `token_id:<id>`,
-  which names every token exactly, whatever its text."""
-  return f"token_id:{token_id}" if as_ids else tokenizer.decode([token_id], skip_special_tokens=False)
+  """A token's name in logprobs: its text, or with `as_ids` (vLLM's return_tokens_as_token_ids) `_id_name`."""
+  return _id_name(token_id) if as_ids else tokenizer.decode([token_id], skip_special_tokens=False)
 
 
 def completion_logprobs(tokenizer: Tokenizer, entries: Sequence[dict], offset: int, as_ids: bool = False
@@ -82,13 +86,13 @@ def _top_by_text(tokenizer: Tokenizer, top: dict) -> dict:
     if key in out:
       key = tokenizer.id_to_token(t) or ""
       if not key or key in out:
-        key = f"token_id:{t}"
+        key = _id_name(t)
     out[key] = _lp(v)
   return out
 
 
 def _top_by_id(top: dict) -> dict:
-  return {_token(None, t, True): _lp(v) for t, v in top.items()}
+  return {_id_name(t): _lp(v) for t, v in top.items()}
 
 
 def chat_logprobs(tokenizer: Tokenizer, entries: Sequence[dict], as_ids: bool = False) -> dict:
